@@ -1,0 +1,37 @@
+# posttrain: `make demo` runs the main job, `make test` runs the tests. Both set up
+# everything they need on a fresh Debian machine (apt packages + a local venv).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+APT_PACKAGES := bubblewrap python3
+ITERATIONS ?= 3
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi; \
+	fi
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not gpu" -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not gpu" -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/iteration.py
+
+clean:
+	rm -rf .posttrain

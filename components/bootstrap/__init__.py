@@ -1,0 +1,1 @@
+"""Stage `bootstrap`: see `components/bootstrap/stage.py`."""

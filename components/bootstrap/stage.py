@@ -1,0 +1,120 @@
+"""Stage ``bootstrap`` (once per pipeline): tokenizer + base policy + SFT warm start -> v1.
+
+With ``model.source: scratch`` it builds the character-level tokenizer and a
+Llama-architecture model from ``model``, then runs supervised fine-tuning on reference
+completions of the recipe's domains. Every ``bootstrap.eval_every`` steps it checks the
+greedy pass rate on a held-out check set (train distribution, disjoint from the eval
+suite) and stops as soon as the mean is inside ``[target_low, target_high]`` — SFT
+accuracy jumps suddenly, so it checks often and keeps the previous snapshot when a jump
+overshoots, whichever lies closer to the band. The result is saved in Hugging Face
+format, scored on the fixed eval suite, registered as a version of
+``<pipeline>-policy`` and aliased ``champion`` and ``candidate``.
+
+With any other ``model.source`` (a Hugging Face folder or store URI) it skips SFT and
+registers that model as it is. Deterministic from the recipe seed; a second call is a
+cache hit. Not covered: LoRA/PEFT warm starts and multi-GPU SFT.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from components.core import tracking
+from components.core.context import StageContext
+from components.core.policy import EOS, Policy, build_model, build_tokenizer, load_policy, save_policy
+from components.core.progress import say
+from components.core.records import Task
+from components.core.seeds import seed_everything
+from components.domains import registry
+from components.evaluation.stage import eval_tags, evaluate_and_log
+from components.evaluation.suite import eval_tasks, pass_rates, run_suite
+from components.sandbox.executor import get_executor
+from components.trainer.grpo import pad_batch, token_logprobs
+
+
+def inputs(ctx: StageContext) -> None:
+    return None  # bootstrap depends only on its config (and model.source, part of it)
+
+
+def _examples(policy: Policy, tasks: list[Task]) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for t in tasks:
+        completion = registry.get(t.domain).reference_completion(t)
+        ids = policy.tokenizer(completion, add_special_tokens=False)["input_ids"]
+        out.append((policy.encode_prompt(t.prompt), list(ids) + [EOS]))
+    return out
+
+
+def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
+    import torch
+
+    cfg, recipe = ctx.recipe.bootstrap, ctx.recipe
+    exclude = {t.task_id for t in eval_tasks(recipe)}
+    rng = random.Random(ctx.seed("sft-data"))
+    check = [t for name in recipe.domains for t in registry.get(name).train_tasks(random.Random(ctx.seed("check", name)),
+                                                                                   cfg.eval_tasks_per_domain, exclude)]
+    exclude |= {t.task_id for t in check}
+    domains = [registry.get(n) for n in recipe.domains]
+    model = policy.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.01)
+    prev: tuple[float, dict] | None = None
+    mean, step = 0.0, 0
+    for step in range(1, cfg.max_steps + 1):
+        tasks = [d._one(rng, "train", exclude) for d in rng.choices(domains, k=cfg.batch_size)]
+        ids, attn, mask = pad_batch(_examples(policy, tasks), policy.pad_id)
+        model.train()
+        logp, _ = token_logprobs(model, ids, attn)
+        loss = -(logp * mask).sum() / mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % cfg.eval_every and step != cfg.max_steps:
+            continue
+        model.eval()
+        rates = pass_rates(run_suite(policy, check, recipe, executor, label="bootstrap check"))
+        mean = sum(rates.values()) / len(rates)
+        say(f"bootstrap | step {step} | loss {float(loss):.3f} | " + " ".join(f"{d} {v:.2f}" for d, v in rates.items())
+            + f" | mean {mean:.2f}")
+        if mean >= cfg.target_low:
+            if mean > cfg.target_high and prev is not None and (cfg.target_low - prev[0]) < (mean - cfg.target_high):
+                model.load_state_dict(prev[1])
+                mean = prev[0]
+                say(f"bootstrap | overshot the band; keeping the previous snapshot (mean {mean:.2f})")
+            break
+        prev = (mean, copy.deepcopy(model.state_dict()))
+    model.eval()
+    return {"sft_steps": float(step), "sft_check_mean": mean}
+
+
+def run(ctx: StageContext) -> dict[str, float]:
+    recipe = ctx.recipe
+    seed_everything(ctx.seed())
+    executor = get_executor(recipe.sandbox)
+    metrics: dict[str, float] = {}
+    try:
+        if recipe.model.source == "scratch":
+            tokenizer = build_tokenizer()
+            policy = Policy(model=build_model(recipe.model, len(tokenizer)), tokenizer=tokenizer, uri="", version="1")
+            metrics.update(sft(ctx, policy, executor))
+        else:
+            policy = load_policy(recipe.model.source, "1", field="model.source")
+        metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
+    finally:
+        executor.close()
+    rel = f"{ctx.prefix}/checkpoint"
+    digests = save_policy(policy.model, policy.tokenizer, ctx.store, rel)
+    ctx.add_output("checkpoint", rel, rows=int(metrics["parameters"]), digest=digests["model.safetensors"])
+    uri = ctx.store.url(rel)
+    run_id = ctx.info["mlflow_run_id"]
+    version = tracking.register_checkpoint(ctx.pipeline, uri, run_id, {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri})
+    policy.version = version
+    _, rates = evaluate_and_log(ctx, policy)
+    tracking.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
+    tracking.set_alias(ctx.pipeline, "champion", version)
+    tracking.set_alias(ctx.pipeline, "candidate", version)
+    ctx.info.update({"checkpoint_uri": uri, "version": version, "pass_rates": rates})
+    say("bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items()) + f" | registered version {version} as champion")
+    metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})
+    return metrics

@@ -1,0 +1,89 @@
+"""The ``posttrain`` command.
+
+    posttrain stage <id> --recipe R --run-root URI --iteration K [--shard i/n]
+    posttrain run --iterations N [--recipe R] [--run-root URI]
+    posttrain sandbox run [--lang python|bash] [--timeout S] [--memory MB] FILE
+
+A user's mistake ends with one line on stderr naming the field, the value and the fix,
+and exit status 2; a failed data-quality gate exits 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from components import STAGES
+from components.core.errors import EXIT_USER_ERROR, UserError
+
+DEFAULT_RECIPE = "recipes/demo.yaml"
+
+
+def default_run_root() -> str:
+    return os.environ.get("POSTTRAIN_RUN_ROOT", str(Path(os.environ.get("POSTTRAIN_HOME", ".posttrain")) / "store"))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe YAML (default: %(default)s)")
+    p.add_argument("--run-root", default=None, help="store URI, file://... or s3://... (default: $POSTTRAIN_RUN_ROOT or .posttrain/store)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description="RL post-training as recurring, lineage-tracked pipeline runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    stage = sub.add_parser("stage", help="run one stage of one iteration")
+    stage.add_argument("stage_id", choices=STAGES, metavar="stage", help=f"one of {', '.join(STAGES)}")
+    _common(stage)
+    stage.add_argument("--iteration", type=int, default=1, help="iteration k (bootstrap ignores it)")
+    stage.add_argument("--shard", default=None, help="i/n for rollout, sandbox and reward")
+
+    run = sub.add_parser("run", help="run iterations of the Airflow DAG on the embedded defaults")
+    _common(run)
+    run.add_argument("--iterations", type=int, default=3, help="bring the pipeline to this many finished iterations")
+
+    try:
+        from components.sandbox.cli import add_parser as add_sandbox
+    except ImportError:
+        add_sandbox = None
+    if add_sandbox is not None:
+        add_sandbox(sub)
+    return parser
+
+
+def _stage(args: argparse.Namespace) -> int:
+    from components.core.runner import run_stage
+
+    run_stage(args.stage_id, args.recipe, args.run_root or default_run_root(), args.iteration, args.shard)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from components.orchestrate import run_local
+
+    return run_local(args.recipe, args.run_root or default_run_root(), args.iterations)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"stage": _stage, "run": _run}
+    try:
+        if args.command in handlers:
+            return handlers[args.command](args)
+        return args.handler(args)
+    except UserError as exc:
+        print(f"posttrain: error: {exc.line()}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Exception as exc:
+        from components.validation.stage import DataQualityError
+
+        if isinstance(exc, DataQualityError):
+            print(f"posttrain: {exc}", file=sys.stderr)
+            return DataQualityError.exit_code
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

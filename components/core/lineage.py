@@ -1,0 +1,28 @@
+"""Which policy an iteration starts from.
+
+``resolve_policy(recipe)`` turns ``rollout.policy`` into (version, checkpoint URI):
+``champion`` or ``candidate`` through the MLflow registry aliases, anything else as a
+checkpoint URI or folder. taskgen resolves it once per iteration and records it in its
+manifest, so every later stage of the iteration uses the same policy.
+"""
+
+from __future__ import annotations
+
+from components.core import tracking
+from components.core.errors import UserError
+from components.core.recipe import Recipe
+from components.core.storage import normalize_uri
+
+ALIASES = ("champion", "candidate")
+
+
+def resolve_policy(recipe: Recipe) -> tuple[str, str]:
+    ref = recipe.rollout.policy
+    if ref in ALIASES:
+        found = tracking.resolve_alias(recipe.pipeline, ref)
+        if found is None:
+            raise UserError("rollout.policy", ref, f"registered model '{tracking.model_name(recipe.pipeline)}' has no {ref} yet",
+                            "run 'posttrain stage bootstrap' first ('posttrain run' does it for you)")
+        version, uri, _ = found
+        return version, uri
+    return "external", normalize_uri(ref, "rollout.policy")

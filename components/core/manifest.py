@@ -1,0 +1,114 @@
+"""Stage manifests: the only output a reader trusts, written last.
+
+Layout under a run root::
+
+    <run-root>/<pipeline>/bootstrap/_MANIFEST.json
+    <run-root>/<pipeline>/iter-<k:06d>/<stage>/_MANIFEST.json
+    <run-root>/<pipeline>/iter-<k:06d>/<stage>/shard-<i:05d>-of-<n:05d>/_MANIFEST.json
+
+A manifest records the stage, iteration, shard, input URIs with digests, the config
+digest, the code version, each output file with its row count and sha256, summary
+metrics, timings and the MLflow run id. Its ``content_digest`` covers only what
+determines downstream work (outputs and inputs), not timings, so a reproduced re-run
+has the same digest and does not invalidate later stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MANIFEST = "_MANIFEST.json"
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str | None) -> Shard:
+        from components.core.errors import UserError
+
+        if text in (None, ""):
+            return cls(0, 1)
+        try:
+            i, n = (int(x) for x in str(text).split("/"))
+        except ValueError:
+            raise UserError("--shard", text, "not of the form i/n", "pass e.g. --shard 0/2") from None
+        if n < 1 or not 0 <= i < n:
+            raise UserError("--shard", text, "index out of range", f"use 0 <= i < n, e.g. --shard 0/{max(n, 1)}")
+        return cls(i, n)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @property
+    def folder(self) -> str:
+        return f"shard-{self.index:05d}-of-{self.count:05d}"
+
+
+def iteration_prefix(pipeline: str, iteration: int) -> str:
+    return f"{pipeline}/iter-{iteration:06d}"
+
+
+def stage_prefix(pipeline: str, iteration: int, stage: str, shard: Shard | None = None) -> str:
+    base = f"{pipeline}/bootstrap" if stage == "bootstrap" else f"{iteration_prefix(pipeline, iteration)}/{stage}"
+    return f"{base}/{shard.folder}" if shard is not None else base
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    path: str  # relative to the run root
+    rows: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class InputRef:
+    uri: str
+    digest: str
+
+
+@dataclass
+class Manifest:
+    stage: str
+    pipeline: str
+    iteration: int
+    shard: str | None
+    inputs: dict[str, InputRef]
+    config_digest: str
+    code_version: str
+    outputs: dict[str, OutputFile] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # small non-metric facts (e.g. policy version)
+    timings: dict[str, float] = field(default_factory=dict)
+    mlflow_run_id: str = ""
+
+    @property
+    def content_digest(self) -> str:
+        body = {
+            "inputs": {k: asdict(v) for k, v in sorted(self.inputs.items())},
+            "outputs": {k: asdict(v) for k, v in sorted(self.outputs.items())},
+            "config": self.config_digest,
+            "info": self.info,
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def matches(self, inputs: dict[str, InputRef], config_digest: str, code_version: str) -> bool:
+        return self.inputs == inputs and self.config_digest == config_digest and self.code_version == code_version
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["content_digest"] = self.content_digest
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        data = dict(data)
+        data.pop("content_digest", None)
+        data["inputs"] = {k: InputRef(**v) for k, v in data["inputs"].items()}
+        data["outputs"] = {k: OutputFile(**v) for k, v in data["outputs"].items()}
+        return cls(**data)

@@ -1,0 +1,112 @@
+"""Policy checkpoints: the demo tokenizer and model, and Hugging Face save/load via the store.
+
+The demo policy is a Llama-architecture causal LM built from ``ModelConfig`` with a
+character-level tokenizer made by the ``tokenizers`` library (every printable ASCII
+character plus newline is one token). Checkpoints are plain Hugging Face folders
+(``config.json``, ``model.safetensors``, tokenizer files), so transformers and vLLM load
+them as they are. Any other Hugging Face causal LM folder also loads through
+``load_policy``.
+
+Not covered: sharded or quantised checkpoints, and tokenizers that need remote code.
+"""
+
+from __future__ import annotations
+
+import string
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.core.errors import UserError
+from components.core.storage import Store, normalize_uri
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+PAD, BOS, EOS, UNK = range(4)
+CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer; deterministic, no download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(cfg, vocab_size: int):
+    """A fresh Llama-architecture model from a ``ModelConfig``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_positions, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    )
+    return LlamaForCausalLM(config)
+
+
+@dataclass
+class Policy:
+    model: Any
+    tokenizer: Any
+    uri: str
+    version: str = ""
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + list(ids)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+
+def save_policy(model, tokenizer, store: Store, rel: str) -> dict[str, str]:
+    """Save a Hugging Face folder under ``rel`` in the store; returns file digests."""
+    with tempfile.TemporaryDirectory(prefix="posttrain-ckpt-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        return store.upload_dir(Path(tmp), rel)
+
+
+def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
+    """Load a checkpoint folder from any store URI (or a local path) onto the CPU.
+
+    A missing or unreadable checkpoint is a UserError naming the URI.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    uri = normalize_uri(uri, field)
+    store = Store(uri, field)
+    if not store.exists("config.json"):
+        raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
+                        "point at a folder written by save_pretrained, or re-run the stage that writes it")
+    with tempfile.TemporaryDirectory(prefix="posttrain-load-") as tmp:
+        store.download_dir("", Path(tmp))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        except Exception as exc:
+            raise UserError(field, uri, f"checkpoint is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+                            "re-run the stage that wrote it, or point at another checkpoint") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model.eval()
+    return Policy(model=model, tokenizer=tokenizer, uri=uri, version=version)

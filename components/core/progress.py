@@ -1,0 +1,48 @@
+"""Progress: rich bars on a terminal, plain lines in logs.
+
+``say`` prints one line (the per-stage progress line). ``bar`` yields an ``advance(n)``
+callable: on a terminal it drives a rich progress bar; elsewhere (Airflow logs, CI) it
+prints a plain line at most every 10% of the work, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _is_terminal() -> bool:
+    return sys.stdout.isatty()
+
+
+@contextmanager
+def bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
+    if total <= 0:
+        yield lambda n: None
+        return
+    if _is_terminal():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      transient=True) as progress:
+            task = progress.add_task(label, total=total)
+            yield lambda n: progress.advance(task, n)
+        return
+    done = 0
+    next_mark = max(1, total // 10)
+    start = time.perf_counter()
+
+    def advance(n: int) -> None:
+        nonlocal done, next_mark
+        done += n
+        if done >= next_mark or done == total:
+            say(f"  {label} {done}/{total} ({time.perf_counter() - start:.1f}s)")
+            next_mark = done + max(1, total // 10)
+
+    yield advance

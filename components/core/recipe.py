@@ -1,0 +1,191 @@
+"""Recipes: one config model per stage, a YAML file holding only overrides.
+
+``load_recipe(path)`` reads YAML, merges it over the defaults below and validates it.
+Any mistake (unknown key, wrong type, out-of-range value, unknown domain) becomes one
+``UserError`` naming the dotted field, the value and the fix.
+
+Deployment settings (bucket, tracking URI, image tags) never live here: they come from
+the environment (``POSTTRAIN_RUN_ROOT``, ``MLFLOW_TRACKING_URI``, AWS variables).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from components.core.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The demo policy: a Llama-architecture model built from this config."""
+
+    source: str = Field("scratch", description="'scratch' builds a new model; otherwise a HF model folder or store URI")
+    hidden_size: int = Field(256, ge=8, description="width of the residual stream")
+    num_layers: int = Field(4, ge=1, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, description="attention heads")
+    intermediate_size: int = Field(768, ge=8, description="MLP width")
+    max_positions: int = Field(256, ge=32, description="longest prompt + completion in tokens")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        return self
+
+
+class BootstrapConfig(_Section):
+    """SFT warm start: stop inside the target band so RL has room to improve."""
+
+    max_steps: int = Field(3000, ge=1, description="upper bound on SFT optimizer steps")
+    batch_size: int = Field(64, ge=1, description="SFT examples per step")
+    learning_rate: float = Field(2e-3, gt=0, description="AdamW learning rate")
+    eval_every: int = Field(50, ge=1, description="steps between held-out checks")
+    target_low: float = Field(0.2, ge=0, le=1, description="stop once mean eval pass rate reaches this")
+    target_high: float = Field(0.5, ge=0, le=1, description="upper edge of the target band")
+    eval_tasks_per_domain: int = Field(64, ge=1, description="held-out SFT check size (separate from the eval suite)")
+
+
+class TaskgenConfig(_Section):
+    tasks_per_iteration: int = Field(128, ge=1, description="train tasks sampled per iteration")
+    domain_weights: dict[str, float] = Field(default_factory=dict, description="sampling weight per domain (default equal)")
+
+
+class RolloutConfig(_Section):
+    engine: str = Field("hf", description="generation engine, by registry name")
+    policy: str = Field("champion", description="'champion', 'candidate', or a checkpoint URI to sample from")
+    group_size: int = Field(8, ge=2, description="samples per task (GRPO needs at least 2)")
+    shards: int = Field(2, ge=1, description="fan-out of rollout, sandbox and reward")
+    max_new_tokens: int = Field(24, ge=1, description="completion length cap")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    batch_size: int = Field(256, ge=1, description="sequences per generation batch")
+
+
+class SandboxConfig(_Section):
+    backend: str = Field("subprocess", description="executor, by registry name")
+    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per job")
+    concurrency: int = Field(2, ge=1, description="jobs at once; mirrored by the Airflow pool")
+    memory_mb: int = Field(512, ge=16, description="address-space limit per job")
+    output_cap_bytes: int = Field(8192, ge=256, description="stdout/stderr kept per job")
+    python: str = Field("", description="interpreter for jobs; empty means /usr/bin/python3, else this one")
+
+
+class RewardConfig(_Section):
+    normalize: Literal["none", "domain_zscore"] = Field("none", description="per-domain normalisation")
+    advantage_eps: float = Field(1e-6, gt=0, description="added to the group std")
+    scale_by_std: bool = Field(True, description="divide advantages by the group std (GRPO) or only centre them")
+
+
+class ValidationConfig(_Section):
+    min_ok_fraction: float = Field(0.5, ge=0, le=1, description="least share of rewards not excluded as infra errors")
+
+
+class TrainerConfig(_Section):
+    algorithm: Literal["grpo"] = Field("grpo", description="policy-gradient objective")
+    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate")
+    prompts_per_step: int = Field(16, ge=1, description="tasks (groups) per optimizer step")
+    epochs: int = Field(1, ge=1, description="passes over the iteration's batch")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the iteration's starting policy")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation)")
+
+
+class EvaluationConfig(_Section):
+    tasks_per_domain: int = Field(100, ge=1, description="fixed held-out tasks per domain")
+    regression_tolerance: float = Field(0.02, ge=0, le=1, description="largest per-domain drop that still promotes")
+    max_new_tokens: int = Field(24, ge=1, description="completion cap for greedy eval")
+
+
+class Recipe(_Section):
+    """A whole post-training recipe. Only ``pipeline`` is required."""
+
+    pipeline: str = Field(..., pattern=r"^[a-z][a-z0-9-]{0,62}$", description="pipeline name: experiment, registry and storage prefix")
+    seed: int = Field(0, ge=0, description="base seed; all others derive from it")
+    domains: list[str] = Field(default_factory=lambda: ["arithmetic", "code"], min_length=1)
+    model: ModelConfig = ModelConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    taskgen: TaskgenConfig = TaskgenConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+    reward: RewardConfig = RewardConfig()
+    validation: ValidationConfig = ValidationConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
+
+    def section(self, stage: str) -> dict[str, Any]:
+        """The resolved config a stage depends on (what its cache key covers)."""
+        common: dict[str, Any] = {"pipeline": self.pipeline, "seed": self.seed, "domains": list(self.domains)}
+        for name in _STAGE_SECTIONS.get(stage, (stage,)):
+            common[name] = getattr(self, name).model_dump()
+        return common
+
+    def digest(self, stage: str) -> str:
+        blob = json.dumps(self.section(stage), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+_STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "bootstrap": ("model", "bootstrap", "evaluation", "sandbox"),
+    "taskgen": ("taskgen", "rollout"),
+    "rollout": ("rollout",),
+    "sandbox": ("sandbox",),
+    "reward": ("reward",),
+    "validation": ("validation",),
+    "trainer": ("trainer", "rollout"),
+    "evaluation": ("evaluation", "sandbox"),
+}
+"""Which recipe sections each stage's output depends on (its cache key)."""
+
+
+def _fix_for(loc: str, msg: str) -> str:
+    if "Extra inputs" in msg:
+        return f"remove '{loc}' or correct its spelling (see recipes/demo.yaml for the known keys)"
+    if "required" in msg.lower():
+        return f"add '{loc}' to the recipe"
+    return f"set '{loc}' to a valid value ({msg.lower()})"
+
+
+def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
+    from components.domains import registry  # domains register on import
+
+    if not isinstance(data, dict):
+        raise UserError("recipe", source, "the recipe must be a YAML mapping", "write key: value pairs, e.g. 'pipeline: demo'")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "recipe"
+        value = err.get("input", "")
+        raise UserError(f"{source}: {loc}", value if not isinstance(value, dict) else "{...}", err["msg"], _fix_for(loc, err["msg"])) from None
+    for i, name in enumerate(recipe.domains):
+        if name not in registry.names():
+            raise UserError(f"{source}: domains[{i}]", name, "unknown domain", f"use one of {registry.names()}")
+    for name in recipe.taskgen.domain_weights:
+        if name not in recipe.domains:
+            raise UserError(f"{source}: taskgen.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
+    if recipe.bootstrap.target_low > recipe.bootstrap.target_high:
+        raise UserError(f"{source}: bootstrap.target_low", recipe.bootstrap.target_low, "above bootstrap.target_high", "make target_low <= target_high")
+    return recipe
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file; every failure is one UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError("--recipe", str(path), "no such recipe file", "pass a YAML file such as recipes/demo.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise UserError("--recipe", str(path), f"not valid YAML at {where}", "fix the YAML syntax there") from None
+    return parse_recipe(data, source=str(path))

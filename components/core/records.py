@@ -1,0 +1,223 @@
+"""Typed records: frozen dataclasses, each with one matching Arrow schema.
+
+Every record type derives its Arrow schema from its type hints, so the dataclass and the
+schema cannot drift apart. Supported field types: ``str``, ``int``, ``float``, ``bool``,
+``list[int]``, ``list[float]``, ``list[str]``, ``dict[str, float]`` / ``dict[str, Any]``
+(stored as a JSON string, so the Parquet stays flat and readable by DuckDB and pandas)
+and ``list[<record>]`` of a nested record (stored as a list of structs).
+
+Records are stored as Parquet through :mod:`components.core.storage`; read them back
+with :func:`from_table`. What this module does not do: schema evolution. A Parquet file
+written by an older record layout fails to load with a message naming the missing field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task for the policy to attempt."""
+
+    task_id: str
+    domain: str
+    split: str  # "train" or "eval"
+    difficulty: int  # 1 (easiest) upward; the meaning is the domain's
+    prompt: str
+    context_tokens: int  # prompt length in policy tokens, for context-length buckets
+    reference: dict[str, Any]  # answer, tests, expected state or schema: the domain's
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One step of a multi-turn episode: the policy's action and what came back."""
+
+    action: str
+    observation: str
+    tool_call: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled completion (or episode) of the policy for one task."""
+
+    rollout_id: str
+    task_id: str
+    domain: str
+    group_index: int  # which of the G samples of this task
+    policy_version: str
+    engine: str
+    prompt: str
+    completion: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]  # per completion token, under the sampling policy
+    finish_reason: str  # "stop" (eos) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    turns: list[Turn] = field(default_factory=list)
+
+
+EXECUTION_STATUSES = ("ok", "failed", "timeout", "oom", "killed", "infra_error")
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What the sandbox saw when it ran a rollout's program or commands."""
+
+    rollout_id: str
+    task_id: str
+    domain: str
+    backend: str  # "subprocess", "bwrap", "none" (nothing to execute)
+    isolation: str  # what isolation was actually given, e.g. "process+rlimits"
+    status: str  # one of EXECUTION_STATUSES
+    exit_code: int
+    signal: int  # 0 when the process was not killed by a signal
+    stdout: str  # capped
+    stderr: str  # capped
+    duration_s: float
+    cpu_time_s: float
+    peak_memory_mb: float
+    tests_passed: int
+    tests_total: int
+    verdict: dict[str, Any] = field(default_factory=dict)
+
+
+REWARD_STATUSES = ("ok", "excluded")
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A rollout's reward, from raw verifier score to group-relative advantage.
+
+    ``status == "excluded"`` marks an infrastructure failure: never scored 0, never trained on.
+    """
+
+    rollout_id: str
+    task_id: str
+    domain: str
+    group_index: int
+    raw_reward: float
+    components: dict[str, float]
+    normalized_reward: float
+    weight: float
+    advantage: float
+    status: str  # one of REWARD_STATUSES
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One held-out task's score for one policy version."""
+
+    task_id: str
+    domain: str
+    difficulty: int
+    context_bucket: str
+    policy_version: str
+    score: float
+    passed: bool
+    completion: str = ""
+
+
+RECORD_TYPES: dict[str, type] = {
+    "task": Task,
+    "rollout": Rollout,
+    "execution": Execution,
+    "reward": Reward,
+    "eval_result": EvalResult,
+}
+
+
+def _is_json_field(hint: Any) -> bool:
+    return typing.get_origin(hint) is dict
+
+
+def _arrow_type(hint: Any) -> pa.DataType:
+    if hint is str:
+        return pa.string()
+    if hint is int:
+        return pa.int64()
+    if hint is float:
+        return pa.float64()
+    if hint is bool:
+        return pa.bool_()
+    if _is_json_field(hint):
+        return pa.string()
+    if typing.get_origin(hint) is list:
+        (inner,) = typing.get_args(hint)
+        if dataclasses.is_dataclass(inner):
+            return pa.list_(pa.struct(list(schema_of(inner))))
+        return pa.list_(_arrow_type(inner))
+    raise TypeError(f"no Arrow type for field type {hint!r}")
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@cache
+def schema_of(cls: type) -> pa.Schema:
+    """The Arrow schema of a record type, derived from its type hints."""
+    hints = _hints(cls)
+    return pa.schema(
+        [pa.field(f.name, _arrow_type(hints[f.name]), nullable=False) for f in dataclasses.fields(cls)]
+    )
+
+
+def _to_row(record: Any) -> dict[str, Any]:
+    hints = _hints(type(record))
+    row: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        hint = hints[f.name]
+        if _is_json_field(hint):
+            value = json.dumps(value, sort_keys=True)
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            value = [_to_row(item) for item in value]
+        row[f.name] = value
+    return row
+
+
+def _from_row(cls: type[R], row: dict[str, Any]) -> R:
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in row:
+            raise KeyError(f"{cls.__name__} row has no field {f.name!r}; was it written by an older layout?")
+        value = row[f.name]
+        hint = hints[f.name]
+        if _is_json_field(hint):
+            value = json.loads(value)
+        elif typing.get_origin(hint) is list:
+            inner = typing.get_args(hint)[0]
+            value = [_from_row(inner, item) for item in value] if dataclasses.is_dataclass(inner) else list(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def to_table(records: list[Any], cls: type | None = None) -> pa.Table:
+    """Records of one type as an Arrow table with that type's schema (empty lists work)."""
+    if cls is None:
+        assert records, "to_table needs cls= for an empty list"
+        cls = type(records[0])
+    rows = [_to_row(r) for r in records]
+    return pa.Table.from_pylist(rows, schema=schema_of(cls))
+
+
+def from_table(cls: type[R], table: pa.Table) -> list[R]:
+    """Arrow table back to records; the inverse of :func:`to_table`."""
+    return [_from_row(cls, row) for row in table.to_pylist()]

@@ -1,0 +1,30 @@
+"""Seeds derived from (pipeline, iteration, stage, shard), never from the clock.
+
+A re-run of a stage derives the same seed and so reproduces its output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+
+
+def derive_seed(base_seed: int, pipeline: str, iteration: int, stage: str, shard: int = 0, *extra: str) -> int:
+    """A 63-bit seed that depends only on its arguments."""
+    key = "|".join([str(base_seed), pipeline, str(iteration), stage, str(shard), *extra])
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
+
+
+def rng(seed: int) -> random.Random:
+    return random.Random(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (torch imported lazily: it is heavy)."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

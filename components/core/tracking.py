@@ -1,0 +1,199 @@
+"""MLflow tracking and lineage: experiments, iteration and stage runs, datasets, registry.
+
+- One experiment per pipeline; one parent run per iteration (tagged with the run root,
+  iteration and orchestrator run id); one nested run per stage (and shard).
+- Stage inputs are logged as MLflow datasets: metadata only (source URI + digest), the
+  data stays in the store.
+- Every checkpoint becomes a version of the registered model ``<pipeline>-policy`` whose
+  source is the stored checkpoint URI (no second copy). Aliases: ``candidate`` (latest
+  trained) and ``champion`` (promoted by evaluation).
+
+The embedded default is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db`` with artifacts beside it;
+``MLFLOW_TRACKING_URI`` selects a remote server. Everything goes through ``MlflowClient``
+(no fluent global state), so in-process orchestrators can run stages side by side.
+Not covered: MLflow authentication set-up (use MLflow's own environment variables).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+POLICY_SUFFIX = "-policy"
+TAG_PIPELINE = "posttrain.pipeline"
+TAG_ITERATION = "posttrain.iteration"
+TAG_RUN_ROOT = "posttrain.run_root"
+TAG_STAGE = "posttrain.stage"
+TAG_ORCH = "posttrain.orchestrator_run_id"
+
+
+def home() -> Path:
+    return Path(os.environ.get("POSTTRAIN_HOME", ".posttrain")).resolve()
+
+
+def tracking_uri() -> str:
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    home().mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home() / 'mlflow.db'}"
+
+
+_clients: dict[str, Any] = {}
+
+
+def client():
+    """A client for the configured tracking URI (cached per URI)."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    uri = tracking_uri()
+    if uri not in _clients:
+        _clients[uri] = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    return _clients[uri]
+
+
+def model_name(pipeline: str) -> str:
+    return pipeline + POLICY_SUFFIX
+
+
+def experiment_id(pipeline: str) -> str:
+    c = client()
+    exp = c.get_experiment_by_name(pipeline)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = None
+    if tracking_uri().startswith("sqlite:"):
+        artifacts = (home() / "mlartifacts" / pipeline).as_uri()
+    try:
+        return c.create_experiment(pipeline, artifact_location=artifacts)
+    except Exception:  # created concurrently by another stage
+        return c.get_experiment_by_name(pipeline).experiment_id
+
+
+def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run_id: str = "") -> str:
+    """The parent run of an iteration: found by tags, or created."""
+    c = client()
+    exp = experiment_id(pipeline)
+    flt = f"tags.`{TAG_ITERATION}` = '{iteration}' and tags.`{TAG_RUN_ROOT}` = '{run_root}' and tags.`{TAG_STAGE}` = 'iteration'"
+    found = c.search_runs([exp], filter_string=flt, max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = c.create_run(
+        exp,
+        run_name=f"iter-{iteration:06d}",
+        tags={TAG_PIPELINE: pipeline, TAG_ITERATION: str(iteration), TAG_RUN_ROOT: run_root,
+              TAG_STAGE: "iteration", TAG_ORCH: orchestrator_run_id},
+    )
+    return run.info.run_id
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, str]) -> dict[str, str]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = str(obj)[:500]
+    return out
+
+
+@contextmanager
+def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | None, params: dict[str, Any],
+              tags: dict[str, str] | None = None) -> Iterator[str]:
+    """A (nested) run for one stage; ends FAILED if the body raises."""
+    from mlflow.entities import Param
+
+    c = client()
+    all_tags = {TAG_PIPELINE: pipeline, TAG_STAGE: stage, **(tags or {})}
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    run = c.create_run(experiment_id(pipeline), run_name=run_name, tags=all_tags)
+    run_id = run.info.run_id
+    flat = _flatten("", params, {})
+    items = [Param(k, v) for k, v in sorted(flat.items())]
+    for i in range(0, len(items), 100):
+        c.log_batch(run_id, params=items[i:i + 100])
+    try:
+        yield run_id
+    except BaseException:
+        c.set_terminated(run_id, "FAILED")
+        raise
+    c.set_terminated(run_id, "FINISHED")
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+    for i in range(0, len(items), 500):
+        client().log_batch(run_id, metrics=items[i:i + 500])
+
+
+def log_datasets(run_id: str, datasets: dict[str, tuple[str, str]], context: str = "training") -> None:
+    """Log inputs as MLflow datasets: {name: (source URI, digest)}; the data is not copied."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    inputs = []
+    for name, (uri, digest) in datasets.items():
+        with warnings.catch_warnings():  # "file" is registered twice by MLflow itself; either is right
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(uri)
+        ds = MetaDataset(source=source, name=name, digest=digest[:36])
+        inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+    client().log_inputs(run_id, datasets=inputs)
+
+
+def log_artifact_text(run_id: str, text: str, artifact_file: str) -> None:
+    client().log_text(run_id, text, artifact_file)
+
+
+# -- registry ------------------------------------------------------------------------------
+def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: dict[str, str]) -> str:
+    """A new version of ``<pipeline>-policy`` pointing at the stored checkpoint; returns the version."""
+    from mlflow.exceptions import MlflowException
+
+    c = client()
+    name = model_name(pipeline)
+    try:
+        c.get_registered_model(name)
+    except MlflowException:
+        try:
+            c.create_registered_model(name, description=f"Policy checkpoints of pipeline {pipeline}")
+        except MlflowException:
+            pass  # created concurrently
+    existing = c.search_model_versions(f"name = '{name}'")
+    for mv in existing:  # idempotent: a retried trainer does not register twice
+        if mv.source == checkpoint_uri:
+            return str(mv.version)
+    mv = c.create_model_version(name, source=checkpoint_uri, run_id=run_id, tags=tags)
+    return str(mv.version)
+
+
+def set_alias(pipeline: str, alias: str, version: str) -> None:
+    client().set_registered_model_alias(model_name(pipeline), alias, str(version))
+
+
+def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] | None:
+    """(version, checkpoint URI, tags) for an alias, or None when it is unset."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mv = client().get_model_version_by_alias(model_name(pipeline), alias)
+    except MlflowException:
+        return None
+    return str(mv.version), mv.source, dict(mv.tags)
+
+
+def set_version_tags(pipeline: str, version: str, tags: dict[str, str]) -> None:
+    for k, v in tags.items():
+        client().set_model_version_tag(model_name(pipeline), str(version), k, v)

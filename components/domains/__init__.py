@@ -1,0 +1,1 @@
+"""Task domains: one module per domain with its generator, execution plan and verifier."""

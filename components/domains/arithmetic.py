@@ -1,0 +1,40 @@
+"""Arithmetic: integer addition, scored by exact answer.
+
+Prompt ``"47+38="``, reference completion ``"85"``. Difficulty 1 adds a one-digit number
+to a two-digit one; difficulty 2 adds two two-digit numbers. The verifier reads the
+first line of the completion, strips spaces and compares the integer exactly; anything
+that is not an integer scores 0. Nothing runs in the sandbox.
+
+Not covered: other operations, word problems, or partial credit for near misses.
+"""
+
+from __future__ import annotations
+
+import random
+
+from components.core.records import Task
+from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.registry import register
+from components.sandbox.job import JobResult
+
+
+@register("arithmetic")
+class Arithmetic(Domain):
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        difficulty = 1 if rng.random() < 0.25 else 2
+        a = rng.randint(10, 99)
+        b = rng.randint(0, 9) if difficulty == 1 else rng.randint(10, 99)
+        return make_task(self.name, split, difficulty, f"{a}+{b}=", {"answer": str(a + b)})
+
+    def reference_completion(self, task: Task) -> str:
+        return task.reference["answer"]
+
+    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+        text = first_line(completion).replace(" ", "")
+        is_int = text.lstrip("-").isdigit()
+        correct = is_int and int(text) == int(task.reference["answer"])
+        return Verdict(
+            score=1.0 if correct else 0.0,
+            passed=correct,
+            components={"exact": float(correct), "well_formed": float(is_int)},
+        )

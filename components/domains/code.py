@@ -1,0 +1,101 @@
+"""Code: write the body of a one-line Python function; unit tests run in the sandbox.
+
+The prompt describes ``f(x)`` in words (``x times 3 plus 4``) and ends at ``return ``;
+the completion is the expression (``x*3+4``). The sandbox runs a harness that imports
+the solution, calls ``f`` on each test input and writes the *serialised* return values
+as JSON. The verifier compares those values with the expected ones outside the sandbox,
+so an object with a forged ``__eq__`` cannot pass. Score = tests passed / tests total;
+a pass needs all of them.
+
+Not covered: multi-line functions, imports, or performance tests.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from components.core.records import Task
+from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.registry import register
+from components.sandbox.job import Job, JobResult
+
+_OPS = {"plus": "+", "minus": "-", "times": "*"}
+TEST_INPUTS = (-3, 0, 2, 5, 11)
+
+HARNESS = r'''
+import json, sys
+tests = json.load(open("tests.json"))
+out = []
+try:
+    from solution import f
+except BaseException as exc:
+    json.dump({"error": "import: " + type(exc).__name__, "values": []}, open("results.json", "w"))
+    raise SystemExit(1)
+for x in tests:
+    try:
+        value = f(x)
+        # Exact builtin types only: an int subclass with a forged __eq__ is sent as its repr.
+        out.append({"ok": True, "value": value if type(value) in (int, float, str, bool, type(None)) else repr(value)})
+    except BaseException as exc:
+        out.append({"ok": False, "error": type(exc).__name__})
+json.dump({"values": out}, open("results.json", "w"))
+'''
+
+
+def _evaluate(terms: list[tuple[str, int]], x: int) -> int:
+    value = x
+    for op, k in terms:
+        value = value + k if op == "+" else value - k if op == "-" else value * k
+    return value
+
+
+@register("code")
+class Code(Domain):
+    needs_sandbox = True
+
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        difficulty = rng.choice((1, 2))
+        terms = [(rng.choice(list(_OPS)), rng.randint(1, 9)) for _ in range(difficulty)]
+        words = "x " + " ".join(f"{w} {k}" for w, k in terms)
+        prompt = f"def f(x):\n  # {words}\n  return "
+        expr = "x"
+        for i, (w, k) in enumerate(terms):
+            expr = f"({expr}){_OPS[w]}{k}" if i and _OPS[w] == "*" and _OPS[terms[i - 1][0]] != "*" else f"{expr}{_OPS[w]}{k}"
+        symbolic = [(_OPS[w], k) for w, k in terms]
+        expected = [_evaluate(symbolic, x) for x in TEST_INPUTS]
+        return make_task(self.name, split, difficulty, prompt, {"solution": expr, "inputs": list(TEST_INPUTS), "expected": expected})
+
+    def reference_completion(self, task: Task) -> str:
+        return task.reference["solution"]
+
+    def execution_plan(self, task: Task, completion: str) -> Job | None:
+        body = first_line(completion)
+        return Job(
+            job_id=task.task_id,
+            files={
+                "solution.py": f"def f(x):\n  return {body}\n",
+                "harness.py": HARNESS,
+                "tests.json": json.dumps(task.reference["inputs"]),
+            },
+            argv=["{python}", "-I", "-S", "harness.py"],
+            result_file="results.json",
+        )
+
+    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+        expected = task.reference["expected"]
+        if result is None or result.status == "infra_error":
+            return Verdict(0.0, False, status="infra_error", detail="sandbox did not run the tests")
+        values = (result.result or {}).get("values", []) if isinstance(result.result, dict) else []
+        passed = 0
+        for want, got in zip(expected, values):
+            # Compare serialised values by type and value: True == 1 must not pass for 1.
+            if isinstance(got, dict) and got.get("ok") and type(got.get("value")) is int and got["value"] == want:
+                passed += 1
+        total = len(expected)
+        return Verdict(
+            score=passed / total,
+            passed=passed == total,
+            components={"tests_passed": float(passed), "tests_total": float(total), "ran": float(bool(values))},
+            detail=result.status,
+        )

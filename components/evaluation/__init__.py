@@ -1,0 +1,1 @@
+"""Stage `evaluation`: see `components/evaluation/stage.py`."""

@@ -1,0 +1,84 @@
+"""Stage ``evaluation``: score the candidate on the fixed suite; promote or hold.
+
+The candidate (this iteration's checkpoint) is evaluated greedily on the fixed held-out
+suite. Its per-domain pass rates are compared with those of the policy the iteration
+started from (recorded on that registry version by bootstrap or an earlier
+evaluation). The candidate becomes ``champion`` only if no domain dropped by more than
+``evaluation.regression_tolerance``; the decision and the reason are written to the
+report, the manifest and the registry version's tags.
+
+Not covered: statistical significance tests on the difference (the suite is fixed and
+greedy, so the same policy always gets the same score).
+"""
+
+from __future__ import annotations
+
+import json
+
+from components.core import tracking
+from components.core.context import StageContext
+from components.core.policy import load_policy
+from components.core.progress import say
+from components.core.records import EvalResult
+from components.evaluation.suite import eval_tasks, pass_rates, run_suite
+from components.sandbox.executor import get_executor
+
+EVAL_TAG = "posttrain.eval."
+
+
+def eval_tags(rates: dict[str, float]) -> dict[str, str]:
+    return {f"{EVAL_TAG}{d}": f"{v:.6f}" for d, v in rates.items()}
+
+
+def baseline_rates(pipeline: str, version: str) -> dict[str, float]:
+    mv = tracking.client().get_model_version(tracking.model_name(pipeline), version)
+    return {k[len(EVAL_TAG):]: float(v) for k, v in mv.tags.items() if k.startswith(EVAL_TAG)}
+
+
+def decide(candidate: dict[str, float], baseline: dict[str, float], tolerance: float) -> tuple[bool, str]:
+    drops = {d: baseline[d] - candidate.get(d, 0.0) for d in baseline}
+    worst = [f"{d} {baseline[d]:.3f}->{candidate.get(d, 0.0):.3f}" for d, drop in sorted(drops.items()) if drop > tolerance]
+    if worst:
+        return False, "regressed beyond tolerance: " + ", ".join(worst)
+    return True, "no domain regressed beyond tolerance"
+
+
+def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[str, float]]:
+    executor = get_executor(ctx.recipe.sandbox)
+    try:
+        results = run_suite(policy, eval_tasks(ctx.recipe), ctx.recipe, executor, label=f"{ctx.stage} eval")
+    finally:
+        executor.close()
+    ctx.write_records("eval_results", results, EvalResult)
+    samples = {}
+    for r in results:
+        samples.setdefault(r.domain, [])
+        if len(samples[r.domain]) < 8:
+            samples[r.domain].append({"task_id": r.task_id, "completion": r.completion, "passed": r.passed})
+    tracking.log_artifact_text(ctx.info["mlflow_run_id"], json.dumps(samples, indent=2), f"{ctx.stage}/samples.json")
+    return results, pass_rates(results)
+
+
+def inputs(ctx: StageContext) -> None:
+    ctx.depend_on("trainer")
+
+
+def run(ctx: StageContext) -> dict[str, float]:
+    trainer = ctx.upstream("trainer")[0].info
+    candidate = load_policy(trainer["checkpoint_uri"], trainer["version"])
+    _, rates = evaluate_and_log(ctx, candidate)
+    baseline = baseline_rates(ctx.pipeline, trainer["parent_version"])
+    promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
+    tracking.set_version_tags(ctx.pipeline, trainer["version"], {**eval_tags(rates), "posttrain.promoted": str(promoted)})
+    if promoted:
+        tracking.set_alias(ctx.pipeline, "champion", trainer["version"])
+    ctx.info.update({"promoted": promoted, "reason": reason, "pass_rates": rates, "baseline": baseline,
+                     "version": trainer["version"]})
+    ctx.write_json("report", {"candidate": trainer["version"], "baseline": trainer["parent_version"], "pass_rates": rates,
+                              "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason})
+    say(f"iter {ctx.iteration} | evaluation | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
+        + f" | {'promoted' if promoted else 'held'}: {reason}")
+    metrics = {f"{d}/pass_at_1": v for d, v in rates.items()}
+    metrics["mean/pass_at_1"] = sum(rates.values()) / max(1, len(rates))
+    metrics["promoted"] = float(promoted)
+    return metrics

@@ -1,0 +1,85 @@
+"""``posttrain run``: N iterations of the Airflow DAG on the embedded defaults.
+
+Checks the recipe, the store and the starting checkpoint up front (each failure is one
+UserError, exit 2), then drives ``dags/local.py`` (Airflow's in-process test runner on
+SQLite). Iterations with an evaluation manifest are skipped, so a killed run started
+again resumes where it stopped. After each iteration it prints a table of eval pass
+rates by domain; at the end, the command that opens the MLflow UI on this run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from components.core import tracking
+from components.core.context import read_manifest
+from components.core.errors import UserError
+from components.core.manifest import stage_prefix
+from components.core.progress import say
+from components.core.recipe import Recipe, load_recipe
+from components.core.storage import Store, filesystem, join
+
+
+def preflight_checkpoint(recipe: Recipe) -> None:
+    """If the pipeline already has a champion, its checkpoint must be readable."""
+    found = tracking.resolve_alias(recipe.pipeline, "champion")
+    if found is None:
+        return
+    version, uri, _ = found
+    fs, path = filesystem(uri)
+    try:
+        json.loads(fs.cat_file(join(path, "config.json")))
+    except Exception as exc:
+        raise UserError(f"champion (version {version})", uri, f"checkpoint is unreadable ({type(exc).__name__})",
+                        "restore the checkpoint files, or move the 'champion' alias to a readable version in MLflow") from None
+
+
+def summary_rows(store: Store, recipe: Recipe, upto: int) -> list[tuple[str, str, dict[str, float], str]]:
+    rows = []
+    boot = read_manifest(store, stage_prefix(recipe.pipeline, 0, "bootstrap"))
+    if boot is not None:
+        rows.append(("0 (bootstrap)", boot.info["version"], boot.info["pass_rates"], "champion"))
+    for k in range(1, upto + 1):
+        m = read_manifest(store, stage_prefix(recipe.pipeline, k, "evaluation"))
+        if m is not None:
+            rows.append((str(k), m.info["version"], m.info["pass_rates"], "promoted" if m.info["promoted"] else "held"))
+    return rows
+
+
+def print_table(rows, domains: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="eval pass@1 by domain")
+    for col in ["iteration", "version", *domains, "mean", "decision"]:
+        table.add_column(col)
+    for it, version, rates, decision in rows:
+        mean = sum(rates.values()) / max(1, len(rates))
+        table.add_row(it, version, *[f"{rates.get(d, float('nan')):.3f}" for d in domains], f"{mean:.3f}", decision)
+    Console(width=120).print(table)
+
+
+def run_local(recipe_path: str, run_root: str, iterations: int) -> int:
+    recipe = load_recipe(recipe_path)
+    if iterations < 1:
+        raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
+    store = Store(run_root, "--run-root")
+    store.check_reachable()
+    preflight_checkpoint(recipe)
+    from dags.local import prepare, run_iteration
+
+    prepare(tracking.home(), recipe.sandbox.concurrency)
+    recipe_abs = str(Path(recipe_path).resolve())
+    for k in range(1, iterations + 1):
+        if read_manifest(store, stage_prefix(recipe.pipeline, k, "evaluation")) is not None:
+            say(f"iter {k} | already finished | skipped")
+            continue
+        say(f"iter {k} | starting | run root {store.uri}")
+        state = run_iteration(recipe_abs, store.uri, k)
+        if state != "success":
+            say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
+            return 1
+        print_table(summary_rows(store, recipe, k), list(recipe.domains))
+    say(f"MLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri()} --port 5000")
+    return 0

@@ -1,0 +1,1 @@
+"""Stage `reward`: see `components/reward/stage.py`."""

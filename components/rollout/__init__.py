@@ -1,0 +1,1 @@
+"""Stage `rollout`: see `components/rollout/stage.py`."""

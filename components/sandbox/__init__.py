@@ -1,0 +1,1 @@
+"""Stage `sandbox` and the executors it uses: run what the policy produced, contained."""

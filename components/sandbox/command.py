@@ -1,0 +1,122 @@
+"""The host command line that starts one bubblewrap sandbox.
+
+Chain (each step ``exec``s the next, so the job's tree is one process lineage):
+
+1. ``/bin/sh`` (dash, as root): joins the job's cgroups (``$PT_CG``) and sets rlimits
+   with ``ulimit``; exit status 125 means this step failed (an infrastructure error).
+2. ``setpriv``: drops to the sandbox's own unprivileged uid/gid, no supplementary
+   groups (skipped when we are not root: then we already are unprivileged).
+3. ``bwrap``: new user, pid, net, ipc, uts, mount and cgroup namespaces; no further
+   user namespaces; read-only /usr (and the merged-usr symlinks), a few /etc files,
+   fresh /proc and /dev, size-capped tmpfs on /tmp and /work; the job's files copied
+   in from memfds; empty environment; all capabilities dropped (the warm worker keeps
+   CAP_SYS_ADMIN/CAP_SETPCAP inside its own user namespace only, to build per-job
+   namespaces); the seccomp filter; ``--die-with-parent`` and ``--new-session``.
+
+Not covered: bind-mounting host data folders (jobs get only their own files);
+Landlock (mounts already hide the host tree); devices beyond null/zero/random/tty.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from components.sandbox.limits import Limits
+
+SH = "/bin/sh"
+WRAPPER = 'for f in $PT_CG; do echo $$ > "$f" || exit 125; done; {ulimits} || exit 125; exec "$@"'
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
+             "/etc/python3", "/etc/python3.11", "/etc/python3.12")
+TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+WORK = "/work"
+
+
+def tool(name: str) -> str | None:
+    for folder in ("/usr/bin", "/bin", "/usr/sbin", "/usr/local/bin"):
+        if os.access(os.path.join(folder, name), os.X_OK):
+            return os.path.join(folder, name)
+    return shutil.which(name)
+
+
+@dataclass
+class SandboxSpec:
+    """What one sandbox gets. fds must be inheritable-by-number (passed with ``pass_fds``)."""
+
+    uid: int
+    limits: Limits
+    cmd: list[str]
+    cgroup_procs: list[str] = field(default_factory=list)
+    seccomp_fd: int | None = None
+    status_fd: int | None = None
+    files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, relative path in /work)
+    binds: list[tuple[str, str]] = field(default_factory=list)  # (host path, sandbox path), writable
+    ro_binds: list[tuple[str, str]] = field(default_factory=list)
+    worker: bool = False  # the warm worker: keeps namespace-building caps inside its user namespace
+    pdeathsig: bool = True  # kill the sandbox if the spawning thread dies (strict jobs only)
+
+
+def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
+    lim = spec.limits
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for name in TOP_LEVEL:
+        path = "/" + name
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in ETC_FILES:
+        args += ["--ro-bind-try", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
+             "--perms", "0755", "--size", str(lim.work_mb << 20), "--tmpfs", WORK]
+    made: set[str] = set()
+    for fd, rel in spec.files:
+        parts = rel.split("/")[:-1]
+        for i in range(len(parts)):
+            sub = "/".join(parts[: i + 1])
+            if sub not in made:
+                made.add(sub)
+                args += ["--dir", f"{WORK}/{sub}"]
+        args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{rel}"]
+    for src, dest in spec.ro_binds:
+        args += ["--ro-bind", src, dest]
+    for src, dest in spec.binds:
+        args += ["--bind", src, dest]
+    args += ["--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
+             "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]
+    if spec.worker:
+        args += ["--uid", "0", "--gid", "0", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN",
+                 "--cap-add", "CAP_SETPCAP"]
+    else:
+        args += ["--cap-drop", "ALL"]
+    if spec.seccomp_fd is not None:
+        args += ["--seccomp", str(spec.seccomp_fd)]
+    if spec.status_fd is not None:
+        args += ["--json-status-fd", str(spec.status_fd)]
+    return args + ["--", *spec.cmd]
+
+
+def host_argv(spec: SandboxSpec, bwrap: str, setpriv: str | None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for ``subprocess.Popen`` (run it with ``start_new_session=True``)."""
+    chain = [SH, "-c", WRAPPER.format(ulimits=spec.limits.ulimit_script()), "sh"]
+    if os.geteuid() == 0:
+        assert setpriv, "running as root needs setpriv to drop to the sandbox uid"
+        chain += [setpriv, f"--reuid={spec.uid}", f"--regid={spec.uid}", "--clear-groups"]
+        if spec.pdeathsig:
+            chain += ["--pdeathsig", "KILL"]
+        chain += ["--"]
+    env = {"PATH": "/usr/bin:/bin", "PT_CG": " ".join(spec.cgroup_procs)}
+    return chain + bwrap_args(spec, bwrap), env
+
+
+def memfd_with(text: str | bytes, name: str = "posttrain-file") -> int:
+    fd = os.memfd_create(name, 0)
+    data = text.encode() if isinstance(text, str) else text
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd

@@ -1,0 +1,156 @@
+"""What isolation this host can give, found by trying it, and the string that names it.
+
+``probe(python)`` checks each layer (bubblewrap binary, unprivileged uid drop, user/pid/
+net namespaces, seccomp, cgroup v1 controllers, Landlock) and finally starts one real
+sandbox running ``python -I -S`` through the same launch chain jobs use, so "supported"
+means "worked here", not "is installed". ``Support.isolation`` is the string recorded
+in every ``JobResult.isolation``; ``Support.missing`` lists required layers that are
+absent, which makes the bwrap executor refuse unless ``sandbox.allow_weak_isolation``.
+
+Required: bwrap with user+pid+net+mount namespaces, an unprivileged uid, seccomp,
+rlimits. Reported but optional: cgroup limits (rlimits, the pid namespace and sized
+tmpfs still bound the job), Landlock (not used; mounts hide the host tree).
+
+Not covered: cgroup v2 use (only reported), AppArmor/SELinux profiles, gVisor detection
+(a gVisor sandbox shows up as its own kernel and passes the probe as usual).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+from components.sandbox import cgroups, seccomp
+from components.sandbox.command import SandboxSpec, host_argv, tool
+from components.sandbox.limits import UIDS, Limits
+
+PROBE_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Support:
+    bwrap: str | None
+    bwrap_version: str
+    setpriv: str | None
+    python: str
+    seccomp: bool
+    cgroup_v1: tuple[str, ...]
+    cgroup_v2_delegated: bool
+    landlock_abi: int
+    drops_uid: bool  # root: jobs run as a leased uid; else they run as our own unprivileged uid
+    namespaces_ok: bool
+    problems: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def missing(self) -> list[str]:
+        need = []
+        if not self.bwrap:
+            need.append("bubblewrap (apt-get install bubblewrap)")
+        elif not self.namespaces_ok:
+            need.append("user/pid/net/mount namespaces for an unprivileged uid")
+        if not self.seccomp:
+            need.append("seccomp (pip install pyseccomp; apt-get install libseccomp2)")
+        if os.geteuid() == 0 and not self.setpriv:
+            need.append("setpriv (util-linux) to drop root")
+        return need
+
+    @property
+    def isolation(self) -> str:
+        if not self.bwrap or not self.namespaces_ok:
+            return "process+rlimits (WEAK: no namespaces)"
+        parts = ["bwrap:user,pid,net,ipc,uts,mount,cgroup-ns", "uid:unprivileged", "caps:none", "rlimits",
+                 "tmpfs:/work,/tmp", "seccomp" if self.seccomp else "no-seccomp(WEAK)"]
+        parts.append(f"cgroup-v1:{','.join(self.cgroup_v1)}" if self.cgroup_v1 else "no-cgroup")
+        return "+".join(parts)
+
+
+def landlock_abi() -> int:
+    """Landlock ABI version, 0 when unsupported (syscall 444 with LANDLOCK_CREATE_RULESET_VERSION)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        version = libc.syscall(444, None, 0, 1)
+    except (OSError, AttributeError):
+        return 0
+    return max(0, int(version))
+
+
+def _v2_delegated() -> bool:
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        try:
+            controllers = open(os.path.join(root, "cgroup.subtree_control")).read().split()
+        except OSError:
+            continue
+        if "memory" in controllers and "pids" in controllers:
+            return True
+    return False
+
+
+def _bwrap_version(bwrap: str) -> str:
+    try:
+        return subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unusable: {exc}"
+
+
+def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool,
+                 controllers: list[str]) -> str:
+    """'' when a real sandbox ran ``python -I -S`` as an unprivileged uid, else what failed."""
+    limits = Limits(timeout_s=PROBE_TIMEOUT_S, memory_mb=512, output_cap=4096, cpu_s=int(PROBE_TIMEOUT_S) + 1)
+    uid = UIDS.lease()
+    group = None
+    fds: list[int] = []
+    try:
+        if controllers:
+            group = cgroups.JobCgroup.create(controllers, 512 << 20, 64, 1.0)
+        if use_seccomp:
+            fds.append(seccomp.memfd("job"))
+        code = "import os,socket; print(os.getuid(), os.getpid()); socket.socket(socket.AF_INET)"
+        spec = SandboxSpec(uid=uid, limits=limits, cmd=[python, "-I", "-S", "-c", code],
+                           cgroup_procs=group.procs_files() if group else [],
+                           seccomp_fd=fds[0] if fds else None)
+        argv, env = host_argv(spec, bwrap, setpriv)
+        proc = subprocess.run(argv, env=env, pass_fds=fds, capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, start_new_session=True)
+        first = proc.stdout.split()
+        if len(first) < 2 or first[1] != "2":
+            return f"probe sandbox failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}"
+        if os.geteuid() == 0 and first[0] == "0":
+            return "probe sandbox still ran as uid 0"
+        if use_seccomp and "PermissionError" not in proc.stderr and "Address family" not in proc.stderr:
+            return f"seccomp filter did not block AF_INET sockets: {proc.stderr.strip()[-200:]}"
+        return ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"probe sandbox could not start: {exc}"
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if group:
+            group.close()
+        UIDS.release(uid)
+
+
+@functools.cache
+def probe(python: str = "/usr/bin/python3") -> Support:
+    """What this host supports, once per process and interpreter."""
+    problems = []
+    bwrap = tool("bwrap")
+    setpriv = tool("setpriv")
+    why_not_seccomp = seccomp.available()
+    if why_not_seccomp:
+        problems.append(why_not_seccomp)
+    controllers = cgroups.v1_writable()
+    namespaces_ok = False
+    if bwrap:
+        failed = _try_sandbox(bwrap, setpriv, python, not why_not_seccomp, controllers)
+        namespaces_ok = not failed
+        if failed:
+            problems.append(failed)
+    return Support(
+        bwrap=bwrap, bwrap_version=_bwrap_version(bwrap) if bwrap else "", setpriv=setpriv, python=python,
+        seccomp=not why_not_seccomp, cgroup_v1=tuple(controllers), cgroup_v2_delegated=_v2_delegated(),
+        landlock_abi=landlock_abi(), drops_uid=os.geteuid() == 0, namespaces_ok=namespaces_ok,
+        problems=tuple(problems),
+    )

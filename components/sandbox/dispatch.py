@@ -1,0 +1,27 @@
+"""Run the execution plans of many (task, completion) pairs through one executor.
+
+Domains decide what runs (``Domain.execution_plan``); this module runs it with the
+recipe's concurrency and shows progress. Pairs whose domain runs nothing get no result.
+"""
+
+from __future__ import annotations
+
+from components.core.progress import bar
+from components.core.records import Task
+from components.domains import registry
+from components.sandbox.executor import Executor, run_many
+from components.sandbox.job import JobResult
+
+
+def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency: int, label: str = "sandbox") -> dict[str, JobResult]:
+    """Run plans for ``(key, task, completion)`` triples; returns {key: JobResult}."""
+    keyed = []
+    for key, task, completion in pairs:
+        job = registry.get(task.domain).execution_plan(task, completion)
+        if job is not None:
+            keyed.append((key, job))
+    if not keyed:
+        return {}
+    with bar(label, len(keyed)) as advance:
+        results = run_many(executor, [job for _, job in keyed], concurrency, on_done=advance)
+    return {key: result for (key, _), result in zip(keyed, results)}

@@ -1,0 +1,97 @@
+"""Resource limits for one job, derived from ``SandboxConfig``, and the uids jobs run as.
+
+``Limits`` turns the recipe's few knobs (timeout, memory, output cap) into every limit
+the sandbox applies: rlimits (CPU, address space, file size, open files, processes),
+cgroup values, tmpfs sizes and the output flood threshold. ``UidPool`` hands each
+concurrently running sandbox its own unprivileged host uid, so per-uid limits
+(RLIMIT_NPROC) and signals never cross between jobs.
+
+Not covered: per-recipe tuning of the derived values (they are constants here); disk
+I/O bandwidth and network limits (there is no network).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+UID_BASE = 1_500_000  # far above login users, below the 2^31 kernel edge; no passwd entry needed
+UID_SLOTS = 4096
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float
+    memory_mb: int
+    output_cap: int
+    cpu_s: int  # RLIMIT_CPU: the wall clock plus one second; SIGXCPU reads as a timeout
+    fsize_mb: int = 16  # RLIMIT_FSIZE: largest single file the job may write
+    nofile: int = 64
+    nproc: int = 64  # RLIMIT_NPROC for the job's uid (each sandbox has its own uid)
+    pids_max: int = 64  # cgroup pids.max: processes + threads in the job's tree
+    cpus: float = 1.0  # cgroup cfs quota, in CPUs
+    work_mb: int = 64  # tmpfs for /work (counts against memory in the cgroup)
+    tmp_mb: int = 64  # tmpfs for /tmp
+    result_cap: int = 1 << 20  # bytes of result JSON read back
+    flood: int = 16 * MIB  # output beyond this kills the job
+
+    @classmethod
+    def from_config(cls, config, timeout_s: float | None = None, memory_mb: int | None = None) -> Limits:
+        timeout = float(timeout_s if timeout_s is not None else config.timeout_s)
+        memory = int(memory_mb if memory_mb is not None else config.memory_mb)
+        cap = int(config.output_cap_bytes)
+        return cls(
+            timeout_s=timeout,
+            memory_mb=memory,
+            output_cap=cap,
+            cpu_s=math.ceil(timeout) + 1,
+            work_mb=min(64, memory),
+            tmp_mb=min(64, memory),
+            flood=max(16 * MIB, 64 * cap),
+        )
+
+    def with_timeout(self, timeout_s: float) -> Limits:
+        from dataclasses import replace
+
+        return replace(self, timeout_s=timeout_s, cpu_s=math.ceil(timeout_s) + 1)
+
+    def ulimit_script(self) -> str:
+        """dash ``ulimit`` lines (``-p`` is RLIMIT_NPROC in dash, ``-v``/``-f`` in KiB/512 B)."""
+        pairs = (("t", self.cpu_s), ("v", self.memory_mb * 1024), ("f", self.fsize_mb * 2048),
+                 ("n", self.nofile), ("p", self.nproc), ("c", 0))
+        return " && ".join(f"ulimit -{flag} {value}" for flag, value in pairs)
+
+    def as_dict(self) -> dict:
+        return {
+            "cpu_s": self.cpu_s, "as_bytes": self.memory_mb * MIB, "fsize_bytes": self.fsize_mb * MIB,
+            "nofile": self.nofile, "nproc": self.nproc, "work_bytes": self.work_mb * MIB,
+            "tmp_bytes": self.tmp_mb * MIB, "timeout_s": self.timeout_s,
+        }
+
+
+class UidPool:
+    """Distinct unprivileged uids for concurrent sandboxes; the current uid when not root."""
+
+    def __init__(self, base: int = UID_BASE, slots: int = UID_SLOTS) -> None:
+        self._free = list(range(base + slots - 1, base - 1, -1))
+        self._lock = threading.Lock()
+        self.drops = os.geteuid() == 0
+
+    def lease(self) -> int:
+        if not self.drops:
+            return os.geteuid()
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"all {UID_SLOTS} sandbox uids are in use; lower sandbox.concurrency")
+            return self._free.pop()
+
+    def release(self, uid: int) -> None:
+        if self.drops:
+            with self._lock:
+                self._free.append(uid)
+
+
+UIDS = UidPool()

@@ -1,0 +1,93 @@
+"""Turn what the host observed about a finished job into a ``JobResult``.
+
+One place decides the status class (ok, failed, timeout, oom, killed, infra_error) for
+every backend mode, from: the job's exit code or signal, whether the host hit the wall
+clock, whether output flooded, the cgroup's OOM-kill count and the captured streams.
+It also parses the result channel (JSON, size-capped) outside the sandbox.
+
+Not covered: verdicts. Whether the job's *answer* is right is the domain verifier's job.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from components.sandbox.job import JobResult
+
+
+@dataclass
+class Observed:
+    exit_code: int  # as a shell reports it: 128+N when killed by signal N
+    signaled: int  # signal number when known to be a signal, else 0
+    timed_out: bool
+    flooded: bool
+    oom_kills: int
+    stdout: bytes
+    stderr: bytes
+    stdout_total: int
+    stderr_total: int
+    duration_s: float
+    cpu_time_s: float
+    peak_memory_mb: float
+    result_raw: bytes | None = None
+    result_total: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def cap_text(data: bytes, total: int) -> str:
+    text = data.decode("utf-8", errors="replace")
+    return text + f"\n...[{total - len(data)} bytes cut]" if total > len(data) else text
+
+
+def parse_result(raw: bytes | None, total: int, cap: int) -> tuple[Any, str]:
+    """(parsed JSON or None, problem or '')."""
+    if raw is None or total == 0:
+        return None, "no result written"
+    if total > cap:
+        return None, f"result larger than {cap} bytes"
+    try:
+        return json.loads(raw.decode("utf-8")), ""
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"result is not JSON: {exc}"
+
+
+def status_of(obs: Observed) -> tuple[str, int]:
+    """(status, signal)."""
+    sig = obs.signaled or (obs.exit_code - 128 if 128 < obs.exit_code < 128 + 65 else 0)
+    if obs.timed_out or sig == signal.SIGXCPU:
+        return "timeout", sig
+    if obs.oom_kills > 0:
+        return "oom", sig
+    if obs.flooded:
+        return "killed", sig
+    if sig:
+        return "killed", sig
+    if obs.exit_code != 0 and b"MemoryError" in obs.stderr:
+        return "oom", 0
+    return ("ok" if obs.exit_code == 0 else "failed"), 0
+
+
+def to_result(obs: Observed, backend: str, isolation: str, result_cap: int, want_result: bool) -> JobResult:
+    status, sig = status_of(obs)
+    extra = dict(obs.extra)
+    result = None
+    if want_result:
+        result, problem = parse_result(obs.result_raw, obs.result_total, result_cap)
+        if problem:
+            extra["result_problem"] = problem
+    if obs.flooded:
+        extra["reason"] = "output flood"
+    return JobResult(
+        status=status, exit_code=obs.exit_code, signal=sig,
+        stdout=cap_text(obs.stdout, obs.stdout_total), stderr=cap_text(obs.stderr, obs.stderr_total),
+        duration_s=obs.duration_s, cpu_time_s=obs.cpu_time_s, peak_memory_mb=obs.peak_memory_mb,
+        result=result, backend=backend, isolation=isolation, extra=extra,
+    )
+
+
+def infra_error(why: str, backend: str, isolation: str) -> JobResult:
+    return JobResult(status="infra_error", exit_code=-1, signal=0, stdout="", stderr=why, duration_s=0.0,
+                     cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)

@@ -1,0 +1,96 @@
+"""Watch one running job from the host: drain its pipes, enforce the wall clock, reap it.
+
+``watch`` multiplexes the job's stdout, stderr and result pipes plus a "finished" fd
+(a pidfd for a process we spawned, or the warm worker's control socket) with one
+``selectors`` loop in the calling thread. Output beyond ``cap`` bytes is read and
+dropped so the job never blocks on a full pipe; output beyond ``flood`` bytes kills
+the job (a flood would otherwise burn host CPU until the timeout). On the deadline it
+calls ``kill`` once and keeps draining briefly.
+
+Not covered: the kill itself (the caller knows how to kill its tree) and accounting
+(the caller reaps with ``os.wait4`` or reads the worker's report).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+READ_CHUNK = 1 << 16
+AFTER_EXIT_S = 0.5  # how long pipes may stay open after the job itself finished
+
+
+@dataclass
+class Watched:
+    data: dict[str, bytearray] = field(default_factory=dict)
+    total: dict[str, int] = field(default_factory=dict)
+    timed_out: bool = False
+    flooded: bool = False
+    finished: bool = False
+    finished_at: float = 0.0
+
+
+def watch(
+    streams: dict[str, int],
+    caps: dict[str, int],
+    finished_fd: int,
+    on_finished: Callable[[], bool],
+    deadline: float,
+    kill: Callable[[], None],
+    flood: int,
+) -> Watched:
+    """Drain ``streams`` until ``on_finished()`` says done and the pipes closed (or time ran out).
+
+    ``on_finished`` is called whenever ``finished_fd`` is readable and returns True once
+    the job is over. ``deadline`` is a ``time.monotonic()`` value.
+    """
+    out = Watched({name: bytearray() for name in streams}, {name: 0 for name in streams})
+    names = {fd: name for name, fd in streams.items()}
+    sel = selectors.DefaultSelector()
+    try:
+        for fd in streams.values():
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        sel.register(finished_fd, selectors.EVENT_READ)
+        killed = False
+        while names or not out.finished:
+            now = time.monotonic()
+            if out.finished and now - out.finished_at > AFTER_EXIT_S:
+                break  # an orphan kept a pipe open; the caller's sweep will kill it
+            if not killed and now >= deadline:
+                out.timed_out, killed = True, True
+                kill()
+                deadline = now + 2.0  # after the kill: bounded wait for the tree to go
+            elif killed and now >= deadline:
+                break
+            limit = deadline - now if not out.finished else AFTER_EXIT_S - (now - out.finished_at)
+            for key, _ in sel.select(timeout=max(0.0, limit)):
+                fd = key.fd
+                if fd == finished_fd:
+                    if on_finished():
+                        out.finished, out.finished_at = True, time.monotonic()
+                        sel.unregister(finished_fd)
+                    continue
+                try:
+                    chunk = os.read(fd, READ_CHUNK)
+                except BlockingIOError:
+                    continue
+                name = names[fd]
+                if not chunk:
+                    sel.unregister(fd)
+                    del names[fd]
+                    continue
+                out.total[name] += len(chunk)
+                room = caps[name] - len(out.data[name])
+                if room > 0:
+                    out.data[name] += chunk[:room]
+                if out.total[name] > flood and not killed:
+                    out.flooded, killed = True, True
+                    kill()
+                    deadline = time.monotonic() + 2.0
+    finally:
+        sel.close()
+    return out

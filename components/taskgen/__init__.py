@@ -1,0 +1,1 @@
+"""Stage `taskgen`: see `components/taskgen/stage.py`."""

@@ -1,0 +1,1 @@
+"""Stage `trainer`: see `components/trainer/stage.py`."""

@@ -1,0 +1,101 @@
+"""Stage ``trainer``: GRPO updates on the iteration's batch -> checkpoint k+1.
+
+Reads every shard's rollouts and rewards (only after validation passed), drops excluded
+samples and groups with no learning signal (all advantages 0), runs
+``trainer.epochs`` passes of ``prompts_per_step`` groups per optimizer step, saves the
+new policy in Hugging Face format under this stage's prefix, registers it as a new
+version of ``<pipeline>-policy`` and moves the ``candidate`` alias to it. The trainer's
+MLflow run logs the rollout and reward files it trained on as datasets and the policy
+version it started from, which is the lineage the registry version points back to.
+
+Not covered: optimizer state carried across iterations (each iteration starts a fresh
+Adam) and distributed data parallelism.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from components.core import tracking
+from components.core.context import StageContext
+from components.core.manifest import InputRef
+from components.core.policy import load_policy, save_policy
+from components.core.progress import bar, say
+from components.core.records import Reward, Rollout
+from components.core.seeds import seed_everything
+from components.trainer.grpo import Sample, grpo_step, step_batches
+
+
+def inputs(ctx: StageContext) -> None:
+    ctx.depend_on("validation")
+    ctx.depend_on("rollout")
+    ctx.depend_on("reward")
+    info = ctx.upstream("taskgen")[0].info
+    ctx.inputs["policy"] = InputRef(uri=info["policy_uri"], digest=f"version:{info['policy_version']}")
+
+
+def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sample]]:
+    by_id = {r.rollout_id: r for r in rewards}
+    groups: dict[str, list[Sample]] = defaultdict(list)
+    for ro in rollouts:
+        rw = by_id[ro.rollout_id]
+        if rw.status != "ok" or not ro.completion_token_ids:
+            continue
+        groups[ro.task_id].append(Sample(ro.prompt_token_ids, ro.completion_token_ids, ro.logprobs, rw.advantage * rw.weight))
+    return [g for _, g in sorted(groups.items()) if any(s.advantage != 0 for s in g)]
+
+
+def run(ctx: StageContext) -> dict[str, float]:
+    import torch
+
+    cfg = ctx.recipe.trainer
+    info = ctx.upstream("taskgen")[0].info
+    run_id = ctx.info["mlflow_run_id"]
+    seed_everything(ctx.seed())
+    policy = load_policy(info["policy_uri"], info["policy_version"])
+    model = policy.model
+    datasets = {}
+    for stage, name in (("rollout", "rollouts"), ("reward", "rewards")):
+        for m in ctx.upstream(stage):
+            out = m.outputs[name]
+            datasets[f"{name}[{m.shard}]" if m.shard else name] = (ctx.store.url(out.path), out.sha256)
+    tracking.log_datasets(run_id, datasets, context="training")
+    tracking.client().set_tag(run_id, "posttrain.parent_policy_version", info["policy_version"])
+    tracking.client().set_tag(run_id, "posttrain.parent_policy_uri", info["policy_uri"])
+
+    groups = build_groups(ctx.read_records("rollout", "rollouts", Rollout), ctx.read_records("reward", "rewards", Reward))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+    batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
+    totals: dict[str, float] = defaultdict(float)
+    started, tokens = time.perf_counter(), 0
+    with bar("trainer", len(batches)) as advance:
+        for step, batch in enumerate(batches):
+            stats = grpo_step(model, optimizer, batch, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                              temperature=ctx.recipe.rollout.temperature, micro_batch_size=cfg.micro_batch_size,
+                              max_grad_norm=cfg.max_grad_norm)
+            tokens += stats.tokens
+            for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm"):
+                totals[k] += getattr(stats, k)
+            tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(stats, k) for k in ("loss", "clip_frac", "kl", "grad_norm")},
+                                 step=(ctx.iteration - 1) * 10_000 + step)
+            advance(1)
+    elapsed = time.perf_counter() - started
+    model.eval()
+    rel = f"{ctx.prefix}/checkpoint"
+    digests = save_policy(model, policy.tokenizer, ctx.store, rel)
+    ctx.add_output("checkpoint", rel, rows=sum(p.numel() for p in model.parameters()), digest=digests["model.safetensors"])
+    uri = ctx.store.url(rel)
+    version = tracking.register_checkpoint(ctx.pipeline, uri, run_id, {
+        "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": info["policy_version"],
+        "posttrain.run_root": ctx.store.uri,
+    })
+    tracking.set_alias(ctx.pipeline, "candidate", version)
+    ctx.info.update({"checkpoint_uri": uri, "version": version, "parent_version": info["policy_version"]})
+    n = max(1, len(batches))
+    say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups | registered version {version}")
+    return {
+        "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
+        "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
+        "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+    }

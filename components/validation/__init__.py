@@ -1,0 +1,1 @@
+"""Stage `validation`: see `components/validation/stage.py`."""
