@@ -17,7 +17,7 @@ SANDBOX_POOL = "posttrain_sandbox"
 
 
 def _run(stage: str, shard: str | None = None) -> dict:
-    from airflow.exceptions import AirflowFailException
+    from airflow.sdk.exceptions import AirflowFailException
     from airflow.sdk import get_current_context
 
     from components.core.errors import UserError

@@ -75,7 +75,7 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
         model.eval()
         rates = pass_rates(run_suite(policy, check, recipe, executor, label="bootstrap check"))
         mean = sum(rates.values()) / len(rates)
-        say(f"bootstrap | step {step} | loss {float(loss):.3f} | " + " ".join(f"{d} {v:.2f}" for d, v in rates.items())
+        say(f"bootstrap | step {step} | loss {loss.item():.3f} | " + " ".join(f"{d} {v:.2f}" for d, v in rates.items())
             + f" | mean {mean:.2f}")
         if mean >= cfg.target_low:
             if mean > cfg.target_high and prev is not None and (cfg.target_low - prev[0]) < (mean - cfg.target_high):

@@ -125,6 +125,6 @@ def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> l
         done = sorted(m.shard or "" for m in manifests)
         raise UserError(
             f"stage {stage}", store.url(base), f"only shards {done} of {count} are manifested",
-            "run the missing shards of that stage first",
+            f"run the missing shards {[f'{i}/{count}' for i in range(count) if f'{i}/{count}' not in done]} of stage {stage} first",
         )
     return manifests

@@ -26,6 +26,12 @@ PAD, BOS, EOS, UNK = range(4)
 CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
 
 
+def _quiet() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def build_tokenizer():
     """A character-level fast tokenizer; deterministic, no download."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -78,6 +84,7 @@ class Policy:
 
 def save_policy(model, tokenizer, store: Store, rel: str) -> dict[str, str]:
     """Save a Hugging Face folder under ``rel`` in the store; returns file digests."""
+    _quiet()
     with tempfile.TemporaryDirectory(prefix="posttrain-ckpt-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -92,6 +99,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet()
     uri = normalize_uri(uri, field)
     store = Store(uri, field)
     if not store.exists("config.json"):

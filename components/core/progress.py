@@ -2,7 +2,7 @@
 
 ``say`` prints one line (the per-stage progress line). ``bar`` yields an ``advance(n)``
 callable: on a terminal it drives a rich progress bar; elsewhere (Airflow logs, CI) it
-prints a plain line at most every 10% of the work, so logs stay readable.
+prints a plain line every 25% of the work (once, at the end, for small jobs), so logs stay readable.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
             yield lambda n: progress.advance(task, n)
         return
     done = 0
-    next_mark = max(1, total // 10)
+    step = total if total < 32 else max(1, total // 4)  # small jobs: one line at the end
+    next_mark = step
     start = time.perf_counter()
 
     def advance(n: int) -> None:
@@ -43,6 +44,6 @@ def bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
         done += n
         if done >= next_mark or done == total:
             say(f"  {label} {done}/{total} ({time.perf_counter() - start:.1f}s)")
-            next_mark = done + max(1, total // 10)
+            next_mark = done + step
 
     yield advance

@@ -151,7 +151,7 @@ def _fix_for(loc: str, msg: str) -> str:
         return f"remove '{loc}' or correct its spelling (see recipes/demo.yaml for the known keys)"
     if "required" in msg.lower():
         return f"add '{loc}' to the recipe"
-    return f"set '{loc}' to a valid value ({msg.lower()})"
+    return f"set '{loc}' to a valid value ({msg.lower().replace('greater than or equal to', 'at least').replace('less than or equal to', 'at most')})"
 
 
 def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:

@@ -60,6 +60,15 @@ def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
     return ctx.upstream("taskgen")[0].info["parent_run_id"]
 
 
+def _failpoint(label: str) -> None:
+    """Fault injection for crash tests: ``POSTTRAIN_FAILPOINT=before-manifest:<label>``
+    blocks the stage after its data files are written and before its manifest, so a test
+    can kill the process exactly mid-stage. Unset in normal use."""
+    if os.environ.get("POSTTRAIN_FAILPOINT") == f"before-manifest:{label}":
+        say(f"failpoint before-manifest:{label} reached; waiting to be killed")
+        time.sleep(3600)
+
+
 def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None,
               orchestrator_run_id: str = "") -> Manifest:
     ctx = make_context(stage, recipe, run_root, iteration, shard)
@@ -95,6 +104,7 @@ def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration:
         metrics=named, info=dict(ctx.info), timings={"start": started, "end": finished, "duration_s": finished - started},
         mlflow_run_id=run_id,
     )
+    _failpoint(label)
     ctx.store.write_json(f"{ctx.prefix}/{MANIFEST}", manifest.to_json())  # last: readers trust only this
     shown = " | ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in list(named.items())[:4])
     say(f"iter {ctx.iteration} | {label} | {shown} | {finished - started:.1f}s")

@@ -101,7 +101,7 @@ class Store:
     # -- checks --------------------------------------------------------------------------
     def check_reachable(self) -> None:
         """Raise a UserError if the store cannot be listed or written."""
-        probe = f"_probe/{uuid.uuid4().hex}"
+        probe = f"_probe-{uuid.uuid4().hex}"  # a file, not a folder: leaves nothing behind on any backend
         try:
             if self.uri.startswith("file://"):
                 self.fs.makedirs(self.root, exist_ok=True)
@@ -152,7 +152,7 @@ class Store:
         path = self._path(rel)
         if not self.fs.exists(path):
             return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
+        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False) if p.rstrip("/") != path.rstrip("/"))
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths under the root matching ``pattern``."""

@@ -1,7 +1,9 @@
 """Code: write the body of a one-line Python function; unit tests run in the sandbox.
 
-The prompt describes ``f(x)`` in words (``x times 3 plus 4``) and ends at ``return ``;
-the completion is the expression (``x*3+4``). The sandbox runs a harness that imports
+The prompt describes ``f(x)`` in words and ends at ``return``
+(``"f(x): x times 3 plus 4\nreturn "``); the completion is the expression (``x*3+4``),
+which becomes the body of ``def f(x): return <completion>``. Operations apply left to
+right, as worded. The sandbox runs a harness that imports
 the solution, calls ``f`` on each test input and writes the *serialised* return values
 as JSON. The verifier compares those values with the expected ones outside the sandbox,
 so an object with a forged ``__eq__`` cannot pass. Score = tests passed / tests total;
@@ -58,7 +60,7 @@ class Code(Domain):
         difficulty = rng.choice((1, 2))
         terms = [(rng.choice(list(_OPS)), rng.randint(1, 9)) for _ in range(difficulty)]
         words = "x " + " ".join(f"{w} {k}" for w, k in terms)
-        prompt = f"def f(x):\n  # {words}\n  return "
+        prompt = f"f(x): {words}\nreturn "
         expr = "x"
         for i, (w, k) in enumerate(terms):
             expr = f"({expr}){_OPS[w]}{k}" if i and _OPS[w] == "*" and _OPS[terms[i - 1][0]] != "*" else f"{expr}{_OPS[w]}{k}"

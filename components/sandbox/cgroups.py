@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
-CONTROLLERS = ("memory", "pids", "cpu")
+CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")  # cpuacct: exact CPU time of the whole tree
 PREFIX = "posttrain-"
 
 
@@ -130,6 +130,10 @@ class JobCgroup:
         text = self._read("memory", "memory.max_usage_in_bytes").strip()
         return int(text) / 2**20 if text else None
 
+    def cpu_time_s(self) -> float | None:
+        text = self._read("cpuacct", "cpuacct.usage").strip()
+        return int(text) / 1e9 if text else None
+
     def oom_kills(self) -> int:
         """OOM kills inside the group so far (v1 ``memory.oom_control``: oom_kill N)."""
         for line in self._read("memory", "memory.oom_control").splitlines():
@@ -171,6 +175,20 @@ class JobCgroup:
                 except OSError:  # EBUSY while the last task is being reaped
                     time.sleep(0.005)
             self.paths.pop(controller, None)
+
+
+def sweep_stale(min_age_s: float = 300.0) -> int:
+    """Remove empty job groups older than ``min_age_s`` (left by a crashed host process)."""
+    removed = 0
+    now = time.time()
+    for path in leftovers():
+        try:
+            if now - path.stat().st_mtime > min_age_s and not (path / "cgroup.procs").read_text().split():
+                path.rmdir()
+                removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 def leftovers() -> list[Path]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from components.sandbox.limits import Limits
 
 SH = "/bin/sh"
-WRAPPER = 'for f in $PT_CG; do echo $$ > "$f" || exit 125; done; {ulimits} || exit 125; exec "$@"'
+WRAPPER = 'for f in $PT_CG; do echo $$ > "$f" || exit 125; done; unset PT_CG; {ulimits} || exit 125; exec "$@"'
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
              "/etc/python3", "/etc/python3.11", "/etc/python3.12")
 TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -51,6 +51,7 @@ class SandboxSpec:
     seccomp_fd: int | None = None
     status_fd: int | None = None
     files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, relative path in /work)
+    system_files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, absolute path), read-only
     binds: list[tuple[str, str]] = field(default_factory=list)  # (host path, sandbox path), writable
     ro_binds: list[tuple[str, str]] = field(default_factory=list)
     worker: bool = False  # the warm worker: keeps namespace-building caps inside its user namespace
@@ -59,8 +60,12 @@ class SandboxSpec:
 
 def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
     lim = spec.limits
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+    args = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    if not spec.worker:
+        # The worker must own its pid namespace to setns back after each per-job unshare;
+        # its jobs get no new user namespaces from the job seccomp filter instead.
+        args.insert(3, "--disable-userns")
     for name in TOP_LEVEL:
         path = "/" + name
         if os.path.islink(path):
@@ -81,11 +86,15 @@ def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
                 made.add(sub)
                 args += ["--dir", f"{WORK}/{sub}"]
         args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{rel}"]
+    for folder in sorted({os.path.dirname(path) for _, path in spec.system_files}):
+        args += ["--dir", folder]
+    for fd, path in spec.system_files:
+        args += ["--perms", "0444", "--file", str(fd), path]
     for src, dest in spec.ro_binds:
         args += ["--ro-bind", src, dest]
     for src, dest in spec.binds:
         args += ["--bind", src, dest]
-    args += ["--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
+    args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
              "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]
     if spec.worker:
         args += ["--uid", "0", "--gid", "0", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN",

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from components.sandbox.job import Job, JobResult
+from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult
 
 DEFAULT_PYTHON = "/usr/bin/python3"
 
@@ -41,6 +41,18 @@ class Executor(Protocol):
 
 
 _BACKENDS: dict[str, Callable[..., Executor]] = {}
+_BUILTIN_MODULES = ("components.sandbox.bwrap",)  # imported on first lookup; they register themselves
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        from importlib import import_module
+
+        for module in _BUILTIN_MODULES:
+            import_module(module)
 
 
 def register_backend(name: str):
@@ -52,6 +64,7 @@ def register_backend(name: str):
 
 
 def backend_names() -> list[str]:
+    _load_builtins()
     return sorted(_BACKENDS)
 
 
@@ -59,6 +72,7 @@ def get_executor(config, allow_weak: bool | None = None) -> Executor:
     """The executor named by ``config.backend`` (a ``SandboxConfig``)."""
     from components.core.errors import UserError
 
+    _load_builtins()
     if config.backend not in _BACKENDS:
         raise UserError("sandbox.backend", config.backend, "unknown sandbox backend", f"use one of {backend_names()}")
     return _BACKENDS[config.backend](config)
@@ -98,15 +112,24 @@ class SubprocessExecutor:
                 path = Path(work) / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
-            argv = [self.python if a == "{python}" else a for a in job.argv]
+            argv = [self.python if a == PYTHON else a for a in job.argv]
+            result_r = result_w = None
+            if job.uses_result_fd:  # the write end keeps its number in the child (pass_fds)
+                result_r, result_w = os.pipe()
+                argv = [str(result_w) if a == RESULT_FD else a for a in argv]
             start = time.perf_counter()
             try:
-                proc = subprocess.Popen(
+                proc = _Popen(
                     argv, cwd=work, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     start_new_session=True, preexec_fn=self._limits, env={"PATH": "/usr/bin:/bin", "HOME": work},
+                    pass_fds=[result_w] if result_w is not None else [],
                 )
             except OSError as exc:
                 return _infra(job, f"could not start {argv[0]}: {exc}", self)
+            finally:
+                if result_w is not None:
+                    os.close(result_w)
+            reader = _Reader(result_r) if result_r is not None else None
             timed_out = False
             try:
                 out, err = proc.communicate(job.stdin.encode(), timeout=timeout)
@@ -115,9 +138,14 @@ class SubprocessExecutor:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
             duration = time.perf_counter() - start
-            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            # communicate() reaped the child; its own rusage came back through wait4 in _wait
+            usage = proc.usage
+            cpu = usage.ru_utime + usage.ru_stime if usage else 0.0  # None only if the child was reaped elsewhere
+            peak = usage.ru_maxrss / 1024 if usage else 0.0
             result = None
-            if job.result_file and (Path(work) / job.result_file).is_file():
+            if reader is not None:
+                result = reader.json()
+            elif job.result_file and (Path(work) / job.result_file).is_file():
                 try:
                     result = json.loads((Path(work) / job.result_file).read_text()[:1_000_000])
                 except (json.JSONDecodeError, UnicodeDecodeError):
@@ -136,12 +164,65 @@ class SubprocessExecutor:
                 status = "ok" if code == 0 else "failed"
             return JobResult(
                 status=status, exit_code=code, signal=sig, stdout=cap(out, limit), stderr=cap(err, limit),
-                duration_s=duration, cpu_time_s=usage.ru_utime + usage.ru_stime, peak_memory_mb=usage.ru_maxrss / 1024,
+                duration_s=duration, cpu_time_s=cpu, peak_memory_mb=peak,
                 result=result, backend=self.name, isolation=self.isolation,
             )
 
     def close(self) -> None:
         return None
+
+
+class _Popen(subprocess.Popen):
+    """Popen that reaps with ``os.wait4``, keeping this child's own rusage.
+
+    ``getrusage(RUSAGE_CHILDREN)`` sums every child this process ever reaped, so under
+    concurrency it mixes jobs; ``wait4`` gives exactly this child and its waited-for tree.
+    """
+
+    usage = None
+
+    def _try_wait(self, wait_flags):
+        try:
+            pid, status, usage = os.wait4(self.pid, wait_flags)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        else:
+            if pid == self.pid:
+                self.usage = usage
+        return pid, status
+
+
+class _Reader:
+    """Reads a result pipe on a thread until EOF, keeping at most 1 MB."""
+
+    LIMIT = 1 << 20
+
+    def __init__(self, fd: int) -> None:
+        import threading
+
+        self.fd = fd
+        self.data = bytearray()
+        self.total = 0
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            while chunk := os.read(self.fd, 1 << 16):
+                self.total += len(chunk)
+                if len(self.data) < self.LIMIT:
+                    self.data += chunk[: self.LIMIT - len(self.data)]
+        finally:
+            os.close(self.fd)
+
+    def json(self):
+        self.thread.join(timeout=2.0)
+        if self.total == 0 or self.total > self.LIMIT:
+            return None
+        try:
+            return json.loads(bytes(self.data))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
 
 
 def _infra(job: Job, why: str, executor: Executor) -> JobResult:

@@ -68,7 +68,7 @@ class Limits:
         return {
             "cpu_s": self.cpu_s, "as_bytes": self.memory_mb * MIB, "fsize_bytes": self.fsize_mb * MIB,
             "nofile": self.nofile, "nproc": self.nproc, "work_bytes": self.work_mb * MIB,
-            "tmp_bytes": self.tmp_mb * MIB, "timeout_s": self.timeout_s,
+            "tmp_bytes": self.tmp_mb * MIB, "timeout_s": self.timeout_s, "result_cap": self.result_cap,
         }
 
 

@@ -28,7 +28,7 @@ DENIED: tuple[str, ...] = (
     "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
     "personality", "acct", "quotactl", "swapon", "swapoff", "syslog", "vhangup",
     "iopl", "ioperm", "lookup_dcookie", "open_by_handle_at", "name_to_handle_at",
-    "fanotify_init", "setns", "pivot_root", "chroot",
+    "fanotify_init", "pivot_root", "chroot",
     "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
@@ -36,7 +36,7 @@ DENIED: tuple[str, ...] = (
     "uselib", "nfsservctl", "process_madvise", "landlock_create_ruleset",
 )
 # Only the warm worker may build per-job namespaces; jobs may not.
-NAMESPACE_SETUP: tuple[str, ...] = ("unshare", "mount", "umount2")
+NAMESPACE_SETUP: tuple[str, ...] = ("unshare", "setns", "mount", "umount2")
 CLONE_NS_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 AF_UNIX = 1

@@ -1,0 +1,203 @@
+"""Sandbox benchmark: latency, throughput and timeout accuracy, strict and warm vs bare.
+
+Run: ``python benchmarks/sandbox/bench.py [--quick]`` from the repo root. Compares, in
+one run and interleaved (so background load hits every mode alike):
+
+- bare: ``/usr/bin/python3 -I -S`` as a plain subprocess in a temp folder, no isolation;
+- strict: the bwrap backend, a fresh sandbox per job;
+- warm: the bwrap backend with pre-started workers forking per job;
+
+on two workloads (a trivial program, and the code-domain unit-test harness), reporting
+per-job latency p50/p95 (sequential), jobs/s at concurrency = CPU count, and how far the
+wall clock of timed-out jobs lands from the limit. Writes results.json and results.md
+beside this file and prints the ratios against the goals (strict p50 <= 2x bare, warm
+throughput >= 3x bare, timeouts within 200 ms).
+
+Not covered: memory-heavy jobs, multi-host scaling, start-up cost of the warm pool
+(reported once, not amortised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from components.core.recipe import SandboxConfig  # noqa: E402
+from components.sandbox.executor import get_executor, run_many  # noqa: E402
+from components.sandbox.harness import python_tests_job  # noqa: E402
+from components.sandbox.job import PYTHON, RESULT_FD, Job  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+BARE_PYTHON = "/usr/bin/python3"
+
+
+def workloads() -> dict[str, Job]:
+    return {
+        "trivial": Job("trivial", {"main.py": "print(1)\n"}, [PYTHON, "-I", "-S", "main.py"]),
+        "unit_tests": python_tests_job("unit", "def f(x):\n  return x * 3 + 4\n", "f", [-3, 0, 2, 5, 11]),
+    }
+
+
+def run_bare(job: Job) -> float:
+    """The job as a plain subprocess (no sandbox); returns seconds."""
+    with tempfile.TemporaryDirectory(prefix="bench-bare-") as work:
+        for rel, text in job.files.items():
+            Path(work, rel).write_text(text)
+        r, w = os.pipe()
+        argv = [BARE_PYTHON if a == PYTHON else str(w) if a == RESULT_FD else a for a in job.argv]
+        start = time.perf_counter()
+        proc = subprocess.run(argv, cwd=work, capture_output=True, pass_fds=[w], timeout=30)
+        took = time.perf_counter() - start
+        os.close(w)
+        os.read(r, 1 << 20)
+        os.close(r)
+        assert proc.returncode == 0, proc.stderr
+        return took
+
+
+def config(mode: str, concurrency: int, timeout_s: float = 10.0) -> SimpleNamespace:
+    fields = SandboxConfig(backend="bwrap", timeout_s=timeout_s, concurrency=concurrency).model_dump()
+    return SimpleNamespace(**{**fields, "mode": mode, "allow_weak_isolation": False})
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def latency(executors: dict, job: Job, n: int) -> dict[str, dict[str, float]]:
+    samples: dict[str, list[float]] = {name: [] for name in ["bare", *executors]}
+    for _ in range(n):  # interleaved: one of each per round
+        samples["bare"].append(run_bare(job))
+        for name, ex in executors.items():
+            start = time.perf_counter()
+            result = ex.run(job)
+            samples[name].append(time.perf_counter() - start)
+            assert result.status == "ok", (name, result.status, result.stderr[-500:])
+    return {name: {"p50_ms": statistics.median(v) * 1000, "p95_ms": pct(v, 0.95) * 1000} for name, v in samples.items()}
+
+
+def throughput(executors: dict, job: Job, n: int, concurrency: int, rounds: int) -> dict[str, float]:
+    best: dict[str, float] = {}
+    for _ in range(rounds):  # interleaved rounds; keep each mode's median
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda _: run_bare(job), range(n)))
+        best.setdefault("bare", [])
+        best["bare"].append(n / (time.perf_counter() - start))
+        for name, ex in executors.items():
+            start = time.perf_counter()
+            results = run_many(ex, [job] * n, concurrency=concurrency, retries=0)
+            best.setdefault(name, [])
+            best[name].append(n / (time.perf_counter() - start))
+            assert all(r.status == "ok" for r in results), {r.status for r in results}
+    return {name: statistics.median(v) for name, v in best.items()}
+
+
+def timeout_accuracy(executors: dict, n: int, limit_s: float = 1.0) -> dict[str, dict[str, float]]:
+    jobs = {
+        "busy_loop": Job("loop", {"main.py": "while True:\n    pass\n"}, [PYTHON, "-I", "-S", "main.py"], timeout_s=limit_s),
+        "sleep_children": Job("sleep", {"main.sh": "sleep 60 &\nsleep 60 &\nwait\n"}, ["bash", "main.sh"],
+                              timeout_s=limit_s),
+    }
+    out = {}
+    for name, ex in executors.items():
+        errors = []
+        for _ in range(n):
+            for job in jobs.values():
+                start = time.perf_counter()
+                result = ex.run(job)
+                errors.append(time.perf_counter() - start - limit_s)
+                assert result.status == "timeout", (name, result.status)
+        out[name] = {"mean_over_ms": statistics.mean(errors) * 1000, "max_over_ms": max(errors) * 1000,
+                     "min_over_ms": min(errors) * 1000}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    args = parser.parse_args()
+    n_lat, n_tp, rounds, n_to = (10, 40, 1, 2) if args.quick else (40, 200, 3, 5)
+    concurrency = os.cpu_count() or 2
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    strict = get_executor(config("strict", concurrency))
+    warm_start = time.perf_counter()
+    warm = get_executor(config("warm", concurrency))
+    warm_start_s = time.perf_counter() - warm_start
+    executors = {"strict": strict, "warm": warm}
+    report: dict = {
+        "machine": {"cpus": concurrency, "load_before": load_before, "python": BARE_PYTHON,
+                    "isolation": strict.isolation},
+        "warm_pool_start_s": warm_start_s, "latency": {}, "throughput_jobs_per_s": {},
+    }
+    try:
+        for name, job in workloads().items():
+            for ex in executors.values():  # warm-up: first job pays one-time costs
+                ex.run(job)
+            report["latency"][name] = latency(executors, job, n_lat)
+            report["throughput_jobs_per_s"][name] = throughput(executors, job, n_tp, concurrency, rounds)
+        report["timeout_accuracy_1s"] = timeout_accuracy(executors, n_to)
+    finally:
+        strict.close()
+        warm.close()
+    report["machine"]["load_after"] = os.getloadavg()
+    report["wall_s"] = time.perf_counter() - start
+    ratios = {}
+    for name in workloads():
+        lat, tp = report["latency"][name], report["throughput_jobs_per_s"][name]
+        ratios[name] = {
+            "strict_p50_over_bare": lat["strict"]["p50_ms"] / lat["bare"]["p50_ms"],
+            "warm_p50_over_bare": lat["warm"]["p50_ms"] / lat["bare"]["p50_ms"],
+            "strict_throughput_over_bare": tp["strict"] / tp["bare"],
+            "warm_throughput_over_bare": tp["warm"] / tp["bare"],
+        }
+    report["ratios"] = ratios
+    worst_timeout = max(v["max_over_ms"] for v in report["timeout_accuracy_1s"].values())
+    report["goals"] = {
+        "strict_p50_le_2x_bare": all(r["strict_p50_over_bare"] <= 2.0 for r in ratios.values()),
+        "warm_throughput_ge_3x_bare": all(r["warm_throughput_over_bare"] >= 3.0 for r in ratios.values()),
+        "timeouts_within_200ms": worst_timeout <= 200.0,
+    }
+    (HERE / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (HERE / "results.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Sandbox benchmark (latest run)", "",
+             f"Machine: {report['machine']['cpus']} CPUs, load average before/after "
+             f"{report['machine']['load_before'][0]:.2f}/{report['machine']['load_after'][0]:.2f}; "
+             f"warm pool start {report['warm_pool_start_s']:.2f} s.", "",
+             f"Isolation: `{report['machine']['isolation']}`", "",
+             "| workload | mode | p50 ms | p95 ms | jobs/s | p50 vs bare | jobs/s vs bare |",
+             "|---|---|---|---|---|---|---|"]
+    for name, lat in report["latency"].items():
+        tp = report["throughput_jobs_per_s"][name]
+        for mode in ("bare", "strict", "warm"):
+            lines.append(f"| {name} | {mode} | {lat[mode]['p50_ms']:.1f} | {lat[mode]['p95_ms']:.1f} | {tp[mode]:.1f} | "
+                         f"{lat[mode]['p50_ms'] / lat['bare']['p50_ms']:.2f}x | {tp[mode] / tp['bare']:.2f}x |")
+    lines += ["", "Timeout accuracy (1 s limit; wall clock minus limit):", "",
+              "| mode | mean over ms | max over ms |", "|---|---|---|"]
+    for mode, acc in report["timeout_accuracy_1s"].items():
+        lines.append(f"| {mode} | {acc['mean_over_ms']:.0f} | {acc['max_over_ms']:.0f} |")
+    lines += ["", "Goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

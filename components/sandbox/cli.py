@@ -1,0 +1,86 @@
+"""``posttrain sandbox run FILE`` and ``posttrain sandbox doctor``.
+
+``run`` executes one Python or bash file in the bwrap sandbox and prints the result as
+Execution-like JSON (status, exit code, capped output, resource use, isolation); the
+exit status is 0 when the program's status is ``ok``, else 1. ``doctor`` prints what
+isolation this host supports and what is missing, and exits 1 when the sandbox would
+refuse to run. The main CLI wires ``add_parser`` into its subcommands and calls
+``args.handler(args)``.
+
+Not covered: stdin from the terminal (use --stdin-file), extra files beside FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("sandbox", help="run untrusted code in the hardened sandbox")
+    sub = parser.add_subparsers(dest="sandbox_command", required=True)
+    run = sub.add_parser("run", help="run one file in a fresh sandbox and print the result as JSON")
+    run.add_argument("file", help="program to run (.py or .sh)")
+    run.add_argument("--lang", choices=("python", "bash"), default=None, help="default: from the file suffix")
+    run.add_argument("--timeout", type=float, default=5.0, help="wall-clock limit in seconds (default: %(default)s)")
+    run.add_argument("--memory", type=int, default=512, help="memory limit in MiB (default: %(default)s)")
+    run.add_argument("--output-cap", type=int, default=8192, help="stdout/stderr bytes kept (default: %(default)s)")
+    run.add_argument("--mode", choices=("strict", "warm"), default="strict", help="fresh sandbox, or a warm worker")
+    run.add_argument("--stdin-file", default=None, help="file fed to the program's stdin")
+    run.add_argument("--allow-weak-isolation", action="store_true",
+                     help="run even when the host cannot give full isolation (says WEAK in the output)")
+    run.set_defaults(handler=handle_run)
+    doctor = sub.add_parser("doctor", help="show what isolation this host supports")
+    doctor.set_defaults(handler=handle_doctor)
+    return parser
+
+
+def _config(args: argparse.Namespace) -> SimpleNamespace:
+    from components.core.recipe import SandboxConfig
+
+    base = SandboxConfig(backend="bwrap", timeout_s=args.timeout, memory_mb=args.memory,
+                         output_cap_bytes=args.output_cap, concurrency=1).model_dump()
+    base.update(mode=args.mode, allow_weak_isolation=args.allow_weak_isolation)
+    return SimpleNamespace(**base)
+
+
+def handle_run(args: argparse.Namespace) -> int:
+    from components.core.errors import UserError
+    from components.sandbox.executor import get_executor
+    from components.sandbox.job import PYTHON, Job
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise UserError("file", args.file, "no such file", "pass the path of a .py or .sh file")
+    lang = args.lang or {".py": "python", ".sh": "bash"}.get(path.suffix)
+    if lang is None:
+        raise UserError("--lang", None, f"cannot tell the language of {path.name}", "pass --lang python or --lang bash")
+    name = "main.py" if lang == "python" else "main.sh"
+    argv = [PYTHON, "-I", "-S", name] if lang == "python" else ["bash", name]
+    stdin = Path(args.stdin_file).read_text() if args.stdin_file else ""
+    job = Job(job_id=path.name, files={name: path.read_text()}, argv=argv, stdin=stdin, timeout_s=args.timeout)
+    executor = get_executor(_config(args))
+    try:
+        result = executor.run(job)
+    finally:
+        executor.close()
+    out = dataclasses.asdict(result)
+    out.pop("result", None)
+    out["signal"] = int(out["signal"])
+    print(json.dumps({"file": str(path), "lang": lang, **out}, indent=2))
+    return 0 if result.status == "ok" else 1
+
+
+def handle_doctor(args: argparse.Namespace) -> int:
+    from components.sandbox.detect import probe
+
+    support = probe()
+    report = dataclasses.asdict(support)
+    report.update(isolation=support.isolation, missing=support.missing, refuses_without_flag=bool(support.missing))
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 1 if support.missing else 0

@@ -1,0 +1,355 @@
+"""Warm mode: pre-started sandboxed workers (zygote.py) that fork a fresh child per job.
+
+A ``Worker`` is one bwrap sandbox running zygote.py, with its own uid and cgroup,
+talking to the host over a SEQPACKET socket. It serves one job at a time; per job the
+host passes memfd/pipe fds, the worker forks a child in fresh pid/mount/ipc namespaces
+and reports the exit status, CPU time and peak RSS. ``WarmPool`` keeps ``size``
+workers (one per concurrency slot) and replaces any that die.
+
+The worker enforces each job's wall clock itself; the host kills the whole worker one
+second later as a backstop (the job is then a timeout and the worker is replaced).
+
+Not covered: per-job cgroups (the worker's cgroup covers one job at a time, peak is
+reset per job); jobs that need a different interpreter than the worker's (they still
+run, exec'd, without the warm speed-up).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+from components.sandbox import cgroups, seccomp
+from components.sandbox.bwrap import check_paths
+from components.sandbox.command import SandboxSpec, host_argv, memfd_with
+from components.sandbox.detect import Support
+from components.sandbox.job import Job, JobResult
+from components.sandbox.limits import UIDS, Limits
+from components.sandbox.outcome import Observed, infra_error, to_result
+from components.sandbox.supervise import watch
+
+ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
+START_TIMEOUT_S = 15.0
+BACKSTOP_S = 1.0
+WORKER_OVERHEAD_MB = 128
+JOB_SETUP_FAILED = 125
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class _Spawner:
+    """Starts workers from one long-lived daemon thread.
+
+    bwrap's ``--die-with-parent`` uses PR_SET_PDEATHSIG, which fires when the *thread*
+    that forked bwrap exits; workers started from a short-lived thread (a prestart
+    thread, a ``run_many`` pool thread) would be killed with it.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while True:
+            future, args, kwargs = self._jobs.get()
+            try:
+                future.set_result(subprocess.Popen(*args, **kwargs))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        from concurrent.futures import Future
+
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="sandbox-spawner", daemon=True)
+                self._thread.start()
+        future: Future = Future()
+        self._jobs.put((future, args, kwargs))
+        return future.result()
+
+
+SPAWNER = _Spawner()
+
+
+class Worker:
+    """One warm sandbox. ``session=True`` keeps /work and /tmp across jobs (SandboxSession)."""
+
+    def __init__(self, support: Support, python: str, limits: Limits, isolation: str, session: bool = False) -> None:
+        self.support = support
+        self.python = python
+        self.limits = limits
+        self.isolation = isolation
+        self.session = session
+        self.uid = UIDS.lease()
+        self.group = None
+        self.proc: subprocess.Popen | None = None
+        self.ctl: socket.socket | None = None
+        self.alive = False
+        self.jobs = 0
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        lim = self.limits
+        worker_limits = replace(lim, cpu_s=7 * 86400, memory_mb=lim.memory_mb + WORKER_OVERHEAD_MB,
+                                nproc=lim.nproc + 8)
+        if self.support.cgroup_v1:
+            memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
+            self.group = cgroups.JobCgroup.create(list(self.support.cgroup_v1), memory, lim.pids_max + 8, lim.cpus)
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds = [child.fileno()]
+        try:
+            zygote_fd = memfd_with(ZYGOTE_SOURCE.read_bytes(), "posttrain-zygote")
+            bpf_fd = memfd_with(seccomp.bpf("job"), "posttrain-job-bpf")
+            filter_fd = seccomp.memfd("zygote")
+            fds += [zygote_fd, bpf_fd, filter_fd]
+            cmd = [self.python, "-I", "-S", "/sandbox/zygote.py", str(child.fileno()), "/sandbox/job.bpf", self.python]
+            if self.session:
+                cmd.append("session")
+            spec = SandboxSpec(uid=self.uid, limits=worker_limits, cmd=cmd,
+                               cgroup_procs=self.group.procs_files() if self.group else [], seccomp_fd=filter_fd,
+                               system_files=[(zygote_fd, "/sandbox/zygote.py"), (bpf_fd, "/sandbox/job.bpf")],
+                               worker=True, pdeathsig=False)
+            argv, env = host_argv(spec, self.support.bwrap, self.support.setpriv)
+            self.proc = SPAWNER.popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True, cwd="/")
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
+            child.close()
+        self.ctl = parent
+        ready, _, _ = select.select([parent], [], [], START_TIMEOUT_S)
+        msg = parent.recv(65536) if ready else b""
+        if not msg:
+            self.proc.kill()
+            err = self.proc.stderr.read(4000).decode(errors="replace") if self.proc.stderr else ""
+            raise WorkerDied(f"warm sandbox worker did not start: {err.strip()}")
+        self.proc.stderr.close()
+        self.alive = True
+
+    def run(self, job: Job, backend: str) -> JobResult:
+        assert self.alive and self.ctl is not None
+        check_paths(job)
+        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
+        spec = {"argv": list(job.argv), "files": dict(job.files), "stdin": job.stdin, "limits": limits.as_dict()}
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            theirs.append(memfd_with(json.dumps(spec), "posttrain-spec"))
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            ours += [out_r, err_r]
+            theirs += [out_w, err_w]
+            result_r = None
+            if job.wants_result:
+                result_r, result_w = os.pipe()
+                ours.append(result_r)
+                theirs.append(result_w)
+            job_key = uuid.uuid4().hex
+            header = {"op": "run", "id": job_key, "timeout_s": limits.timeout_s, "limits": limits.as_dict(),
+                      "result_file": "" if job.uses_result_fd else job.result_file}
+            if self.group:
+                self.group.reset_peak()
+            oom_before = self.group.oom_kills() if self.group else 0
+            cpu_before = self.group.cpu_time_s() if self.group else None
+            start = time.monotonic()
+            try:
+                socket.send_fds(self.ctl, [json.dumps(header).encode()], theirs)
+            except OSError as exc:
+                self._die()
+                return infra_error(f"warm worker gone: {exc}", backend, self.isolation)
+            for fd in theirs:
+                os.close(fd)
+            theirs.clear()
+            report: dict = {}
+
+            def on_message() -> bool:
+                try:
+                    msg = self.ctl.recv(65536)
+                except OSError:
+                    msg = b""
+                if not msg:
+                    report["worker_died"] = True
+                    return True
+                got = json.loads(msg)
+                if got.get("id") == job_key:
+                    report.update(got)
+                    return True
+                return False
+
+            streams = {"stdout": out_r, "stderr": err_r}
+            caps = {"stdout": limits.output_cap, "stderr": limits.output_cap}
+            if result_r is not None:
+                streams["result"] = result_r
+                caps["result"] = limits.result_cap
+            seen = watch(streams, caps, self.ctl.fileno(), on_message, start + limits.timeout_s + BACKSTOP_S,
+                         self._die, limits.flood)
+            duration = time.monotonic() - start
+            if seen.flooded and self.alive:
+                self._die()  # the flood kill took the worker down with the job
+            self.jobs += 1
+            if report.get("error"):
+                return infra_error(f"warm worker could not start the job: {report['error']}", backend, self.isolation)
+            died = report.get("worker_died") or not report
+            if died:
+                self._die()
+            status = report.get("status")
+            timed_out = bool(report.get("timed_out")) or seen.timed_out
+            if status is None:
+                code, sig = (137, signal.SIGKILL)
+            elif os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                code = 128 + sig
+            else:
+                code, sig = os.WEXITSTATUS(status), 0
+            stderr = bytes(seen.data["stderr"])
+            if code == JOB_SETUP_FAILED and stderr.startswith(b"sandbox worker: job setup failed"):
+                return infra_error(stderr.decode(errors="replace")[-2000:], backend, self.isolation)
+            cpu = float(report.get("cpu_s", 0.0))
+            cpu_after = self.group.cpu_time_s() if self.group else None
+            if cpu_before is not None and cpu_after is not None and timed_out:
+                cpu = cpu_after - cpu_before  # killed trees are never reaped by the job's init
+            extra = {"mode": "session" if self.session else "warm", "uid": self.uid, "worker_jobs": self.jobs}
+            if died and not seen.timed_out:
+                extra["worker_died"] = True
+            if self.group:
+                peak = self.group.peak_memory_mb()
+                if peak is not None:
+                    extra["cgroup_peak_memory_mb"] = round(peak, 1)
+            obs = Observed(
+                exit_code=code, signaled=sig, timed_out=timed_out, flooded=seen.flooded,
+                oom_kills=(self.group.oom_kills() - oom_before) if self.group else 0,
+                stdout=bytes(seen.data["stdout"]), stderr=stderr, stdout_total=seen.total["stdout"],
+                stderr_total=seen.total["stderr"], duration_s=duration, cpu_time_s=cpu,
+                peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024,
+                result_raw=bytes(seen.data["result"]) if result_r is not None else None,
+                result_total=seen.total["result"] if result_r is not None else 0, extra=extra,
+            )
+            return to_result(obs, backend, self.isolation, limits.result_cap, job.wants_result)
+        finally:
+            for fd in ours + theirs:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _die(self) -> None:
+        """Kill the whole worker sandbox (timeout backstop, flood, lost worker)."""
+        self.alive = False
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.group:
+            self.group.kill_all()
+
+    def close(self) -> None:
+        if self.ctl is not None:
+            try:
+                self.ctl.send(json.dumps({"op": "exit"}).encode())
+            except OSError:
+                pass
+            self.ctl.close()
+            self.ctl = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self._die()
+                self.proc.wait()
+            self.proc = None
+        self.alive = False
+        if self.group:
+            self.group.close()
+            self.group = None
+        if self.uid is not None:
+            UIDS.release(self.uid)
+            self.uid = None
+
+
+class WarmPool:
+    """``size`` workers, each serving one job at a time; dead ones are replaced."""
+
+    def __init__(self, support: Support, python: str, limits: Limits, size: int, isolation: str,
+                 prestart: bool = True) -> None:
+        self.support, self.python, self.limits, self.isolation = support, python, limits, isolation
+        self.size = size
+        self._idle: queue.Queue[Worker] = queue.Queue()
+        self._lock = threading.Lock()
+        self._live: set[Worker] = set()
+        self._closed = False
+        atexit.register(self.close)  # workers also exit on their own when our socket closes
+        if prestart:
+            threads = [threading.Thread(target=self._prestart) for _ in range(size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+    def _prestart(self) -> None:
+        try:
+            worker = self._new()
+        except WorkerDied:
+            return
+        self._idle.put(worker)
+
+    def _new(self) -> Worker:
+        worker = Worker(self.support, self.python, self.limits, self.isolation)
+        with self._lock:
+            self._live.add(worker)
+        return worker
+
+    def _take(self) -> Worker:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            grow = len(self._live) < self.size
+        return self._new() if grow else self._idle.get()
+
+    def _give_back(self, worker: Worker) -> None:
+        if worker.alive and not self._closed:
+            self._idle.put(worker)
+            return
+        with self._lock:
+            self._live.discard(worker)
+        worker.close()
+
+    def run(self, job: Job, backend: str) -> JobResult:
+        try:
+            worker = self._take()
+        except WorkerDied as exc:
+            return infra_error(str(exc), backend, self.isolation)
+        try:
+            return worker.run(job, backend)
+        finally:
+            self._give_back(worker)
+
+    def close(self) -> None:
+        self._closed = True
+        atexit.unregister(self.close)
+        with self._lock:
+            workers = list(self._live)
+            self._live.clear()
+        for worker in workers:
+            worker.close()

@@ -1,0 +1,91 @@
+"""Multi-turn sandbox sessions: one sandbox kept alive across several commands.
+
+``SandboxSession(config)`` starts one warm worker (pool.Worker) in session mode: /work
+and /tmp persist between commands, so an agent episode can write a file in one turn
+and run it in the next. Each ``exec(cmd)`` runs in its own pid/mount/ipc namespace
+under the same limits as a job (rlimits, cgroup, seccomp, wall clock); processes it
+starts die when it returns. The session is closed by ``close()``, by leaving its
+``with`` block, or when ``session_timeout_s`` runs out (later ``exec`` calls then
+return a ``timeout`` result without running anything).
+
+Not covered: background processes that outlive one command (use one ``exec`` for a
+server and its client), network access, sessions that survive the host process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from components.sandbox.bwrap import require, resolve_python
+from components.sandbox.detect import probe
+from components.sandbox.job import Job, JobResult
+from components.sandbox.limits import Limits
+from components.sandbox.pool import Worker
+
+DEFAULT_SESSION_TIMEOUT_S = 600.0
+
+
+class SandboxSession:
+    name = "bwrap"
+
+    def __init__(self, config, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S) -> None:
+        from components.core.errors import UserError
+
+        python = resolve_python(config)
+        support = probe(python)
+        require(support, bool(getattr(config, "allow_weak_isolation", False)))
+        if not support.bwrap or not support.namespaces_ok:
+            raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
+                            "install bubblewrap and allow unprivileged user namespaces (see THREAT_MODEL.md)")
+        self.config = config
+        self.isolation = support.isolation + "+mode:session"
+        self.limits = Limits.from_config(config)
+        self._lock = threading.Lock()
+        self._worker: Worker | None = Worker(support, python, self.limits, self.isolation, session=True)
+        self._expires = time.monotonic() + session_timeout_s
+        self._timer = threading.Timer(session_timeout_s, self.close)
+        self._timer.daemon = True
+        self._timer.start()
+        self.commands = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._worker is None
+
+    def exec(self, cmd: str | list[str], timeout_s: float | None = None, files: dict[str, str] | None = None,
+             stdin: str = "") -> JobResult:
+        """Run ``cmd`` (a bash command line, or an argv list) in the session's /work."""
+        left = self._expires - time.monotonic()
+        with self._lock:
+            if self._worker is None or left <= 0:
+                if self._worker is not None:
+                    self._close_locked()
+                return JobResult(status="timeout", exit_code=-1, signal=0, stdout="",
+                                 stderr="sandbox session is closed (ended or ran out of time)", duration_s=0.0,
+                                 cpu_time_s=0.0, peak_memory_mb=0.0, backend=self.name, isolation=self.isolation)
+            self.commands += 1
+            argv = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+            timeout = min(timeout_s if timeout_s is not None else float(self.config.timeout_s), left)
+            job = Job(job_id=f"session-{self.commands}", files=dict(files or {}), argv=argv, stdin=stdin,
+                      timeout_s=timeout)
+            result = self._worker.run(job, self.name)
+            if not self._worker.alive:
+                self._close_locked()
+            return result
+
+    def _close_locked(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._close_locked()
+
+    def __enter__(self) -> SandboxSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

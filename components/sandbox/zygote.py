@@ -1,0 +1,384 @@
+"""Warm worker that runs INSIDE a bwrap sandbox and forks a fresh child per job.
+
+Started by pool.py as ``python3 -I -S /sandbox/zygote.py CTL_FD BPF_PATH [session]``.
+Stdlib only (it runs on the sandbox's /usr/bin/python3, not the project's venv); the
+host never imports it.
+
+Per job the host sends one SEQPACKET message on CTL_FD: a JSON header plus fds
+(spec memfd, stdout, stderr, optional result pipe). The worker never reads the job's
+data itself (so no job's files linger in the memory later children inherit); it forks:
+
+    worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
+            enforces the wall clock, reports to the host)
+      └─ G: pid 1 of a new pid namespace; new mount and ipc namespaces, private
+            mounts, fresh size-capped tmpfs /work and /tmp, its own /proc; reaps
+            orphans; when it exits the kernel kills everything left in the namespace
+           └─ J: the job. Reads the spec, writes files, sets rlimits, drops every
+                       capability and the bounding set, locks securebits, installs the
+                       job seccomp filter, then runs the program. ``{python} -I -S
+                       script`` runs in this already-started interpreter (the warm
+                       path: no exec, no interpreter start-up); anything else is exec'd.
+
+The job cannot see or signal the worker or G (they are outside its pid namespace),
+cannot mount or unshare (seccomp, no capabilities) and gets nothing from earlier jobs
+(fresh tmpfs and IPC namespace; the worker holds no job data).
+
+Not covered: a job in the warm path shares the interpreter's already-imported stdlib
+modules (ctypes, json, socket, ...) — they are imported but carry no state from other
+jobs; threads a warm-path job leaves running are not joined at exit (os._exit).
+"""
+
+import atexit
+import ctypes
+import io
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE, MS_BIND = 2, 4, 8, 0x4000, 1 << 18, 4096
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_CAPBSET_DROP = 1, 4, 22, 24
+PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 28, 38, 47, 4
+SECCOMP_MODE_FILTER = 2
+SECBITS_LOCKED_NOROOT = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot, no-setuid-fixup, no-ambient; locked
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+RESULT_FD_IN_JOB = 3
+REPORT_SIZE = struct.calcsize("=idd")
+try:
+    with open("/proc/sys/kernel/cap_last_cap") as _fh:
+        CAP_LAST = int(_fh.read())
+except (OSError, ValueError):
+    CAP_LAST = 63
+
+
+def check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def prctl(option, arg2=0, arg3=0, arg4=0, arg5=0):
+    return libc.prctl(option, arg2, arg3, arg4, arg5)
+
+
+def mount(source, target, fstype, flags, data):
+    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
+    check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges(bpf):
+    """Everything J must lose before untrusted code runs; each step fails closed."""
+    check(prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NOROOT), "securebits")
+    for cap in range(CAP_LAST + 1):
+        if prctl(PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() != 22:  # EINVAL: past the last cap
+            check(-1, f"drop bounding cap {cap}")
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    header = CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
+    data = (CapData * 2)()
+    check(libc.capset(ctypes.byref(header), data), "capset")
+    check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    check(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog)), "seccomp")
+
+
+def read_all(fd):
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def set_limits(lim):
+    for name, value in (("RLIMIT_CPU", lim["cpu_s"]), ("RLIMIT_AS", lim["as_bytes"]),
+                        ("RLIMIT_FSIZE", lim["fsize_bytes"]), ("RLIMIT_NOFILE", lim["nofile"]),
+                        ("RLIMIT_NPROC", lim["nproc"]), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def write_files(files):
+    for rel, text in files.items():
+        path = os.path.join("/work", rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
+
+
+def inline_python(argv):
+    """argv[1:] when the job is '{python} -I -S script ...' (the warm path), else None."""
+    if len(argv) >= 4 and argv[0] == "{python}" and sorted(argv[1:3]) == ["-I", "-S"] and not argv[3].startswith("-"):
+        return argv[3:]
+    return None
+
+
+def run_inline(args):
+    """Run a script like ``python -I -S script args`` would, in this interpreter; never returns.
+
+    As the interpreter does for a script: a fresh ``__main__`` module, the source compiled
+    with the script's path, ``sys.argv`` set, ``SystemExit`` turned into the exit status.
+    """
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def stream(fd, mode, errors="surrogateescape", line_buffering=False):
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+        return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
+
+    sys.stdin, sys.stdout = stream(0, "r"), stream(1, "w")
+    sys.stderr = stream(2, "w", "backslashreplace", True)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    sys.argv = list(args)
+    code = 0
+    main = type(sys)("__main__")
+    main.__file__ = args[0]
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    try:
+        with open(args[0], "rb") as fh:
+            source = fh.read()
+        exec(compile(source, args[0], "exec"), main.__dict__)
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # the job's own uncaught error: print it like the interpreter would
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    for out in (sys.stdout, sys.stderr):
+        try:
+            out.flush()
+        except BaseException:
+            pass
+    os._exit(code & 0xFF)
+
+
+def job_main(spec_fd, out_fd, err_fd, result_fd, bpf, python, fresh):
+    """J: becomes the job. Never returns."""
+    try:
+        spec = json.loads(read_all(spec_fd))
+        os.close(spec_fd)
+        write_files(spec["files"])
+        stdin = os.memfd_create("stdin")
+        os.write(stdin, spec.get("stdin", "").encode())
+        os.lseek(stdin, 0, os.SEEK_SET)
+        os.dup2(stdin, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        keep = 2
+        argv = list(spec["argv"])
+        if result_fd >= 0 and "{result_fd}" in argv:
+            os.dup2(result_fd, RESULT_FD_IN_JOB)
+            keep = RESULT_FD_IN_JOB
+            argv = [str(RESULT_FD_IN_JOB) if a == "{result_fd}" else a for a in argv]
+        os.closerange(keep + 1, 65536)
+        os.chdir("/work")
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")
+        os.setsid()
+        set_limits(spec["limits"])
+        drop_privileges(bpf)
+    except BaseException:
+        os.write(2, ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
+        os._exit(125)
+    script = inline_python(argv)
+    if script is not None:
+        run_inline(script)
+    argv = [python if a == "{python}" else a for a in argv]
+    try:
+        os.execvpe(argv[0], argv, JOB_ENV)
+    except OSError as exc:
+        os.write(2, f"cannot run {argv[0]}: {exc}\n".encode())
+        os._exit(127)
+
+
+def copy_result_file(name, result_fd, cap):
+    """Legacy result_file: after the job, hand the file's bytes to the host over the pipe."""
+    try:
+        fd = os.open(os.path.join("/work", name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        if not __import__("stat").S_ISREG(os.fstat(fd).st_mode):
+            return
+        left = cap + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            os.write(result_fd, chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+
+
+def init_main(job_args, report_fd, fresh, limits, result_file):
+    """G: pid 1 of the job's pid namespace. New mount+ipc namespaces, mounts, forks J,
+    reaps, writes J's status to ``report_fd``; its exit kills whatever J left behind."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
+    mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    if fresh:
+        mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['work_bytes']},mode=0755")
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['tmp_bytes']},mode=1777")
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    pid = os.fork()
+    if pid == 0:
+        os.close(report_fd)
+        job_main(*job_args)
+    for fd in job_args[:3]:
+        os.close(fd)
+    result_fd = job_args[3]
+    if result_fd >= 0 and not result_file:
+        os.close(result_fd)
+    while True:
+        try:
+            got, status, usage = os.wait4(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if got == pid:
+            if result_file and result_fd >= 0:
+                try:
+                    copy_result_file(result_file, result_fd, limits["result_cap"])
+                except OSError:
+                    pass
+            os.write(report_fd, struct.pack("=idd", status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss))
+            os._exit(0)
+
+
+def wait_report(pid, report_r, timeout_s):
+    """Read G's report; kill G when the wall clock runs out. Returns the report dict."""
+    pidfd = os.pidfd_open(pid)
+    deadline = time.monotonic() + timeout_s
+    packed = b""
+    timed_out = False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                os.kill(pid, signal.SIGKILL)
+                break
+            ready, _, _ = select.select([report_r, pidfd], [], [], left)
+            if report_r in ready:
+                chunk = os.read(report_r, 64)
+                packed += chunk
+                if not chunk or len(packed) >= REPORT_SIZE:
+                    break
+            elif pidfd in ready:
+                packed += os.read(report_r, 64) if select.select([report_r], [], [], 0)[0] else b""
+                break
+    finally:
+        os.close(pidfd)
+    report = {"timed_out": timed_out}
+    if len(packed) == REPORT_SIZE:
+        status, cpu, maxrss = struct.unpack("=idd", packed)
+        report.update(status=status, cpu_s=cpu, maxrss_kb=maxrss)
+    return report
+
+
+def reap(block=False):
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def serve(ctl, bpf, python, fresh):
+    prctl(PR_SET_DUMPABLE, 0)
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(ctl, 65536, 8)
+        except OSError:
+            return
+        if not msg:
+            return
+        req = json.loads(msg)
+        if req.get("op") != "run":
+            for fd in fds:
+                os.close(fd)
+            return
+        reap()
+        spec_fd, out_fd, err_fd = fds[:3]
+        result_fd = fds[3] if len(fds) > 3 else -1
+        report_r, report_w = os.pipe()
+        try:
+            check(libc.unshare(CLONE_NEWPID), "unshare pid")  # applies to the next child only
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    ctl.close()
+                    os.close(report_r)
+                    os.close(own_pidns)
+                    job_args = (spec_fd, out_fd, err_fd, result_fd, bpf, python, fresh)
+                    init_main(job_args, report_w, fresh, req["limits"], req.get("result_file", ""))
+                except BaseException:
+                    os.write(2, ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
+                os._exit(0)
+            check(libc.setns(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
+        except OSError:
+            report = {"error": traceback.format_exc()[-2000:]}
+            pid = 0
+        finally:
+            os.close(report_w)
+            for fd in fds:
+                os.close(fd)
+        if pid:
+            report = wait_report(pid, report_r, float(req["timeout_s"]))
+        os.close(report_r)
+        report["op"] = "done"
+        report["id"] = req["id"]
+        ctl.send(json.dumps(report).encode())
+
+
+def main():
+    ctl = socket.socket(fileno=int(sys.argv[1]))
+    with open(sys.argv[2], "rb") as fh:
+        bpf = fh.read()
+    python = sys.argv[3]
+    fresh = not (len(sys.argv) > 4 and sys.argv[4] == "session")
+    serve(ctl, bpf, python, fresh)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+# IRSA: each Kubernetes service account below assumes its own IAM role through the
+# cluster's OIDC provider, so pods get short-lived credentials and no static keys.
+#   stage  - the stage pods: read/write the run root, read MLflow's artifacts
+#   mlflow - the tracking server: read/write its artifacts, read checkpoints in the run root
+
+locals {
+  oidc_issuer   = replace(data.aws_eks_cluster.this.identity[0].oidc[0].issuer, "https://", "")
+  oidc_provider = "arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:oidc-provider/${local.oidc_issuer}"
+
+  irsa = {
+    stage = {
+      service_account = var.stage_service_account
+      write_prefixes  = [var.store_prefix]
+      read_prefixes   = [var.store_prefix, local.mlflow_artifacts]
+    }
+    mlflow = {
+      service_account = "mlflow"
+      write_prefixes  = [local.mlflow_artifacts]
+      read_prefixes   = [local.mlflow_artifacts, var.store_prefix]
+    }
+  }
+}
+
+data "aws_iam_policy_document" "irsa_trust" {
+  for_each = local.irsa
+
+  statement {
+    actions = ["sts:AssumeRoleWithWebIdentity"]
+    principals {
+      type        = "Federated"
+      identifiers = [local.oidc_provider]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "${local.oidc_issuer}:sub"
+      values   = ["system:serviceaccount:${var.namespace}:${each.value.service_account}"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "${local.oidc_issuer}:aud"
+      values   = ["sts.amazonaws.com"]
+    }
+  }
+}
+
+data "aws_iam_policy_document" "irsa_access" {
+  for_each = local.irsa
+
+  statement {
+    sid       = "ListOwnPrefixes"
+    actions   = ["s3:ListBucket"]
+    resources = [aws_s3_bucket.store.arn]
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = flatten([for p in each.value.read_prefixes : [p, "${p}/*"]])
+    }
+  }
+  statement {
+    sid       = "Read"
+    actions   = ["s3:GetObject", "s3:GetObjectVersion"]
+    resources = [for p in each.value.read_prefixes : "${aws_s3_bucket.store.arn}/${p}/*"]
+  }
+  statement {
+    sid       = "Write"
+    actions   = ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"]
+    resources = [for p in each.value.write_prefixes : "${aws_s3_bucket.store.arn}/${p}/*"]
+  }
+  statement {
+    sid       = "UseStoreKey"
+    actions   = ["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey"]
+    resources = [aws_kms_key.store.arn]
+  }
+}
+
+resource "aws_iam_role" "irsa" {
+  for_each = local.irsa
+
+  name               = "${var.name}-${each.key}"
+  description        = "${var.name}: assumed by service account ${var.namespace}/${each.value.service_account}"
+  assume_role_policy = data.aws_iam_policy_document.irsa_trust[each.key].json
+}
+
+resource "aws_iam_role_policy" "irsa" {
+  for_each = local.irsa
+
+  name   = "${var.name}-${each.key}-store"
+  role   = aws_iam_role.irsa[each.key].id
+  policy = data.aws_iam_policy_document.irsa_access[each.key].json
+}

@@ -1,0 +1,191 @@
+"""The stage contract through the real runner: manifests, cache hits, config changes, errors.
+
+Runs recipes/tiny.yaml stages with ``run_stage`` on a file:// and on an s3:// run root
+(SeaweedFS on loopback). Bootstrap runs once per store kind (module fixture); each test
+then works in its own iteration so the tests do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components.core import tracking
+from components.core.context import read_manifest
+from components.core.errors import UserError
+from components.core.manifest import MANIFEST, InputRef, Manifest
+from components.core.recipe import load_recipe
+from components.core.runner import code_version, run_stage
+from components.core.storage import Store
+from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
+from tests.fixtures.s3 import apply_env, new_store_uri
+
+TINY = load_recipe(TINY_RECIPE)
+
+
+@dataclass
+class Booted:
+    root: str
+    store: Store
+    boot: Manifest
+    tmp: Path
+
+
+@pytest.fixture(scope="module", params=["file", "s3"])
+def booted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A run root (file:// or s3://) where tiny's bootstrap has run, with its own MLflow."""
+    base = tmp_path_factory.mktemp(f"contract-{request.param}")
+    with pytest.MonkeyPatch.context() as mp:
+        server = apply_env(mp, request.getfixturevalue("s3_server")) if request.param == "s3" else None
+        use_home(mp, base / ".posttrain")
+        root = new_store_uri(request.param, base, server, "stage-contract")
+        boot = run_stage("bootstrap", TINY_RECIPE, root, 0)
+        yield Booted(root=root, store=Store(root), boot=boot, tmp=base)
+        reset_tracking_clients()
+
+
+def sha256_of(store: Store, rel: str) -> str:
+    return hashlib.sha256(store.read_bytes(rel)).hexdigest()
+
+
+def run_count() -> int:
+    from mlflow.entities import ViewType
+
+    exp = tracking.client().get_experiment_by_name("tiny")
+    return len(tracking.client().search_runs([exp.experiment_id], run_view_type=ViewType.ALL, max_results=1000))
+
+
+def snapshot(store: Store, rels: list[str]) -> dict[str, tuple[bytes, object]]:
+    """Bytes and modification time of each file, read fresh from the backend."""
+    store.fs.invalidate_cache()
+    out = {}
+    for rel in rels:
+        info = store.fs.info(store._path(rel))
+        out[rel] = (store.read_bytes(rel), info.get("mtime", info.get("LastModified")))
+    return out
+
+
+def test_bootstrap_manifest(booted: Booted) -> None:
+    m, store = booted.boot, booted.store
+    assert (m.stage, m.pipeline, m.iteration, m.shard, m.inputs) == ("bootstrap", "tiny", 0, None, {})
+    assert m.config_digest == TINY.digest("bootstrap")
+    assert m.code_version == code_version()
+    assert set(m.outputs) == {"checkpoint", "eval_results"}
+    ckpt = m.outputs["checkpoint"]
+    assert ckpt.path == "tiny/bootstrap/checkpoint"
+    assert ckpt.sha256 == sha256_of(store, "tiny/bootstrap/checkpoint/model.safetensors")
+    assert ckpt.rows == int(m.metrics["bootstrap/parameters"]) > 0
+    evals = m.outputs["eval_results"]
+    assert evals.path == "tiny/bootstrap/eval_results.parquet"
+    assert evals.sha256 == sha256_of(store, evals.path)
+    assert evals.rows == store.read_table(evals.path).num_rows == 2 * TINY.evaluation.tasks_per_domain
+    assert m.info["version"] == "1"
+    assert m.info["checkpoint_uri"] == store.url("tiny/bootstrap/checkpoint")
+    assert m.mlflow_run_id
+    run = tracking.client().get_run(m.mlflow_run_id)
+    assert (run.info.status, run.data.tags[tracking.TAG_STAGE]) == ("FINISHED", "bootstrap")
+    on_disk = store.read_json(f"tiny/bootstrap/{MANIFEST}")
+    assert on_disk == m.to_json()
+    assert on_disk["content_digest"] == m.content_digest
+
+
+def test_taskgen_and_rollout_manifests_record_inputs(booted: Booted) -> None:
+    store = booted.store
+    tg = run_stage("taskgen", TINY_RECIPE, booted.root, 1)
+    assert (tg.stage, tg.iteration, tg.shard) == ("taskgen", 1, None)
+    assert tg.inputs == {"policy": InputRef(uri=booted.boot.info["checkpoint_uri"], digest="version:1")}
+    assert tg.config_digest == TINY.digest("taskgen")
+    tasks = tg.outputs["tasks"]
+    assert tasks.path == "tiny/iter-000001/taskgen/tasks.parquet"
+    assert tasks.rows == TINY.taskgen.tasks_per_iteration == store.read_table(tasks.path).num_rows
+    assert tasks.sha256 == sha256_of(store, tasks.path)
+    assert tg.metrics["taskgen/tasks"] == 8.0
+    assert tg.mlflow_run_id and tg.info["parent_run_id"]
+    assert read_manifest(store, "tiny/iter-000001/taskgen").to_json() == tg.to_json()
+
+    ro = run_stage("rollout", TINY_RECIPE, booted.root, 1, "1/2")
+    assert (ro.stage, ro.iteration, ro.shard) == ("rollout", 1, "1/2")
+    assert ro.inputs == {"taskgen": InputRef(uri=store.url(f"tiny/iter-000001/taskgen/{MANIFEST}"), digest=tg.content_digest)}
+    rollouts = ro.outputs["rollouts"]
+    assert rollouts.path == "tiny/iter-000001/rollout/shard-00001-of-00002/rollouts.parquet"
+    assert rollouts.rows == 4 * TINY.rollout.group_size  # tasks 1, 3, 5, 7 of 8
+    assert rollouts.sha256 == sha256_of(store, rollouts.path)
+    assert ro.mlflow_run_id not in ("", tg.mlflow_run_id)
+    assert tracking.client().get_run(ro.mlflow_run_id).data.tags["mlflow.parentRunId"] == tg.info["parent_run_id"]
+
+
+def test_rerun_is_a_cache_hit(booted: Booted) -> None:
+    store = booted.store
+    first = run_stage("taskgen", TINY_RECIPE, booted.root, 2)
+    files = [f"tiny/iter-000002/taskgen/{MANIFEST}", first.outputs["tasks"].path,
+             f"tiny/bootstrap/{MANIFEST}", "tiny/bootstrap/checkpoint/model.safetensors"]
+    before, runs = snapshot(store, files), run_count()
+    versions = len(tracking.client().search_model_versions("name = 'tiny-policy'"))
+    time.sleep(1.1)  # S3 LastModified has 1 s resolution: a rewrite would now show
+    again = run_stage("taskgen", TINY_RECIPE, booted.root, 2)
+    boot_again = run_stage("bootstrap", TINY_RECIPE, booted.root, 0)
+    assert again == first
+    assert boot_again == booted.boot
+    assert snapshot(store, files) == before
+    assert run_count() == runs
+    assert len(tracking.client().search_model_versions("name = 'tiny-policy'")) == versions
+
+
+def test_changed_stage_config_reruns(booted: Booted) -> None:
+    store = booted.store
+    first = run_stage("taskgen", TINY_RECIPE, booted.root, 3)
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    data["taskgen"]["tasks_per_iteration"] = 6
+    changed = booted.tmp / "tiny-6-tasks.yaml"
+    changed.write_text(yaml.safe_dump(data))
+    runs = run_count()
+
+    second = run_stage("taskgen", changed, booted.root, 3)
+    assert second.config_digest == load_recipe(changed).digest("taskgen") != first.config_digest
+    assert second.outputs["tasks"].rows == 6 == store.read_table(second.outputs["tasks"].path).num_rows
+    assert second.mlflow_run_id != first.mlflow_run_id
+    assert run_count() == runs + 1
+    assert read_manifest(store, "tiny/iter-000003/taskgen").config_digest == second.config_digest
+
+    # A section taskgen does not depend on leaves its cache key alone.
+    data["trainer"] = {"learning_rate": 0.5}
+    unrelated = booted.tmp / "tiny-6-tasks-lr.yaml"
+    unrelated.write_text(yaml.safe_dump(data))
+    assert run_stage("taskgen", unrelated, booted.root, 3) == second
+    assert run_count() == runs + 1
+
+
+@pytest.mark.parametrize(("stage", "shard", "missing"), [("rollout", "0/2", "taskgen"), ("evaluation", None, "trainer")])
+def test_stage_without_upstream_manifest_says_what_to_run(booted: Booted, stage: str, shard: str | None, missing: str) -> None:
+    runs = run_count()
+    with pytest.raises(UserError) as info:
+        run_stage(stage, TINY_RECIPE, booted.root, 7, shard)
+    err = info.value
+    assert err.field == f"stage {missing}"
+    assert err.value == booted.store.url(f"tiny/iter-000007/{missing}")
+    assert "no manifested output for iteration 7" in err.problem
+    assert f"run 'posttrain stage {missing} --iteration 7'" in err.fix
+    assert booted.store.glob(f"tiny/iter-000007/{stage}/**") == []
+    assert run_count() == runs
+
+
+def test_missing_shard_is_named(booted: Booted) -> None:
+    store = booted.store
+    run_stage("taskgen", TINY_RECIPE, booted.root, 4)
+    run_stage("rollout", TINY_RECIPE, booted.root, 4, "0/2")
+    with pytest.raises(UserError) as info:
+        run_stage("sandbox", TINY_RECIPE, booted.root, 4, "0/2")
+    err = info.value
+    assert err.field == "stage rollout"
+    assert "only shards ['0/2'] of 2 are manifested" in err.problem
+    assert "['1/2']" in err.fix
+    assert not store.exists(f"tiny/iter-000004/sandbox/shard-00000-of-00002/{MANIFEST}")
+
+    run_stage("rollout", TINY_RECIPE, booted.root, 4, "1/2")
+    done = run_stage("sandbox", TINY_RECIPE, booted.root, 4, "0/2")
+    assert set(done.inputs) == {"taskgen", "rollout[0/2]"}

@@ -1,0 +1,163 @@
+"""Store: the same operations on file:// and on a real S3 server (SeaweedFS on loopback)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from components.core.errors import UserError
+from components.core.storage import Store, normalize_uri, sha256_bytes
+from tests.fixtures.s3 import closed_port
+
+
+def test_bytes_and_json_round_trip(store_uri: str) -> None:
+    store = Store(store_uri)
+    payload = bytes(range(256)) * 3
+    store.write_bytes("a/b/blob.bin", payload)
+    assert store.read_bytes("a/b/blob.bin") == payload
+
+    obj = {"b": [1, 2.5, "three"], "a": {"nested": True, "none": None}}
+    written = store.write_json("a/obj.json", obj)
+    assert store.read_bytes("a/obj.json") == written
+    assert written == json.dumps(obj, indent=2, sort_keys=True).encode()
+    assert store.read_json("a/obj.json") == obj
+
+    store.write_bytes("a/b/blob.bin", b"second")  # a retry overwrites, never duplicates
+    assert store.read_bytes("a/b/blob.bin") == b"second"
+    assert store.listdir("a/b") == ["blob.bin"]
+
+
+def test_exists_listdir_glob_delete(store_uri: str) -> None:
+    store = Store(store_uri)
+    assert store.exists("d/x.txt") is False
+    assert store.listdir("d") == []
+    for rel in ("d/x.txt", "d/y.txt", "d/sub/z.txt", "d/sub/w.json"):
+        store.write_bytes(rel, rel.encode())
+    assert store.exists("d/x.txt") is True
+    assert store.exists("d/nope.txt") is False
+    assert store.listdir("d") == ["sub", "x.txt", "y.txt"]
+    assert store.listdir("d/sub") == ["w.json", "z.txt"]
+    assert store.glob("d/*.txt") == ["d/x.txt", "d/y.txt"]
+    assert store.glob("d/*/*.txt") == ["d/sub/z.txt"]
+    store.delete("d/x.txt")
+    assert store.exists("d/x.txt") is False
+    assert store.listdir("d") == ["sub", "y.txt"]
+    store.delete("d/sub", recursive=True)
+    # Only the objects are asserted gone: SeaweedFS (unlike AWS S3) keeps an emptied
+    # folder as a common prefix, so listdir("d") may still show "sub" there.
+    assert store.glob("d/sub/*") == []
+    assert store.exists("d/sub/z.txt") is False
+    assert store.read_bytes("d/y.txt") == b"d/y.txt"
+
+
+def test_url_and_child_resolve_under_the_root(store_uri: str) -> None:
+    store = Store(store_uri)
+    assert store.url("p/q.parquet") == store_uri.rstrip("/") + "/p/q.parquet"
+    child = store.child("p")
+    child.write_bytes("q.bin", b"via child")
+    assert child.uri == store.url("p")
+    assert store.read_bytes("p/q.bin") == b"via child"
+
+
+def test_write_table_digest_is_sha256_of_stored_bytes(store_uri: str) -> None:
+    store = Store(store_uri)
+    table = pa.table({"x": pa.array([1, 2, 3], pa.int64()), "s": ["a", "b", "ü"]})
+    data, digest = store.write_table("t/table.parquet", table)
+    stored = store.read_bytes("t/table.parquet")
+    assert stored == data
+    assert digest == hashlib.sha256(stored).hexdigest() == sha256_bytes(stored)
+    assert store.read_table("t/table.parquet").equals(table)
+
+
+def test_upload_and_download_dir_round_trip(store_uri: str, tmp_path: Path) -> None:
+    src = tmp_path / "ckpt-src"
+    files = {
+        "config.json": b'{"model_type": "llama"}',
+        "model.safetensors": bytes(range(200)) * 50,
+        "tokenizer/tokenizer.json": b'{"version": "1.0"}',
+    }
+    for name, data in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    store = Store(store_uri)
+    digests = store.upload_dir(src, "run/checkpoint")
+    assert digests == {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    assert store.listdir("run/checkpoint") == ["config.json", "model.safetensors", "tokenizer"]
+
+    dst = tmp_path / "ckpt-dst"
+    store.download_dir("run/checkpoint", dst)
+    got = {p.relative_to(dst).as_posix(): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    assert got == files
+
+
+def test_check_reachable_passes_and_leaves_no_probe(store_uri: str) -> None:
+    store = Store(store_uri)
+    store.check_reachable()
+    assert store.listdir("") == []
+    store.write_bytes("kept.txt", b"x")
+    store.check_reachable()
+    assert store.listdir("") == ["kept.txt"]
+
+
+def test_check_reachable_on_closed_endpoint_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "nothing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    store = Store("s3://bucket/x", field="--run-root")
+    with pytest.raises(UserError) as info:
+        store.check_reachable()
+    line = info.value.line()
+    assert line.startswith("--run-root='s3://bucket/x': store is not reachable")
+    assert "AWS_ENDPOINT_URL" in info.value.fix
+    assert "fix: " in line and "AWS_ENDPOINT_URL" in line
+
+
+def test_file_writes_leave_no_temporary_files(tmp_path: Path) -> None:
+    store = Store(f"file://{tmp_path / 'root'}")
+    for i in range(5):
+        store.write_bytes(f"x/f{i}.bin", b"x" * i)
+    store.write_json("x/j.json", {"k": 1})
+    store.write_table("x/t.parquet", pa.table({"a": [1]}))
+    store.write_bytes("x/f0.bin", b"overwritten")
+    names = sorted(p.relative_to(tmp_path / "root").as_posix() for p in (tmp_path / "root").rglob("*"))
+    assert names == ["x", "x/f0.bin", "x/f1.bin", "x/f2.bin", "x/f3.bin", "x/f4.bin", "x/j.json", "x/t.parquet"]
+    assert not [n for n in names if ".tmp-" in n]
+
+
+@pytest.mark.parametrize(
+    ("uri", "expected"),
+    [
+        ("s3://bucket/prefix/", "s3://bucket/prefix"),
+        ("s3://bucket", "s3://bucket"),
+        ("file:///tmp/../tmp/store", "file:///tmp/store"),
+    ],
+)
+def test_normalize_uri_accepts(uri: str, expected: str) -> None:
+    assert normalize_uri(uri) == expected
+
+
+def test_normalize_uri_makes_bare_paths_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert normalize_uri("rel/store") == f"file://{tmp_path.resolve()}/rel/store"
+
+
+@pytest.mark.parametrize(
+    ("uri", "needles"),
+    [
+        ("ftp://x", ["run_root='ftp://x'", "unsupported URI scheme 'ftp'", "fix: use one of file://, s3://"]),
+        ("s3://", ["run_root='s3://'", "no bucket", "fix: write s3://bucket/prefix"]),
+        ("   ", ["run_root=''", "empty storage URI", "fix: pass file:///path or s3://bucket/prefix"]),
+    ],
+)
+def test_normalize_uri_errors(uri: str, needles: list[str]) -> None:
+    with pytest.raises(UserError) as info:
+        normalize_uri(uri)
+    line = info.value.line()
+    for needle in needles:
+        assert needle in line

@@ -1,0 +1,144 @@
+"""The Airflow DAG: it imports cleanly, has the documented shape, and really runs.
+
+The real runs go through ``posttrain run`` in a subprocess, as a user starts it:
+Airflow's in-process test runner on a SQLite metadata DB, local store, SQLite MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from components import STAGES
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny.yaml"
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
+    env["POSTTRAIN_HOME"] = str(home)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _posttrain(*args: str) -> list[str]:
+    return [sys.executable, "-m", "components.cli", *args]
+
+
+DAGBAG = """
+import json
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=%r)
+dag = bag.dags["post_training_iteration"]
+print(json.dumps({
+    "errors": {k: str(v) for k, v in bag.import_errors.items()},
+    "tasks": sorted(dag.task_ids),
+    "max_active_runs": dag.max_active_runs,
+    "sandbox_pool": dag.get_task("sandbox").pool,
+    "trainer_retries": dag.get_task("trainer").retries,
+    "trainer_outlets": [o.name for o in dag.get_task("trainer").outlets],
+    "params": sorted(dag.params.keys()),
+    "after_taskgen": sorted(dag.get_task("taskgen").downstream_task_ids),
+    "after_reward": sorted(dag.get_task("reward").downstream_task_ids),
+}))
+"""
+
+
+def test_dagbag_imports_without_errors(tmp_path):
+    """A fresh interpreter, as Airflow's DAG processor would parse the folder."""
+    env = {**_env(tmp_path / ".posttrain"), "AIRFLOW_HOME": str(tmp_path / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    proc = subprocess.run([sys.executable, "-c", DAGBAG % str(REPO / "dags")], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shape = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert shape["errors"] == {}
+    assert shape["tasks"] == sorted(STAGES)
+    assert shape["max_active_runs"] == 1
+    assert shape["sandbox_pool"] == "posttrain_sandbox"
+    assert shape["trainer_retries"] == 2
+    assert shape["trainer_outlets"] == ["posttrain-policy-candidate"]
+    assert shape["params"] == ["iteration", "recipe", "run_root"]
+    assert shape["after_taskgen"] == ["rollout"]
+    assert shape["after_reward"] == ["validation"]
+
+
+def _manifest(run_root: Path, stage: str, iteration: int = 1, shard: str | None = None) -> Path:
+    base = run_root / "tiny" / ("bootstrap" if stage == "bootstrap" else f"iter-{iteration:06d}/{stage}")
+    return (base / shard / "_MANIFEST.json") if shard else (base / "_MANIFEST.json")
+
+
+def test_posttrain_run_executes_the_dag_end_to_end(tmp_path):
+    home = tmp_path / ".posttrain"
+    proc = subprocess.run(_posttrain("run", "--recipe", str(TINY), "--iterations", "1"), cwd=tmp_path, env=_env(home),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for line in ("| bootstrap |", "| taskgen |", "| rollout[0/2] |", "| rollout[1/2] |", "| sandbox[1/2] |",
+                 "| reward[0/2] |", "| validation |", "| trainer |", "| evaluation |"):
+        assert line in out, f"missing progress line {line!r}"
+    assert "eval pass@1 by domain" in out
+    assert f"mlflow ui --backend-store-uri sqlite:///{home / 'mlflow.db'}" in out
+    run_root = home / "store"
+    report = json.loads((run_root / "tiny/iter-000001/evaluation/report.json").read_text())
+    assert report["candidate"] == "2" and report["baseline"] == "1"
+    # The DAG run is recorded by Airflow, and every task instance succeeded.
+    db = sqlite3.connect(home / "airflow" / "airflow.db")
+    states = db.execute("select state from dag_run where dag_id='post_training_iteration'").fetchall()
+    assert states == [("success",)]
+    tis = dict(db.execute("select task_id || coalesce('#' || nullif(map_index, -1), ''), state from task_instance").fetchall())
+    assert tis["trainer"] == "success" and tis["rollout#0"] == "success" and tis["rollout#1"] == "success"
+    assert len(tis) == len(STAGES) + 2 * 3 - 3  # three mapped stages with two shards each
+
+
+def test_killed_run_resumes_without_redoing_finished_stages(tmp_path):
+    """SIGKILL in the middle of the trainer (checkpoint written, manifest not); the rerun
+    finishes the iteration, redoes nothing manifested and duplicates nothing."""
+    home = tmp_path / ".posttrain"
+    run_root = home / "store"
+    env = {**_env(home), "POSTTRAIN_FAILPOINT": "before-manifest:trainer"}
+    proc = subprocess.Popen(_posttrain("run", "--recipe", str(TINY), "--iterations", "1"), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in proc.stdout:  # wait until the trainer has written its checkpoint but not its manifest
+        seen.append(line)
+        if "failpoint before-manifest:trainer reached" in line:
+            break
+    else:
+        raise AssertionError("the run ended before the failpoint:\n" + "".join(seen[-40:]))
+    assert (run_root / "tiny/iter-000001/trainer/checkpoint/model.safetensors").exists()
+    assert not _manifest(run_root, "trainer").exists()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    before = {p: p.read_bytes() for p in run_root.rglob("_MANIFEST.json")}
+    assert len(before) == 1 + 1 + 2 * 3 + 1  # bootstrap, taskgen, 3 sharded stages x 2, validation
+
+    rerun = subprocess.run(_posttrain("run", "--recipe", str(TINY), "--iterations", "1"), cwd=tmp_path, env=_env(home),
+                           capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    for path, data in before.items():
+        assert path.read_bytes() == data, f"{path} was rewritten"
+    assert rerun.stdout.count("cache hit") == len(before)
+    assert _manifest(run_root, "trainer").exists() and _manifest(run_root, "evaluation").exists()
+
+    import pyarrow.parquet as pq
+
+    rollouts = pq.read_table(run_root / "tiny/iter-000001/rollout/shard-00000-of-00002/rollouts.parquet").to_pylist()
+    rollouts += pq.read_table(run_root / "tiny/iter-000001/rollout/shard-00001-of-00002/rollouts.parquet").to_pylist()
+    ids = [r["rollout_id"] for r in rollouts]
+    assert len(ids) == len(set(ids)) == 8 * 4  # tasks_per_iteration x group_size, no duplicates
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    versions = sorted(int(v.version) for v in client.search_model_versions("name = 'tiny-policy'"))
+    assert versions == [1, 2], "a retried trainer must not register a second checkpoint"
+    leftovers = [p for p in run_root.rglob("*") if ".tmp-" in p.name]
+    assert leftovers == []

@@ -1,0 +1,54 @@
+"""Helpers shared by the sandbox tests (configs, skip reason, host process scans)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from components.core.recipe import SandboxConfig
+from components.sandbox.detect import probe
+from components.sandbox.limits import UID_BASE, UID_SLOTS
+
+
+def sandbox_config(**over) -> SimpleNamespace:
+    """A SandboxConfig as a namespace, with the lead's new fields (mode, allow_weak_isolation)."""
+    extra = {k: over.pop(k) for k in ("mode", "allow_weak_isolation") if k in over}
+    fields = SandboxConfig(backend="bwrap", **{"timeout_s": 3.0, "concurrency": 2, **over}).model_dump()
+    return SimpleNamespace(**{"mode": "strict", "allow_weak_isolation": False, **fields, **extra})
+
+
+def bwrap_unavailable() -> str:
+    support = probe()
+    return "; ".join(support.missing + list(support.problems)) if support.missing else ""
+
+
+def sandbox_pids() -> list[int]:
+    """Host pids running as a sandbox uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as fh:
+                for line in fh:
+                    if line.startswith("Uid:"):
+                        uid = int(line.split()[1])
+                        if UID_BASE <= uid < UID_BASE + UID_SLOTS:
+                            found.append(int(entry))
+                        break
+        except OSError:
+            continue
+    return found
+
+
+def pids_with(token: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if token.encode() in fh.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found

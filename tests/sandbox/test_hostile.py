@@ -1,0 +1,296 @@
+"""Hostile programs against the bwrap sandbox, in strict and warm mode.
+
+Each test checks one property: the status the job gets and how fast it came back, plus
+that the host is untouched where that is the point.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from components.sandbox.job import Job
+from tests.sandbox.helpers import pids_with
+
+PY = ["{python}", "-I", "-S", "main.py"]
+
+
+def py(src: str, timeout_s: float | None = None, **kw) -> Job:
+    return Job(job_id="hostile", files={"main.py": src}, argv=PY, timeout_s=timeout_s, **kw)
+
+
+def sh(src: str, timeout_s: float | None = None) -> Job:
+    return Job(job_id="hostile", files={"main.sh": src}, argv=["bash", "main.sh"], timeout_s=timeout_s)
+
+
+def run_timed(executor, job):
+    start = time.monotonic()
+    result = executor.run(job)
+    return result, time.monotonic() - start
+
+
+def test_isolation_string_is_recorded(executor):
+    result = executor.run(py("print('hi')"))
+    assert result.status == "ok" and result.stdout == "hi\n"
+    assert result.isolation.startswith("bwrap:") and "seccomp" in result.isolation and "WEAK" not in result.isolation
+
+
+def test_runs_as_unprivileged_uid_without_capabilities(executor):
+    src = ("import os\nst = open('/proc/self/status').read()\n"
+           "print([l.split()[1] for l in st.splitlines() if l.startswith(('CapEff', 'CapPrm', 'CapBnd', 'NoNewPrivs'))])")
+    result = executor.run(py(src))
+    assert result.status == "ok", result.stderr
+    assert result.stdout.strip() == "['0000000000000000', '0000000000000000', '0000000000000000', '1']"
+    assert result.extra["uid"] >= 1_500_000  # the host uid it ran as
+
+
+def test_fork_bomb_is_contained(executor):
+    src = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    result, took = run_timed(executor, py(src, timeout_s=2))
+    assert result.status in ("timeout", "killed")
+    assert took < 4.5
+    assert executor.run(py("print(1)")).status == "ok"  # the host (and a warm worker) still works
+
+
+def test_bash_fork_bomb_is_contained(executor):
+    result, took = run_timed(executor, sh(":(){ :|:& };:\nwait", timeout_s=2))
+    assert result.status != "infra_error"  # bash may give up on EAGAIN and exit by itself
+    assert took < 4.5
+    assert executor.run(py("print(1)")).status == "ok"
+
+
+def test_memory_bomb_is_oom(executor):
+    result, took = run_timed(executor, py("x = bytearray(4 * 1024**3)", timeout_s=5))
+    assert result.status == "oom"
+    assert took < 2.0
+
+
+def test_gradual_memory_growth_is_oom(executor):
+    result, took = run_timed(executor, py("chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))", timeout_s=5))
+    assert result.status == "oom"
+    assert took < 4.0
+
+
+def test_infinite_loop_times_out_on_time(executor):
+    result, took = run_timed(executor, py("while True:\n    pass", timeout_s=1.0))
+    assert result.status == "timeout"
+    assert 0.95 < took < 1.6
+    assert result.cpu_time_s > 0.05  # the loop's CPU is accounted even though it was killed (was ~0 before)
+
+
+def test_sleep_with_children_past_timeout_kills_the_tree(executor):
+    token = f"{secrets.randbelow(10**6) + 1000}.5"
+    result, took = run_timed(executor, sh(f"sleep {token} &\nsleep {token} &\nwait", timeout_s=1.0))
+    assert result.status == "timeout"
+    assert took < 1.8
+    time.sleep(0.2)
+    assert pids_with(f"sleep\0{token}") == []
+
+
+def test_daemon_does_not_outlive_its_job(executor):
+    token = f"{secrets.randbelow(10**6) + 1000}.25"
+    src = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+           f"        os.execv('/bin/sleep', ['sleep', '{token}'])\n    os._exit(0)\nprint('parent done')")
+    result, took = run_timed(executor, py(src))
+    assert result.status == "ok" and "parent done" in result.stdout
+    assert took < 2.0
+    time.sleep(0.2)
+    assert pids_with(f"sleep\0{token}") == []
+
+
+def test_disk_fill_fails_fast_and_stays_in_tmpfs(executor):
+    src = ("import os\nblock = b'x' * (1 << 20)\ntry:\n    for i in range(4096):\n"
+           "        with open(f'/work/f{i}', 'wb') as fh:\n            for _ in range(8):\n                fh.write(block)\n"
+           "except OSError as exc:\n    print('stopped', exc.strerror)\n    raise SystemExit(3)\n")
+    before = os.statvfs("/").f_bfree
+    result, took = run_timed(executor, py(src, timeout_s=10))
+    assert result.status == "failed" and "stopped" in result.stdout
+    assert took < 5.0
+    assert abs(os.statvfs("/").f_bfree - before) * os.statvfs("/").f_frsize < 64 << 20  # host disk untouched
+
+
+def test_single_huge_file_hits_fsize_limit(executor):
+    src = "f = open('/tmp/big', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))\n"
+    result, took = run_timed(executor, py(src, timeout_s=10))
+    assert result.status == "failed"
+    assert "File too large" in result.stderr or "No space left" in result.stderr
+    assert took < 5.0
+
+
+def test_stdout_flood_is_capped_and_killed(executor):
+    src = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
+    result, took = run_timed(executor, py(src, timeout_s=20))
+    assert result.status == "killed" and result.extra.get("reason") == "output flood"
+    assert took < 5.0
+    assert len(result.stdout) < 8192 + 100
+
+
+@pytest.fixture
+def loopback_server():
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    hits = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+                hits.append(conn)
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], hits
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_no_network_even_to_host_loopback(executor, loopback_server):
+    port, hits = loopback_server
+    src = (f"import socket\nout = []\n"
+           f"for fam, addr in ((socket.AF_INET, ('127.0.0.1', {port})), (socket.AF_INET6, ('::1', {port})),"
+           f" (socket.AF_INET, ('1.1.1.1', 53))):\n"
+           f"    try:\n        s = socket.socket(fam, socket.SOCK_STREAM)\n        s.settimeout(1)\n"
+           f"        s.connect(addr)\n        out.append('CONNECTED')\n"
+           f"    except OSError as exc:\n        out.append(type(exc).__name__)\n"
+           f"for fam in (16, 17):  # AF_NETLINK, AF_PACKET\n    try:\n        socket.socket(fam, socket.SOCK_RAW)\n"
+           f"        out.append('RAW')\n    except OSError as exc:\n        out.append(type(exc).__name__)\nprint(out)")
+    result, took = run_timed(executor, py(src))
+    assert result.status == "ok", result.stderr
+    assert "CONNECTED" not in result.stdout and "RAW" not in result.stdout
+    assert took < 2.0
+    assert hits == []
+
+
+def test_no_abstract_unix_socket_to_host(executor):
+    name = f"\0posttrain-test-{secrets.token_hex(6)}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(name)
+    server.listen(1)
+    try:
+        src = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({name!r})\n    print('CONNECTED')\n"
+               f"except OSError as exc:\n    print(type(exc).__name__)")
+        result = executor.run(py(src))
+        assert result.status == "ok" and "CONNECTED" not in result.stdout
+    finally:
+        server.close()
+
+
+def test_host_secrets_are_invisible(executor, tmp_path, monkeypatch):
+    secret = "s3cr3t-" + secrets.token_hex(8)
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", secret)
+    secret_file = tmp_path / "credentials"
+    secret_file.write_text(secret)
+    secret_file.chmod(0o644)
+    home_secret = os.path.expanduser(f"~/.posttrain-test-secret-{secrets.token_hex(4)}")
+    with open(home_secret, "w") as fh:
+        fh.write(secret)
+    try:
+        src = (f"import os\nout = [str(dict(os.environ))]\n"
+               f"for p in ('/proc/1/environ', '/proc/self/environ', {str(secret_file)!r}, {home_secret!r},"
+               f" os.path.expanduser('~/.aws/credentials'), '/root/.aws/credentials', '/etc/shadow'):\n"
+               f"    try:\n        out.append(open(p, errors='replace').read())\n"
+               f"    except OSError as exc:\n        out.append(type(exc).__name__)\n"
+               f"for pid in os.listdir('/proc'):\n    if pid.isdigit():\n        try:\n"
+               f"            out.append(open(f'/proc/{{pid}}/environ', errors='replace').read())\n"
+               f"        except OSError:\n            pass\nprint(out)")
+        result = executor.run(py(src))
+        assert result.status == "ok", result.stderr
+        assert secret not in result.stdout and "AWS" not in result.stdout
+    finally:
+        os.unlink(home_secret)
+
+
+def test_cannot_write_outside_work_folder_or_escape_by_symlink(executor, tmp_path):
+    target = tmp_path / "victim"
+    target.write_text("original")
+    target.chmod(0o666)
+    src = (f"import os\nout = []\n"
+           f"for p in ('/usr/bin/evil', '/etc/evil', '/evil', {str(target)!r}, '/proc/sys/kernel/hostname'):\n"
+           f"    try:\n        open(p, 'w').write('pwned')\n        out.append('WROTE ' + p)\n"
+           f"    except OSError as exc:\n        out.append(type(exc).__name__)\n"
+           f"os.symlink({str(target)!r}, 'link')\nos.symlink('/usr/bin', 'bin')\n"
+           f"for p in ('link', 'bin/evil'):\n    try:\n        open(p, 'w').write('pwned')\n        out.append('WROTE ' + p)\n"
+           f"    except OSError as exc:\n        out.append(type(exc).__name__)\nprint(out)")
+    result = executor.run(py(src))
+    assert result.status == "ok", result.stderr
+    assert "WROTE" not in result.stdout.replace("WROTE link", "")  # 'link' resolves inside the sandbox only
+    assert target.read_text() == "original"
+    assert not os.path.exists("/usr/bin/evil") and not os.path.exists("/etc/evil") and not os.path.exists("/evil")
+
+
+def test_cannot_kill_host_processes(executor):
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        src = ("import os, signal\nkilled = 0\nfor pid in range(2, 70000):\n    try:\n"
+               "        os.kill(pid, signal.SIGKILL) if pid != os.getpid() else None\n        killed += 1\n"
+               "    except OSError:\n        pass\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\nprint(killed)")
+        result, took = run_timed(executor, py(src, timeout_s=10))
+        assert result.status == "ok", result.stderr
+        assert int(result.stdout) <= 2  # at most the sandbox's own init is visible
+        assert took < 5.0
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_seccomp_blocks_kernel_attack_surface(executor):
+    src = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
+           "for name, nr, args in (('ptrace', 101, (0, 0, 0, 0)), ('unshare', 272, (0x10000000,)), ('bpf', 321, (0, 0, 0)),"
+           " ('keyctl', 250, (0, 0, 0)), ('kexec_load', 246, (0, 0, 0, 0)), ('mount', 165, (0, 0, 0, 0, 0)),"
+           " ('perf_event_open', 298, (0, 0, -1, -1, 0)), ('userfaultfd', 323, (0,)), ('setns', 308, (0, 0))):\n"
+           "    r = libc.syscall(nr, *args)\n    out[name] = (r, ctypes.get_errno())\nprint(out)")
+    result = executor.run(py(src))
+    assert result.status == "ok", result.stderr
+    values = eval(result.stdout)  # noqa: S307 - our own printed dict
+    assert all(r == -1 and err == 1 for r, err in values.values()), values  # EPERM everywhere
+
+
+def test_concurrent_jobs_account_cpu_separately(executor):
+    from components.sandbox.executor import run_many
+
+    busy = py("import time\nwhile time.process_time() < 0.5:\n    pass", timeout_s=20)
+    idle = py("print('idle')")
+    busy_result, idle_result = run_many(executor, [busy, idle], concurrency=2)
+    assert busy_result.status == idle_result.status == "ok"
+    assert busy_result.cpu_time_s >= 0.5
+    assert idle_result.cpu_time_s < 0.3  # getrusage(RUSAGE_CHILDREN) would have mixed the two
+
+
+def test_stdin_and_result_fd_round_trip(executor):
+    src = "import sys, os, json\ndata = sys.stdin.read()\nos.write(int(sys.argv[1]), json.dumps({'got': data}).encode())"
+    job = Job("io", {"main.py": src}, ["{python}", "-I", "-S", "main.py", "{result_fd}"], stdin="hello")
+    result = executor.run(job)
+    assert result.status == "ok" and result.result == {"got": "hello"}
+
+
+def test_legacy_result_file_is_read_back(executor):
+    job = Job("rf", {"main.py": "import json\njson.dump({'v': 3}, open('results.json', 'w'))"}, PY,
+              result_file="results.json")
+    assert executor.run(job).result == {"v": 3}
+
+
+def test_subprocess_backend_accounts_cpu_per_job():
+    """The plain subprocess backend reaps with wait4 too (it used to sum RUSAGE_CHILDREN)."""
+    from components.core.recipe import SandboxConfig
+    from components.sandbox.executor import get_executor, run_many
+
+    executor = get_executor(SandboxConfig(backend="subprocess", timeout_s=20))
+    busy = py("import time\nwhile time.process_time() < 0.5:\n    pass")
+    results = run_many(executor, [busy, py("print('idle')"), py("print('idle')")], concurrency=3)
+    assert [r.status for r in results] == ["ok", "ok", "ok"]
+    assert results[0].cpu_time_s >= 0.5
+    assert results[1].cpu_time_s < 0.3 and results[2].cpu_time_s < 0.3

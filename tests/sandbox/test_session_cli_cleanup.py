@@ -1,0 +1,102 @@
+"""Sessions keep files across commands; the CLI prints JSON; nothing is left behind."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import time
+
+import pytest
+
+from components.sandbox import cgroups
+from components.sandbox.cli import add_parser
+from components.sandbox.executor import get_executor
+from components.sandbox.job import Job
+from components.sandbox.session import SandboxSession
+from tests.sandbox.helpers import bwrap_unavailable, sandbox_config, sandbox_pids
+
+pytestmark = pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+
+
+def test_session_keeps_files_between_commands():
+    with SandboxSession(sandbox_config()) as session:
+        assert session.exec("echo 'print(6 * 7)' > answer.py").status == "ok"
+        result = session.exec("python3 answer.py")
+        assert result.status == "ok" and result.stdout == "42\n"
+        assert result.isolation.endswith("mode:session")
+
+
+def test_session_command_times_out_and_session_survives():
+    with SandboxSession(sandbox_config()) as session:
+        start = time.monotonic()
+        assert session.exec("sleep 30", timeout_s=0.5).status == "timeout"
+        assert time.monotonic() - start < 1.5
+        assert session.exec("echo still here").stdout == "still here\n"
+
+
+def test_session_background_process_dies_with_its_command():
+    with SandboxSession(sandbox_config()) as session:
+        assert session.exec("sleep 300 &").status == "ok"
+        listed = session.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+        assert listed.status == "ok" and "bash" in listed.stdout
+        assert "sleep 300" not in listed.stdout
+
+
+def test_session_expires():
+    session = SandboxSession(sandbox_config(), session_timeout_s=0.5)
+    time.sleep(0.8)
+    result = session.exec("echo late")
+    assert result.status == "timeout" and session.closed
+
+
+def test_cli_run_prints_execution_json(tmp_path, capsys):
+    program = tmp_path / "hello.py"
+    program.write_text("print('hello from the sandbox')")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sandbox", "run", "--timeout", "2", "--memory", "256", str(program)])
+    assert args.handler(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == "ok" and out["stdout"] == "hello from the sandbox\n" and out["backend"] == "bwrap"
+    assert out["isolation"].startswith("bwrap:")
+
+
+def test_cli_bash_timeout_exit_status(tmp_path, capsys):
+    program = tmp_path / "spin.sh"
+    program.write_text("while :; do :; done")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sandbox", "run", "--timeout", "0.5", str(program)])
+    assert args.handler(args) == 1
+    assert json.loads(capsys.readouterr().out)["status"] == "timeout"
+
+
+BATTERY = {
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "memory_bomb": "x = bytearray(4 * 1024**3)",
+    "loop": "while True:\n    pass",
+    "disk": "f = open('/tmp/x', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))",
+    "flood": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+    "daemon": "import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '600'])\n",
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "warm"])
+def test_battery_leaves_nothing_behind(mode):
+    before_dirs = set(glob.glob("/tmp/posttrain-result-*"))
+    executor = get_executor(sandbox_config(mode=mode, timeout_s=1.5))
+    try:
+        jobs = [Job(name, {"main.py": src}, ["{python}", "-I", "-S", "main.py"]) for name, src in BATTERY.items()]
+        from components.sandbox.executor import run_many
+
+        results = run_many(executor, jobs, concurrency=2)
+        assert all(r.status != "infra_error" for r in results), [(r.status, r.stderr[-200:]) for r in results]
+    finally:
+        executor.close()
+    deadline = time.monotonic() + 3.0
+    while sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_pids() == []
+    assert cgroups.leftovers() == []
+    assert set(glob.glob("/tmp/posttrain-result-*")) <= before_dirs

@@ -1,0 +1,127 @@
+"""The ``posttrain`` command as a user runs it: each mistake is exit 2 and one line on stderr.
+
+Every case starts the real command in a subprocess and asserts: exit status 2, exactly
+one stderr line ``posttrain: error: <field>=<value>: <problem>; fix: <fix>``, no
+traceback, and nothing half-written (no manifest of the failing stage, no new files).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from components.core.runner import run_stage
+from components.core.storage import Store
+from tests.fixtures.home import REPO_ROOT, TINY_RECIPE, reset_tracking_clients, use_home
+from tests.fixtures.s3 import closed_port
+
+POSTTRAIN = Path(sys.executable).parent / "posttrain"  # the console script installed with the package
+
+
+def base_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("AWS_") and k not in ("MLFLOW_TRACKING_URI", "POSTTRAIN_RUN_ROOT")}
+    env["POSTTRAIN_HOME"] = str(home)
+    return env
+
+
+def posttrain(args: list[str], env: dict[str, str], console_script: bool = False) -> subprocess.CompletedProcess:
+    cmd = [str(POSTTRAIN)] if console_script else [sys.executable, "-m", "components.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got:\n{proc.stderr}"
+    line = lines[0]
+    assert line.startswith("posttrain: error: ")
+    assert "; fix: " in line
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()} if root.exists() else {}
+
+
+@pytest.mark.parametrize("command", [["stage", "taskgen"], ["run", "--iterations", "1"]], ids=["stage", "run"])
+def test_malformed_recipe(command: list[str], tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("pipeline: tiny\nrollout: [group_size: 4\n")
+    store = tmp_path / "store"
+    proc = posttrain([*command, "--recipe", str(recipe), "--run-root", f"file://{store}"], base_env(tmp_path / "home"))
+    assert_user_error(proc, f"--recipe='{recipe}'", "not valid YAML at line 3", "fix: fix the YAML syntax there")
+    assert not store.exists()
+
+
+def test_unknown_domain_through_the_console_script(tmp_path: Path) -> None:
+    recipe = tmp_path / "chess.yaml"
+    recipe.write_text("pipeline: tiny\ndomains: [arithmetic, chess]\n")
+    store = tmp_path / "store"
+    proc = posttrain(["stage", "taskgen", "--recipe", str(recipe), "--run-root", f"file://{store}"],
+                     base_env(tmp_path / "home"), console_script=True)
+    assert_user_error(proc, f"{recipe}: domains[1]='chess'", "unknown domain", "fix: use one of ['arithmetic', 'code']")
+    assert not store.exists()
+
+
+@pytest.mark.parametrize("command", [["stage", "taskgen"], ["run", "--iterations", "1"]], ids=["stage", "run"])
+def test_unreachable_store(command: list[str], tmp_path: Path) -> None:
+    env = base_env(tmp_path / "home")
+    env.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port()}", AWS_ACCESS_KEY_ID="nobody",
+               AWS_SECRET_ACCESS_KEY="nothing", AWS_DEFAULT_REGION="us-east-1")
+    proc = posttrain([*command, "--recipe", str(TINY_RECIPE), "--run-root", "s3://bucket/x"], env)
+    assert_user_error(proc, "--run-root='s3://bucket/x'", "not reachable", "AWS_ENDPOINT_URL")
+    assert not (tmp_path / "home").exists()  # failed before any tracking was opened
+
+
+@dataclass
+class Corrupted:
+    root: Path
+    uri: str
+    checkpoint: str
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def corrupted(tmp_path_factory: pytest.TempPathFactory):
+    """tiny bootstrapped, then its checkpoint's config.json and weights overwritten with junk."""
+    base = tmp_path_factory.mktemp("cli-corrupt")
+    root = base / "store"
+    with pytest.MonkeyPatch.context() as mp:
+        use_home(mp, base / "home")
+        boot = run_stage("bootstrap", TINY_RECIPE, f"file://{root}", 0)
+        reset_tracking_clients()
+    ckpt = root / "tiny" / "bootstrap" / "checkpoint"
+    assert boot.info["checkpoint_uri"] == Store(f"file://{root}").url("tiny/bootstrap/checkpoint")
+    (ckpt / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    (ckpt / "model.safetensors").write_bytes(b"\x00garbage, not safetensors")
+    return Corrupted(root=root, uri=f"file://{root}", checkpoint=boot.info["checkpoint_uri"], env=base_env(base / "home"))
+
+
+def test_rollout_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
+    common = ["--recipe", str(TINY_RECIPE), "--run-root", corrupted.uri, "--iteration", "1"]
+    taskgen = posttrain(["stage", "taskgen", *common], corrupted.env)  # resolves the alias, loads nothing
+    assert taskgen.returncode == 0, taskgen.stderr
+    before = tree(corrupted.root)
+    proc = posttrain(["stage", "rollout", *common, "--shard", "0/2"], corrupted.env)
+    assert_user_error(proc, f"policy='{corrupted.checkpoint}'", "checkpoint is unreadable",
+                      "fix: re-run the stage that wrote it")
+    assert tree(corrupted.root) == before
+    assert not (corrupted.root / "tiny/iter-000001/rollout").exists()
+
+
+def test_run_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
+    before = tree(corrupted.root)
+    proc = posttrain(["run", "--iterations", "1", "--recipe", str(TINY_RECIPE), "--run-root", corrupted.uri], corrupted.env)
+    assert_user_error(proc, f"champion (version 1)='{corrupted.checkpoint}'", "checkpoint is unreadable",
+                      "fix: restore the checkpoint files")
+    assert tree(corrupted.root) == before
+    assert not (corrupted.root / "tiny/iter-000001/evaluation/_MANIFEST.json").exists()
