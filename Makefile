@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# checkov pins versions that conflict with Airflow and s3fs: it gets its own venv.
+	test -x $(VENV)/tools/bin/checkov || { python3 -m venv $(VENV)/tools && $(VENV)/tools/bin/pip install -q checkov==3.3.30; }
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -17,6 +17,7 @@ import pytest
 
 from components.core.runner import run_stage
 from components.core.storage import Store
+from components.domains import registry
 from tests.fixtures.home import REPO_ROOT, TINY_RECIPE, reset_tracking_clients, use_home
 from tests.fixtures.s3 import closed_port
 
@@ -68,7 +69,7 @@ def test_unknown_domain_through_the_console_script(tmp_path: Path) -> None:
     store = tmp_path / "store"
     proc = posttrain(["stage", "taskgen", "--recipe", str(recipe), "--run-root", f"file://{store}"],
                      base_env(tmp_path / "home"), console_script=True)
-    assert_user_error(proc, f"{recipe}: domains[1]='chess'", "unknown domain", "fix: use one of ['arithmetic', 'code']")
+    assert_user_error(proc, f"{recipe}: domains[1]='chess'", "unknown domain", f"fix: use one of {registry.names()}")
     assert not store.exists()
 
 

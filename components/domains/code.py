@@ -1,13 +1,14 @@
-"""Code: write the body of a one-line Python function; unit tests run in the sandbox.
+"""Code: write the body of a one-line Python function from input/output examples.
 
-The prompt describes ``f(x)`` in words and ends at ``return``
-(``"f(x): x times 3 plus 4\nreturn "``); the completion is the expression (``x*3+4``),
-which becomes the body of ``def f(x): return <completion>``. Operations apply left to
-right, as worded. The sandbox runs a harness that imports
-the solution, calls ``f`` on each test input and writes the *serialised* return values
-as JSON. The verifier compares those values with the expected ones outside the sandbox,
-so an object with a forged ``__eq__`` cannot pass. Score = tests passed / tests total;
-a pass needs all of them.
+The prompt shows ``f`` on three inputs and ends at ``return``
+(``"f(1)=5 f(2)=7 f(3)=9\nreturn "``); the completion is an expression in ``x``
+(``x*2+3``), which becomes the body of ``def f(x): return <completion>``. Hidden unit
+tests call ``f`` on other inputs too. Difficulty 1 is ``x+b``; difficulty 2 is ``a*x+b``.
+
+The sandbox runs a harness that imports the solution, calls ``f`` on each test input and
+writes the *serialised* return values as JSON. The verifier compares those values with
+the expected ones outside the sandbox, so an object with a forged ``__eq__`` cannot
+pass. Score = tests passed / tests total; a pass needs all of them.
 
 Not covered: multi-line functions, imports, or performance tests.
 """
@@ -22,11 +23,12 @@ from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
 from components.sandbox.job import Job, JobResult
 
-_OPS = {"plus": "+", "minus": "-", "times": "*"}
+EXAMPLE_INPUTS = (1, 2, 3)
 TEST_INPUTS = (-3, 0, 2, 5, 11)
 
 HARNESS = r'''
 import json, sys
+sys.path.insert(0, ".")  # -I leaves the script's folder off sys.path
 tests = json.load(open("tests.json"))
 out = []
 try:
@@ -45,11 +47,10 @@ json.dump({"values": out}, open("results.json", "w"))
 '''
 
 
-def _evaluate(terms: list[tuple[str, int]], x: int) -> int:
-    value = x
-    for op, k in terms:
-        value = value + k if op == "+" else value - k if op == "-" else value * k
-    return value
+def expression(a: int, b: int) -> str:
+    """The shortest reference solution for a*x + b."""
+    core = "x" if a == 1 else f"x*{a}"
+    return core if b == 0 else f"{core}+{b}"
 
 
 @register("code")
@@ -58,15 +59,12 @@ class Code(Domain):
 
     def make_task(self, rng: random.Random, split: str) -> Task:
         difficulty = rng.choice((1, 2))
-        terms = [(rng.choice(list(_OPS)), rng.randint(1, 9)) for _ in range(difficulty)]
-        words = "x " + " ".join(f"{w} {k}" for w, k in terms)
-        prompt = f"f(x): {words}\nreturn "
-        expr = "x"
-        for i, (w, k) in enumerate(terms):
-            expr = f"({expr}){_OPS[w]}{k}" if i and _OPS[w] == "*" and _OPS[terms[i - 1][0]] != "*" else f"{expr}{_OPS[w]}{k}"
-        symbolic = [(_OPS[w], k) for w, k in terms]
-        expected = [_evaluate(symbolic, x) for x in TEST_INPUTS]
-        return make_task(self.name, split, difficulty, prompt, {"solution": expr, "inputs": list(TEST_INPUTS), "expected": expected})
+        a = 1 if difficulty == 1 else rng.randint(2, 9)
+        b = rng.randint(0, 39)
+        shown = " ".join(f"f({x})={a * x + b}" for x in EXAMPLE_INPUTS)
+        prompt = f"{shown}\nreturn "
+        reference = {"solution": expression(a, b), "inputs": list(TEST_INPUTS), "expected": [a * x + b for x in TEST_INPUTS]}
+        return make_task(self.name, split, difficulty, prompt, reference)
 
     def reference_completion(self, task: Task) -> str:
         return task.reference["solution"]

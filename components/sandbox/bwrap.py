@@ -195,11 +195,12 @@ class StrictRunner:
                     os.close(fd)
                 except OSError:
                     pass
-            if group:
-                group.close()
             if result_dir:
                 shutil.rmtree(result_dir, ignore_errors=True)
-            UIDS.release(uid)
+            if group:  # kill stragglers, remove the group, then free the uid: off the critical path
+                cgroups.REAPER.submit(group, lambda: UIDS.release(uid))
+            else:
+                UIDS.release(uid)
 
 
 @register_backend("bwrap")
@@ -241,6 +242,7 @@ class BwrapExecutor:
         return self._strict.run(job, self.name)
 
     def close(self) -> None:
+        cgroups.REAPER.drain()
         if self._pool is not None:
             self._pool.close()
         if self._fallback is not None:

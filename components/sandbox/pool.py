@@ -101,6 +101,7 @@ class Worker:
         self.ctl: socket.socket | None = None
         self.alive = False
         self.jobs = 0
+        self._oom_seen = 0
         try:
             self._start()
         except BaseException:
@@ -168,7 +169,7 @@ class Worker:
                       "result_file": "" if job.uses_result_fd else job.result_file}
             if self.group:
                 self.group.reset_peak()
-            oom_before = self.group.oom_kills() if self.group else 0
+            oom_before = self._oom_seen
             cpu_before = self.group.cpu_time_s() if self.group else None
             start = time.monotonic()
             try:
@@ -236,7 +237,7 @@ class Worker:
                     extra["cgroup_peak_memory_mb"] = round(peak, 1)
             obs = Observed(
                 exit_code=code, signaled=sig, timed_out=timed_out, flooded=seen.flooded,
-                oom_kills=(self.group.oom_kills() - oom_before) if self.group else 0,
+                oom_kills=self._oom_delta(oom_before, code),
                 stdout=bytes(seen.data["stdout"]), stderr=stderr, stdout_total=seen.total["stdout"],
                 stderr_total=seen.total["stderr"], duration_s=duration, cpu_time_s=cpu,
                 peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024,
@@ -250,6 +251,13 @@ class Worker:
                     os.close(fd)
                 except OSError:
                     pass
+
+    def _oom_delta(self, before: int, code: int) -> int:
+        """OOM kills during this job; only read when the job died by a signal (saves a sysfs read)."""
+        if not self.group or code <= 128:
+            return 0
+        self._oom_seen = self.group.oom_kills()
+        return self._oom_seen - before
 
     def _die(self) -> None:
         """Kill the whole worker sandbox (timeout backstop, flood, lost worker)."""

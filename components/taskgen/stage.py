@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from components.core.context import StageContext
+from components.core.context import StageContext, read_manifest
 from components.core.lineage import resolve_policy
 from components.core.manifest import InputRef
 from components.core.records import Task
@@ -31,7 +31,13 @@ def domain_counts(domains: list[str], weights: dict[str, float], total: int) -> 
 
 
 def inputs(ctx: StageContext) -> None:
-    version, uri = resolve_policy(ctx.recipe)
+    # The starting policy is fixed once per iteration: re-running a finished iteration's
+    # taskgen (an Airflow clear, a KFP resubmit) must not pick up a later champion.
+    earlier = read_manifest(ctx.store, ctx.prefix)
+    if earlier is not None and earlier.config_digest == ctx.recipe.digest("taskgen"):
+        version, uri = earlier.info["policy_version"], earlier.info["policy_uri"]
+    else:
+        version, uri = resolve_policy(ctx.recipe)
     ctx.inputs["policy"] = InputRef(uri=uri, digest=f"version:{version}")
     ctx.info["policy_version"] = version
     ctx.info["policy_uri"] = uri

@@ -130,8 +130,6 @@ def test_artifacts_live_beside_the_embedded_database(iteration: Iteration) -> No
 
 
 # Kept last: on today's code it re-runs taskgen, which rewrites iteration 1's taskgen manifest.
-@pytest.mark.xfail(strict=True, reason="taskgen re-resolves the moving 'champion' alias on a re-run, so a finished "
-                   "iteration's taskgen is not a cache hit once evaluation promoted (see components/taskgen/stage.py inputs)")
 def test_rerunning_a_finished_iterations_taskgen_is_a_cache_hit(iteration: Iteration) -> None:
     assert iteration.manifests["evaluation"].info["promoted"] is True  # the alias moved to version 2
     again = run_stage("taskgen", TINY_RECIPE, iteration.store.uri, 1)
