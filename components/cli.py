@@ -3,6 +3,9 @@
     posttrain stage <id> --recipe R --run-root URI --iteration K [--shard i/n]
     posttrain run --iterations N [--recipe R] [--run-root URI]
     posttrain sandbox run [--lang python|bash] [--timeout S] [--memory MB] FILE
+    posttrain serve --checkpoint URI [--host H] [--port P]
+    posttrain verify --domain D --task FILE --completion FILE
+    posttrain replay --iteration K --recipe OTHER.yaml [--run-root URI]
 
 A user's mistake ends with one line on stderr naming the field, the value and the fix,
 and exit status 2; a failed data-quality gate exits 3.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import import_module
 from pathlib import Path
 
 from components import STAGES
@@ -50,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
         add_sandbox = None
     if add_sandbox is not None:
         add_sandbox(sub)
+    try:
+        from components.rollout.cli import add_parser as add_serve
+    except ImportError:
+        add_serve = None
+    if add_serve is not None:
+        add_serve(sub)
+    for module in ("components.domains.cli", "components.reward.replay"):  # posttrain verify, posttrain replay
+        try:
+            add = import_module(module).add_parser
+        except ImportError:
+            continue
+        add(sub)
     return parser
 
 

@@ -35,15 +35,22 @@ def preflight_checkpoint(recipe: Recipe) -> None:
                         "restore the checkpoint files, or move the 'champion' alias to a readable version in MLflow") from None
 
 
-def summary_rows(store: Store, recipe: Recipe, upto: int) -> list[tuple[str, str, dict[str, float], str]]:
+def weakest_text(info: dict) -> str:
+    """The weakest eval slice (domain/difficulty/context bucket) a manifest recorded, or '-'."""
+    worst = info.get("weakest_slice")
+    return f"{worst['name']} {worst['pass_rate']:.2f} (n={worst['tasks']})" if worst else "-"
+
+
+def summary_rows(store: Store, recipe: Recipe, upto: int) -> list[tuple[str, str, dict[str, float], str, str]]:
     rows = []
     boot = read_manifest(store, stage_prefix(recipe.pipeline, 0, "bootstrap"))
     if boot is not None:
-        rows.append(("0 (bootstrap)", boot.info["version"], boot.info["pass_rates"], "champion"))
+        rows.append(("0 (bootstrap)", boot.info["version"], boot.info["pass_rates"], "champion", weakest_text(boot.info)))
     for k in range(1, upto + 1):
         m = read_manifest(store, stage_prefix(recipe.pipeline, k, "evaluation"))
         if m is not None:
-            rows.append((str(k), m.info["version"], m.info["pass_rates"], "promoted" if m.info["promoted"] else "held"))
+            rows.append((str(k), m.info["version"], m.info["pass_rates"], "promoted" if m.info["promoted"] else "held",
+                         weakest_text(m.info)))
     return rows
 
 
@@ -52,12 +59,12 @@ def print_table(rows, domains: list[str]) -> None:
     from rich.table import Table
 
     table = Table(title="eval pass@1 by domain")
-    for col in ["iteration", "version", *domains, "mean", "decision"]:
+    for col in ["iteration", "version", *domains, "mean", "decision", "weakest slice"]:
         table.add_column(col)
-    for it, version, rates, decision in rows:
+    for it, version, rates, decision, worst in rows:
         mean = sum(rates.values()) / max(1, len(rates))
-        table.add_row(it, version, *[f"{rates.get(d, float('nan')):.3f}" for d in domains], f"{mean:.3f}", decision)
-    Console(width=120).print(table)
+        table.add_row(it, version, *[f"{rates.get(d, float('nan')):.3f}" for d in domains], f"{mean:.3f}", decision, worst)
+    Console(width=160).print(table)
 
 
 def run_local(recipe_path: str, run_root: str, iterations: int) -> int:

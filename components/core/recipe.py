@@ -54,9 +54,28 @@ class BootstrapConfig(_Section):
     eval_tasks_per_domain: int = Field(64, ge=1, description="held-out SFT check size (separate from the eval suite)")
 
 
+class CurriculumStep(_Section):
+    """Domain weights used for every iteration up to and including ``until``."""
+
+    until: int = Field(..., ge=1, description="last iteration these weights apply to")
+    weights: dict[str, float] = Field(..., description="sampling weight per domain (unlisted domains: 0)")
+
+
 class TaskgenConfig(_Section):
     tasks_per_iteration: int = Field(128, ge=1, description="train tasks sampled per iteration")
     domain_weights: dict[str, float] = Field(default_factory=dict, description="sampling weight per domain (default equal)")
+    curriculum: list[CurriculumStep] = Field(
+        default_factory=list, description="weights by iteration: the first step whose 'until' >= k applies to "
+                                          "iteration k; after the last step, domain_weights")
+    task_file: str = Field("", description="Parquet/JSONL/JSON task file (path or URI) to sample from instead of generating")
+
+    def weights_for(self, iteration: int, domains: list[str]) -> dict[str, float]:
+        """Each domain's weight at ``iteration``: the curriculum step that covers it (unlisted
+        domains 0), else ``domain_weights`` (unlisted domains 1)."""
+        for step in self.curriculum:
+            if iteration <= step.until:
+                return {d: float(step.weights.get(d, 0.0)) for d in domains}
+        return {d: float(self.domain_weights.get(d, 1.0)) for d in domains}
 
 
 class RolloutConfig(_Section):
@@ -70,7 +89,9 @@ class RolloutConfig(_Section):
 
 
 class SandboxConfig(_Section):
-    backend: str = Field("subprocess", description="executor, by registry name")
+    backend: str = Field("bwrap", description="executor, by registry name: 'bwrap' (hardened) or 'subprocess' (weak)")
+    mode: Literal["strict", "warm"] = Field("strict", description="strict: a fresh sandbox per job; warm: pre-started sandboxed workers fork per job")
+    allow_weak_isolation: bool = Field(False, description="run untrusted code even when the host cannot give full isolation (or with backend 'subprocess')")
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per job")
     concurrency: int = Field(2, ge=1, description="jobs at once; mirrored by the Airflow pool")
     memory_mb: int = Field(512, ge=16, description="address-space limit per job")
@@ -97,6 +118,15 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the iteration's starting policy")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation)")
+    micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward pass (0: only micro_batch_size caps it)")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum"] = Field(
+        "token_mean", description="token_mean: over all tokens of a step; sequence_mean: per-sequence token mean, "
+                                  "then mean over sequences; seq_mean_token_sum: per-sequence token sum, then mean")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate decay after warmup")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from 0 (counted across iterations)")
+    decay_steps: int = Field(1000, ge=1, description="steps (across iterations) over which linear/cosine decay to min_lr_ratio")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed learning rate, as a share of learning_rate")
+    carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting checkpoint")
 
 
 class EvaluationConfig(_Section):
@@ -172,6 +202,17 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
     for name in recipe.taskgen.domain_weights:
         if name not in recipe.domains:
             raise UserError(f"{source}: taskgen.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
+    for i, step in enumerate(recipe.taskgen.curriculum):
+        where = f"{source}: taskgen.curriculum[{i}]"
+        if i and step.until <= recipe.taskgen.curriculum[i - 1].until:
+            raise UserError(f"{where}.until", step.until, "not after the previous step's 'until'", "list steps in increasing 'until' order")
+        for name, w in step.weights.items():
+            if name not in recipe.domains:
+                raise UserError(f"{where}.weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
+            if w < 0:
+                raise UserError(f"{where}.weights.{name}", w, "negative weight", "use a weight >= 0")
+        if not any(w > 0 for w in step.weights.values()):
+            raise UserError(f"{where}.weights", step.weights or "{}", "no domain has a positive weight", "give at least one domain a weight > 0")
     if recipe.bootstrap.target_low > recipe.bootstrap.target_high:
         raise UserError(f"{source}: bootstrap.target_low", recipe.bootstrap.target_low, "above bootstrap.target_high", "make target_low <= target_high")
     return recipe

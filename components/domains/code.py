@@ -5,8 +5,9 @@ The prompt shows ``f`` on three inputs and ends at ``return``
 (``x*2+3``), which becomes the body of ``def f(x): return <completion>``. Hidden unit
 tests call ``f`` on other inputs too. Difficulty 1 is ``x+b``; difficulty 2 is ``a*x+b``.
 
-The sandbox runs a harness that imports the solution, calls ``f`` on each test input and
-writes the *serialised* return values as JSON. The verifier compares those values with
+The sandbox runs ``components.sandbox.harness``: a trusted parent forks a child that
+loads the solution and calls ``f`` on each test input, and only the parent writes the
+*serialised* return values to a result pipe the solution cannot reach. The verifier compares those values with
 the expected ones outside the sandbox, so an object with a forged ``__eq__`` cannot
 pass. Score = tests passed / tests total; a pass needs all of them.
 
@@ -15,37 +16,16 @@ Not covered: multi-line functions, imports, or performance tests.
 
 from __future__ import annotations
 
-import json
 import random
 
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
+from components.sandbox.harness import python_tests_job
 from components.sandbox.job import Job, JobResult
 
 EXAMPLE_INPUTS = (1, 2, 3)
 TEST_INPUTS = (-3, 0, 2, 5, 11)
-
-HARNESS = r'''
-import json, sys
-sys.path.insert(0, ".")  # -I leaves the script's folder off sys.path
-tests = json.load(open("tests.json"))
-out = []
-try:
-    from solution import f
-except BaseException as exc:
-    json.dump({"error": "import: " + type(exc).__name__, "values": []}, open("results.json", "w"))
-    raise SystemExit(1)
-for x in tests:
-    try:
-        value = f(x)
-        # Exact builtin types only: an int subclass with a forged __eq__ is sent as its repr.
-        out.append({"ok": True, "value": value if type(value) in (int, float, str, bool, type(None)) else repr(value)})
-    except BaseException as exc:
-        out.append({"ok": False, "error": type(exc).__name__})
-json.dump({"values": out}, open("results.json", "w"))
-'''
-
 
 def expression(a: int, b: int) -> str:
     """The shortest reference solution for a*x + b."""
@@ -71,16 +51,7 @@ class Code(Domain):
 
     def execution_plan(self, task: Task, completion: str) -> Job | None:
         body = first_line(completion)
-        return Job(
-            job_id=task.task_id,
-            files={
-                "solution.py": f"def f(x):\n  return {body}\n",
-                "harness.py": HARNESS,
-                "tests.json": json.dumps(task.reference["inputs"]),
-            },
-            argv=["{python}", "-I", "-S", "harness.py"],
-            result_file="results.json",
-        )
+        return python_tests_job(task.task_id, f"def f(x):\n  return {body}\n", "f", task.reference["inputs"])
 
     def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
         expected = task.reference["expected"]

@@ -9,7 +9,14 @@ from importlib.metadata import entry_points
 from components.domains.base import Domain
 
 _REGISTRY: dict[str, type[Domain]] = {}
-_BUILTINS = ("components.domains.arithmetic", "components.domains.code")
+_BUILTINS = (
+    "components.domains.arithmetic",
+    "components.domains.code",
+    "components.domains.math",
+    "components.domains.terminal",
+    "components.domains.extraction",
+    "components.domains.structured",
+)
 _loaded = False
 
 

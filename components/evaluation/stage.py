@@ -20,6 +20,7 @@ from components.core.context import StageContext
 from components.core.policy import load_policy
 from components.core.progress import say
 from components.core.records import EvalResult
+from components.evaluation.report import log_layered
 from components.evaluation.suite import eval_tasks, pass_rates, run_suite
 from components.sandbox.executor import get_executor
 
@@ -50,6 +51,7 @@ def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[
     finally:
         executor.close()
     ctx.write_records("eval_results", results, EvalResult)
+    log_layered(ctx, results)  # domain x difficulty x context bucket: store, MLflow table + plot
     samples = {}
     for r in results:
         samples.setdefault(r.domain, [])
@@ -75,8 +77,11 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.info.update({"promoted": promoted, "reason": reason, "pass_rates": rates, "baseline": baseline,
                      "version": trainer["version"]})
     ctx.write_json("report", {"candidate": trainer["version"], "baseline": trainer["parent_version"], "pass_rates": rates,
-                              "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason})
+                              "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
+                              "weakest_slice": ctx.info.get("weakest_slice")})
+    worst = ctx.info.get("weakest_slice")
     say(f"iter {ctx.iteration} | evaluation | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
+        + (f" | weakest {worst['name']} {worst['pass_rate']:.3f}" if worst else "")
         + f" | {'promoted' if promoted else 'held'}: {reason}")
     metrics = {f"{d}/pass_at_1": v for d, v in rates.items()}
     metrics["mean/pass_at_1"] = sum(rates.values()) / max(1, len(rates))

@@ -4,6 +4,11 @@ Each rollout is scored by its domain's verifier from the completion and, where t
 domain executes code, the sandbox's serialised result. A verdict with status
 ``infra_error`` is *excluded* (status ``excluded``, weight 0): an infrastructure
 failure is never a zero reward and never trained on.
+
+Normalisation (``reward.normalize``) uses running per-domain statistics carried across
+iterations (``components.reward.normalize``): each shard reads the cumulative stats
+after the previous iteration, normalises, and writes ``norm_stats.json`` beside its
+rewards. Group advantages are computed from the normalised rewards.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from components.core.context import StageContext
 from components.core.records import Execution, Reward, Rollout, Task
 from components.domains import registry
 from components.reward.advantages import group_advantages
+from components.reward.normalize import (
+    STATS_OUTPUT, RunningStats, Stats, cumulative_after, from_json, merge_all, to_json, zscore,
+)
 from components.sandbox.stage import to_job_result
 
 
@@ -21,28 +29,54 @@ def inputs(ctx: StageContext) -> None:
     ctx.depend_on("taskgen")
     ctx.depend_on("rollout", shard_only=True)
     ctx.depend_on("sandbox", shard_only=True)
+    prior_iteration, prior = cumulative_after(ctx, ctx.iteration - 1)
+    ctx.info["norm_prior_iteration"] = prior_iteration
+    ctx.info["norm_prior"] = to_json(prior)
 
 
-def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str, Execution], cfg) -> list[Reward]:
-    """Rewards for a shard's rollouts; pure, so replay can call it with another config."""
+def batch_stats(rewards: list[Reward]) -> Stats:
+    """Per-domain statistics of the raw rewards that were not excluded."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for r in rewards:
+        if r.status == "ok":
+            by[r.domain].append(r.raw_reward)
+    return {d: RunningStats.of(v) for d, v in sorted(by.items())}
+
+
+def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str, Execution], cfg,
+          prior: Stats | None = None) -> list[Reward]:
+    """Rewards for a shard's rollouts; pure, so replay can call it with another config.
+
+    ``prior`` is the running per-domain statistics before this batch (used by
+    ``cfg.normalize == "domain_zscore"``; merged with this batch's own raw rewards)."""
     verdicts = {}
     for r in rollouts:
         ex = executions.get(r.rollout_id)
         verdicts[r.rollout_id] = registry.get(r.domain).verify(tasks[r.task_id], r.completion, to_job_result(ex) if ex else None)
+    raw_by: dict[str, list[float]] = defaultdict(list)
+    for r in rollouts:
+        if verdicts[r.rollout_id].status != "infra_error":
+            raw_by[r.domain].append(verdicts[r.rollout_id].score)
+    running = merge_all(prior or {}, {d: RunningStats.of(v) for d, v in raw_by.items()})
+
+    def normalized(domain: str, raw: float) -> float:
+        return zscore(raw, running[domain], cfg.advantage_eps) if cfg.normalize == "domain_zscore" else raw
+
     groups: dict[str, list[Rollout]] = defaultdict(list)
     for r in rollouts:
         groups[r.task_id].append(r)
     rewards = []
     for task_id, members in groups.items():
-        raw = [None if verdicts[m.rollout_id].status == "infra_error" else verdicts[m.rollout_id].score for m in members]
-        adv = group_advantages(raw, cfg.advantage_eps, cfg.scale_by_std)
-        for m, a, value in zip(members, adv, raw):
+        norm = [None if verdicts[m.rollout_id].status == "infra_error" else normalized(m.domain, verdicts[m.rollout_id].score)
+                for m in members]
+        adv = group_advantages(norm, cfg.advantage_eps, cfg.scale_by_std)
+        for m, a, value in zip(members, adv, norm):
             v = verdicts[m.rollout_id]
             excluded = value is None
             rewards.append(Reward(
                 rollout_id=m.rollout_id, task_id=task_id, domain=m.domain, group_index=m.group_index,
                 raw_reward=0.0 if excluded else v.score, components=dict(v.components),
-                normalized_reward=0.0 if excluded else v.score, weight=0.0 if excluded else 1.0,
+                normalized_reward=0.0 if excluded else value, weight=0.0 if excluded else 1.0,
                 advantage=a, status="excluded" if excluded else "ok", reason=v.detail if excluded else "",
             ))
     return rewards
@@ -67,6 +101,14 @@ def run(ctx: StageContext) -> dict[str, float]:
     tasks = {t.task_id: t for t in ctx.read_records("taskgen", "tasks", Task)}
     rollouts = ctx.read_records("rollout", "rollouts", Rollout, shard_only=True)
     executions = {e.rollout_id: e for e in ctx.read_records("sandbox", "executions", Execution, shard_only=True)}
-    rewards = score(tasks, rollouts, executions, ctx.recipe.reward)
+    prior = from_json(ctx.info["norm_prior"])
+    rewards = score(tasks, rollouts, executions, ctx.recipe.reward, prior)
     ctx.write_records("rewards", rewards, Reward)
-    return summarize(rewards)
+    batch = batch_stats(rewards)
+    ctx.write_json(STATS_OUTPUT, {"prior_iteration": ctx.info["norm_prior_iteration"], "prior": to_json(prior),
+                                  "batch": to_json(batch)})
+    metrics = summarize(rewards)
+    for domain, s in sorted(merge_all(prior, batch).items()):
+        metrics[f"{domain}/running_mean"] = s.mean
+        metrics[f"{domain}/running_std"] = s.std
+    return metrics

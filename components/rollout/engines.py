@@ -5,10 +5,14 @@ log-probability of every sampled token under the sampling distribution
 (``log_softmax(logits / temperature)``), which is what the trainer's importance ratio
 needs. Prompts are sorted by token length and batched in that order ("length buckets"),
 so short prompts never wait behind long ones and padding stays small; results come back
-in the caller's order.
+in the caller's order. ``HFEngine(bucket=False)`` batches in the caller's order instead
+(the baseline of ``benchmarks/rollout/bench.py``).
 
-Not covered here: vLLM and remote OpenAI-compatible endpoints (their own engines),
-top-k/top-p truncation (the recorded logprobs would then need the truncated
+Other engines register themselves on import of this module: ``openai``
+(``openai_engine.py``, an OpenAI-compatible HTTP server) and ``vllm``
+(``vllm_engine.py``, imported lazily; needs the ``vllm`` package).
+
+Not covered here: top-k/top-p truncation (the recorded logprobs would then need the truncated
 distribution), and stop strings other than the EOS token.
 """
 
@@ -60,11 +64,16 @@ class Engine:
 class HFEngine(Engine):
     name = "hf"
 
+    def __init__(self, bucket: bool = True) -> None:
+        self.bucket = bucket  # batch prompts by token length (True) or in the caller's order
+
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
         import torch
 
         encoded = [policy.encode_prompt(p) for p in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), i))
+        order = list(range(len(prompts)))
+        if self.bucket:
+            order.sort(key=lambda i: (len(encoded[i]), i))
         results: list[Sample | None] = [None] * len(prompts)
         model, eos, pad = policy.model, policy.eos_id, policy.pad_id
         limit = getattr(model.config, "max_position_embeddings", 10**9)
@@ -102,3 +111,7 @@ class HFEngine(Engine):
                 if progress:
                     progress(len(idx))
         return results  # type: ignore[return-value]
+
+
+# Engines in their own modules register on import; neither imports a heavy package here.
+from components.rollout import openai_engine, vllm_engine  # noqa: E402,F401

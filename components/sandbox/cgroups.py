@@ -16,6 +16,7 @@ rlimits + the pid namespace and says so in its isolation string.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
@@ -52,8 +53,10 @@ def _mount(controller: str) -> Path | None:
     return None
 
 
+@functools.cache
 def base(controller: str) -> Path | None:
-    """The folder our job groups go under for ``controller``, if it is writable."""
+    """The folder our job groups go under for ``controller``, if it is writable (cached:
+    a process does not change cgroup while it runs sandboxes)."""
     mount = _mount(controller)
     if mount is None:
         return None

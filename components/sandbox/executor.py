@@ -93,6 +93,13 @@ class SubprocessExecutor:
     isolation = "process+rlimits"
 
     def __init__(self, config) -> None:
+        from components.core.errors import UserError
+
+        # Process-level containment only: refuse untrusted code unless the recipe says so.
+        if not getattr(config, "allow_weak_isolation", False):
+            raise UserError("sandbox.allow_weak_isolation", False,
+                            "backend 'subprocess' gives no namespace isolation (weaker than the 'bwrap' backend)",
+                            "use sandbox.backend: bwrap, or set sandbox.allow_weak_isolation: true for trusted code")
         self.config = config
         self.python = python_for(config)
 

@@ -81,7 +81,7 @@ def to_result(obs: Observed, backend: str, isolation: str, result_cap: int, want
     if obs.flooded:
         extra["reason"] = "output flood"
     return JobResult(
-        status=status, exit_code=obs.exit_code, signal=sig,
+        status=status, exit_code=obs.exit_code, signal=int(sig),
         stdout=cap_text(obs.stdout, obs.stdout_total), stderr=cap_text(obs.stderr, obs.stderr_total),
         duration_s=obs.duration_s, cpu_time_s=obs.cpu_time_s, peak_memory_mb=obs.peak_memory_mb,
         result=result, backend=backend, isolation=isolation, extra=extra,

@@ -1,5 +1,11 @@
 """Stage ``taskgen``: this iteration's train tasks, sampled across domains by weight.
 
+Weights come from ``taskgen.curriculum`` (the step covering this iteration) or else
+``taskgen.domain_weights``. With ``taskgen.task_file`` set, tasks are sampled from that
+file (validated by ``components.domains.taskfile``; its content digest is an input, so
+editing the file re-runs taskgen) instead of generated: each domain's share is drawn
+without replacement while the file has enough tasks of it, then with replacement.
+
 Also resolves, once per iteration, which policy the iteration starts from (see
 ``components.core.lineage``) and opens the iteration's MLflow parent run; both are
 recorded in the manifest for later stages. Train tasks never share an id with the
@@ -8,14 +14,20 @@ fixed eval suite.
 
 from __future__ import annotations
 
-from collections import Counter
+import dataclasses
+import random
+from collections import Counter, defaultdict
+from pathlib import Path
 
 from components.core.context import StageContext, read_manifest
+from components.core.errors import UserError
 from components.core.lineage import resolve_policy
 from components.core.manifest import InputRef
 from components.core.records import Task
 from components.core.seeds import rng
+from components.core.storage import sha256_bytes
 from components.domains import registry
+from components.domains.taskfile import load_tasks, read_bytes
 from components.evaluation.suite import eval_tasks
 
 
@@ -41,17 +53,46 @@ def inputs(ctx: StageContext) -> None:
     ctx.inputs["policy"] = InputRef(uri=uri, digest=f"version:{version}")
     ctx.info["policy_version"] = version
     ctx.info["policy_uri"] = uri
+    if ctx.recipe.taskgen.task_file:
+        source = ctx.recipe.taskgen.task_file
+        uri = source if "://" in source else Path(source).resolve().as_uri()
+        ctx.inputs["task_file"] = InputRef(uri=uri, digest=sha256_bytes(read_bytes(source)))
+
+
+def from_file(path: str, domains: list[str], weights: dict[str, float], total: int, r: random.Random,
+              exclude: set[str]) -> list[Task]:
+    """``total`` train tasks sampled by domain weight from a user's task file."""
+    pools: dict[str, list[Task]] = defaultdict(list)
+    for t in load_tasks(path):
+        if t.domain not in domains:
+            raise UserError("taskgen.task_file", path, f"has tasks of domain {t.domain!r}, which is not in 'domains'",
+                            f"add {t.domain!r} to 'domains' or remove those rows")
+        if t.task_id not in exclude:  # never train on an eval-suite task
+            pools[t.domain].append(dataclasses.replace(t, split="train"))
+    present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
+    if not present:
+        raise UserError("taskgen.task_file", path, f"has no train tasks for the weighted domains {sorted(d for d in domains if weights.get(d, 0.0) > 0)}",
+                        "add tasks of those domains (tasks equal to eval-suite tasks are skipped) or change the weights")
+    tasks: list[Task] = []
+    for name, n in domain_counts(present, weights, total).items():
+        pool = pools[name]
+        tasks.extend(r.sample(pool, n) if n <= len(pool) else pool + r.choices(pool, k=n - len(pool)))
+    return tasks
 
 
 def run(ctx: StageContext) -> dict[str, float]:
-    recipe = ctx.recipe
+    recipe, cfg = ctx.recipe, ctx.recipe.taskgen
     exclude = {t.task_id for t in eval_tasks(recipe)}
-    counts = domain_counts(recipe.domains, recipe.taskgen.domain_weights, recipe.taskgen.tasks_per_iteration)
+    weights = cfg.weights_for(ctx.iteration, list(recipe.domains))
     r = rng(ctx.seed())
     tasks: list[Task] = []
-    for name, n in counts.items():
-        tasks.extend(registry.get(name).train_tasks(r, n, exclude))
+    if cfg.task_file:
+        tasks = from_file(cfg.task_file, list(recipe.domains), weights, cfg.tasks_per_iteration, r, exclude)
+    else:
+        for name, n in domain_counts(recipe.domains, weights, cfg.tasks_per_iteration).items():
+            tasks.extend(registry.get(name).train_tasks(r, n, exclude) if n else [])
     r.shuffle(tasks)  # so shards get a mix of domains
     ctx.write_records("tasks", tasks, Task)
     by = Counter(t.domain for t in tasks)
-    return {"tasks": len(tasks), **{f"{d}/tasks": float(by[d]) for d in sorted(by)}}
+    return {"tasks": len(tasks), **{f"{d}/tasks": float(by[d]) for d in sorted(by)},
+            **{f"{d}/weight": w for d, w in sorted(weights.items())}}

@@ -3,11 +3,20 @@
 For each completion token t of a sample with advantage A:
     ratio_t = exp(logp_new_t - logp_old_t)
     loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + kl_coef * KL_t
-aggregated as a token mean over the whole optimizer step (all micro-batches). ``logp_old``
-are the logprobs recorded at rollout, which are also the frozen reference for the KL
-term (k3 estimator, Schulman 2020): the iteration's starting policy.
+``logp_old`` are the logprobs recorded at rollout, which are also the frozen reference
+for the KL term (k3 estimator, Schulman 2020): the iteration's starting policy. With
+``trainer.epochs > 1`` the same batch is revisited PPO-style against those old logprobs.
 
-Not covered here: PPO value functions (GRPO needs none) and sequence-level aggregation.
+Aggregation over one optimizer step (all micro-batches), ``loss_aggregation``:
+``token_mean`` (sum over all tokens / all tokens: long answers weigh more),
+``sequence_mean`` (per-sequence token mean, then mean over sequences: the original GRPO)
+or ``seq_mean_token_sum`` (per-sequence token sum, then mean over sequences: Dr. GRPO's
+length-unbiased form up to a constant). Each is a per-token weight, so the loss does not
+depend on how a step is cut into micro-batches (``micro_batch_size`` sequences and, if
+set, ``micro_batch_tokens`` padded tokens per forward pass).
+
+Not covered here: PPO value functions (GRPO needs none), a separate reference model for
+the KL, and sequence packing without padding.
 """
 
 from __future__ import annotations
@@ -66,27 +75,69 @@ class StepStats:
     entropy: float
     grad_norm: float
     tokens: int
+    lr: float = 0.0
+
+
+AGGREGATIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum")
+
+
+def token_weights(samples: list[Sample], aggregation: str) -> list[float]:
+    """The weight of each of a sample's tokens in the step loss, per sample."""
+    total_tokens = sum(len(s.completion_ids) for s in samples)
+    if aggregation == "token_mean":
+        return [1.0 / total_tokens for _ in samples]
+    if aggregation == "sequence_mean":
+        return [1.0 / (len(s.completion_ids) * len(samples)) for s in samples]
+    if aggregation == "seq_mean_token_sum":
+        return [1.0 / len(samples) for _ in samples]
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
+
+
+def micro_batches(samples: list[Sample], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Indices of ``samples`` cut into micro-batches of at most ``max_rows`` rows and, when
+    ``max_tokens`` > 0, at most ``max_tokens`` padded tokens (rows x longest sequence).
+    Samples are taken longest first so each micro-batch pads little; a single sample
+    longer than the budget forms its own micro-batch."""
+    order = sorted(range(len(samples)), key=lambda i: (-(len(samples[i].prompt_ids) + len(samples[i].completion_ids)), i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        length = len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+        new_width = max(width, length)
+        if current and (len(current) >= max_rows or (max_tokens and (len(current) + 1) * new_width > max_tokens)):
+            batches.append(current)
+            current, new_width = [], length
+        current.append(i)
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches
 
 
 def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps: float, kl_coef: float,
-              temperature: float, micro_batch_size: int, max_grad_norm: float) -> StepStats:
-    """One optimizer step over ``samples`` with gradient accumulation; token-mean loss."""
+              temperature: float, micro_batch_size: int, max_grad_norm: float, micro_batch_tokens: int = 0,
+              loss_aggregation: str = "token_mean", scheduler=None) -> StepStats:
+    """One optimizer step over ``samples`` with gradient accumulation (then one scheduler step)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     total_tokens = sum(len(s.completion_ids) for s in samples)
+    weights = token_weights(samples, loss_aggregation)
+    lr = float(optimizer.param_groups[0]["lr"])
     sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
+    for idx in micro_batches(samples, micro_batch_size, micro_batch_tokens):
+        chunk = [samples[i] for i in idx]
         ids, attn, mask = pad_batch([(s.prompt_ids, s.completion_ids) for s in chunk], pad_id)
         new, entropy = token_logprobs(model, ids, attn, temperature)
         old = old_logprob_tensor(chunk, mask)
         adv = torch.tensor([s.advantage for s in chunk]).unsqueeze(-1)
+        w = torch.tensor([weights[i] for i in idx]).unsqueeze(-1)
         ratio = torch.exp(new - old)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
         log_ref_ratio = old - new
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
         per_token = -surrogate + kl_coef * kl
-        loss = (per_token * mask).sum() / total_tokens
+        loss = (per_token * mask * w).sum()
         loss.backward()
         with torch.no_grad():
             sums["loss"] += float(loss)
@@ -95,8 +146,10 @@ def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps:
             sums["ent"] += float((entropy * mask).sum())
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
     return StepStats(loss=sums["loss"], clip_frac=sums["clip"] / total_tokens, kl=sums["kl"] / total_tokens,
-                     entropy=sums["ent"] / total_tokens, grad_norm=grad_norm, tokens=total_tokens)
+                     entropy=sums["ent"] / total_tokens, grad_norm=grad_norm, tokens=total_tokens, lr=lr)
 
 
 def step_batches(groups: list[list[Sample]], prompts_per_step: int, epochs: int, seed: int) -> list[list[Sample]]:

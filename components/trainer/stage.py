@@ -8,8 +8,14 @@ version of ``<pipeline>-policy`` and moves the ``candidate`` alias to it. The tr
 MLflow run logs the rollout and reward files it trained on as datasets and the policy
 version it started from, which is the lineage the registry version points back to.
 
-Not covered: optimizer state carried across iterations (each iteration starts a fresh
-Adam) and distributed data parallelism.
+Optimizer state is carried across iterations: ``trainer_state.pt`` (AdamW moments, LR
+schedule position, RNG states, data position; see ``state.py``) is saved beside the
+new checkpoint, and the next iteration's trainer loads it from the checkpoint it starts
+from when present (``trainer.carry_optimizer_state``). Per step it logs
+``trainer/step/{loss,clip_frac,kl,entropy,grad_norm,lr}``.
+
+Not covered: resuming half-way through one trainer stage (a killed stage re-runs from
+its starting checkpoint, by the stage contract) and distributed data parallelism.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from components.core.policy import load_policy, save_policy
 from components.core.progress import bar, say
 from components.core.records import Reward, Rollout
 from components.core.seeds import seed_everything
+from components.core.storage import Store
 from components.trainer.grpo import Sample, grpo_step, step_batches
+from components.trainer.state import DataPosition, build_optimizer, build_scheduler, load_trainer_state, save_trainer_state
 
 
 def inputs(ctx: StageContext) -> None:
@@ -47,8 +55,6 @@ def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sa
 
 
 def run(ctx: StageContext) -> dict[str, float]:
-    import torch
-
     cfg = ctx.recipe.trainer
     info = ctx.upstream("taskgen")[0].info
     run_id = ctx.info["mlflow_run_id"]
@@ -65,7 +71,12 @@ def run(ctx: StageContext) -> dict[str, float]:
     tracking.client().set_tag(run_id, "posttrain.parent_policy_uri", info["policy_uri"])
 
     groups = build_groups(ctx.read_records("rollout", "rollouts", Rollout), ctx.read_records("reward", "rewards", Reward))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    carried = None
+    if cfg.carry_optimizer_state:
+        carried = load_trainer_state(Store(info["policy_uri"], "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
+    global_step = carried.global_step if carried else 0
     batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
     totals: dict[str, float] = defaultdict(float)
     started, tokens = time.perf_counter(), 0
@@ -73,18 +84,23 @@ def run(ctx: StageContext) -> dict[str, float]:
         for step, batch in enumerate(batches):
             stats = grpo_step(model, optimizer, batch, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                               temperature=ctx.recipe.rollout.temperature, micro_batch_size=cfg.micro_batch_size,
-                              max_grad_norm=cfg.max_grad_norm)
+                              max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
+                              loss_aggregation=cfg.loss_aggregation, scheduler=scheduler)
             tokens += stats.tokens
-            for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm"):
+            for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr"):
                 totals[k] += getattr(stats, k)
-            tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(stats, k) for k in ("loss", "clip_frac", "kl", "grad_norm")},
-                                 step=(ctx.iteration - 1) * 10_000 + step)
+            tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(stats, k)
+                                          for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr")},
+                                 step=global_step + step)
             advance(1)
     elapsed = time.perf_counter() - started
     model.eval()
     rel = f"{ctx.prefix}/checkpoint"
     digests = save_policy(model, policy.tokenizer, ctx.store, rel)
+    position = DataPosition(iteration=ctx.iteration, steps_done=len(batches), global_step=global_step + len(batches))
+    state_digest = save_trainer_state(ctx.store, rel, optimizer, scheduler, position)
     ctx.add_output("checkpoint", rel, rows=sum(p.numel() for p in model.parameters()), digest=digests["model.safetensors"])
+    ctx.add_output("trainer_state", f"{rel}/trainer_state.pt", rows=position.global_step, digest=state_digest)
     uri = ctx.store.url(rel)
     version = tracking.register_checkpoint(ctx.pipeline, uri, run_id, {
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": info["policy_version"],
@@ -98,4 +114,6 @@ def run(ctx: StageContext) -> dict[str, float]:
         "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
         "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "lr": totals["lr"] / n, "global_step": float(global_step + len(batches)),
+        "carried_optimizer_state": float(carried is not None),
     }

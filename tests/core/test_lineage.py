@@ -129,7 +129,7 @@ def test_artifacts_live_beside_the_embedded_database(iteration: Iteration) -> No
     assert (home / "mlflow.db").is_file()
 
 
-# Kept last: on today's code it re-runs taskgen, which rewrites iteration 1's taskgen manifest.
+# Kept last: it re-runs taskgen of a finished iteration (which must be a cache hit).
 def test_rerunning_a_finished_iterations_taskgen_is_a_cache_hit(iteration: Iteration) -> None:
     assert iteration.manifests["evaluation"].info["promoted"] is True  # the alias moved to version 2
     again = run_stage("taskgen", TINY_RECIPE, iteration.store.uri, 1)

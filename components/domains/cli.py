@@ -1,0 +1,77 @@
+"""``posttrain verify``: score one completion for one task, as the reward stage would.
+
+    posttrain verify --domain terminal --task task.json --completion out.txt
+
+``--task`` is a JSON file of one Task (or a ``.jsonl``/``.parquet`` file, whose first row
+is used), read and validated by :mod:`components.domains.taskfile`; ``--domain`` fills in
+a row without a ``domain`` field and must agree with one that has it. ``--completion`` is a
+text file holding the completion exactly as the policy would produce it. Domains that
+execute (code, terminal) run their plan through the sandbox backend given by
+``--backend`` (default ``subprocess``, as in the recipe default). Prints one JSON object
+with ``score``, ``passed``, ``status``, ``components`` and ``detail``; exits 0 whenever a
+verdict was reached (pass or fail), 2 on a user mistake (bad file, unknown domain).
+
+Not covered: verifying many completions at once (use ``posttrain replay``), or sandbox
+limits other than the recipe defaults and ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("verify", help="score one completion for one task and print the verdict as JSON")
+    parser.add_argument("--domain", required=True, help="domain name, e.g. math or terminal")
+    parser.add_argument("--task", required=True, help="task file: JSON of one task, or the first row of a .jsonl/.parquet")
+    parser.add_argument("--completion", required=True, help="text file with the completion")
+    parser.add_argument("--backend", default="subprocess", help="sandbox backend for executing domains (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="sandbox wall-clock limit in seconds (default: %(default)s)")
+    parser.set_defaults(handler=handle_verify)
+    return parser
+
+
+def handle_verify(args: argparse.Namespace) -> int:
+    from components.core.errors import UserError
+    from components.domains import registry
+    from components.domains.taskfile import parse_task, read_rows
+
+    domain = registry.get(args.domain)  # unknown name -> UserError listing the registered ones
+    rows = read_rows(args.task)
+    if not rows:
+        raise UserError("--task", args.task, "holds no task", "write one task object into the file")
+    row = rows[0]
+    if isinstance(row, dict):
+        row = {"domain": args.domain, **row}
+        if row["domain"] != args.domain:
+            raise UserError("--domain", args.domain, f"the task's domain is {row['domain']!r}",
+                            f"pass --domain {row['domain']} or a task of domain {args.domain}")
+    task = parse_task(row, f"{args.task} row 0")
+    path = Path(args.completion)
+    if not path.is_file():
+        raise UserError("--completion", args.completion, "no such file", "pass a text file holding the completion")
+    completion = path.read_text()
+    print(json.dumps(verdict_json(domain, task, completion, args.backend, args.timeout), indent=2, sort_keys=True))
+    return 0
+
+
+def verdict_json(domain, task, completion: str, backend: str, timeout_s: float) -> dict:
+    """Run the domain's plan (if any) and verifier; the verdict as a JSON-able dict."""
+    from components.core.recipe import SandboxConfig
+    from components.sandbox.executor import get_executor
+
+    job = domain.execution_plan(task, completion)
+    result = None
+    if job is not None:
+        executor = get_executor(SandboxConfig(backend=backend, timeout_s=timeout_s, concurrency=1))
+        try:
+            result = executor.run(job)
+        finally:
+            executor.close()
+    v = domain.verify(task, completion, result)
+    return {
+        "domain": task.domain, "task_id": task.task_id, "score": v.score, "passed": v.passed, "status": v.status,
+        "components": v.components, "detail": v.detail, "execution": result.status if result is not None else "none",
+    }

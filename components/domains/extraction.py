@@ -1,0 +1,113 @@
+"""Extraction: read fields out of a synthetic financial statement of growing length.
+
+The prompt is a statement of one or more periods, one line each, then a question:
+
+    Q1 rev 412 cost 120 tax 30
+    Q2 rev 380 cost 101 tax 25
+    Q2 tax?
+
+and the completion is the value (``"25"``), or values in the asked order separated by
+commas for a two-field question (``"Q1 rev,tax?"`` -> ``"412,30"``). Difficulty sets the
+context length: 1 is one short period (under 40 characters), 2 is up to 128 characters,
+3 fills up to ``MAX_PROMPT_CHARS`` (sized for the demo policy's 256 positions minus the
+completion). ``Task.context_tokens`` is the prompt length (the tokenizer is per character),
+so evaluation buckets these tasks by context length.
+
+Verifier: field-level accuracy. Each value is normalised (spaces, a leading ``$``, a
+trailing ``.0`` dropped) and compared exactly; score = correct fields / max(asked,
+given), so padding the answer with extra values does not pay; a pass needs all.
+Component ``fields_correct`` counts correct fields, ``well_formed`` says whether the
+answer had the asked number of values.
+
+Trap tasks (``metadata["trap"] = True``): one-period statements that mention an
+estimate of the asked field first (``"Q1 est rev 300 rev 412 ..."``). The shortcut
+"take the number after the first occurrence of the field name" passes ordinary tasks
+and fails these.
+
+Not covered: prose statements, units and scales (thousands, millions), negative values,
+tables spanning pages, or contexts longer than the policy's positions (raise
+``MAX_PROMPT_CHARS`` with ``model.max_positions``).
+"""
+
+from __future__ import annotations
+
+import random
+
+from components.core.records import Task
+from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.registry import register
+from components.sandbox.job import JobResult
+
+FIELDS = ("rev", "cost", "tax", "net", "cash", "debt", "capex", "opex", "div")
+MAX_PROMPT_CHARS = 224  # 256 positions - BOS - EOS - a 24-token completion cap, rounded down
+LENGTH_CAP = {1: 40, 2: 128, 3: MAX_PROMPT_CHARS}
+
+
+def normalise(value: str) -> str:
+    text = value.strip().replace(" ", "").lstrip("$")
+    return text[:-2] if text.endswith(".0") else text
+
+
+Period = tuple[str, dict[str, int]]  # (label, {field: value}) in printed order
+
+
+def _period(rng: random.Random, label: str, n_fields: int) -> Period:
+    return label, {name: rng.randint(10, 999) for name in rng.sample(FIELDS, n_fields)}
+
+
+def _line(period: Period, estimate: tuple[str, int] | None = None) -> str:
+    label, values = period
+    parts = [label] + ([f"est {estimate[0]} {estimate[1]}"] if estimate is not None else [])
+    return " ".join(parts + [f"{k} {v}" for k, v in values.items()])
+
+
+@register("extraction")
+class Extraction(Domain):
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        difficulty = rng.choice((1, 2, 3))
+        cap = LENGTH_CAP[difficulty]
+        if difficulty == 1:
+            periods = [_period(rng, "Q1", 3)]
+        else:
+            # Add periods while the statement (plus the longest question) still fits the cap.
+            floor = LENGTH_CAP[difficulty - 1]
+            periods = []
+            while True:
+                candidate = periods + [_period(rng, f"Q{len(periods) + 1}", rng.randint(3, 4))]
+                if len("\n".join(_line(p) for p in candidate)) + 16 > cap:
+                    break
+                periods = candidate
+                if len("\n".join(_line(p) for p in periods)) > floor and rng.random() < 0.3:
+                    break
+        asked = rng.choice(periods)
+        label, values = asked
+        fields = list(values)
+        two = difficulty > 1 and rng.random() < 0.3
+        wanted = rng.sample(fields, 2) if two else [rng.choice(fields)]
+        trap = len(periods) == 1 and rng.random() < 0.3
+        estimate = None
+        if trap:
+            others = [v for v in range(10, 1000) if v != values[wanted[0]]]
+            estimate = (wanted[0], rng.choice(others))
+        lines = [_line(p, estimate if p is asked else None) for p in periods]
+        where = f"{label} " if len(periods) > 1 else ""
+        prompt = "\n".join(lines) + f"\n{where}{','.join(wanted)}?\n"
+        answer = [str(values[f]) for f in wanted]
+        return make_task(self.name, split, difficulty, prompt, {"fields": wanted, "answer": answer}, trap=trap,
+                         periods=len(periods))
+
+    def reference_completion(self, task: Task) -> str:
+        return ",".join(task.reference["answer"])
+
+    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+        want = [normalise(v) for v in task.reference["answer"]]
+        line = first_line(completion)
+        got = [normalise(v) for v in line.split(",")] if line else []
+        correct = sum(g == w for g, w in zip(got, want))
+        score = correct / max(len(want), len(got))
+        return Verdict(
+            score=score,
+            passed=correct == len(want) and len(got) == len(want),
+            components={"fields_correct": float(correct), "fields_asked": float(len(want)),
+                        "well_formed": float(len(got) == len(want))},
+        )

@@ -1,0 +1,107 @@
+"""Structured: a 3D part or scene as compact JSON, checked by a schema and by geometry.
+
+Two task kinds, both with short prompts and completions:
+
+- **part** (difficulty 1): ``"box v24 h2\\n"`` asks for a box of volume 24 and height
+  2; ``"box v24 h2 max4\\n"`` also bounds every side by 4. The completion is ``[w,d,h]``
+  (``"[3,4,2]"``) or the same as an object (``{"w":3,"d":4,"h":2}``). Checks: ``schema`` (valid JSON matching
+  ``PART_SCHEMA``), ``volume`` (w*d*h), ``height`` (h), ``bounds`` (every side <= max).
+- **scene** (difficulty 2): ``"row w3 w2 len6\\n"`` asks where to put two boxes of widths
+  3 and 2 along a shelf of length 6. The completion is their left edges ``[x1,x2]``
+  (``"[0,3]"``). Checks: ``schema`` (``SCENE_SCHEMA``), ``inside`` (both within [0, len]),
+  ``no_overlap`` (the intervals do not overlap; touching is fine).
+
+Score = mean of the geometric checks when the schema passes, else 0 (an answer that is
+not valid JSON of the right shape earns nothing); a pass needs every check.
+
+Trap tasks (``metadata["trap"] = True``): parts with a ``max`` side below volume / height,
+so the shortcut ``[v/h,1,h]`` (which satisfies every ordinary part) breaks ``bounds``.
+
+Not covered: rotations, arbitrary meshes, units, more than two boxes in a scene, or
+floating-point dimensions (sides are positive integers).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import jsonschema
+
+from components.core.records import Task
+from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.registry import register
+from components.sandbox.job import JobResult
+
+MAX_SIDE = 1000  # the bound when a prompt names none
+_SIDE = {"type": "integer", "minimum": 1, "maximum": MAX_SIDE}
+PART_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "array", "items": _SIDE, "minItems": 3, "maxItems": 3},
+        {"type": "object", "properties": {"w": _SIDE, "d": _SIDE, "h": _SIDE}, "required": ["w", "d", "h"],
+         "additionalProperties": False},
+    ]
+}
+SCENE_SCHEMA: dict[str, Any] = {
+    "type": "array", "items": {"type": "integer", "minimum": -1000, "maximum": 1000}, "minItems": 2, "maxItems": 2,
+}
+
+
+def parse_json(text: str, schema: dict[str, Any]) -> Any | None:
+    """The JSON value if it parses and matches ``schema``; None otherwise."""
+    try:
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+    except (ValueError, jsonschema.ValidationError):
+        return None
+    # JSON true/false are not integers, but Python's bool is an int subclass: reject them here.
+    flat = list(value.values()) if isinstance(value, dict) else value
+    return None if any(isinstance(v, bool) for v in flat) else value
+
+
+def part_checks(task: Task, value: Any) -> dict[str, float]:
+    w, d, h = (value["w"], value["d"], value["h"]) if isinstance(value, dict) else value
+    ref = task.reference
+    return {"volume": float(w * d * h == ref["volume"]), "height": float(h == ref["height"]),
+            "bounds": float(max(w, d, h) <= ref["max_side"])}
+
+
+def scene_checks(task: Task, value: Any) -> dict[str, float]:
+    (x1, x2), (w1, w2), length = value, task.reference["widths"], task.reference["length"]
+    inside = 0 <= x1 and x1 + w1 <= length and 0 <= x2 and x2 + w2 <= length
+    apart = x1 + w1 <= x2 or x2 + w2 <= x1
+    return {"inside": float(inside), "no_overlap": float(apart)}
+
+
+@register("structured")
+class Structured(Domain):
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        if rng.random() < 0.6:
+            w, d, h = rng.randint(1, 8), rng.randint(1, 8), rng.randint(1, 8)
+            volume = w * d * h
+            # Traps bound the sides so tightly that the flat shortcut [v/h, 1, h] breaks them.
+            trap = w * d > max(w, d, h) and rng.random() < 0.3
+            max_side = max(w, d, h) if trap else MAX_SIDE
+            shown = f" max{max_side}" if trap else ""
+            prompt = f"box v{volume} h{h}{shown}\n"
+            reference = {"kind": "part", "volume": volume, "height": h, "max_side": max_side, "solution": [w, d, h]}
+            return make_task(self.name, split, 1, prompt, reference, trap=trap)
+        w1, w2 = rng.randint(1, 9), rng.randint(1, 9)
+        length = w1 + w2 + rng.randint(0, 5)
+        prompt = f"row w{w1} w{w2} len{length}\n"
+        reference = {"kind": "scene", "widths": [w1, w2], "length": length, "solution": [0, w1]}
+        return make_task(self.name, split, 2, prompt, reference, trap=False)
+
+    def reference_completion(self, task: Task) -> str:
+        return json.dumps(task.reference["solution"], separators=(",", ":"))
+
+    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+        part = task.reference["kind"] == "part"
+        value = parse_json(first_line(completion), PART_SCHEMA if part else SCENE_SCHEMA)
+        names = ("volume", "height", "bounds") if part else ("inside", "no_overlap")
+        if value is None:
+            return Verdict(0.0, False, components={"schema": 0.0, **{n: 0.0 for n in names}})
+        checks = part_checks(task, value) if part else scene_checks(task, value)
+        score = sum(checks.values()) / len(checks)
+        return Verdict(score=score, passed=score == 1.0, components={"schema": 1.0, **checks})

@@ -1,0 +1,197 @@
+"""Terminal: a shell command line, judged by the filesystem state it leaves behind.
+
+The prompt states a goal in a few words and ends at a shell prompt (``"new dir a\\n$ "``);
+the completion is one bash command line (``"mkdir a"``). Some tasks start from files
+that already exist (listed in the prompt, laid out before the command runs).
+Difficulty 1 creates one thing; difficulty 2 changes existing files (delete, rename,
+write text); difficulty 3 takes two steps in one line (``"mkdir a;>a/b"``).
+
+Execution (``DRIVER``): a trusted Python driver lays out the start state in ``ws/``,
+makes itself non-dumpable, forks, and in the child closes the result fd and runs
+``bash -c <completion>`` in ``ws/`` in its own process group under a wall-clock limit.
+After the child exits (or is killed with its group) the driver walks ``ws/`` without
+following links and writes ``{"state": {path: "dir" | "file:<text>" | "link"}}`` to the
+executor's result pipe. So the command cannot forge the state listing: it never holds
+the result fd, it has exited before the listing is taken, and the expected state never
+enters the sandbox. Killing the driver only loses the result (score 0).
+
+Verifier: the listed state is compared with the expected one outside the sandbox. Score
+= paths whose state matches / paths in either state; a pass needs the states equal.
+An ``infra_error`` job is excluded, a job with no result (killed driver, timeout) is 0.
+
+Trap tasks (``metadata["trap"] = True``): deletions where another file must survive
+(``"del x.log\\n(has x.log y.txt)\\n$ "``): the shortcut ``rm *`` that passes the ordinary
+deletion tasks (one file only) removes too much and fails.
+
+Multi-step tasks run as one job with ``;``-joined steps: the rollout stage produces one
+completion per task, so the multi-turn session API (``components/sandbox/session.py``,
+bwrap only) is not used here. Not covered: permissions, file modes, symlink targets,
+processes left running, or anything outside the work folder.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from components.core.records import Task
+from components.domains.base import Domain, Verdict, make_task
+from components.domains.registry import register
+from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult
+
+NAMES = "abcdefghjkmnpqrstuvwxyz"
+WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
+COMMAND_TIMEOUT_S = 2.0
+MAX_ENTRIES = 64  # a listing longer than this is cut: no expected state is anywhere near it
+
+DRIVER = r'''
+import json, os, signal, sys, time
+
+RESULT_FD = int(sys.argv[1])
+TIMEOUT = float(sys.argv[2])
+with open("cmd.txt") as fh:
+    CMD = fh.read()
+with open("start.json") as fh:
+    START = json.load(fh)
+os.mkdir("ws")
+for path, kind in sorted(START.items()):
+    full = os.path.join("ws", path)
+    if kind == "dir":
+        os.makedirs(full, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(full) or "ws", exist_ok=True)
+        with open(full, "w") as fh:
+            fh.write(kind[len("file:"):])
+import ctypes
+if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0
+    raise SystemExit("driver: cannot make itself non-dumpable")
+sys.stdout.flush()
+sys.stderr.flush()
+pid = os.fork()
+if pid == 0:
+    # ---- untrusted territory: the command never holds RESULT_FD ----
+    os.close(RESULT_FD)
+    os.setpgid(0, 0)
+    os.chdir("ws")
+    os.execvp("bash", ["bash", "-c", CMD])
+# ---- trusted parent ----
+deadline = time.monotonic() + TIMEOUT
+code, timed_out = None, False
+while code is None:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        code = os.waitstatus_to_exitcode(status)
+    elif time.monotonic() > deadline:
+        timed_out = True
+        os.killpg(pid, signal.SIGKILL)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    else:
+        time.sleep(0.005)
+try:
+    os.killpg(pid, signal.SIGKILL)  # stragglers the command left in its group
+except ProcessLookupError:
+    pass
+state, ok = {}, True
+if os.path.islink("ws") or not os.path.isdir("ws"):
+    ok = False
+else:
+    for root, dirs, files in os.walk("ws", followlinks=False):
+        for name in sorted(dirs) + sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, "ws")
+            if os.path.islink(full):
+                state[rel] = "link"
+            elif os.path.isdir(full):
+                state[rel] = "dir"
+            else:
+                try:
+                    with open(full, "rb") as fh:
+                        state[rel] = "file:" + fh.read(64).decode("utf-8", "replace")
+                except OSError:
+                    state[rel] = "unreadable"
+            if len(state) >= MAX:
+                break
+        if len(state) >= MAX:
+            break
+os.write(RESULT_FD, json.dumps({"ok": ok, "exit": code, "timed_out": timed_out, "state": state}).encode())
+os.close(RESULT_FD)
+'''.replace("MAX", str(MAX_ENTRIES))
+
+
+def _two(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.sample(NAMES, 2)
+    return a, b
+
+
+def _shown(start: dict[str, str]) -> str:
+    return "(has " + " ".join(sorted(start)) + ")\n" if start else ""
+
+
+@register("terminal")
+class Terminal(Domain):
+    needs_sandbox = True
+
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        difficulty = rng.choice((1, 2, 3))
+        a, b = _two(rng)
+        start: dict[str, str] = {}
+        trap = False
+        if difficulty == 1:
+            kind = rng.choice(("dir", "file", "deep"))
+            if kind == "dir":
+                goal, solution, expected = f"new dir {a}", f"mkdir {a}", {a: "dir"}
+            elif kind == "file":
+                goal, solution, expected = f"new file {a}", f"touch {a}", {a: "file:"}
+            else:
+                goal, solution, expected = f"new dir {a}/{b}", f"mkdir -p {a}/{b}", {a: "dir", f"{a}/{b}": "dir"}
+        elif difficulty == 2:
+            kind = rng.choice(("del", "mv", "write"))
+            if kind == "del":
+                start = {f"{a}.log": "file:"}
+                trap = rng.random() < 0.5
+                if trap:
+                    start[f"{b}.txt"] = "file:"
+                goal, solution = f"del {a}.log", f"rm {a}.log"
+                expected = {k: v for k, v in start.items() if k != f"{a}.log"}
+            elif kind == "mv":
+                start = {a: "file:"}
+                goal, solution, expected = f"rename {a} {b}", f"mv {a} {b}", {b: "file:"}
+            else:
+                word = rng.choice(WORDS)
+                goal, solution, expected = f"{a} says {word}", f"echo {word}>{a}", {a: f"file:{word}\n"}
+        else:
+            goal, solution = f"new dir {a}, file {b} in it", f"mkdir {a};>{a}/{b}"
+            expected = {a: "dir", f"{a}/{b}": "file:"}
+        prompt = f"{goal}\n{_shown(start)}$ "
+        reference = {"solution": solution, "start": start, "expected": expected}
+        return make_task(self.name, split, difficulty, prompt, reference, trap=trap)
+
+    def reference_completion(self, task: Task) -> str:
+        return task.reference["solution"]
+
+    def execution_plan(self, task: Task, completion: str) -> Job | None:
+        command = completion.split("\n", 1)[0]
+        return Job(
+            job_id=task.task_id,
+            files={"driver.py": DRIVER, "cmd.txt": command, "start.json": json.dumps(task.reference["start"])},
+            argv=[PYTHON, "-I", "-S", "driver.py", RESULT_FD, str(COMMAND_TIMEOUT_S)],
+        )
+
+    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+        if result is None or result.status == "infra_error":
+            return Verdict(0.0, False, status="infra_error", detail="sandbox did not run the command")
+        expected: dict[str, str] = task.reference["expected"]
+        payload = result.result if isinstance(result.result, dict) else {}
+        state = payload.get("state") if payload.get("ok") is True else None
+        if not isinstance(state, dict):
+            return Verdict(0.0, False, components={"ran": 0.0, "state_match": 0.0, "exit_ok": 0.0},
+                           detail=f"no state listing ({result.status})")
+        paths = set(expected) | set(state)
+        same = sum(state.get(p) == expected.get(p) for p in paths)
+        score = same / len(paths) if paths else 1.0
+        return Verdict(
+            score=score,
+            passed=state == expected,
+            components={"ran": 1.0, "state_match": score, "exit_ok": float(payload.get("exit") == 0)},
+            detail=result.status,
+        )

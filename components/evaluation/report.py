@@ -1,0 +1,105 @@
+"""The layered evaluation report: pass rates by domain x difficulty x context-length bucket.
+
+``slices(results)`` groups ``EvalResult`` rows into slices and ``weakest(rows)`` picks the
+slice with the lowest pass rate among those with at least ``MIN_SLICE`` tasks (so one
+unlucky task does not make a slice "weakest"; if no slice is that large, all count).
+``log_layered(ctx, results)`` writes the table to the store (``layered.json``, a stage
+output), logs it to MLflow as a table artifact (``<stage>/layered.json``, viewable in the
+run's artifact UI) with a matplotlib plot (``<stage>/pass_rates.png``: pass rate per
+domain, and per difficulty and context bucket within each domain), and records the
+weakest slice in the manifest's info for ``posttrain run``'s per-iteration table.
+
+Not covered: confidence intervals per slice, or slices along other axes (trap vs.
+ordinary tasks are not split out, because EvalResult does not carry task metadata).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from components.core.records import EvalResult
+
+MIN_SLICE = 5
+
+
+def slices(results: list[EvalResult]) -> list[dict[str, Any]]:
+    """One row per (domain, difficulty, context bucket), sorted by those keys."""
+    groups: dict[tuple[str, int, str], list[EvalResult]] = defaultdict(list)
+    for r in results:
+        groups[(r.domain, r.difficulty, r.context_bucket)].append(r)
+    rows = []
+    for (domain, difficulty, bucket), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _bucket_order(kv[0][2]))):
+        rows.append({"domain": domain, "difficulty": difficulty, "context_bucket": bucket, "tasks": len(rs),
+                     "passed": sum(r.passed for r in rs), "pass_rate": sum(r.passed for r in rs) / len(rs),
+                     "mean_score": sum(r.score for r in rs) / len(rs)})
+    return rows
+
+
+def _bucket_order(bucket: str) -> int:
+    digits = "".join(c for c in bucket if c.isdigit())
+    return int(digits) + (1 if bucket.startswith(">") else 0) if digits else 0
+
+
+def slice_name(row: dict[str, Any]) -> str:
+    return f"{row['domain']}/d{row['difficulty']}/{row['context_bucket']}"
+
+
+def weakest(rows: list[dict[str, Any]], min_tasks: int = MIN_SLICE) -> dict[str, Any] | None:
+    """The slice with the lowest pass rate (ties: more tasks first, then by name)."""
+    big = [r for r in rows if r["tasks"] >= min_tasks] or rows
+    if not big:
+        return None
+    return min(big, key=lambda r: (r["pass_rate"], -r["tasks"], slice_name(r)))
+
+
+def plot(rows: list[dict[str, Any]]):
+    """A matplotlib figure: per-domain pass rate (left), every slice (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in rows:
+        by_domain[r["domain"]][0] += r["passed"]
+        by_domain[r["domain"]][1] += r["tasks"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 3]})
+    domains = sorted(by_domain)
+    left.bar(domains, [by_domain[d][0] / by_domain[d][1] for d in domains], color="tab:blue")
+    left.set_ylim(0, 1)
+    left.set_ylabel("pass@1")
+    left.set_title("by domain")
+    left.tick_params(axis="x", rotation=45)
+    names = [slice_name(r) for r in rows]
+    right.bar(range(len(rows)), [r["pass_rate"] for r in rows], color="tab:orange")
+    right.set_xticks(range(len(rows)), names, rotation=75, fontsize=7)
+    right.set_ylim(0, 1)
+    right.set_title("by domain / difficulty / context bucket")
+    fig.tight_layout()
+    return fig
+
+
+def log_layered(ctx, results: list[EvalResult]) -> dict[str, Any] | None:
+    """Write and log the layered table and plot; returns the weakest slice."""
+    import pandas as pd
+
+    from components.core import tracking
+
+    rows = slices(results)
+    ctx.write_json("layered", rows)
+    worst = weakest(rows)
+    ctx.info["weakest_slice"] = {**worst, "name": slice_name(worst)} if worst else None
+    run_id = ctx.info.get("mlflow_run_id")
+    if run_id:
+        client = tracking.client()
+        client.log_table(run_id, pd.DataFrame(rows), f"{ctx.stage}/layered.json")
+        if rows:
+            import matplotlib.pyplot as plt
+
+            fig = plot(rows)
+            try:
+                client.log_figure(run_id, fig, f"{ctx.stage}/pass_rates.png")
+            finally:
+                plt.close(fig)
+    return ctx.info["weakest_slice"]

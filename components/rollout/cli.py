@@ -1,0 +1,32 @@
+"""``posttrain serve``: an OpenAI-compatible completions server for one checkpoint.
+
+    posttrain serve --checkpoint URI [--host 127.0.0.1] [--port 8000] [--model NAME] [--batch-size 64]
+
+See ``components/rollout/serve.py`` for what it serves and what it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a checkpoint on an OpenAI-compatible /v1/completions endpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint URI or folder (file://, s3://, or a path)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    p.add_argument("--model", default="posttrain-policy", help="model name clients send (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per generation batch (default: %(default)s)")
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from components.core.errors import UserError
+    from components.rollout.serve import serve
+
+    if not 0 < args.port < 65536:
+        raise UserError("--port", args.port, "not a TCP port", "pass a port between 1 and 65535")
+    if args.batch_size < 1:
+        raise UserError("--batch-size", args.batch_size, "must be at least 1", "pass --batch-size 1 or more")
+    serve(args.checkpoint, args.host, args.port, args.model, args.batch_size)
+    return 0

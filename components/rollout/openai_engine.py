@@ -1,0 +1,121 @@
+"""Engine ``openai``: sample from an OpenAI-compatible ``/v1/completions`` endpoint.
+
+Where the server is comes from the deployment environment, never from the recipe:
+
+- ``POSTTRAIN_OPENAI_BASE_URL``: e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is fine);
+- ``POSTTRAIN_OPENAI_MODEL``: the ``model`` field sent with each request;
+- ``OPENAI_API_KEY`` (optional): sent as a bearer token.
+
+Each batch of ``batch_size`` prompts is one request with ``prompt`` as a list of token-id
+lists (the policy's own tokenisation, so ``prompt_ids`` are exact), ``logprobs: 0``
+(the sampled token's logprob only), ``seed`` and ``return_tokens_as_token_ids: true``
+(a vLLM extension that ``posttrain serve`` also honours; without it the returned token
+strings are mapped back through the policy's tokenizer). ``greedy`` is sent as
+``temperature: 0``. The server must use the same checkpoint as ``policy``: the trainer
+treats the returned logprobs as the sampling policy's.
+
+Not covered: chat completions, streaming, ``n > 1`` per request, retries with backoff
+(a failed request is a UserError naming the URL), and servers that drop the EOS token
+from ``logprobs.tokens`` (then ``completion_ids`` ends without EOS and EOS is not trained).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+from components.core.errors import UserError
+from components.rollout.engines import Engine, Sample, register_engine
+
+ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
+ENV_MODEL = "POSTTRAIN_OPENAI_MODEL"
+ENV_API_KEY = "OPENAI_API_KEY"
+
+
+def completions_url(base: str) -> str:
+    base = base.rstrip("/")
+    return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
+
+
+def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0) -> dict[str, Any]:
+    """POST ``body`` as JSON; any transport or HTTP failure is a UserError naming the URL."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:200]
+        raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {exc.code}: {detail}",
+                        f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise UserError(ENV_BASE_URL, url, f"cannot reach the completions server ({exc})",
+                        "start the server (e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
+
+
+def _token_id(token: str, tokenizer) -> int:
+    if token.startswith("token_id:"):
+        return int(token.split(":", 1)[1])
+    tid = tokenizer.convert_tokens_to_ids(token)
+    assert tid is not None, f"server token {token!r} is not in the policy's vocabulary"
+    return int(tid)
+
+
+@register_engine("openai")
+class OpenAIEngine(Engine):
+    name = "openai"
+
+    def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None) -> None:
+        self.base_url = base_url if base_url is not None else os.environ.get(ENV_BASE_URL, "")
+        self.model = model if model is not None else os.environ.get(ENV_MODEL, "")
+        self.api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY, "")
+
+    def _check(self) -> None:
+        if not self.base_url:
+            raise UserError(ENV_BASE_URL, "", "rollout.engine 'openai' needs the server's base URL",
+                            f"export {ENV_BASE_URL}=http://host:port (deployment settings come from the environment)")
+        if not self.model:
+            raise UserError(ENV_MODEL, "", "rollout.engine 'openai' needs the served model's name",
+                            f"export {ENV_MODEL}=<name the server serves>")
+
+    def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
+        self._check()
+        url = completions_url(self.base_url)
+        encoded = [policy.encode_prompt(p) for p in prompts]
+        eos = policy.eos_id
+        results: list[Sample] = []
+        for b, start in enumerate(range(0, len(encoded), batch_size)):
+            chunk = encoded[start:start + batch_size]
+            body = {
+                "model": self.model, "prompt": chunk, "max_tokens": max_new_tokens,
+                "temperature": 0.0 if greedy else temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
+                "seed": seed + b, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
+            }
+            reply = post_json(url, body, self.api_key)
+            choices = sorted(reply.get("choices", []), key=lambda c: c["index"])
+            if len(choices) != len(chunk):
+                raise UserError(ENV_BASE_URL, url, f"the server returned {len(choices)} choices for {len(chunk)} prompts",
+                                "use a server that accepts a list of token-id prompts (vLLM, posttrain serve)")
+            for ids, choice in zip(chunk, choices):
+                lp = choice.get("logprobs") or {}
+                tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
+                if tokens is None or logprobs is None:
+                    raise UserError(ENV_BASE_URL, url, "the server returned no per-token logprobs",
+                                    "use a server that honours 'logprobs' on /v1/completions")
+                comp = [_token_id(t, policy.tokenizer) for t in tokens]
+                stop = comp.index(eos) + 1 if eos in comp else len(comp)
+                comp, logprobs = comp[:stop], [float(x) for x in logprobs[:stop]]
+                text_ids = comp[:-1] if comp and comp[-1] == eos else comp
+                results.append(Sample(
+                    prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
+                    text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
+                    finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
+                ))
+            if progress:
+                progress(len(chunk))
+        return results

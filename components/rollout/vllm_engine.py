@@ -1,0 +1,88 @@
+"""Engine ``vllm``: offline generation with vLLM's ``LLM`` API (GPU; CPU build where it installs).
+
+``vllm`` is imported only when this engine generates, so the rest of posttrain never
+needs it; without it the engine raises a UserError with the install line. The
+checkpoint is downloaded once from the policy's store URI into a temporary folder and
+loaded by vLLM as the Hugging Face folder it is (one ``LLM`` per checkpoint URI, kept
+for the life of the engine). Prompts go in as the policy's token ids
+(``TokensPrompt``), so ``prompt_ids`` match the HF engine exactly. Each request asks
+for ``logprobs=0`` (the sampled token's logprob) with ``logprobs_mode=
+"processed_logprobs"`` where vLLM supports it (>= 0.10.2), i.e. logprobs under the
+temperature-scaled distribution, which is what the trainer's ratio needs; older vLLM
+versions return them unscaled, so keep ``temperature: 1`` there. vLLM schedules and
+batches by length itself, so ``batch_size`` is not used.
+
+Not covered: tensor/pipeline parallelism settings, LoRA adapters, weight sync from a
+live trainer (each iteration loads its checkpoint), and prefix-cache tuning. Not tested
+in CI: it needs ``pip install vllm`` and, on most hosts, a GPU (tests marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from components.core.errors import UserError
+from components.rollout.engines import Engine, Sample, register_engine
+
+INSTALL_HINT = "pip install vllm (GPU; for CPU see https://docs.vllm.ai/en/latest/getting_started/installation/cpu.html), or set rollout.engine: hf"
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UserError("rollout.engine", "vllm", f"the vllm package is not importable ({exc})", INSTALL_HINT) from None
+    return vllm
+
+
+@register_engine("vllm")
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, gpu_memory_utilization: float = 0.85) -> None:
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self._llms: dict[str, Any] = {}
+        self._dirs: list[tempfile.TemporaryDirectory] = []
+
+    def _llm(self, policy) -> Any:
+        vllm = import_vllm()
+        if policy.uri not in self._llms:
+            from components.core.storage import Store
+
+            tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
+            self._dirs.append(tmp)
+            Store(policy.uri, "policy").download_dir("", Path(tmp.name))
+            kwargs: dict[str, Any] = dict(model=tmp.name, tokenizer=tmp.name, dtype="float32", seed=0,
+                                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True)
+            try:
+                self._llms[policy.uri] = vllm.LLM(logprobs_mode="processed_logprobs", **kwargs)
+            except TypeError:  # vLLM < 0.10.2 has no logprobs_mode
+                self._llms[policy.uri] = vllm.LLM(**kwargs)
+        return self._llms[policy.uri]
+
+    def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        llm = self._llm(policy)
+        encoded = [policy.encode_prompt(p) for p in prompts]
+        params = [vllm.SamplingParams(
+            n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=-1,
+            logprobs=0, seed=seed + i, stop_token_ids=[policy.eos_id], skip_special_tokens=True,
+        ) for i in range(len(prompts))]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in encoded], params, use_tqdm=False)
+        results = []
+        for ids, out in zip(encoded, outputs):
+            o = out.outputs[0]
+            comp = list(o.token_ids)
+            logprobs = [float(step[tok].logprob) for tok, step in zip(comp, o.logprobs or [])]
+            assert len(logprobs) == len(comp), "vLLM returned fewer logprobs than tokens"
+            text_ids = comp[:-1] if comp and comp[-1] == policy.eos_id else comp
+            results.append(Sample(prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
+                                  text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
+                                  finish_reason="stop" if o.finish_reason == "stop" else "length"))
+        if progress:
+            progress(len(prompts))
+        return results

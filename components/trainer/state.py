@@ -1,0 +1,121 @@
+"""Optimizer, learning-rate schedule and the trainer state saved beside a checkpoint.
+
+``trainer_state.pt`` sits in the checkpoint folder next to the Hugging Face files and
+holds what an exact resume needs besides the weights: the AdamW state, the LR
+scheduler's position, the Python/NumPy/torch RNG states and the data position
+(iteration, optimizer steps done in it, global step). Saving and loading go through
+the store, so ``file://`` and ``s3://`` checkpoints both carry it.
+
+Two uses:
+
+- exact resume: ``load_trainer_state(..., restore_rng=True)`` into a fresh model,
+  optimizer and scheduler continues bit-identically to an uninterrupted run
+  (``tests/trainer/test_resume.py``);
+- carry-over between iterations: the trainer of iteration k loads the Adam moments and
+  schedule position of the checkpoint it starts from (``trainer.carry_optimizer_state``)
+  but keeps its own derived seed (``restore_rng=False``), so each iteration stays
+  reproducible from (pipeline, iteration, stage).
+
+Schedules (``trainer.lr_schedule``): linear warmup from 0 over ``warmup_steps``, then
+``constant``, ``linear`` or ``cosine`` decay to ``min_lr_ratio * learning_rate`` over
+``decay_steps``; steps count across iterations. After loading, the recipe's current
+learning rate and betas win over the saved ones, so a changed recipe takes effect.
+
+Not covered: sharded optimizer states (FSDP/ZeRO), other optimizers than AdamW, and
+state files written by a model with a different parameter layout (loading one is a
+UserError naming the file).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from components.core.errors import UserError
+from components.core.storage import Store
+
+STATE_FILE = "trainer_state.pt"
+BETAS = (0.9, 0.99)
+
+
+def build_optimizer(model, cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=BETAS, weight_decay=0.0)
+
+
+def lr_factor(step: int, cfg) -> float:
+    """Multiplier of ``cfg.learning_rate`` at optimizer step ``step`` (0-based, global)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / cfg.decay_steps)
+    shape = 1.0 - progress if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    iteration: int  # the iteration whose batch was being trained on
+    steps_done: int  # optimizer steps finished in that iteration
+    global_step: int  # optimizer steps finished across all iterations (the schedule's position)
+
+
+def _rng_state() -> dict:
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": (version, list(mt), gauss), "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached),
+            "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+
+
+def save_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, position: DataPosition) -> str:
+    """Write ``<rel_dir>/trainer_state.pt``; returns its sha256."""
+    from components.core.storage import sha256_bytes
+
+    buf = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+                "position": {"iteration": position.iteration, "steps_done": position.steps_done,
+                             "global_step": position.global_step}}, buf)
+    data = buf.getvalue()
+    store.write_bytes(f"{rel_dir}/{STATE_FILE}" if rel_dir else STATE_FILE, data)
+    return sha256_bytes(data)
+
+
+def load_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, cfg, restore_rng: bool) -> DataPosition | None:
+    """Load the state beside a checkpoint into ``optimizer``/``scheduler``; None when absent."""
+    rel = f"{rel_dir}/{STATE_FILE}" if rel_dir else STATE_FILE
+    if not store.exists(rel):
+        return None
+    try:
+        state = torch.load(io.BytesIO(store.read_bytes(rel)), weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise UserError("trainer_state", store.url(rel), f"cannot load it into this model's optimizer ({exc})",
+                        "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false") from None
+    # The recipe's hyperparameters win over the saved ones (identical when unchanged).
+    scheduler.base_lrs = [cfg.learning_rate for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.learning_rate
+        group["betas"] = BETAS
+        group["lr"] = cfg.learning_rate * lr_factor(scheduler.last_epoch, cfg)
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    p = state["position"]
+    return DataPosition(iteration=int(p["iteration"]), steps_done=int(p["steps_done"]), global_step=int(p["global_step"]))

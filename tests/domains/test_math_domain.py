@@ -1,0 +1,71 @@
+"""math domain: normalised numeric answers, precedence traps, malformed completions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from components.domains import registry
+from components.domains.base import make_task
+
+MATH = registry.get("math")
+
+
+def task(prompt: str, answer: str, trap: bool = False):
+    return make_task("math", "train", 1, prompt, {"answer": answer}, trap=trap)
+
+
+@pytest.mark.parametrize(("prompt", "answer", "completion", "score"), [
+    ("3*4-5=", "7", "7", 1.0),
+    ("3*4-5=", "7", " 7 \nextra", 1.0),
+    ("3*4-5=", "7", "7.0", 1.0),
+    ("3*4-5=", "7", "14/2", 1.0),
+    ("3*4-5=", "7", "8", 0.0),
+    ("1/2+1/4=", "3/4", "3/4", 1.0),
+    ("1/2+1/4=", "3/4", "0.75", 1.0),
+    ("1/2+1/4=", "3/4", ".75", 1.0),
+    ("1/2+1/4=", "3/4", "6/8", 1.0),
+    ("1/2+1/4=", "3/4", "0.7", 0.0),
+    ("1/2+1/4=", "3/4", "2/6", 0.0),  # adding numerators and denominators
+    ("1/3+0/1=", "1/3", "0.333", 1.0),  # rounded at >= 2 places
+    ("1/3+0/1=", "1/3", "0.3", 0.0),  # one place is too coarse
+    ("1/3+0/1=", "1/3", "0.334", 0.0),  # not the rounding of 1/3
+    ("2-5*1=", "-3", "-3", 1.0),
+    # malformed completions
+    ("3*4-5=", "7", "", 0.0),
+    ("3*4-5=", "7", "seven", 0.0),
+    ("3*4-5=", "7", "7/0", 0.0),
+    ("3*4-5=", "7", "1e1", 0.0),
+    ("3*4-5=", "7", "7 7", 0.0),
+])
+def test_verify_table(prompt, answer, completion, score):
+    v = MATH.verify(task(prompt, answer), completion, None)
+    assert v.score == score
+    assert v.passed is (score == 1.0)
+
+
+def test_malformed_is_not_well_formed():
+    v = MATH.verify(task("3*4-5=", "7"), "abc", None)
+    assert v.components == {"exact": 0.0, "well_formed": 0.0}
+
+
+@pytest.mark.parametrize(("prompt", "answer", "shortcut"), [
+    ("2+3*4=", "14", "20"),  # left to right: (2+3)*4
+    ("9-2*3=", "3", "21"),
+])
+def test_trap_shortcut_fails_real_answer_passes(prompt, answer, shortcut):
+    t = task(prompt, answer, trap=True)
+    assert MATH.verify(t, shortcut, None).score == 0.0
+    assert MATH.verify(t, answer, None).score == 1.0
+
+
+def test_generated_tasks_reference_passes_and_traps_are_precedence_tasks():
+    r = random.Random(11)
+    tasks = [MATH.make_task(r, "train") for _ in range(300)]
+    assert all(MATH.verify(t, MATH.reference_completion(t), None).passed for t in tasks)
+    traps = [t for t in tasks if t.metadata["trap"]]
+    assert traps and all(t.difficulty == 2 for t in traps)
+    assert max(len(t.prompt) for t in tasks) <= 12
+    assert max(len(MATH.reference_completion(t)) for t in tasks) <= 6
+    assert {t.difficulty for t in tasks} == {1, 2, 3}

@@ -1,0 +1,66 @@
+"""Task files: Parquet / JSONL / JSON rows validated into Task records, errors naming row and field."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from components.core.errors import UserError
+from components.domains.base import task_id
+from components.domains.taskfile import load_tasks
+
+ROWS = [
+    {"domain": "math", "prompt": "3*4-5=", "reference": {"answer": "7"}, "difficulty": 1},
+    {"domain": "extraction", "prompt": "Q1 rev 4 tax 2\nrev?\n", "reference": {"fields": ["rev"], "answer": ["4"]},
+     "split": "eval", "metadata": {"trap": False}, "task_id": "x-1"},
+]
+
+
+def test_jsonl_and_parquet_load_the_same_tasks(tmp_path):
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "reference": json.dumps(r["reference"]),
+                                          "metadata": json.dumps(r.get("metadata", {})),
+                                          "split": r.get("split", "train"), "task_id": r.get("task_id", ""),
+                                          "difficulty": r.get("difficulty", 1)} for r in ROWS]), parquet)
+    a, b = load_tasks(str(jsonl)), load_tasks(parquet.as_uri())
+    assert a == b
+    assert a[0].task_id == task_id("math", "3*4-5=") and a[0].split == "train" and a[0].context_tokens == 6
+    assert (a[1].task_id, a[1].split, a[1].reference["answer"], a[1].metadata) == ("x-1", "eval", ["4"], {"trap": False})
+
+
+@pytest.mark.parametrize(("content", "field", "problem"), [
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n{"domain": "chess"}',
+     "row 1: prompt", "missing required task field"),
+    ('{"domain": "chess", "prompt": "e4", "reference": {}}', "row 0: domain", "unknown domain"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": "2"}', "row 0: reference", "must be an object"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "difficulty": 0}', "row 0: difficulty",
+     "must be an integer >= 1"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "split": "test"}', "row 0: split", "unknown split"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "promt": "x"}', "row 0: promt",
+     "unknown task field"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n'
+     '{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}', "row 1: task_id", "duplicates row 0"),
+    ('[1, 2', "line 1", "not valid JSON"),
+    ("", "task file", "holds no tasks"),
+])
+def test_bad_rows_name_row_field_and_fix(tmp_path, content, field, problem):
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert field in err.value.field and problem in err.value.problem and err.value.fix
+
+
+def test_unknown_suffix_and_missing_file(tmp_path):
+    with pytest.raises(UserError, match="unknown file type"):
+        load_tasks(str(tmp_path / "t.csv"))
+    with pytest.raises(UserError, match="cannot be read"):
+        load_tasks(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(UserError, match="not a readable Parquet file"):
+        load_tasks(str(tmp_path / "bad.parquet"))

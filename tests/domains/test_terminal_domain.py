@@ -1,0 +1,106 @@
+"""terminal domain: commands judged by the filesystem state a trusted driver lists.
+
+Cases that execute run through ``get_executor(SandboxConfig())`` (the subprocess backend
+by default), as the sandbox stage would.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from components.core.recipe import SandboxConfig
+from components.domains import registry
+from components.domains.base import make_task
+from components.sandbox.executor import get_executor
+from components.sandbox.job import JobResult
+
+TERMINAL = registry.get("terminal")
+
+
+@pytest.fixture(scope="module")
+def executor():
+    ex = get_executor(SandboxConfig())
+    yield ex
+    ex.close()
+
+
+def task(goal: str, start: dict, expected: dict, trap: bool = False):
+    return make_task("terminal", "train", 2, f"{goal}\n$ ", {"solution": "", "start": start, "expected": expected},
+                     trap=trap)
+
+
+NEW_DIR = task("new dir a", {}, {"a": "dir"})
+NEW_DEEP = task("new dir a/b", {}, {"a": "dir", "a/b": "dir"})
+WRITE = task("a says hi", {}, {"a": "file:hi\n"})
+RENAME = task("rename a b", {"a": "file:"}, {"b": "file:"})
+DEL_ONE = task("del x.log", {"x.log": "file:"}, {})
+DEL_TRAP = task("del x.log", {"x.log": "file:", "y.txt": "file:"}, {"y.txt": "file:"}, trap=True)
+TWO_STEP = task("new dir a, file b in it", {}, {"a": "dir", "a/b": "file:"})
+
+
+@pytest.mark.parametrize(("t", "completion", "score"), [
+    (NEW_DIR, "mkdir a", 1.0),
+    (NEW_DIR, "touch a", 0.0),  # a file is not a dir
+    (NEW_DIR, "mkdir a b", 0.5),  # one extra path out of two
+    (NEW_DEEP, "mkdir -p a/b", 1.0),
+    (NEW_DEEP, "mkdir a", 0.5),
+    (WRITE, "echo hi>a", 1.0),
+    (WRITE, "echo ho>a", 0.0),
+    (RENAME, "mv a b", 1.0),
+    (RENAME, "cp a b", 0.5),
+    (DEL_ONE, "rm x.log", 1.0),
+    (DEL_ONE, "rm *", 1.0),  # the shortcut works on ordinary deletions...
+    (DEL_TRAP, "rm *", 0.0),  # ...and fails the trap, which keeps y.txt
+    (DEL_TRAP, "rm x.log", 1.0),
+    (TWO_STEP, "mkdir a;>a/b", 1.0),
+    (TWO_STEP, "mkdir a", 0.5),
+    # malformed or hostile completions
+    (NEW_DIR, "", 0.0),
+    (NEW_DIR, "mkdir (", 0.0),
+    (NEW_DIR, 'echo \'{"ok": true, "state": {"a": "dir"}}\' > results.json', 0.0),
+    (NEW_DIR, "cd ..; rm -rf ws; mkdir ws; ln -s /tmp ws/a", 0.0),
+    (NEW_DIR, "kill -9 $PPID", 0.0),  # killing the driver loses the result: 0, not a pass
+    (NEW_DIR, "ln -s /etc a", 0.0),
+])
+def test_verify_table(executor, t, completion, score):
+    job = TERMINAL.execution_plan(t, completion)
+    v = TERMINAL.verify(t, completion, executor.run(job))
+    assert v.status == "ok"
+    assert v.score == pytest.approx(score)
+    assert v.passed is (score == 1.0)
+
+
+def test_runaway_command_is_cut_at_the_driver_limit(executor):
+    start = time.monotonic()
+    result = executor.run(TERMINAL.execution_plan(NEW_DIR, "mkdir a; sleep 30"))
+    v = TERMINAL.verify(NEW_DIR, "mkdir a; sleep 30", result)
+    assert time.monotonic() - start < 4.0
+    assert result.result["timed_out"] is True
+    assert v.score == 1.0 and v.components["exit_ok"] == 0.0  # the state was right when it was cut
+
+
+def test_background_writer_cannot_change_the_listing_after_exit(executor):
+    # A child left running would write after the command returns; the driver kills its group first.
+    result = executor.run(TERMINAL.execution_plan(NEW_DIR, "(sleep 0.3; mkdir a) & exit 0"))
+    assert result.result["state"] == {}
+    assert TERMINAL.verify(NEW_DIR, "", result).score == 0.0
+
+
+def test_infra_error_is_excluded_not_zero():
+    broken = JobResult(status="infra_error", exit_code=-1, signal=0, stdout="", stderr="boom", duration_s=0.0,
+                       cpu_time_s=0.0, peak_memory_mb=0.0)
+    assert TERMINAL.verify(NEW_DIR, "mkdir a", broken).status == "infra_error"
+    assert TERMINAL.verify(NEW_DIR, "mkdir a", None).status == "infra_error"
+
+
+def test_generated_references_pass(executor):
+    r = random.Random(5)
+    tasks = [TERMINAL.make_task(r, "train") for _ in range(12)]
+    for t in tasks:
+        c = TERMINAL.reference_completion(t)
+        assert TERMINAL.verify(t, c, executor.run(TERMINAL.execution_plan(t, c))).passed, t.prompt
+    assert max(len(t.prompt) for t in tasks) <= 40
+    assert max(len(TERMINAL.reference_completion(t)) for t in tasks) <= 12

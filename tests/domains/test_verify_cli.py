@@ -1,0 +1,73 @@
+"""``posttrain verify``: one completion, one task file, a JSON verdict; user mistakes exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from components.cli import main
+
+
+def write(tmp_path, name: str, text: str):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+MATH_TASK = {"domain": "math", "prompt": "1/2+1/4=", "reference": {"answer": "3/4"}}
+TERMINAL_TASK = {"domain": "terminal", "prompt": "new dir a\n$ ",
+                 "reference": {"solution": "mkdir a", "start": {}, "expected": {"a": "dir"}}}
+
+
+@pytest.mark.parametrize(("task", "completion", "score", "passed"), [
+    (MATH_TASK, "0.75", 1.0, True),
+    (MATH_TASK, "2/6", 0.0, False),
+    (TERMINAL_TASK, "mkdir a", 1.0, True),  # executes through the subprocess sandbox backend
+    (TERMINAL_TASK, "mkdir a b", 0.5, False),
+])
+def test_verify_prints_verdict_json(tmp_path, capsys, task, completion, score, passed):
+    code = main(["verify", "--domain", task["domain"], "--task", write(tmp_path, "t.json", json.dumps(task)),
+                 "--completion", write(tmp_path, "c.txt", completion)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (out["score"], out["passed"], out["status"]) == (score, passed, "ok")
+    assert out["domain"] == task["domain"]
+    assert set(out["components"]) >= ({"exact"} if task["domain"] == "math" else {"state_match"})
+
+
+def test_verify_reads_first_row_of_parquet_and_fills_domain(tmp_path, capsys):
+    path = tmp_path / "tasks.parquet"
+    rows = [{"prompt": "3*4-5=", "reference": json.dumps({"answer": "7"})},
+            {"prompt": "2+3*4=", "reference": json.dumps({"answer": "14"})}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    code = main(["verify", "--domain", "math", "--task", str(path), "--completion", write(tmp_path, "c.txt", "7")])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["score"] == 1.0
+
+
+@pytest.mark.parametrize(("domain", "task_text", "message"), [
+    ("nosuch", json.dumps(MATH_TASK), "unknown domain"),
+    ("math", "{not json", "not valid JSON at line 1"),
+    ("math", json.dumps({"prompt": "1+1="}), "reference="),
+    ("math", json.dumps({**MATH_TASK, "answer": "3/4"}), "unknown task field"),
+    ("code", json.dumps(MATH_TASK), "the task's domain is 'math'"),
+])
+def test_user_mistakes_exit_2_with_one_line(tmp_path, capsys, domain, task_text, message):
+    code = main(["verify", "--domain", domain, "--task", write(tmp_path, "t.json", task_text),
+                 "--completion", write(tmp_path, "c.txt", "1")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_console_script_exit_2_for_missing_task_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "components.cli", "verify", "--domain", "math", "--task",
+                           str(tmp_path / "none.json"), "--completion", str(tmp_path / "none.txt")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "cannot be read" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,86 @@
+"""``posttrain replay``: re-score stored rollouts with a new verifier/config, originals untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.cli import main
+from components.core.recipe import parse_recipe
+from components.core.records import Reward, from_table
+from components.core.storage import Store
+from components.domains import registry
+from components.domains.base import Verdict
+from components.reward.replay import replay
+from tests.reward.fakes import math_task, rollout, run_reward, write_iteration
+
+A = math_task("3*4-5=", "7")
+B = math_task("2+3*4=", "14")
+RECIPE = {"pipeline": "rep", "domains": ["math"], "rollout": {"shards": 2}}
+
+
+@pytest.fixture
+def stored(tmp_path):
+    """Iteration 1 with two reward shards; returns (store, {path: bytes} of the original reward files)."""
+    store = Store(str(tmp_path / "store"))
+    write_iteration(store, "rep", 1, [[rollout(A, i, c) for i, c in enumerate(["7", "8", "7", "7"])],
+                                      [rollout(B, i, c) for i, c in enumerate(["20", "20", "14", "x"])]], [A, B])
+    r = parse_recipe(RECIPE)
+    run_reward(r, store, 1, "0/2")
+    run_reward(r, store, 1, "1/2")
+    originals = {p: store.read_bytes(p) for p in store.glob("rep/iter-000001/reward/shard-*/*")}
+    assert len(originals) == 6  # rewards, norm_stats, manifest per shard
+    return store, originals
+
+
+def test_changed_verifier_changes_exactly_the_expected_rewards(stored, monkeypatch):
+    store, originals = stored
+    math_cls = type(registry.get("math"))
+    real = math_cls.verify
+
+    def lenient(self, task, completion, result):  # a "new verifier" that accepts left-to-right answers
+        if completion == "20":
+            return Verdict(1.0, True, components={"exact": 1.0, "well_formed": 1.0})
+        return real(self, task, completion, result)
+
+    monkeypatch.setattr(math_cls, "verify", lenient)
+    report = replay(parse_recipe(RECIPE), store, 1)
+    assert [c["rollout_id"] for c in report["changed"]] == [f"{B.task_id}-0", f"{B.task_id}-1"]
+    assert all((c["raw_before"], c["raw_after"]) == (0.0, 1.0) for c in report["changed"])
+    assert report["domains"]["math"]["before"]["mean"] == 0.5 and report["domains"]["math"]["after"]["mean"] == 0.75
+    assert report["advantage_changed"] == 4  # group B's advantages all move; group A's do not
+    new = from_table(Reward, store.read_table(report["rewards"]["path"]))
+    assert len(new) == 8 and report["rewards"]["path"].startswith("rep/iter-000001/reward/replay-")
+    assert {p: store.read_bytes(p) for p in originals} == originals  # byte-identical
+    assert store.glob("rep/iter-000001/reward/shard-*/*") == sorted(originals)  # nothing added beside them
+
+
+def test_cli_replay_with_another_config_writes_a_versioned_folder(stored, tmp_path, capsys):
+    store, originals = stored
+    other = tmp_path / "other.yaml"
+    other.write_text(json.dumps({**RECIPE, "reward": {"scale_by_std": False}}))
+    code = main(["replay", "--iteration", "1", "--recipe", str(other), "--run-root", store.uri])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "0 rollouts changed" in out and "replay written to" in out
+    folders = [d for d in store.listdir("rep/iter-000001/reward") if d.startswith("replay-")]
+    assert len(folders) == 1
+    report = store.read_json(f"rep/iter-000001/reward/{folders[0]}/report.json")
+    assert report["changed"] == [] and report["reward_config"]["scale_by_std"] is False
+    assert report["advantage_changed"] == 8  # centred-only advantages differ from the std-scaled ones
+    assert {p: store.read_bytes(p) for p in originals} == originals
+
+
+@pytest.mark.parametrize(("recipe", "iteration", "message"), [
+    ({**RECIPE, "domains": ["nosuch"]}, 1, "unknown domain"),
+    (RECIPE, 7, "no manifested output for iteration 7"),
+    (RECIPE, 0, "iterations count from 1"),
+])
+def test_user_mistakes_exit_2(stored, tmp_path, capsys, recipe, iteration, message):
+    store, _ = stored
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps(recipe))
+    code = main(["replay", "--iteration", str(iteration), "--recipe", str(path), "--run-root", store.uri])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err

@@ -1,0 +1,87 @@
+"""taskgen: curriculum weights by iteration, and sampling from a user's task file."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from components.core.context import StageContext
+from components.core.errors import UserError
+from components.core.manifest import Shard
+from components.core.records import Task, from_table
+from components.core.recipe import parse_recipe
+from components.core.storage import Store
+from components.taskgen import stage as taskgen
+
+BASE = {"pipeline": "cur", "seed": 1, "domains": ["arithmetic", "math", "structured"],
+        "evaluation": {"tasks_per_domain": 4}, "taskgen": {"tasks_per_iteration": 20}}
+
+
+def recipe(**taskgen_cfg):
+    return parse_recipe({**BASE, "taskgen": {**BASE["taskgen"], **taskgen_cfg}})
+
+
+CURRICULUM = [{"until": 2, "weights": {"arithmetic": 1.0}},
+              {"until": 4, "weights": {"arithmetic": 1.0, "math": 3.0}}]
+
+
+@pytest.mark.parametrize(("iteration", "expected"), [
+    (1, {"arithmetic": 1.0, "math": 0.0, "structured": 0.0}),
+    (2, {"arithmetic": 1.0, "math": 0.0, "structured": 0.0}),
+    (3, {"arithmetic": 1.0, "math": 3.0, "structured": 0.0}),
+    (5, {"arithmetic": 1.0, "math": 1.0, "structured": 2.0}),  # after the curriculum: domain_weights
+])
+def test_weights_follow_the_curriculum(iteration, expected):
+    r = recipe(curriculum=CURRICULUM, domain_weights={"structured": 2.0})
+    assert r.taskgen.weights_for(iteration, r.domains) == expected
+
+
+def run_taskgen(tmp_path, r, iteration: int) -> list[Task]:
+    ctx = StageContext(stage="taskgen", recipe=r, store=Store(str(tmp_path / "store")), iteration=iteration,
+                       shard=Shard(0, 1))
+    metrics = taskgen.run(ctx)
+    tasks = from_table(Task, ctx.store.read_table(ctx.outputs["tasks"].path))
+    assert metrics["tasks"] == 20
+    return tasks
+
+
+def test_taskgen_samples_by_the_curriculum_step(tmp_path):
+    r = recipe(curriculum=CURRICULUM)
+    assert Counter(t.domain for t in run_taskgen(tmp_path, r, 1)) == {"arithmetic": 20}
+    assert Counter(t.domain for t in run_taskgen(tmp_path, r, 3)) == {"arithmetic": 5, "math": 15}
+
+
+@pytest.mark.parametrize(("curriculum", "field", "problem"), [
+    ([{"until": 2, "weights": {"code": 1.0}}], "taskgen.curriculum[0].weights", "not in 'domains'"),
+    ([{"until": 2, "weights": {"math": 0.0}}], "taskgen.curriculum[0].weights", "no domain has a positive weight"),
+    ([{"until": 3, "weights": {"math": 1.0}}, {"until": 3, "weights": {"math": 1.0}}], "taskgen.curriculum[1].until",
+     "not after"),
+    ([{"until": 2, "weights": {"math": -1.0}}], "taskgen.curriculum[0].weights.math", "negative weight"),
+])
+def test_bad_curriculum_is_a_user_error(curriculum, field, problem):
+    with pytest.raises(UserError) as err:
+        recipe(curriculum=curriculum)
+    assert field in err.value.field and problem in err.value.problem
+
+
+def test_taskgen_samples_from_the_task_file(tmp_path):
+    rows = [{"domain": "math", "prompt": f"{i}*2-1=", "reference": {"answer": str(2 * i - 1)}} for i in range(30, 36)]
+    rows += [{"domain": "structured", "prompt": "box v8 h2\n", "reference": {"kind": "part", "volume": 8, "height": 2,
+                                                                             "max_side": 1000, "solution": [2, 2, 2]}}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    tasks = run_taskgen(tmp_path, recipe(task_file=str(path), domain_weights={"math": 3.0}), 1)
+    by = Counter(t.domain for t in tasks)
+    assert by == {"math": 15, "structured": 5}  # arithmetic has no rows in the file: its share is redistributed
+    assert {t.prompt for t in tasks if t.domain == "math"} == {r["prompt"] for r in rows[:6]}  # all 6, then repeats
+    assert all(t.split == "train" for t in tasks)
+
+
+def test_task_file_with_a_domain_outside_the_recipe_is_a_user_error(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"domain": "code", "prompt": "f(1)=2\nreturn ", "reference": {}}))
+    with pytest.raises(UserError) as err:
+        run_taskgen(tmp_path, recipe(task_file=str(path)), 1)
+    assert err.value.field == "taskgen.task_file" and "'code'" in err.value.problem
