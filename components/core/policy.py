@@ -29,6 +29,9 @@ CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
 def _quiet() -> None:
     from transformers.utils import logging as hf_logging
 
+    from components.core.seeds import configure_torch
+
+    configure_torch()
     hf_logging.disable_progress_bar()
 
 

@@ -68,6 +68,9 @@ class Rollout:
     prompt_tokens: int
     completion_tokens: int
     turns: list[Turn] = field(default_factory=list)
+    # Per completion token: 1 = the policy's (trained on), 0 = an observation of a
+    # multi-turn episode (context only). Empty means every completion token is the policy's.
+    completion_mask: list[int] = field(default_factory=list)
 
 
 EXECUTION_STATUSES = ("ok", "failed", "timeout", "oom", "killed", "infra_error")

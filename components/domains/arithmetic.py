@@ -1,11 +1,13 @@
 """Arithmetic: integer addition, scored by exact answer.
 
-Prompt ``"47+38="``, reference completion ``"85"``. Difficulty 1 adds a one-digit number
-to a two-digit one; difficulty 2 adds two two-digit numbers. The verifier reads the
-first line of the completion, strips spaces and compares the integer exactly; anything
-that is not an integer scores 0. Nothing runs in the sandbox.
+Prompt ``"47+38="``, reference completion ``"85"``. Difficulty 1 adds two one-digit
+numbers, difficulty 2 a one-digit number to a two-digit one, difficulty 3 two two-digit
+numbers (a quarter, a half and a quarter of the tasks). The verifier reads the first
+line of the completion, strips spaces and compares the integer exactly; anything that
+is not an integer scores 0. Nothing runs in the sandbox.
 
-Not covered: other operations, word problems, or partial credit for near misses.
+Not covered: other operations (see the ``math`` domain), word problems, or partial
+credit for near misses.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from components.sandbox.job import JobResult
 @register("arithmetic")
 class Arithmetic(Domain):
     def make_task(self, rng: random.Random, split: str) -> Task:
-        difficulty = 1 if rng.random() < 0.25 else 2
-        a = rng.randint(10, 99)
-        b = rng.randint(0, 9) if difficulty == 1 else rng.randint(10, 99)
+        difficulty = rng.choices((1, 2, 3), weights=(1, 2, 1))[0]
+        a = rng.randint(0, 9) if difficulty == 1 else rng.randint(10, 99)
+        b = rng.randint(10, 99) if difficulty == 3 else rng.randint(0, 9)
         return make_task(self.name, split, difficulty, f"{a}+{b}=", {"answer": str(a + b)})
 
     def reference_completion(self, task: Task) -> str:

@@ -6,8 +6,9 @@
 is used), read and validated by :mod:`components.domains.taskfile`; ``--domain`` fills in
 a row without a ``domain`` field and must agree with one that has it. ``--completion`` is a
 text file holding the completion exactly as the policy would produce it. Domains that
-execute (code, terminal) run their plan through the sandbox backend given by
-``--backend`` (default ``subprocess``, as in the recipe default). Prints one JSON object
+execute (code, terminal) run their plan in the sandbox: ``--backend`` (default: the
+recipe default, the hardened ``bwrap``); ``subprocess`` needs ``--allow-weak-isolation``,
+as in a recipe. Prints one JSON object
 with ``score``, ``passed``, ``status``, ``components`` and ``detail``; exits 0 whenever a
 verdict was reached (pass or fail), 2 on a user mistake (bad file, unknown domain).
 
@@ -25,9 +26,13 @@ from pathlib import Path
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("verify", help="score one completion for one task and print the verdict as JSON")
     parser.add_argument("--domain", required=True, help="domain name, e.g. math or terminal")
-    parser.add_argument("--task", required=True, help="task file: JSON of one task, or the first row of a .jsonl/.parquet")
+    parser.add_argument("--task", required=True,
+                        help="task file: JSON of one task, or the first row of a .jsonl/.parquet")
     parser.add_argument("--completion", required=True, help="text file with the completion")
-    parser.add_argument("--backend", default="subprocess", help="sandbox backend for executing domains (default: %(default)s)")
+    parser.add_argument("--backend", default=None,
+                        help="sandbox backend for executing domains (default: the recipe default, bwrap)")
+    parser.add_argument("--allow-weak-isolation", action="store_true",
+                        help="allow the 'subprocess' backend or a host without full isolation (trusted completions only)")
     parser.add_argument("--timeout", type=float, default=5.0, help="sandbox wall-clock limit in seconds (default: %(default)s)")
     parser.set_defaults(handler=handle_verify)
     return parser
@@ -53,19 +58,23 @@ def handle_verify(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UserError("--completion", args.completion, "no such file", "pass a text file holding the completion")
     completion = path.read_text()
-    print(json.dumps(verdict_json(domain, task, completion, args.backend, args.timeout), indent=2, sort_keys=True))
+    from components.core.recipe import SandboxConfig
+
+    overrides = {"backend": args.backend} if args.backend else {}
+    config = SandboxConfig(**overrides, timeout_s=args.timeout, concurrency=1,
+                           allow_weak_isolation=args.allow_weak_isolation)
+    print(json.dumps(verdict_json(domain, task, completion, config), indent=2, sort_keys=True))
     return 0
 
 
-def verdict_json(domain, task, completion: str, backend: str, timeout_s: float) -> dict:
-    """Run the domain's plan (if any) and verifier; the verdict as a JSON-able dict."""
-    from components.core.recipe import SandboxConfig
+def verdict_json(domain, task, completion: str, sandbox_config) -> dict:
+    """Run the domain's plan (if any) in the sandbox and its verifier; the verdict as a JSON-able dict."""
     from components.sandbox.executor import get_executor
 
     job = domain.execution_plan(task, completion)
     result = None
     if job is not None:
-        executor = get_executor(SandboxConfig(backend=backend, timeout_s=timeout_s, concurrency=1))
+        executor = get_executor(sandbox_config)
         try:
             result = executor.run(job)
         finally:

@@ -1,9 +1,10 @@
 """Code: write the body of a one-line Python function from input/output examples.
 
-The prompt shows ``f`` on three inputs and ends at ``return``
-(``"f(1)=5 f(2)=7 f(3)=9\nreturn "``); the completion is an expression in ``x``
+The prompt shows ``f`` on two inputs (enough to pin down a line) and ends at ``return``
+(``"f(1)=5 f(2)=7\nreturn "``); the completion is an expression in ``x``
 (``x*2+3``), which becomes the body of ``def f(x): return <completion>``. Hidden unit
-tests call ``f`` on other inputs too. Difficulty 1 is ``x+b``; difficulty 2 is ``a*x+b``.
+tests call ``f`` on other inputs too. Difficulty 1 is ``x*a`` (read ``a`` off ``f(1)``),
+difficulty 2 is ``x+b`` (``b = f(1) - 1``), difficulty 3 is ``x*a+b``.
 
 The sandbox runs ``components.sandbox.harness``: a trusted parent forks a child that
 loads the solution and calls ``f`` on each test input, and only the parent writes the
@@ -24,7 +25,7 @@ from components.domains.registry import register
 from components.sandbox.harness import python_tests_job
 from components.sandbox.job import Job, JobResult
 
-EXAMPLE_INPUTS = (1, 2, 3)
+EXAMPLE_INPUTS = (1, 2)
 TEST_INPUTS = (-3, 0, 2, 5, 11)
 
 def expression(a: int, b: int) -> str:
@@ -38,9 +39,9 @@ class Code(Domain):
     needs_sandbox = True
 
     def make_task(self, rng: random.Random, split: str) -> Task:
-        difficulty = rng.choice((1, 2))
-        a = 1 if difficulty == 1 else rng.randint(2, 9)
-        b = rng.randint(0, 39)
+        difficulty = rng.choice((1, 2, 3))
+        a = {1: rng.randint(2, 99), 2: 1, 3: rng.randint(2, 9)}[difficulty]
+        b = {1: 0, 2: rng.randint(1, 99), 3: rng.randint(1, 39)}[difficulty]
         shown = " ".join(f"f({x})={a * x + b}" for x in EXAMPLE_INPUTS)
         prompt = f"{shown}\nreturn "
         reference = {"solution": expression(a, b), "inputs": list(TEST_INPUTS), "expected": [a * x + b for x in TEST_INPUTS]}

@@ -29,7 +29,9 @@ def slices(results: list[EvalResult]) -> list[dict[str, Any]]:
     for r in results:
         groups[(r.domain, r.difficulty, r.context_bucket)].append(r)
     rows = []
-    for (domain, difficulty, bucket), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], _bucket_order(kv[0][2]))):
+    order = sorted(groups, key=lambda key: (key[0], key[1], _bucket_order(key[2])))
+    for domain, difficulty, bucket in order:
+        rs = groups[(domain, difficulty, bucket)]
         rows.append({"domain": domain, "difficulty": difficulty, "context_bucket": bucket, "tasks": len(rs),
                      "passed": sum(r.passed for r in rs), "pass_rate": sum(r.passed for r in rs) / len(rs),
                      "mean_score": sum(r.score for r in rs) / len(rs)})

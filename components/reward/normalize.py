@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from components.core.context import StageContext, read_manifests
-from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Shard, stage_prefix
 
 STATS_OUTPUT = "norm_stats"
@@ -85,13 +84,15 @@ def zscore(raw: float, stats: RunningStats, eps: float) -> float:
 
 
 def cumulative_after(ctx: StageContext, iteration: int) -> tuple[int, Stats]:
-    """(j, cumulative stats after iteration j) for the latest j <= ``iteration`` with
-    manifested reward output; (0, {}) when there is none. Records what it read as inputs."""
+    """(j, cumulative stats after iteration j) for the latest j <= ``iteration`` whose reward
+    stage ran; (0, {}) when there is none. Records what it read as inputs; a UserError when
+    that iteration's reward stage is only partly manifested."""
     for j in range(iteration, 0, -1):
-        try:
-            manifests = read_manifests(ctx.store, ctx.pipeline, j, "reward")
-        except UserError:
-            continue  # that iteration has no (complete) reward output: look further back
+        if not ctx.store.listdir(stage_prefix(ctx.pipeline, j, "reward")):
+            continue  # that iteration never reached the reward stage: look further back
+        # A started but unfinished reward stage is an error (read_manifests says which shards
+        # to run): skipping it would silently drop that iteration from the statistics.
+        manifests = read_manifests(ctx.store, ctx.pipeline, j, "reward")
         prior: Stats | None = None
         batches: list[Stats] = []
         for m in manifests:

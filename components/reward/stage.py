@@ -67,8 +67,8 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
         groups[r.task_id].append(r)
     rewards = []
     for task_id, members in groups.items():
-        norm = [None if verdicts[m.rollout_id].status == "infra_error" else normalized(m.domain, verdicts[m.rollout_id].score)
-                for m in members]
+        norm = [None if verdicts[m.rollout_id].status == "infra_error"
+                else normalized(m.domain, verdicts[m.rollout_id].score) for m in members]
         adv = group_advantages(norm, cfg.advantage_eps, cfg.scale_by_std)
         for m, a, value in zip(members, adv, norm):
             v = verdicts[m.rollout_id]

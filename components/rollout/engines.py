@@ -33,6 +33,20 @@ class Sample:
     finish_reason: str  # "stop" or "length"
 
 
+class TokenPromptPolicy:
+    """A view of a Policy whose prompts are already token ids (``encode_prompt`` is the
+    identity): multi-turn contexts and servers that receive token ids generate through it."""
+
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+
+    def __getattr__(self, name: str):
+        return getattr(self._policy, name)
+
+    def encode_prompt(self, ids: list[int]) -> list[int]:
+        return list(ids)
+
+
 _ENGINES: dict[str, Callable[..., "Engine"]] = {}
 
 

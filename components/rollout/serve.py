@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from components.core.policy import Policy
-from components.rollout.engines import HFEngine
+from components.rollout.engines import HFEngine, TokenPromptPolicy
 
 
 def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:
@@ -36,19 +36,6 @@ def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, list) and prompt:
         return [policy.encode_prompt(p) if isinstance(p, str) else [int(x) for x in p] for p in prompt]
     raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
-
-
-class _IdPolicy:
-    """A Policy view whose ``encode_prompt`` takes already-encoded token ids."""
-
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
-
-    def encode_prompt(self, ids: list[int]) -> list[int]:
-        return ids
 
 
 def complete(policy: Policy, body: dict[str, Any], batch_size: int = 64, model_name: str = "") -> dict[str, Any]:
@@ -63,7 +50,7 @@ def complete(policy: Policy, body: dict[str, Any], batch_size: int = 64, model_n
     encoded = _prompts(policy, body.get("prompt"))
     temperature = float(body.get("temperature", 1.0))
     greedy = temperature == 0.0
-    samples = HFEngine().generate(_IdPolicy(policy), encoded, int(body.get("max_tokens", 16)),  # type: ignore[arg-type]
+    samples = HFEngine().generate(TokenPromptPolicy(policy), encoded, int(body.get("max_tokens", 16)),  # type: ignore[arg-type]
                                   1.0 if greedy else temperature, int(body.get("seed") or 0), batch_size, greedy=greedy)
     as_ids = bool(body.get("return_tokens_as_token_ids", False))
     tok = policy.tokenizer

@@ -71,7 +71,8 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
             pools[t.domain].append(dataclasses.replace(t, split="train"))
     present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
     if not present:
-        raise UserError("taskgen.task_file", path, f"has no train tasks for the weighted domains {sorted(d for d in domains if weights.get(d, 0.0) > 0)}",
+        wanted = sorted(d for d in domains if weights.get(d, 0.0) > 0)
+        raise UserError("taskgen.task_file", path, f"has no train tasks for the weighted domains {wanted}",
                         "add tasks of those domains (tasks equal to eval-suite tasks are skipped) or change the weights")
     tasks: list[Task] = []
     for name, n in domain_counts(present, weights, total).items():

@@ -22,7 +22,7 @@ the KL, and sequence packing without padding.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,11 @@ class Sample:
     completion_ids: list[int]
     old_logprobs: list[float]
     advantage: float
+    mask: list[int] = field(default_factory=list)  # per completion token, 1 = trained; empty = all 1
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.mask) if self.mask else len(self.completion_ids)
 
 
 def pad_batch(samples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,6 +64,16 @@ def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, temperature: fl
     return logp, entropy
 
 
+def apply_sample_masks(samples: list[Sample], comp_mask: torch.Tensor) -> torch.Tensor:
+    """``comp_mask`` with the observation tokens of multi-turn samples (mask 0) switched off."""
+    out = comp_mask.clone()
+    for row, s in enumerate(samples):
+        if s.mask:
+            start = len(s.prompt_ids) - 1
+            out[row, start : start + len(s.mask)] *= torch.tensor(s.mask, dtype=out.dtype)
+    return out
+
+
 def old_logprob_tensor(samples: list[Sample], comp_mask: torch.Tensor) -> torch.Tensor:
     old = torch.zeros_like(comp_mask)
     for row, s in enumerate(samples):
@@ -83,11 +98,11 @@ AGGREGATIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum")
 
 def token_weights(samples: list[Sample], aggregation: str) -> list[float]:
     """The weight of each of a sample's tokens in the step loss, per sample."""
-    total_tokens = sum(len(s.completion_ids) for s in samples)
+    total_tokens = sum(s.trained_tokens for s in samples)
     if aggregation == "token_mean":
         return [1.0 / total_tokens for _ in samples]
     if aggregation == "sequence_mean":
-        return [1.0 / (len(s.completion_ids) * len(samples)) for s in samples]
+        return [1.0 / (s.trained_tokens * len(samples)) for s in samples]
     if aggregation == "seq_mean_token_sum":
         return [1.0 / len(samples) for _ in samples]
     raise ValueError(f"unknown loss aggregation {aggregation!r}; use one of {AGGREGATIONS}")
@@ -121,13 +136,14 @@ def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps:
     """One optimizer step over ``samples`` with gradient accumulation (then one scheduler step)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    total_tokens = sum(len(s.completion_ids) for s in samples)
+    total_tokens = sum(s.trained_tokens for s in samples)
     weights = token_weights(samples, loss_aggregation)
     lr = float(optimizer.param_groups[0]["lr"])
     sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
     for idx in micro_batches(samples, micro_batch_size, micro_batch_tokens):
         chunk = [samples[i] for i in idx]
         ids, attn, mask = pad_batch([(s.prompt_ids, s.completion_ids) for s in chunk], pad_id)
+        mask = apply_sample_masks(chunk, mask)
         new, entropy = token_logprobs(model, ids, attn, temperature)
         old = old_logprob_tensor(chunk, mask)
         adv = torch.tensor([s.advantage for s in chunk]).unsqueeze(-1)

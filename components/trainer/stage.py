@@ -48,9 +48,10 @@ def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sa
     groups: dict[str, list[Sample]] = defaultdict(list)
     for ro in rollouts:
         rw = by_id[ro.rollout_id]
-        if rw.status != "ok" or not ro.completion_token_ids:
+        if rw.status != "ok" or not ro.completion_token_ids or (ro.completion_mask and not any(ro.completion_mask)):
             continue
-        groups[ro.task_id].append(Sample(ro.prompt_token_ids, ro.completion_token_ids, ro.logprobs, rw.advantage * rw.weight))
+        groups[ro.task_id].append(Sample(ro.prompt_token_ids, ro.completion_token_ids, ro.logprobs,
+                                         rw.advantage * rw.weight, list(ro.completion_mask)))
     return [g for _, g in sorted(groups.items()) if any(s.advantage != 0 for s in g)]
 
 

@@ -75,7 +75,7 @@ def test_bootstrap_manifest(booted: Booted) -> None:
     assert (m.stage, m.pipeline, m.iteration, m.shard, m.inputs) == ("bootstrap", "tiny", 0, None, {})
     assert m.config_digest == TINY.digest("bootstrap")
     assert m.code_version == code_version()
-    assert set(m.outputs) == {"checkpoint", "eval_results"}
+    assert set(m.outputs) == {"checkpoint", "eval_results", "layered"}
     ckpt = m.outputs["checkpoint"]
     assert ckpt.path == "tiny/bootstrap/checkpoint"
     assert ckpt.sha256 == sha256_of(store, "tiny/bootstrap/checkpoint/model.safetensors")

@@ -105,6 +105,7 @@ def test_rollout_schema() -> None:
         ("prompt_token_ids", pa.list_(pa.int64())), ("completion_token_ids", pa.list_(pa.int64())),
         ("logprobs", pa.list_(pa.float64())), ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
         ("completion_tokens", pa.int64()), ("turns", pa.list_(turn)),
+        ("completion_mask", pa.list_(pa.int64())),
     ]
     schema = schema_of(Rollout)
     assert [(f.name, f.type) for f in schema] == expected

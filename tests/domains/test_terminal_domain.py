@@ -1,7 +1,8 @@
 """terminal domain: commands judged by the filesystem state a trusted driver lists.
 
-Cases that execute run through ``get_executor(SandboxConfig())`` (the subprocess backend
-by default), as the sandbox stage would.
+Cases that execute run through ``get_executor(SandboxConfig())`` (the recipe default, the
+hardened bwrap backend; skipped where this host cannot run it) and again through the weak
+``subprocess`` backend, so every verdict is checked on any host.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from components.sandbox.job import JobResult
 TERMINAL = registry.get("terminal")
 
 
-@pytest.fixture(scope="module")
-def executor():
-    ex = get_executor(SandboxConfig())
+@pytest.fixture(scope="module", params=["default", "subprocess"])
+def executor(request):
+    if request.param == "default":
+        from tests.sandbox.helpers import bwrap_unavailable
+
+        if bwrap_unavailable():
+            pytest.skip(f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+        ex = get_executor(SandboxConfig())
+    else:
+        ex = get_executor(SandboxConfig(backend="subprocess", allow_weak_isolation=True))
     yield ex
     ex.close()
 
@@ -104,3 +112,4 @@ def test_generated_references_pass(executor):
         assert TERMINAL.verify(t, c, executor.run(TERMINAL.execution_plan(t, c))).passed, t.prompt
     assert max(len(t.prompt) for t in tasks) <= 40
     assert max(len(TERMINAL.reference_completion(t)) for t in tasks) <= 12
+

@@ -24,20 +24,29 @@ TERMINAL_TASK = {"domain": "terminal", "prompt": "new dir a\n$ ",
                  "reference": {"solution": "mkdir a", "start": {}, "expected": {"a": "dir"}}}
 
 
+WEAK = ["--backend", "subprocess", "--allow-weak-isolation"]
+
+
 @pytest.mark.parametrize(("task", "completion", "score", "passed"), [
     (MATH_TASK, "0.75", 1.0, True),
     (MATH_TASK, "2/6", 0.0, False),
-    (TERMINAL_TASK, "mkdir a", 1.0, True),  # executes through the subprocess sandbox backend
+    (TERMINAL_TASK, "mkdir a", 1.0, True),  # executes through the (weak) subprocess sandbox backend
     (TERMINAL_TASK, "mkdir a b", 0.5, False),
 ])
 def test_verify_prints_verdict_json(tmp_path, capsys, task, completion, score, passed):
     code = main(["verify", "--domain", task["domain"], "--task", write(tmp_path, "t.json", json.dumps(task)),
-                 "--completion", write(tmp_path, "c.txt", completion)])
+                 "--completion", write(tmp_path, "c.txt", completion), *WEAK])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
     assert (out["score"], out["passed"], out["status"]) == (score, passed, "ok")
     assert out["domain"] == task["domain"]
     assert set(out["components"]) >= ({"exact"} if task["domain"] == "math" else {"state_match"})
+
+
+def test_subprocess_backend_without_the_flag_is_refused(tmp_path, capsys):
+    code = main(["verify", "--domain", "terminal", "--task", write(tmp_path, "t.json", json.dumps(TERMINAL_TASK)),
+                 "--completion", write(tmp_path, "c.txt", "mkdir a"), "--backend", "subprocess"])
+    assert code == 2 and "allow_weak_isolation" in capsys.readouterr().err
 
 
 def test_verify_reads_first_row_of_parquet_and_fills_domain(tmp_path, capsys):

@@ -73,3 +73,15 @@ def test_normalize_none_keeps_raw_but_still_records_stats(tmp_path):
     assert [x.normalized_reward for x in got] == [1.0, 0.0, 1.0, 1.0]
     assert [x.advantage for x in got] == pytest.approx([0.57735, -1.73205, 0.57735, 0.57735], abs=1e-4)
     assert store.read_json(ctx.outputs["norm_stats"].path)["batch"] == {"math": {"count": 4, "mean": 0.75, "m2": 0.75}}
+
+
+def test_a_half_finished_previous_iteration_is_a_user_error(tmp_path):
+    from components.core.errors import UserError
+
+    store = Store(str(tmp_path / "store"))
+    write_iteration(store, "norm", 1, [[rollout(A, 0, "7"), rollout(A, 1, "8")], [rollout(B, 0, "14")]], [A, B])
+    run_reward(recipe(), store, 1, "0/2")  # shard 1/2 of iteration 1 never finished
+    write_iteration(store, "norm", 2, [[rollout(A, 0, "7")], [rollout(B, 0, "14")]], [A, B])
+    with pytest.raises(UserError) as err:
+        run_reward(recipe(), store, 2, "0/2")
+    assert err.value.field == "stage reward" and "['1/2']" in err.value.fix

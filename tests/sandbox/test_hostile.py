@@ -288,7 +288,7 @@ def test_subprocess_backend_accounts_cpu_per_job():
     from components.core.recipe import SandboxConfig
     from components.sandbox.executor import get_executor, run_many
 
-    executor = get_executor(SandboxConfig(backend="subprocess", timeout_s=20))
+    executor = get_executor(SandboxConfig(backend="subprocess", allow_weak_isolation=True, timeout_s=20))
     busy = py("import time\nwhile time.process_time() < 0.5:\n    pass")
     results = run_many(executor, [busy, py("print('idle')"), py("print('idle')")], concurrency=3)
     assert [r.status for r in results] == ["ok", "ok", "ok"]

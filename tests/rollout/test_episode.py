@@ -1,0 +1,92 @@
+"""Multi-turn episodes through a real sandbox session: observations persist across
+turns, only the policy's tokens are masked in, and their logprobs match the trainer's."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.core.records import Rollout, Turn, from_table, to_table
+from components.rollout.episode import format_observation, parse_action, run_episodes
+from components.trainer.grpo import Sample, apply_sample_masks, pad_batch, token_weights
+from tests.rollout.helpers import tiny_policy
+from tests.rollout.test_hf_engine import TOLERANCE, recomputed
+from tests.sandbox.helpers import bwrap_unavailable, sandbox_config
+
+SCRIPT = ["echo hello > note.txt", "cat note.txt; echo more >> note.txt", "wc -l < note.txt"]
+
+
+def scripted(episodes_per_turn: int):
+    """A parse function that plays SCRIPT in order (the random tiny policy's own text is
+    no command), then says DONE; the policy's text is still what the Turn records.
+    Episodes run in lockstep, so call n belongs to turn (n - 1) // episodes_per_turn."""
+    calls = []
+
+    def parse(text: str) -> tuple[str, str, bool]:
+        calls.append(text)
+        index = (len(calls) - 1) // episodes_per_turn
+        if index >= len(SCRIPT):
+            return "done", "", True
+        return "bash", SCRIPT[index], False
+
+    return parse
+
+
+@pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"needs bubblewrap sessions: {bwrap_unavailable()}")
+def test_episode_through_a_sandbox_session() -> None:
+    from components.sandbox.session import SandboxSession
+
+    policy = tiny_policy()
+    opened = []
+
+    def session():
+        s = SandboxSession(sandbox_config(timeout_s=5.0))
+        opened.append(s)
+        return s
+
+    episodes = run_episodes(policy, ["task A:", "task B, longer prompt:"], session, max_steps=6, max_action_tokens=4,
+                            temperature=1.0, seed=2, parse=scripted(2))
+    assert len(opened) == 2 and all(s.closed for s in opened)
+    for ep in episodes:
+        assert [t.tool_call for t in ep.turns] == ["bash", "bash", "bash", "done"]
+        assert [t.observation for t in ep.turns] == [
+            "\n[exit 0 ok]\n\n", "\n[exit 0 ok]\nhello\n\n", "\n[exit 0 ok]\n2\n\n", ""]
+        assert ep.finish_reason == "stop"
+        assert len(ep.completion_ids) == len(ep.logprobs) == len(ep.completion_mask)
+        policy_tokens = sum(len(policy.tokenizer(t.action, add_special_tokens=False)["input_ids"]) for t in ep.turns)
+        assert sum(ep.completion_mask) >= policy_tokens  # + EOS tokens of actions that stopped
+        assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.completion_mask) if m == 0)
+
+    # The trainer's recomputed logprobs match on the policy's tokens (observations are context).
+    for ep, ref in zip(episodes, recomputed(policy, episodes, 1.0)):
+        diffs = [abs(a - b) for a, b, m in zip(ep.logprobs, ref, ep.completion_mask) if m]
+        assert max(diffs) < TOLERANCE
+
+    # Stored as a Rollout (turns + completion_mask) and read back unchanged.
+    ep = episodes[0]
+    ro = Rollout(rollout_id="t-i1-g0", task_id="t", domain="agent", group_index=0, policy_version="t", engine="hf",
+                 prompt="task A:", completion=ep.text, prompt_token_ids=ep.prompt_ids,
+                 completion_token_ids=ep.completion_ids, logprobs=ep.logprobs, finish_reason=ep.finish_reason,
+                 prompt_tokens=len(ep.prompt_ids), completion_tokens=len(ep.completion_ids), turns=ep.turns,
+                 completion_mask=ep.completion_mask)
+    back = from_table(Rollout, to_table([ro]))[0]
+    assert back == ro and all(type(t) is Turn for t in back.turns)
+
+    # The trainer sees only the policy's tokens.
+    sample = Sample(ep.prompt_ids, ep.completion_ids, ep.logprobs, 1.0, ep.completion_mask)
+    _, _, mask = pad_batch([(sample.prompt_ids, sample.completion_ids)], policy.pad_id)
+    masked = apply_sample_masks([sample], mask)
+    assert int(masked.sum()) == sum(ep.completion_mask) == sample.trained_tokens
+    assert token_weights([sample], "token_mean") == [1.0 / sum(ep.completion_mask)]
+
+
+def test_parse_action_and_observation() -> None:
+    from components.sandbox.job import JobResult
+
+    assert parse_action("  ls -la \n") == ("bash", "ls -la", False)
+    assert parse_action("DONE") == ("done", "", True)
+    assert parse_action("DONE now") == ("done", "", True)
+    assert parse_action("   ") == ("done", "", True)
+    r = JobResult(status="failed", exit_code=1, signal=0, stdout="out", stderr="err", duration_s=0.1, cpu_time_s=0.0,
+                  peak_memory_mb=1.0)
+    assert format_observation(r) == "\n[exit 1 failed]\nouterr\n"
+    assert format_observation(r, limit=2) == "\n[exit 1 failed]\nou\n"
