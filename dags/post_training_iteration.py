@@ -22,6 +22,7 @@ def _run(stage: str, shard: str | None = None) -> dict:
 
     from components.core.errors import UserError
     from components.core.runner import run_stage
+    from components.validation.stage import DataQualityError
 
     ctx = get_current_context()
     p = ctx["params"]
@@ -29,6 +30,8 @@ def _run(stage: str, shard: str | None = None) -> dict:
         m = run_stage(stage, p["recipe"], p["run_root"], int(p["iteration"]), shard, orchestrator_run_id=ctx["run_id"])
     except UserError as exc:  # a user's mistake: retrying cannot help
         raise AirflowFailException(exc.line()) from None
+    except DataQualityError as exc:  # the data will be just as bad on a retry
+        raise AirflowFailException(str(exc)) from None
     return {"stage": stage, "shard": m.shard, "digest": m.content_digest}
 
 

@@ -57,8 +57,11 @@ class Domain(ABC):
         return self._distinct(random.Random(seed), n, "eval", exclude=set())
 
     def train_tasks(self, rng: random.Random, n: int, exclude: set[str]) -> list[Task]:
-        """``n`` train tasks, none of whose ids are in ``exclude`` (the eval set)."""
-        return [self._one(rng, "train", exclude) for _ in range(n)]
+        """``n`` distinct train tasks, none of whose ids are in ``exclude`` (the eval set).
+
+        Distinct because a task's rollouts form one GRPO group: a task drawn twice would
+        make two groups with the same ids."""
+        return self._distinct(rng, n, "train", exclude)
 
     def _one(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
         for _ in range(1000):
