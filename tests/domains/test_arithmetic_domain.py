@@ -1,0 +1,49 @@
+"""Arithmetic verifier: (completion, reference, expected score) tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from components.domains import registry
+from components.domains.base import make_task
+
+DOMAIN = registry.get("arithmetic")
+TASK = make_task("arithmetic", "eval", 3, "47+38=", {"answer": "85"})
+
+
+@pytest.mark.parametrize(
+    ("completion", "score", "well_formed"),
+    [
+        ("85", 1.0, 1.0),
+        (" 85 ", 1.0, 1.0),
+        ("85\n12", 1.0, 1.0),  # only the first line counts
+        ("8 5", 1.0, 1.0),  # spaces inside are ignored
+        ("84", 0.0, 1.0),
+        ("-85", 0.0, 1.0),
+        ("085", 1.0, 1.0),  # the same integer
+        ("85.0", 0.0, 0.0),  # not an integer
+        ("eighty-five", 0.0, 0.0),
+        ("", 0.0, 0.0),
+        ("\n85", 0.0, 0.0),  # the answer must be on the first line
+    ],
+)
+def test_verify_table(completion, score, well_formed):
+    verdict = DOMAIN.verify(TASK, completion, None)
+    assert verdict.score == score
+    assert verdict.passed is (score == 1.0)
+    assert verdict.components == {"exact": score, "well_formed": well_formed}
+    assert verdict.status == "ok"
+
+
+def test_generated_tasks_answer_their_own_prompt():
+    for task in DOMAIN.eval_set(60, seed=2):
+        a, b = task.prompt[:-1].split("+")
+        assert task.reference["answer"] == str(int(a) + int(b))
+        assert DOMAIN.verify(task, DOMAIN.reference_completion(task), None).passed
+        assert task.difficulty == (1 if len(a) == 1 else 3 if len(b) == 2 else 2)
+
+
+def test_nothing_runs_in_the_sandbox():
+    assert DOMAIN.execution_plan(DOMAIN.make_task(random.Random(0), "train"), "12") is None
