@@ -62,7 +62,7 @@ def require(support: Support, allow_weak: bool) -> None:
         raise UserError(
             "sandbox.allow_weak_isolation", False,
             f"this host lacks {', '.join(support.missing)} for the bwrap sandbox" + (f" ({detail})" if detail else ""),
-            "install what is missing (see "Sandbox: threat model" in README.md), or set "
+            "install what is missing (see 'Sandbox: threat model' in README.md), or set "
             "sandbox.allow_weak_isolation: true to run untrusted code with weaker isolation",
         )
 

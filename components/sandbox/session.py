@@ -37,7 +37,7 @@ class SandboxSession:
         require(support, bool(getattr(config, "allow_weak_isolation", False)))
         if not support.bwrap or not support.namespaces_ok:
             raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
-                            "install bubblewrap and allow unprivileged user namespaces (see "Sandbox: threat model" in README.md)")
+                            "install bubblewrap and allow unprivileged user namespaces (see 'Sandbox: threat model' in README.md)")
         self.config = config
         self.isolation = support.isolation + "+mode:session"
         self.limits = Limits.from_config(config)
