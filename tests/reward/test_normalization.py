@@ -10,7 +10,7 @@ from components.core.recipe import parse_recipe
 from components.core.records import Reward, from_table
 from components.core.storage import Store
 from components.reward.normalize import RunningStats, merge_all
-from tests.reward.fakes import math_task, rollout, run_reward, write_iteration
+from tests.reward.builders import math_task, rollout, run_reward, write_iteration
 
 A = math_task("3*4-5=", "7")
 B = math_task("2+3*4=", "14")

@@ -13,7 +13,7 @@ from components.core.storage import Store
 from components.domains import registry
 from components.domains.base import Verdict
 from components.reward.replay import replay
-from tests.reward.fakes import math_task, rollout, run_reward, write_iteration
+from tests.reward.builders import math_task, rollout, run_reward, write_iteration
 
 A = math_task("3*4-5=", "7")
 B = math_task("2+3*4=", "14")

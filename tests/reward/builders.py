@@ -1,5 +1,6 @@
-"""Write manifested taskgen/rollout/sandbox output straight into a store, and run the reward
-stage on it the way the runner does (inputs, run, manifest last) but without MLflow."""
+"""Builders of controlled upstream output: write manifested taskgen/rollout/sandbox records
+straight into a real store, then run the reward stage on them the way the runner does
+(inputs, run, manifest last) but without MLflow."""
 
 from __future__ import annotations
 
