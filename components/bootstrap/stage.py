@@ -10,7 +10,8 @@ overshoots, whichever lies closer to the band. The result is saved in Hugging Fa
 format, scored on the fixed eval suite, registered as a version of
 ``<pipeline>-policy`` and aliased ``champion`` and ``candidate``.
 
-With any other ``model.source`` (a Hugging Face folder or store URI) it skips SFT and
+With any other ``model.source`` (a Hugging Face folder, a store URI, or a registry URI
+``models:/<name>@<alias>`` / ``models:/<name>/<version>``) it skips SFT and
 registers that model as it is. Deterministic from the recipe seed; a second call is a
 cache hit. Not covered: LoRA/PEFT warm starts and multi-GPU SFT.
 """
@@ -101,7 +102,7 @@ def run(ctx: StageContext) -> dict[str, float]:
             policy = Policy(model=build_model(recipe.model, len(tokenizer)), tokenizer=tokenizer, uri="", version="1")
             metrics.update(sft(ctx, policy, executor))
         else:
-            policy = load_policy(recipe.model.source, "1", field="model.source")
+            policy = load_policy(tracking.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source")
         metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
     finally:
         executor.close()

