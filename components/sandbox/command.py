@@ -13,6 +13,10 @@ Chain (each step ``exec``s the next, so the job's tree is one process lineage):
    CAP_SYS_ADMIN/CAP_SETPCAP inside its own user namespace only, to build per-job
    namespaces); the seccomp filter; ``--die-with-parent`` and ``--new-session``.
 
+A strict launch may be *parked* ahead of its job (bwrap.py): the chain runs up to bwrap,
+which is started as ``bwrap --args FD -- cmd`` and blocks reading its options from that
+pipe before it creates any namespace; the job then sends ``bwrap_options``.
+
 Not covered: bind-mounting host data folders (jobs get only their own files);
 Landlock (mounts already hide the host tree); devices beyond null/zero/random/tty.
 """
@@ -108,8 +112,13 @@ def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
     return args + ["--", *spec.cmd]
 
 
-def host_argv(spec: SandboxSpec, bwrap: str, setpriv: str | None) -> tuple[list[str], dict[str, str]]:
-    """argv and environment for ``subprocess.Popen`` (run it with ``start_new_session=True``)."""
+def host_argv(spec: SandboxSpec, bwrap: str, setpriv: str | None,
+              args_fd: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for ``subprocess.Popen`` (run it with ``start_new_session=True``).
+
+    With ``args_fd`` bwrap gets only ``--args args_fd -- cmd`` and blocks until the
+    options (``bwrap_options``) arrive on that pipe: a launch parked ahead of its job.
+    """
     chain = [SH, "-c", WRAPPER.format(ulimits=spec.limits.ulimit_script()), "sh"]
     if os.geteuid() == 0:
         assert setpriv, "running as root needs setpriv to drop to the sandbox uid"
@@ -118,7 +127,15 @@ def host_argv(spec: SandboxSpec, bwrap: str, setpriv: str | None) -> tuple[list[
             chain += ["--pdeathsig", "KILL"]
         chain += ["--"]
     env = {"PATH": "/usr/bin:/bin", "PT_CG": " ".join(spec.cgroup_procs)}
+    if args_fd is not None:
+        return chain + [bwrap, "--args", str(args_fd), "--", *spec.cmd], env
     return chain + bwrap_args(spec, bwrap), env
+
+
+def bwrap_options(spec: SandboxSpec) -> bytes:
+    """The options of ``bwrap_args`` (no program, no command), NUL-separated for ``--args``."""
+    options = bwrap_args(spec, "bwrap")[1:-(len(spec.cmd) + 1)]
+    return b"".join(arg.encode() + b"\0" for arg in options)
 
 
 def memfd_with(text: str | bytes, name: str = "posttrain-file") -> int:

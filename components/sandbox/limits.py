@@ -12,6 +12,7 @@ I/O bandwidth and network limits (there is no network).
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import threading
@@ -73,24 +74,55 @@ class Limits:
 
 
 class UidPool:
-    """Distinct unprivileged uids for concurrent sandboxes; the current uid when not root."""
+    """Distinct unprivileged uids for concurrent sandboxes; the current uid when not root.
 
-    def __init__(self, base: int = UID_BASE, slots: int = UID_SLOTS) -> None:
+    A lease is exclusive across processes too: each leased uid holds an ``flock`` on
+    ``<LOCK_DIR>/<uid>.lock``, so two host processes on one machine (two sandbox shards,
+    two Airflow workers) never hand the same uid to jobs that run at the same time. The
+    kernel drops the lock when a process dies, even by SIGKILL, so leases never leak.
+    """
+
+    def __init__(self, base: int = UID_BASE, slots: int = UID_SLOTS, lock_dir: str = "") -> None:
         self._free = list(range(base + slots - 1, base - 1, -1))
+        self._held: dict[int, int] = {}
         self._lock = threading.Lock()
         self.drops = os.geteuid() == 0
+        self._lock_dir = lock_dir or ("/run/posttrain-sandbox-uids" if os.path.isdir("/run") else "/tmp/posttrain-sandbox-uids")
+
+    def _try_lock(self, uid: int) -> int | None:
+        os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(self._lock_dir, f"{uid}.lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
 
     def lease(self) -> int:
         if not self.drops:
             return os.geteuid()
         with self._lock:
-            if not self._free:
-                raise RuntimeError(f"all {UID_SLOTS} sandbox uids are in use; lower sandbox.concurrency")
-            return self._free.pop()
+            skipped = []
+            try:
+                while self._free:
+                    uid = self._free.pop()
+                    fd = self._try_lock(uid)
+                    if fd is not None:
+                        self._held[uid] = fd
+                        return uid
+                    skipped.append(uid)  # another process holds it
+            finally:
+                self._free.extend(reversed(skipped))
+            raise RuntimeError(f"all {UID_SLOTS} sandbox uids are in use on this host; lower sandbox.concurrency")
 
     def release(self, uid: int) -> None:
         if self.drops:
             with self._lock:
+                fd = self._held.pop(uid, None)
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
                 self._free.append(uid)
 
 

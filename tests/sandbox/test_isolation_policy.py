@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -47,3 +48,36 @@ def test_interpreter_outside_usr_is_refused():
 def test_paths_escaping_the_work_folder_are_rejected():
     with pytest.raises(ValueError, match="inside the work folder"):
         bwrap.check_paths(Job("p", {"../evil.py": ""}, ["true"]))
+
+
+def test_uid_leases_are_exclusive_across_processes(tmp_path):
+    """Two host processes never lease the same sandbox uid at the same time."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from components.sandbox.limits import UidPool
+
+    if os.geteuid() != 0:
+        pytest.skip("uid leasing only drops privileges when running as root")
+    lock_dir = str(tmp_path / "uids")
+    mine = UidPool(base=2_000_000, slots=4, lock_dir=lock_dir)
+    held = [mine.lease(), mine.lease()]
+    script = textwrap.dedent(f"""
+        from components.sandbox.limits import UidPool
+        pool = UidPool(base=2_000_000, slots=4, lock_dir={lock_dir!r})
+        print(pool.lease(), pool.lease())
+        try:
+            pool.lease()
+        except RuntimeError as exc:
+            print("exhausted")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert sorted(int(u) for u in out[:2]) == sorted(set(range(2_000_000, 2_000_004)) - set(held))
+    assert out[2] == "exhausted"
+    mine.release(held[0])
+    again = subprocess.run([sys.executable, "-c", script.replace("print(pool.lease(), pool.lease())", "print(pool.lease())")],
+                           capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert held == [2_000_000, 2_000_001]
+    assert int(again[0]) == held[0]  # the lowest free uid again; held[1] is still locked by this process
+    mine.release(held[1])
