@@ -18,6 +18,7 @@ distribution), and stop strings other than the EOS token.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,12 +67,13 @@ def get_engine(name: str) -> "Engine":
     return _ENGINES[name]()
 
 
-class Engine:
+class Engine(ABC):
     name: str
 
+    @abstractmethod
     def generate(self, policy: Policy, prompts: list[str], max_new_tokens: int, temperature: float, seed: int,
                  batch_size: int, greedy: bool = False, progress: Callable[[int], None] | None = None) -> list[Sample]:
-        raise NotImplementedError
+        """One sample per prompt, in the caller's order, with per-token logprobs."""
 
 
 @register_engine("hf")
