@@ -4,7 +4,9 @@ With ``model.source: scratch`` it builds the character-level tokenizer and a
 Llama-architecture model from ``model``, then runs supervised fine-tuning on reference
 completions of the recipe's domains. Every ``bootstrap.eval_every`` steps it checks the
 greedy pass rate on a held-out check set (train distribution, disjoint from the eval
-suite) and stops as soon as the mean is inside ``[target_low, target_high]`` — SFT
+suite) and stops as soon as the mean is inside ``[target_low, target_high]``
+(with ``bootstrap.balance_domains`` each step's domain is drawn with weight
+``target_high - pass rate`` from the last check, so weak domains get the steps) — SFT
 accuracy jumps suddenly, so it checks often and keeps the previous snapshot when a jump
 overshoots, whichever lies closer to the band. The result is saved in Hugging Face
 format, scored on the fixed eval suite, registered as a version of
@@ -47,6 +49,12 @@ def _examples(policy: Policy, tasks: list[Task]) -> list[tuple[list[int], list[i
     return out
 
 
+def balance_weights(pass_rates: list[float], target_high: float, floor: float = 0.05) -> list[float]:
+    """SFT sampling weight per domain: how far its pass rate is below the band's top
+    (at least ``floor``, so a domain above the band is still rehearsed)."""
+    return [max(floor, target_high - rate) for rate in pass_rates]
+
+
 def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
     import torch
 
@@ -61,9 +69,13 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.01)
     prev: tuple[float, dict] | None = None
     mean, step = 0.0, 0
+    weights = [1.0] * len(domains)
     for step in range(1, cfg.max_steps + 1):
         # One domain per step: prompts of one domain have similar lengths, so little padding.
-        domain = domains[(step - 1) % len(domains)]
+        if cfg.balance_domains:
+            domain = rng.choices(domains, weights=weights)[0]
+        else:
+            domain = domains[(step - 1) % len(domains)]
         tasks = [domain._one(rng, "train", exclude) for _ in range(cfg.batch_size)]
         ids, attn, mask = pad_batch(_examples(policy, tasks), policy.pad_id)
         model.train()
@@ -78,6 +90,9 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
         model.eval()
         rates = pass_rates(run_suite(policy, check, recipe, executor, label="bootstrap check"))
         mean = sum(rates.values()) / len(rates)
+        # Spend the next steps where the policy is furthest below the band's top, so no
+        # domain is left at zero (no GRPO signal) while others saturate.
+        weights = balance_weights([rates[d.name] for d in domains], cfg.target_high)
         say(f"bootstrap | step {step} | loss {loss.item():.3f} | " + " ".join(f"{d} {v:.2f}" for d, v in rates.items())
             + f" | mean {mean:.2f}")
         if mean >= cfg.target_low:

@@ -52,6 +52,7 @@ class BootstrapConfig(_Section):
     target_low: float = Field(0.2, ge=0, le=1, description="stop once mean eval pass rate reaches this")
     target_high: float = Field(0.5, ge=0, le=1, description="upper edge of the target band")
     eval_tasks_per_domain: int = Field(64, ge=1, description="held-out SFT check size (separate from the eval suite)")
+    balance_domains: bool = Field(False, description="draw each step's domain by how far its check pass rate is below target_high (else round-robin)")
 
 
 class CurriculumStep(_Section):
