@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")  # cpuacct: exact CPU time of the whole tree
 PREFIX = "posttrain-"
+CREATED: set[str] = set()  # names of the job groups this process created
 
 
 def _own_path(controller: str) -> str:
@@ -93,6 +94,7 @@ class JobCgroup:
     @classmethod
     def create(cls, controllers: list[str], memory_bytes: int, pids_max: int, cpus: float) -> JobCgroup:
         group = cls(name=f"{PREFIX}{uuid.uuid4().hex[:12]}", controllers=list(controllers))
+        CREATED.add(group.name)
         try:
             for controller in controllers:
                 parent = base(controller)
@@ -237,11 +239,12 @@ def sweep_stale(min_age_s: float = 300.0) -> int:
     return removed
 
 
-def leftovers() -> list[Path]:
-    """Job groups that still exist (for tests and ``posttrain sandbox doctor``)."""
+def leftovers(mine_only: bool = False) -> list[Path]:
+    """Job groups that still exist (for tests and ``posttrain sandbox doctor``); with
+    ``mine_only``, only those this process created (other runs may share the host)."""
     found = []
     for controller in CONTROLLERS:
         parent = base(controller)
         if parent is not None:
-            found.extend(p for p in parent.glob(f"{PREFIX}*") if p.is_dir())
+            found.extend(p for p in parent.glob(f"{PREFIX}*") if p.is_dir() and (not mine_only or p.name in CREATED))
     return found

@@ -85,6 +85,7 @@ class UidPool:
     def __init__(self, base: int = UID_BASE, slots: int = UID_SLOTS, lock_dir: str = "") -> None:
         self._free = list(range(base + slots - 1, base - 1, -1))
         self._held: dict[int, int] = {}
+        self.history: set[int] = set()  # every uid this process ever leased (for leak checks)
         self._lock = threading.Lock()
         self.drops = os.geteuid() == 0
         self._lock_dir = lock_dir or ("/run/posttrain-sandbox-uids" if os.path.isdir("/run") else "/tmp/posttrain-sandbox-uids")
@@ -110,6 +111,7 @@ class UidPool:
                     fd = self._try_lock(uid)
                     if fd is not None:
                         self._held[uid] = fd
+                        self.history.add(uid)
                         return uid
                     skipped.append(uid)  # another process holds it
             finally:

@@ -23,7 +23,11 @@ def bwrap_unavailable() -> str:
 
 
 def sandbox_pids() -> list[int]:
-    """Host pids running as a sandbox uid."""
+    """Host pids running as a sandbox uid that this test process leased (uid leases are
+    exclusive across processes, so other runs' sandboxes on the host are not counted)."""
+    from components.sandbox.limits import UIDS
+
+    mine = UIDS.history if UIDS.drops else set(range(UID_BASE, UID_BASE + UID_SLOTS))
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -33,7 +37,7 @@ def sandbox_pids() -> list[int]:
                 for line in fh:
                     if line.startswith("Uid:"):
                         uid = int(line.split()[1])
-                        if UID_BASE <= uid < UID_BASE + UID_SLOTS:
+                        if uid in mine:
                             found.append(int(entry))
                         break
         except OSError:
