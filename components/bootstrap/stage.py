@@ -76,7 +76,7 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
             domain = rng.choices(domains, weights=weights)[0]
         else:
             domain = domains[(step - 1) % len(domains)]
-        tasks = [domain._one(rng, "train", exclude) for _ in range(cfg.batch_size)]
+        tasks = [domain.draw(rng, "train", exclude) for _ in range(cfg.batch_size)]
         ids, attn, mask = pad_batch(_examples(policy, tasks), policy.pad_id)
         model.train()
         logp, _ = token_logprobs(model, ids, attn)

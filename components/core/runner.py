@@ -20,7 +20,7 @@ import time
 from importlib import import_module
 from pathlib import Path
 
-from components import STAGES, __version__
+from components import SHARDED_STAGES, STAGES, __version__
 from components.core import tracking
 from components.core.context import StageContext, read_manifest
 from components.core.errors import UserError
@@ -44,8 +44,6 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
     store = Store(run_root, "--run-root")
     store.check_reachable()
     parsed = Shard.parse(shard)
-    from components import SHARDED_STAGES
-
     if stage in SHARDED_STAGES and parsed.count != recipe.rollout.shards:
         raise UserError("--shard", str(parsed), f"recipe shards this stage {recipe.rollout.shards} ways",
                         f"pass --shard i/{recipe.rollout.shards}")

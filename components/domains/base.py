@@ -63,7 +63,8 @@ class Domain(ABC):
         make two groups with the same ids."""
         return self._distinct(rng, n, "train", exclude)
 
-    def _one(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
+    def draw(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
+        """One task whose id is not in ``exclude`` (repeats allowed across calls)."""
         for _ in range(1000):
             task = self.make_task(rng, split)
             if task.task_id not in exclude:

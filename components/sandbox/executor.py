@@ -68,7 +68,7 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_executor(config, allow_weak: bool | None = None) -> Executor:
+def get_executor(config) -> Executor:
     """The executor named by ``config.backend`` (a ``SandboxConfig``)."""
     from components.core.errors import UserError
 
