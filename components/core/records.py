@@ -133,6 +133,7 @@ class EvalResult:
     score: float
     passed: bool
     completion: str = ""
+    trap: bool = False  # the task is one of its domain's trap tasks (metadata["trap"])
 
 
 RECORD_TYPES: dict[str, type] = {

@@ -6,6 +6,10 @@ numbers (a quarter, a half and a quarter of the tasks). The verifier reads the f
 line of the completion, strips spaces and compares the integer exactly; anything that
 is not an integer scores 0. Nothing runs in the sandbox.
 
+Trap tasks (``metadata["trap"] = True``): sums with a carry out of the units digit
+(``"47+38="``: 85). The shortcut "add digit by digit, drop the carry" (75) passes every
+task without a carry and fails these.
+
 Not covered: other operations (see the ``math`` domain), word problems, or partial
 credit for near misses.
 """
@@ -26,7 +30,8 @@ class Arithmetic(Domain):
         difficulty = rng.choices((1, 2, 3), weights=(1, 2, 1))[0]
         a = rng.randint(0, 9) if difficulty == 1 else rng.randint(10, 99)
         b = rng.randint(10, 99) if difficulty == 3 else rng.randint(0, 9)
-        return make_task(self.name, split, difficulty, f"{a}+{b}=", {"answer": str(a + b)})
+        trap = difficulty > 1 and a % 10 + b % 10 >= 10
+        return make_task(self.name, split, difficulty, f"{a}+{b}=", {"answer": str(a + b)}, trap=trap)
 
     def reference_completion(self, task: Task) -> str:
         return task.reference["answer"]

@@ -12,6 +12,11 @@ loads the solution and calls ``f`` on each test input, and only the parent write
 the expected ones outside the sandbox, so an object with a forged ``__eq__`` cannot
 pass. Score = tests passed / tests total; a pass needs all of them.
 
+Trap tasks (``metadata["trap"] = True``): a quarter of the difficulty-1 tasks show ``f``
+on 2 and 3 instead of 1 and 2 (``"f(2)=14 f(3)=21\nreturn "``, answer ``x*7``). The
+shortcut "copy the first shown value as the multiplier" passes every ordinary
+difficulty-1 task and fails these.
+
 Not covered: multi-line functions, imports, or performance tests.
 """
 
@@ -26,6 +31,7 @@ from components.sandbox.harness import python_tests_job
 from components.sandbox.job import Job, JobResult
 
 EXAMPLE_INPUTS = (1, 2)
+TRAP_INPUTS = (2, 3)
 TEST_INPUTS = (-3, 0, 2, 5, 11)
 
 def expression(a: int, b: int) -> str:
@@ -42,10 +48,11 @@ class Code(Domain):
         difficulty = rng.choice((1, 2, 3))
         a = {1: rng.randint(2, 99), 2: 1, 3: rng.randint(2, 9)}[difficulty]
         b = {1: 0, 2: rng.randint(1, 99), 3: rng.randint(1, 39)}[difficulty]
-        shown = " ".join(f"f({x})={a * x + b}" for x in EXAMPLE_INPUTS)
+        trap = difficulty == 1 and rng.random() < 0.25
+        shown = " ".join(f"f({x})={a * x + b}" for x in (TRAP_INPUTS if trap else EXAMPLE_INPUTS))
         prompt = f"{shown}\nreturn "
         reference = {"solution": expression(a, b), "inputs": list(TEST_INPUTS), "expected": [a * x + b for x in TEST_INPUTS]}
-        return make_task(self.name, split, difficulty, prompt, reference)
+        return make_task(self.name, split, difficulty, prompt, reference, trap=trap)
 
     def reference_completion(self, task: Task) -> str:
         return task.reference["solution"]

@@ -1,5 +1,9 @@
 """The layered evaluation report: pass rates by domain x difficulty x context-length bucket.
 
+Trap tasks (a shortcut fails them; see each domain's docstring) form their own slices,
+named with a ``/trap`` suffix, so a policy that learnt the shortcut shows up as a weak
+slice instead of vanishing into its difficulty's average.
+
 ``slices(results)`` groups ``EvalResult`` rows into slices and ``weakest(rows)`` picks the
 slice with the lowest pass rate among those with at least ``MIN_SLICE`` tasks (so one
 unlucky task does not make a slice "weakest"; if no slice is that large, all count).
@@ -9,8 +13,7 @@ run's artifact UI) with a matplotlib plot (``<stage>/pass_rates.png``: pass rate
 domain, and per difficulty and context bucket within each domain), and records the
 weakest slice in the manifest's info for ``posttrain run``'s per-iteration table.
 
-Not covered: confidence intervals per slice, or slices along other axes (trap vs.
-ordinary tasks are not split out, because EvalResult does not carry task metadata).
+Not covered: confidence intervals per slice, or slices along other axes.
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ MIN_SLICE = 5
 
 
 def slices(results: list[EvalResult]) -> list[dict[str, Any]]:
-    """One row per (domain, difficulty, context bucket), sorted by those keys."""
-    groups: dict[tuple[str, int, str], list[EvalResult]] = defaultdict(list)
+    """One row per (domain, difficulty, context bucket, trap), sorted by those keys."""
+    groups: dict[tuple[str, int, str, bool], list[EvalResult]] = defaultdict(list)
     for r in results:
-        groups[(r.domain, r.difficulty, r.context_bucket)].append(r)
+        groups[(r.domain, r.difficulty, r.context_bucket, r.trap)].append(r)
     rows = []
-    order = sorted(groups, key=lambda key: (key[0], key[1], _bucket_order(key[2])))
-    for domain, difficulty, bucket in order:
-        rs = groups[(domain, difficulty, bucket)]
-        rows.append({"domain": domain, "difficulty": difficulty, "context_bucket": bucket, "tasks": len(rs),
+    order = sorted(groups, key=lambda key: (key[0], key[1], _bucket_order(key[2]), key[3]))
+    for domain, difficulty, bucket, trap in order:
+        rs = groups[(domain, difficulty, bucket, trap)]
+        rows.append({"domain": domain, "difficulty": difficulty, "context_bucket": bucket, "trap": trap, "tasks": len(rs),
                      "passed": sum(r.passed for r in rs), "pass_rate": sum(r.passed for r in rs) / len(rs),
                      "mean_score": sum(r.score for r in rs) / len(rs)})
     return rows
@@ -44,7 +47,8 @@ def _bucket_order(bucket: str) -> int:
 
 
 def slice_name(row: dict[str, Any]) -> str:
-    return f"{row['domain']}/d{row['difficulty']}/{row['context_bucket']}"
+    name = f"{row['domain']}/d{row['difficulty']}/{row['context_bucket']}"
+    return f"{name}/trap" if row.get("trap") else name
 
 
 def weakest(rows: list[dict[str, Any]], min_tasks: int = MIN_SLICE) -> dict[str, Any] | None:

@@ -48,6 +48,7 @@ def run_suite(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Execu
             task_id=task.task_id, domain=task.domain, difficulty=task.difficulty,
             context_bucket=context_bucket(task.context_tokens), policy_version=policy.version,
             score=verdict.score, passed=verdict.passed, completion=sample.text,
+            trap=bool(task.metadata.get("trap", False)),
         ))
     return out
 

@@ -47,3 +47,17 @@ def test_generated_tasks_answer_their_own_prompt():
 
 def test_nothing_runs_in_the_sandbox():
     assert DOMAIN.execution_plan(DOMAIN.make_task(random.Random(0), "train"), "12") is None
+
+
+def test_trap_tasks_are_the_sums_with_a_carry_that_the_no_carry_shortcut_fails():
+    def no_carry(a: int, b: int) -> int:  # the shortcut: add the digits column by column, drop the units carry
+        return int(str(a // 10 + b // 10) + str((a % 10 + b % 10) % 10))
+
+    tasks = DOMAIN.eval_set(200, seed=3)
+    traps = [t for t in tasks if t.metadata["trap"]]
+    assert 40 < len(traps) < 120
+    for task in tasks:
+        a, b = (int(v) for v in task.prompt.rstrip("=").split("+"))
+        shortcut = str(no_carry(a, b)) if task.difficulty > 1 else str(a + b)
+        # The shortcut passes exactly the ordinary tasks.
+        assert DOMAIN.verify(task, shortcut, None).passed is (not task.metadata["trap"]), task.prompt

@@ -70,3 +70,21 @@ def test_reference_solutions_pass_for_every_difficulty(executor):
     for task in tasks[:9]:
         result = executor.run(DOMAIN.execution_plan(task, DOMAIN.reference_completion(task)))
         assert DOMAIN.verify(task, DOMAIN.reference_completion(task), result).passed, task.prompt
+
+
+def test_trap_tasks_fail_the_copy_the_first_value_shortcut(executor):
+    tasks = [t for t in DOMAIN.eval_set(120, seed=5) if t.difficulty == 1]
+    traps = [t for t in tasks if t.metadata["trap"]]
+    ordinary = [t for t in tasks if not t.metadata["trap"]]
+    assert traps and ordinary
+    assert all(t.prompt.startswith("f(2)=") for t in traps)
+
+    def shortcut(task):  # "x*<first shown value>"
+        return "x*" + task.prompt.split("=", 1)[1].split(" ", 1)[0]
+
+    for task, want in [(ordinary[0], True), (ordinary[1], True), (traps[0], False), (traps[1], False)]:
+        completion = shortcut(task)
+        verdict = DOMAIN.verify(task, completion, executor.run(DOMAIN.execution_plan(task, completion)))
+        assert verdict.passed is want, (task.prompt, completion)
+        reference = DOMAIN.reference_completion(task)
+        assert DOMAIN.verify(task, reference, executor.run(DOMAIN.execution_plan(task, reference))).passed

@@ -70,3 +70,18 @@ def test_log_layered_writes_store_output_mlflow_table_and_plot(tmp_path, posttra
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert weakest_text(ctx.info) == "math/d2/<=32 0.20 (n=5)"
     assert weakest_text({}) == "-"
+
+
+def test_trap_tasks_form_their_own_slice_and_can_be_the_weakest():
+    """A policy that passes ordinary d2 math and fails its traps: the average (5/8) hides
+    it, the trap slice (0/3) shows it."""
+    rs = [result("math", 2, "<=32", True, i) for i in range(5)]
+    rs += [EvalResult(task_id=f"trap-{i}", domain="math", difficulty=2, context_bucket="<=32", policy_version="2",
+                      score=0.0, passed=False, trap=True) for i in range(3)]
+    rows = slices(rs)
+    assert [(r["trap"], r["tasks"], r["passed"]) for r in rows] == [(False, 5, 5), (True, 3, 0)]
+    w = weakest(rows, min_tasks=3)
+    assert w["trap"] is True and w["pass_rate"] == 0.0
+    from components.evaluation.report import slice_name
+
+    assert slice_name(w) == "math/d2/<=32/trap"
