@@ -2,7 +2,9 @@
 
 With ``model.source: scratch`` it builds the character-level tokenizer and a
 Llama-architecture model from ``model``, then runs supervised fine-tuning on reference
-completions of the recipe's domains. Every ``bootstrap.eval_every`` steps it checks the
+completions of the recipe's domains (one domain per step, round-robin;
+``bootstrap.batch_tokens`` caps a step's padded tokens, so a long-prompt domain's steps
+take fewer examples instead of costing several times more). Every ``bootstrap.eval_every`` steps it checks the
 greedy pass rate on a held-out check set (train distribution, disjoint from the eval
 suite) and stops as soon as the mean is inside ``[target_low, target_high]``
 (with ``bootstrap.balance_domains`` each step's domain is drawn with weight
@@ -49,6 +51,19 @@ def _examples(policy: Policy, tasks: list[Task]) -> list[tuple[list[int], list[i
     return out
 
 
+def token_budget(examples: list[tuple[list[int], list[int]]], budget: int) -> list[tuple[list[int], list[int]]]:
+    """The first examples whose padded batch (count x longest) fits ``budget`` tokens
+    (at least one); all of them when ``budget`` is 0."""
+    if budget <= 0:
+        return examples
+    longest = 0
+    for n, (prompt, completion) in enumerate(examples):
+        longest = max(longest, len(prompt) + len(completion))
+        if n and (n + 1) * longest > budget:
+            return examples[:n]
+    return examples
+
+
 def balance_weights(pass_rates: list[float], target_high: float, floor: float = 0.05) -> list[float]:
     """SFT sampling weight per domain: how far its pass rate is below the band's top
     (at least ``floor``, so a domain above the band is still rehearsed)."""
@@ -77,7 +92,7 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
         else:
             domain = domains[(step - 1) % len(domains)]
         tasks = [domain.draw(rng, "train", exclude) for _ in range(cfg.batch_size)]
-        ids, attn, mask = pad_batch(_examples(policy, tasks), policy.pad_id)
+        ids, attn, mask = pad_batch(token_budget(_examples(policy, tasks), cfg.batch_tokens), policy.pad_id)
         model.train()
         logp, _ = token_logprobs(model, ids, attn)
         loss = -(logp * mask).sum() / mask.sum()

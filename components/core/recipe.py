@@ -47,6 +47,8 @@ class BootstrapConfig(_Section):
 
     max_steps: int = Field(3000, ge=1, description="upper bound on SFT optimizer steps")
     batch_size: int = Field(64, ge=1, description="SFT examples per step")
+    batch_tokens: int = Field(0, ge=0, description="if > 0, cap each step at this many padded tokens (fewer "
+                                                   "examples on steps of a long-prompt domain); 0 = no cap")
     learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate")
     eval_every: int = Field(50, ge=1, description="steps between held-out checks")
     target_low: float = Field(0.2, ge=0, le=1, description="stop once mean eval pass rate reaches this")
