@@ -4,7 +4,7 @@ The prompt states a goal in a few words and ends at a shell prompt (``"new dir a
 the completion is one bash command line (``"mkdir a"``). Some tasks start from files
 that already exist (listed in the prompt, laid out before the command runs).
 Difficulty 1 creates one thing; difficulty 2 changes existing files (delete, rename,
-write text); difficulty 3 takes two steps in one line (``"mkdir a;>a/b"``).
+write text); difficulty 3 is multi-step: one command per line (``"mkdir a\n>a/b"``).
 
 Execution (``DRIVER``): a trusted Python driver lays out the start state in ``ws/``,
 makes itself non-dumpable, forks, and in the child closes the result fd and runs
@@ -23,9 +23,13 @@ Trap tasks (``metadata["trap"] = True``): deletions where another file must surv
 (``"del x.log\\n(has x.log y.txt)\\n$ "``): the shortcut ``rm *`` that passes the ordinary
 deletion tasks (one file only) removes too much and fails.
 
-Multi-step tasks run as one job with ``;``-joined steps: the rollout stage produces one
-completion per task, so the multi-turn session API (``components/sandbox/session.py``,
-bwrap only) is not used here. Not covered: permissions, file modes, symlink targets,
+Multi-step tasks (``metadata["multi_step"]``, difficulty 3) run in a sandbox session
+(``SessionJob``, ``components/sandbox/session.py``): each completion line (at most
+``MAX_STEPS``) is its own command in ``ws/`` under the job limits, the work folder
+persists between them, and a lister written after the last step reports the state; the
+host adds every step's exit code (component ``exit_ok`` needs all of them 0). The policy
+writes all steps in one completion; it does not see a step's output before the next
+(episodes that do are ``components/rollout/episode.py``). Not covered: permissions, file modes, symlink targets,
 processes left running, or anything outside the work folder.
 """
 
@@ -37,14 +41,39 @@ import random
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, make_task
 from components.domains.registry import register
-from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult
+from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult, SessionJob
 
 NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
 COMMAND_TIMEOUT_S = 2.0
 MAX_ENTRIES = 64  # a listing longer than this is cut: no expected state is anywhere near it
 
-DRIVER = r'''
+# Lists ws/ without following links: {path: "dir" | "file:<first 64 bytes>" | "link"}.
+_LIST_STATE = r"""
+def list_state():
+    state, ok = {}, True
+    if os.path.islink("ws") or not os.path.isdir("ws"):
+        return False, state
+    for root, dirs, files in os.walk("ws", followlinks=False):
+        for name in sorted(dirs) + sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, "ws")
+            if os.path.islink(full):
+                state[rel] = "link"
+            elif os.path.isdir(full):
+                state[rel] = "dir"
+            else:
+                try:
+                    with open(full, "rb") as fh:
+                        state[rel] = "file:" + fh.read(64).decode("utf-8", "replace")
+                except OSError:
+                    state[rel] = "unreadable"
+            if len(state) >= MAX:
+                return ok, state
+    return ok, state
+""".replace("MAX", str(MAX_ENTRIES))
+
+DRIVER = r"""
 import json, os, signal, sys, time
 
 RESULT_FD = int(sys.argv[1])
@@ -91,31 +120,21 @@ try:
     os.killpg(pid, signal.SIGKILL)  # stragglers the command left in its group
 except ProcessLookupError:
     pass
-state, ok = {}, True
-if os.path.islink("ws") or not os.path.isdir("ws"):
-    ok = False
-else:
-    for root, dirs, files in os.walk("ws", followlinks=False):
-        for name in sorted(dirs) + sorted(files):
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, "ws")
-            if os.path.islink(full):
-                state[rel] = "link"
-            elif os.path.isdir(full):
-                state[rel] = "dir"
-            else:
-                try:
-                    with open(full, "rb") as fh:
-                        state[rel] = "file:" + fh.read(64).decode("utf-8", "replace")
-                except OSError:
-                    state[rel] = "unreadable"
-            if len(state) >= MAX:
-                break
-        if len(state) >= MAX:
-            break
+""" + _LIST_STATE + r"""
+ok, state = list_state()
 os.write(RESULT_FD, json.dumps({"ok": ok, "exit": code, "timed_out": timed_out, "state": state}).encode())
 os.close(RESULT_FD)
-'''.replace("MAX", str(MAX_ENTRIES))
+"""
+
+# The check of a multi-step task: runs after the steps, in the same session, from a file
+# written just before it runs.
+LISTER = "import json, os, sys\n" + _LIST_STATE + r"""
+ok, state = list_state()
+os.write(int(sys.argv[1]), json.dumps({"ok": ok, "exit": 0, "timed_out": False, "state": state}).encode())
+"""
+MAX_STEPS = 3
+# Each step of a multi-step task runs in ws/ (made by the first step: d3 tasks start empty).
+STEP_PREFIX = "mkdir -p ws && cd ws || exit 97\n"
 
 
 def _two(rng: random.Random) -> tuple[str, str]:
@@ -160,16 +179,27 @@ class Terminal(Domain):
                 word = rng.choice(WORDS)
                 goal, solution, expected = f"{a} says {word}", f"echo {word}>{a}", {a: f"file:{word}\n"}
         else:
-            goal, solution = f"new dir {a}, file {b} in it", f"mkdir {a};>{a}/{b}"
+            goal, solution = f"new dir {a}, then file {b} in it", f"mkdir {a}\n>{a}/{b}"
             expected = {a: "dir", f"{a}/{b}": "file:"}
         prompt = f"{goal}\n{_shown(start)}$ "
         reference = {"solution": solution, "start": start, "expected": expected}
-        return make_task(self.name, split, difficulty, prompt, reference, trap=trap)
+        return make_task(self.name, split, difficulty, prompt, reference, trap=trap, multi_step=difficulty == 3)
 
     def reference_completion(self, task: Task) -> str:
         return task.reference["solution"]
 
-    def execution_plan(self, task: Task, completion: str) -> Job | None:
+    def execution_plan(self, task: Task, completion: str) -> Job | SessionJob | None:
+        if task.metadata.get("multi_step"):
+            steps = [line for line in completion.split("\n") if line.strip()][:MAX_STEPS] or [""]
+            start = task.reference["start"]
+            return SessionJob(
+                job_id=task.task_id,
+                files={f"ws/{path}": kind[len("file:"):] for path, kind in start.items() if kind.startswith("file:")},
+                steps=[STEP_PREFIX + step for step in steps],
+                check=Job(job_id=task.task_id, files={"lister.py": LISTER},
+                          argv=[PYTHON, "-I", "-S", "lister.py", RESULT_FD]),
+                step_timeout_s=COMMAND_TIMEOUT_S,
+            )
         command = completion.split("\n", 1)[0]
         return Job(
             job_id=task.task_id,
@@ -189,9 +219,14 @@ class Terminal(Domain):
         paths = set(expected) | set(state)
         same = sum(state.get(p) == expected.get(p) for p in paths)
         score = same / len(paths) if paths else 1.0
+        steps = payload.get("steps")  # added by the host after a multi-step session
+        exits = [s.get("exit") for s in steps] if isinstance(steps, list) else [payload.get("exit")]
+        components = {"ran": 1.0, "state_match": score, "exit_ok": float(all(e == 0 for e in exits))}
+        if isinstance(steps, list):
+            components["steps"] = float(len(steps))
         return Verdict(
             score=score,
             passed=state == expected,
-            components={"ran": 1.0, "state_match": score, "exit_ok": float(payload.get("exit") == 0)},
+            components=components,
             detail=result.status,
         )

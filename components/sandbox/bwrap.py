@@ -32,7 +32,7 @@ from components.sandbox import cgroups, seccomp
 from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with
 from components.sandbox.detect import Support, probe
 from components.sandbox.executor import DEFAULT_PYTHON, SubprocessExecutor, register_backend
-from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult
+from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult, SessionJob
 from components.sandbox.limits import UIDS, Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
 from components.sandbox.supervise import watch
@@ -481,10 +481,13 @@ class BwrapExecutor:
             self._pool = WarmPool(self.support, self.python, self.limits, int(config.concurrency), self.isolation)
         self._strict = StrictRunner(self.support, self.python, self.limits, use_seccomp, self.isolation)
 
-    def run(self, job: Job) -> JobResult:
+    def run(self, job: Job | SessionJob) -> JobResult:
         if self._fallback is not None:
-            result = self._fallback.run(job)
-            return result
+            return self._fallback.run(job)
+        if isinstance(job, SessionJob):
+            from components.sandbox.session import run_session_job
+
+            return run_session_job(self.config, job)
         if self._pool is not None:
             return self._pool.run(job, self.name)
         return self._strict.run(job, self.name)

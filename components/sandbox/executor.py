@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult
+from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult, SessionJob
 
 DEFAULT_PYTHON = "/usr/bin/python3"
 
@@ -35,7 +35,7 @@ class Executor(Protocol):
     name: str
     isolation: str
 
-    def run(self, job: Job) -> JobResult: ...
+    def run(self, job: Job | SessionJob) -> JobResult: ...
 
     def close(self) -> None: ...
 
@@ -111,7 +111,11 @@ class SubprocessExecutor:
         resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024 * 1024,) * 2)
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 
-    def run(self, job: Job) -> JobResult:
+    def run(self, job: Job | SessionJob) -> JobResult:
+        if isinstance(job, SessionJob):
+            from components.sandbox.session import flatten
+
+            job = flatten(job)
         timeout = job.timeout_s or self.config.timeout_s
         limit = self.config.output_cap_bytes
         with tempfile.TemporaryDirectory(prefix="posttrain-job-") as work:

@@ -11,6 +11,12 @@ the executor then opens a pipe, passes its write end to the job, replaces the en
 the fd number and parses what arrives there as the result (``result_file`` is ignored).
 A harness that closes that fd in the child running untrusted code gets a channel the
 untrusted code cannot write to (see harness.py).
+
+A ``SessionJob`` is a multi-step job: lay out ``files``, run each of ``steps`` (a bash
+script) as its own command in one sandbox session (``session.run_session_job``), then
+run ``check`` (a ``Job`` whose files are written just before it, so the steps cannot
+have edited them) in the same work folder. Its result is the check's, with the steps'
+exit codes and statuses added by the host under ``result["steps"]``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,15 @@ class Job:
     @property
     def wants_result(self) -> bool:
         return self.uses_result_fd or bool(self.result_file)
+
+
+@dataclass(frozen=True)
+class SessionJob:
+    job_id: str
+    files: dict[str, str]  # laid out before the first step
+    steps: list[str]  # bash scripts, one command each, run in order in the work folder
+    check: Job  # runs last; its result channel is the SessionJob's result
+    step_timeout_s: float | None = None  # per step; None: the executor's default
 
 
 @dataclass(frozen=True)

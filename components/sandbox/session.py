@@ -8,6 +8,11 @@ starts die when it returns. The session is closed by ``close()``, by leaving its
 ``with`` block, or when ``session_timeout_s`` runs out (later ``exec`` calls then
 return a ``timeout`` result without running anything).
 
+``run_session_job(config, job)`` runs a ``SessionJob`` (job.py) in one session: the
+setup files, each step as its own ``exec``, then the check; ``flatten(job)`` is the
+one-process equivalent for backends without sessions (the ``subprocess`` backend,
+trusted code only: there the steps share the check's process tree).
+
 Not covered: background processes that outlive one command (use one ``exec`` for a
 server and its client), network access, sessions that survive the host process.
 """
@@ -19,7 +24,7 @@ import time
 
 from components.sandbox.bwrap import require, resolve_python
 from components.sandbox.detect import probe
-from components.sandbox.job import Job, JobResult
+from components.sandbox.job import RESULT_FD, Job, JobResult, SessionJob
 from components.sandbox.limits import Limits
 from components.sandbox.pool import Worker
 
@@ -89,3 +94,54 @@ class SandboxSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def run_session_job(config, job: SessionJob, session_timeout_s: float | None = None) -> JobResult:
+    """Steps then check, in one sandbox session; the host adds each step's exit code and
+    status to the check's result (``result["steps"]``), so nothing inside can forge them."""
+    steps: list[dict] = []
+    budget = session_timeout_s or (len(job.steps) + 2) * float(job.step_timeout_s or config.timeout_s) + 30.0
+    results: list[JobResult] = []
+    with SandboxSession(config, session_timeout_s=budget) as session:
+        for i, step in enumerate(job.steps):
+            r = session.exec(["bash", "-c", step], timeout_s=job.step_timeout_s, files=job.files if i == 0 else None)
+            results.append(r)
+            if r.status == "infra_error":
+                return r
+            steps.append({"exit": r.exit_code, "status": r.status})
+        check = job.check
+        final = session.exec(list(check.argv), timeout_s=check.timeout_s,
+                             files={**(job.files if not job.steps else {}), **check.files}, stdin=check.stdin)
+    results.append(final)
+    result = {**final.result, "steps": steps} if isinstance(final.result, dict) else final.result
+    return JobResult(
+        status=final.status, exit_code=final.exit_code, signal=final.signal, stdout=final.stdout, stderr=final.stderr,
+        duration_s=sum(r.duration_s for r in results), cpu_time_s=sum(r.cpu_time_s for r in results),
+        peak_memory_mb=max(r.peak_memory_mb for r in results), result=result, backend=final.backend,
+        isolation=session.isolation, extra={**final.extra, "steps": steps},
+    )
+
+
+# Runs each step file in a subshell that cannot write to the result fd ($1), then writes
+# the check's files afresh (from this script's own text, which no step can edit) and execs the check.
+_FLAT = 'fd=$1; shift; for f in .steps/*.sh; do (if [ -n "$fd" ]; then eval "exec $fd>&-"; fi; bash "$f") </dev/null; done\n'
+
+
+def flatten(job: SessionJob) -> Job:
+    """The same steps and check as one process tree (no session, no per-step exit codes)."""
+    import base64
+    import posixpath
+    import shlex
+
+    script = _FLAT
+    for rel, text in job.check.files.items():
+        parent = posixpath.dirname(rel)
+        encoded = base64.b64encode(text.encode()).decode()
+        script += (f"mkdir -p -- {shlex.quote(parent)}; " if parent else "") + \
+            f"rm -rf -- {shlex.quote(rel)}; printf %s {encoded} | base64 -d > {shlex.quote(rel)}\n"
+    script += 'exec "$@"\n'
+    files = {**job.files, **{f".steps/{i:03d}.sh": step for i, step in enumerate(job.steps)}}
+    total = (job.step_timeout_s or 0) * len(job.steps) + (job.check.timeout_s or 0)
+    fd = RESULT_FD if job.check.uses_result_fd else ""
+    return Job(job_id=job.job_id, files=files, argv=["bash", "-c", script, "flat", fd, *job.check.argv],
+               timeout_s=total or None, stdin=job.check.stdin, result_file=job.check.result_file)

@@ -113,3 +113,39 @@ def test_generated_references_pass(executor):
     assert max(len(t.prompt) for t in tasks) <= 40
     assert max(len(TERMINAL.reference_completion(t)) for t in tasks) <= 12
 
+
+
+MULTI = make_task("terminal", "train", 3, "new dir a, then file b in it\n$ ",
+                  {"solution": "mkdir a\n>a/b", "start": {}, "expected": {"a": "dir", "a/b": "file:"}}, multi_step=True)
+
+
+@pytest.mark.parametrize(("completion", "score", "exit_ok"), [
+    ("mkdir a\n>a/b", 1.0, 1.0),  # two steps; the second sees the first's folder
+    ("mkdir a", 0.5, 1.0),
+    ("mkdir a;>a/b", 1.0, 1.0),  # one step doing both is fine too
+    ("false\nmkdir a\n>a/b", 1.0, 0.0),  # the right state, but a step failed
+    ("mkdir a\ncd a\n>b", 1 / 3, 1.0),  # each step is its own command in ws/: cd does not carry over
+    ("mkdir a\n>a/b\n>c\n>d", 2 / 3, 1.0),  # at most MAX_STEPS = 3 steps run: d never exists, c is extra
+    ("", 0.0, 1.0),
+    # forging the listing: a step rewrites the lister, but it is written again right before it runs
+    ("mkdir a\necho 'import os,sys;os.write(int(sys.argv[1]),b\"{}\")' > ../lister.py\n>a/b", 1.0, 1.0),
+    ("(sleep 0.3; mkdir a) &\n>c", 0.0, 1.0),  # a step's background process dies with the step
+])
+def test_multi_step_tasks_run_each_line_as_a_step(executor, completion, score, exit_ok):
+    job = TERMINAL.execution_plan(MULTI, completion)
+    result = executor.run(job)
+    v = TERMINAL.verify(MULTI, completion, result)
+    assert v.score == pytest.approx(score)
+    if executor.name == "bwrap":  # one sandbox session: per-step exit codes from the host
+        assert result.isolation.endswith("+mode:session")
+        assert v.components["exit_ok"] == exit_ok
+        assert v.components["steps"] == float(min(3, max(1, len([x for x in completion.split("\n") if x.strip()]))))
+
+
+def test_multi_step_reference_passes_and_steps_persist_files(executor):
+    tasks = [t for t in TERMINAL.eval_set(60, seed=3) if t.metadata.get("multi_step")]
+    assert tasks and all(t.difficulty == 3 for t in tasks)
+    for t in tasks[:3]:
+        c = TERMINAL.reference_completion(t)
+        assert "\n" in c
+        assert TERMINAL.verify(t, c, executor.run(TERMINAL.execution_plan(t, c))).passed, t.prompt
