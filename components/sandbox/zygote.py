@@ -9,19 +9,26 @@ Per job the host sends one SEQPACKET message on CTL_FD: a JSON header plus fds
 data itself (so no job's files linger in the memory later children inherit); it forks:
 
     worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
-            enforces the wall clock, reports to the host)
-      └─ G: pid 1 of a new pid namespace; new mount and ipc namespaces, private
-            mounts, fresh size-capped tmpfs /work and /tmp, its own /proc; reaps
-            orphans; when it exits the kernel kills everything left in the namespace
-           └─ J: the job. Reads the spec, writes files, sets rlimits, drops every
-                       capability and the bounding set, locks securebits, installs the
-                       job seccomp filter, then runs the program. ``{python} -I -S
-                       script`` runs in this already-started interpreter (the warm
-                       path: no exec, no interpreter start-up); anything else is exec'd.
+            enforces the wall clock, reports to the host). At start it empties the
+            capability bounding and ambient sets, locks securebits and sets
+            no_new_privs once; every child inherits that.
+      └─ J: the job, pid 1 of a new pid namespace, so when it exits (or is killed) the
+            kernel kills everything it left in the namespace. New mount and ipc
+            namespaces, private mounts, fresh size-capped tmpfs /work and /tmp, its own
+            /proc. Reads the spec, writes files, sets rlimits, drops its capabilities,
+            installs the job seccomp filter, then runs the program. ``{python} -I -S
+            script`` runs in this already-started interpreter (the warm path: no exec,
+            no interpreter start-up); anything else is exec'd. The worker reads J's exit
+            status and resource use with wait4.
 
-The job cannot see or signal the worker or G (they are outside its pid namespace),
-cannot mount or unshare (seccomp, no capabilities) and gets nothing from earlier jobs
-(fresh tmpfs and IPC namespace; the worker holds no job data).
+A job with a legacy ``result_file`` gets one more process: G is pid 1 instead, forks J,
+and copies the file to the result pipe after J has exited (J cannot forge it afterwards).
+
+The job cannot see or signal the worker (outside its pid namespace), cannot mount or
+unshare (seccomp, no capabilities) and gets nothing from earlier jobs (fresh tmpfs and
+IPC namespace; the worker holds no job data). As the init of its namespace, J ignores
+signals it has no handler for when they come from inside (its own children), as any
+init does; the wall-clock SIGKILL comes from the worker, outside.
 
 Not covered: a job in the warm path shares the interpreter's already-imported stdlib
 modules (ctypes, json, socket, ...) — they are imported but carry no state from other
@@ -30,6 +37,7 @@ jobs; threads a warm-path job leaves running are not joined at exit (os._exit).
 
 import atexit
 import ctypes
+import gc
 import io
 import json
 import os
@@ -90,20 +98,34 @@ class CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def drop_privileges(bpf):
-    """Everything J must lose before untrusted code runs; each step fails closed."""
+def harden_worker():
+    """Once, in the worker: what every job inherits (bounding and ambient sets empty,
+    securebits locked, no_new_privs). The worker keeps its effective capabilities (it
+    still has to unshare and mount for each job); each job drops them."""
     check(prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NOROOT), "securebits")
     for cap in range(CAP_LAST + 1):
         if prctl(PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() != 22:  # EINVAL: past the last cap
             check(-1, f"drop bounding cap {cap}")
-    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
-    header = CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
-    data = (CapData * 2)()
-    check(libc.capset(ctypes.byref(header), data), "capset")
+    check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL), "clear ambient caps")
     check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
-    buf = ctypes.create_string_buffer(bpf, len(bpf))
-    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    check(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog)), "seccomp")
+
+
+class PrivilegeDrop:
+    """What J must lose before untrusted code runs (on top of harden_worker): its
+    capabilities, then everything outside the job seccomp filter. The ctypes arguments
+    are built once in the worker; ``apply()`` in J only makes the calls, and fails closed."""
+
+    def __init__(self, bpf):
+        self.header = CapHeader(LINUX_CAPABILITY_VERSION_3, 0)
+        self.data = (CapData * 2)()
+        self.buf = ctypes.create_string_buffer(bpf, len(bpf))
+        self.prog = SockFprog(len(bpf) // 8, ctypes.cast(self.buf, ctypes.c_void_p))
+        self.prog_addr = ctypes.addressof(self.prog)
+
+    def apply(self):
+        check(libc.capset(ctypes.byref(self.header), self.data), "capset")
+        check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+        check(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, self.prog_addr), "seccomp")
 
 
 def read_all(fd):
@@ -122,12 +144,34 @@ def set_limits(lim):
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
+def clear(path):
+    """Remove what a session's earlier command left at ``path`` unless it is a plain file
+    (a symlink or folder there must not turn the next job's setup into an error)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if (mode & 0o170000) == 0o040000:  # a directory
+        import shutil
+
+        shutil.rmtree(path)
+    elif (mode & 0o170000) != 0o100000:  # not a regular file
+        os.unlink(path)
+
+
 def write_files(files):
     for rel, text in files.items():
-        path = os.path.join("/work", rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as fh:
-            fh.write(text)
+        path = "/work/" + rel
+        if "/" in rel:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        clear(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            data = text.encode()
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
 
 
 def inline_python(argv):
@@ -188,7 +232,7 @@ def run_inline(args):
     os._exit(code & 0xFF)
 
 
-def job_main(spec_fd, out_fd, err_fd, result_fd, bpf, python, fresh):
+def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
     """J: becomes the job. Never returns."""
     try:
         spec = json.loads(read_all(spec_fd))
@@ -212,7 +256,7 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, bpf, python, fresh):
             fh.write("1000")
         os.setsid()
         set_limits(spec["limits"])
-        drop_privileges(bpf)
+        drop.apply()
     except BaseException:
         os.write(2, ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
         os._exit(125)
@@ -247,16 +291,32 @@ def copy_result_file(name, result_fd, cap):
         os.close(fd)
 
 
-def init_main(job_args, report_fd, fresh, limits, result_file):
-    """G: pid 1 of the job's pid namespace. New mount+ipc namespaces, mounts, forks J,
-    reaps, writes J's status to ``report_fd``; its exit kills whatever J left behind."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def private_mounts(fresh, limits):
+    """New mount and ipc namespaces; fresh tmpfs /work and /tmp; this pid namespace's /proc."""
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     if fresh:
         mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['work_bytes']},mode=0755")
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['tmp_bytes']},mode=1777")
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+
+def job_pid1(job_args, fresh, limits):
+    """J as pid 1 of its own pid namespace (the usual path). Never returns."""
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        private_mounts(fresh, limits)
+    except BaseException:
+        os.write(job_args[2], ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
+        os._exit(125)
+    job_main(*job_args)
+
+
+def init_main(job_args, report_fd, fresh, limits, result_file):
+    """G: pid 1 of the job's pid namespace. New mount+ipc namespaces, mounts, forks J,
+    reaps, writes J's status to ``report_fd``; its exit kills whatever J left behind."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    private_mounts(fresh, limits)
     pid = os.fork()
     if pid == 0:
         os.close(report_fd)
@@ -312,6 +372,23 @@ def wait_report(pid, report_r, timeout_s):
     return report
 
 
+def wait_job(pid, timeout_s):
+    """Wait for J (our child) under the wall clock; kill it when the clock runs out.
+    Returns the report dict (status, CPU time and peak memory from wait4)."""
+    pidfd = os.pidfd_open(pid)
+    timed_out = False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout_s))
+        if not ready:
+            timed_out = True
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+    _, status, usage = os.wait4(pid, 0)
+    return {"timed_out": timed_out, "status": status, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "maxrss_kb": usage.ru_maxrss}
+
+
 def reap(block=False):
     while True:
         try:
@@ -324,6 +401,9 @@ def reap(block=False):
 
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
+    harden_worker()
+    drop = PrivilegeDrop(bpf)
+    gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
@@ -341,31 +421,37 @@ def serve(ctl, bpf, python, fresh):
         reap()
         spec_fd, out_fd, err_fd = fds[:3]
         result_fd = fds[3] if len(fds) > 3 else -1
-        report_r, report_w = os.pipe()
+        result_file = req.get("result_file", "")
+        report_r, report_w = os.pipe() if result_file else (-1, -1)
         try:
             check(libc.unshare(CLONE_NEWPID), "unshare pid")  # applies to the next child only
             pid = os.fork()
             if pid == 0:
                 try:
                     ctl.close()
-                    os.close(report_r)
                     os.close(own_pidns)
-                    job_args = (spec_fd, out_fd, err_fd, result_fd, bpf, python, fresh)
-                    init_main(job_args, report_w, fresh, req["limits"], req.get("result_file", ""))
+                    job_args = (spec_fd, out_fd, err_fd, result_fd, drop, python, fresh)
+                    if not result_file:
+                        job_pid1(job_args, fresh, req["limits"])
+                    os.close(report_r)
+                    init_main(job_args, report_w, fresh, req["limits"], result_file)
                 except BaseException:
                     os.write(2, ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
-                os._exit(0)
+                os._exit(125)
             check(libc.setns(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
         except OSError:
             report = {"error": traceback.format_exc()[-2000:]}
             pid = 0
         finally:
-            os.close(report_w)
+            if report_w >= 0:
+                os.close(report_w)
             for fd in fds:
                 os.close(fd)
         if pid:
-            report = wait_report(pid, report_r, float(req["timeout_s"]))
-        os.close(report_r)
+            timeout_s = float(req["timeout_s"])
+            report = wait_report(pid, report_r, timeout_s) if result_file else wait_job(pid, timeout_s)
+        if report_r >= 0:
+            os.close(report_r)
         report["op"] = "done"
         report["id"] = req["id"]
         ctl.send(json.dumps(report).encode())

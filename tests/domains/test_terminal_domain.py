@@ -129,6 +129,8 @@ MULTI = make_task("terminal", "train", 3, "new dir a, then file b in it\n$ ",
     ("", 0.0, 1.0),
     # forging the listing: a step rewrites the lister, but it is written again right before it runs
     ("mkdir a\necho 'import os,sys;os.write(int(sys.argv[1]),b\"{}\")' > ../lister.py\n>a/b", 1.0, 1.0),
+    ("mkdir a\nln -sf /etc/hostname ../lister.py\n>a/b", 1.0, 1.0),  # ...or leaves a symlink in its place
+    ("mkdir a\nrm ../lister.py; mkdir ../lister.py\n>a/b", 1.0, 1.0),  # ...or a folder
     ("(sleep 0.3; mkdir a) &\n>c", 0.0, 1.0),  # a step's background process dies with the step
 ])
 def test_multi_step_tasks_run_each_line_as_a_step(executor, completion, score, exit_ok):

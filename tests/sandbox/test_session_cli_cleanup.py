@@ -94,7 +94,7 @@ def test_battery_leaves_nothing_behind(mode):
         assert all(r.status != "infra_error" for r in results), [(r.status, r.stderr[-200:]) for r in results]
     finally:
         executor.close()
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 10.0  # the reaper kills stragglers in the background; a loaded host is slow
     while sandbox_pids() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sandbox_pids() == []
