@@ -11,9 +11,9 @@ from components.sandbox.limits import UID_BASE, UID_SLOTS
 
 
 def sandbox_config(**over) -> SimpleNamespace:
-    """A SandboxConfig as a namespace, with the lead's new fields (mode, allow_weak_isolation)."""
+    """A SandboxConfig as a namespace (mode and allow_weak_isolation may be overridden)."""
     extra = {k: over.pop(k) for k in ("mode", "allow_weak_isolation") if k in over}
-    fields = SandboxConfig(backend="bwrap", **{"timeout_s": 3.0, "concurrency": 2, **over}).model_dump()
+    fields = SandboxConfig(**{"backend": "bwrap", "timeout_s": 3.0, "concurrency": 2, **over}).model_dump()
     return SimpleNamespace(**{"mode": "strict", "allow_weak_isolation": False, **fields, **extra})
 
 

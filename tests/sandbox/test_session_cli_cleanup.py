@@ -50,6 +50,38 @@ def test_session_expires():
     assert result.status == "timeout" and session.closed
 
 
+CHECK = ("import json, os, sys\n"
+         "os.write(int(sys.argv[1]), json.dumps({'files': sorted(os.listdir('.')), 'steps': 'forged'}).encode())\n")
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "subprocess"])
+def test_session_job_runs_steps_then_a_check_the_steps_cannot_edit(backend):
+    from components.sandbox.job import PYTHON, RESULT_FD, SessionJob
+
+    job = SessionJob(
+        job_id="steps", files={"seed.txt": "x"},
+        steps=["touch a", "rm seed.txt; false", "echo 'print(1)' > check.py; exit 3"],
+        check=Job("steps", {"check.py": CHECK}, [PYTHON, "-I", "-S", "check.py", RESULT_FD]),
+    )
+    executor = get_executor(sandbox_config(backend=backend, allow_weak_isolation=backend == "subprocess"))
+    try:
+        result = executor.run(job)
+    finally:
+        executor.close()
+    assert result.status == "ok", result.stderr
+    if backend == "bwrap":  # one session: each step's exit code, from the host (the check's own key is replaced)
+        assert result.isolation.endswith("+mode:session")
+        assert result.result == {"files": ["a", "check.py"],
+                                 "steps": [{"exit": 0, "status": "ok"}, {"exit": 1, "status": "failed"},
+                                           {"exit": 3, "status": "failed"}]}
+        deadline = time.monotonic() + 10.0  # the session's sandbox is gone once the job is done
+        while sandbox_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sandbox_pids() == []
+    else:  # one process tree: the same final state, no per-step codes
+        assert result.result == {"files": [".steps", "a", "check.py"], "steps": "forged"}
+
+
 def test_cli_run_prints_execution_json(tmp_path, capsys):
     program = tmp_path / "hello.py"
     program.write_text("print('hello from the sandbox')")
