@@ -1,9 +1,11 @@
 """Stage ``evaluation``: score the candidate on the fixed suite; promote or hold.
 
 The candidate (this iteration's checkpoint) is evaluated greedily on the fixed held-out
-suite. Its per-domain pass rates are compared with those of the policy the iteration
-started from (recorded on that registry version by bootstrap or an earlier
-evaluation). The candidate becomes ``champion`` only if no domain dropped by more than
+suite. Its per-domain pass rates are compared with those of the current ``champion``
+(recorded on that registry version by bootstrap or an earlier evaluation) — the policy
+the iteration started from by default, but not when ``rollout.policy: candidate`` keeps
+training on from held candidates: a candidate is never measured against a weaker held
+one. The candidate becomes ``champion`` only if no domain dropped by more than
 ``evaluation.regression_tolerance``; the decision and the reason are written to the
 report, the manifest and the registry version's tags.
 
@@ -34,6 +36,14 @@ def eval_tags(rates: dict[str, float]) -> dict[str, str]:
 def baseline_rates(pipeline: str, version: str) -> dict[str, float]:
     mv = tracking.client().get_model_version(tracking.model_name(pipeline), version)
     return {k[len(EVAL_TAG):]: float(v) for k, v in mv.tags.items() if k.startswith(EVAL_TAG)}
+
+
+def baseline_for(pipeline: str, parent_version: str) -> tuple[str, dict[str, float]]:
+    """(version, per-domain pass rates) a candidate must not fall below: the champion's,
+    or the parent's while no champion is set."""
+    champion = tracking.resolve_alias(pipeline, "champion")
+    version = champion[0] if champion else parent_version
+    return version, baseline_rates(pipeline, version)
 
 
 def decide(candidate: dict[str, float], baseline: dict[str, float], tolerance: float) -> tuple[bool, str]:
@@ -69,14 +79,15 @@ def run(ctx: StageContext) -> dict[str, float]:
     trainer = ctx.upstream("trainer")[0].info
     candidate = load_policy(trainer["checkpoint_uri"], trainer["version"])
     _, rates = evaluate_and_log(ctx, candidate)
-    baseline = baseline_rates(ctx.pipeline, trainer["parent_version"])
+    baseline_version, baseline = baseline_for(ctx.pipeline, trainer["parent_version"])
     promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
     tracking.set_version_tags(ctx.pipeline, trainer["version"], {**eval_tags(rates), "posttrain.promoted": str(promoted)})
     if promoted:
         tracking.set_alias(ctx.pipeline, "champion", trainer["version"])
     ctx.info.update({"promoted": promoted, "reason": reason, "pass_rates": rates, "baseline": baseline,
-                     "version": trainer["version"]})
-    ctx.write_json("report", {"candidate": trainer["version"], "baseline": trainer["parent_version"], "pass_rates": rates,
+                     "baseline_version": baseline_version, "version": trainer["version"]})
+    ctx.write_json("report", {"candidate": trainer["version"], "baseline": baseline_version,
+                              "parent": trainer["parent_version"], "pass_rates": rates,
                               "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
                               "weakest_slice": ctx.info.get("weakest_slice")})
     worst = ctx.info.get("weakest_slice")

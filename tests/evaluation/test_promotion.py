@@ -1,0 +1,33 @@
+"""Promotion: a candidate is measured against the champion (real MLflow registry), and
+held when any domain drops by more than the tolerance."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.core import tracking
+from components.evaluation.stage import baseline_for, decide, eval_tags
+
+
+@pytest.mark.parametrize(("candidate", "promoted", "reason"), [
+    ({"code": 0.30, "math": 0.10}, True, "no domain regressed beyond tolerance"),
+    ({"code": 0.28, "math": 0.10}, True, "no domain regressed beyond tolerance"),  # exactly the tolerance
+    ({"code": 0.27, "math": 0.50}, False, "regressed beyond tolerance: code 0.300->0.270"),  # the mean rose; code fell
+    ({"math": 0.10}, False, "regressed beyond tolerance: code 0.300->0.000"),  # a missing domain counts as 0
+])
+def test_decide(candidate, promoted, reason):
+    assert decide(candidate, {"code": 0.30, "math": 0.10}, tolerance=0.02 + 1e-9) == (promoted, reason)
+
+
+def test_baseline_is_the_champion_not_a_weaker_held_parent(tmp_path, posttrain_home):
+    rates = {"1": {"code": 0.30}, "2": {"code": 0.20}}  # version 2 was held: worse than the champion
+    with tracking.stage_run("promo", "trainer", "trainer", None, {}) as run_id:
+        for version in ("1", "2"):
+            got = tracking.register_checkpoint("promo", f"file://{tmp_path}/ckpt-{version}", run_id, {})
+            assert got == version
+            tracking.set_version_tags("promo", version, eval_tags(rates[version]))
+    assert baseline_for("promo", parent_version="2") == ("2", {"code": 0.20})  # no champion yet: the parent
+    tracking.set_alias("promo", "champion", "1")
+    # Version 3 trained on from held version 2 (rollout.policy: candidate): its bar is still version 1.
+    assert baseline_for("promo", parent_version="2") == ("1", {"code": 0.30})
+    assert decide({"code": 0.25}, baseline_for("promo", "2")[1], 0.02) == (False, "regressed beyond tolerance: code 0.300->0.250")
