@@ -186,10 +186,9 @@ def run_inline(args):
 
     As the interpreter does for a script: a fresh ``__main__`` module, the source compiled
     with the script's path, ``sys.argv`` set, ``SystemExit`` turned into the exit status.
+    Signal dispositions are the interpreter's start-up defaults already: the worker
+    installs no handlers (``test_warm_job_signal_dispositions_are_the_interpreters``).
     """
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def stream(fd, mode, errors="surrogateescape", line_buffering=False):
         raw = io.FileIO(fd, mode, closefd=False)

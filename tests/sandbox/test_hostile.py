@@ -294,3 +294,14 @@ def test_subprocess_backend_accounts_cpu_per_job():
     assert [r.status for r in results] == ["ok", "ok", "ok"]
     assert results[0].cpu_time_s >= 0.5
     assert results[1].cpu_time_s < 0.3 and results[2].cpu_time_s < 0.3
+
+
+def test_warm_job_signal_dispositions_are_the_interpreters(executor):
+    """A job in the already-started interpreter sees the same signal handlers as a fresh
+    ``python3 -I -S`` (the warm worker installs none of its own)."""
+    src = ("import signal\nprint({s.name: str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, "
+           "signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR1, signal.SIGPIPE, signal.SIGXFSZ)})")
+    fresh = subprocess.run(["/usr/bin/python3", "-I", "-S", "-c", src], capture_output=True, text=True, check=True)
+    result = executor.run(py(src))
+    assert result.status == "ok", result.stderr
+    assert result.stdout == fresh.stdout
