@@ -398,10 +398,30 @@ def reap(block=False):
             return
 
 
+WARM_UP_SOURCE = "import json\ndef f(x):\n    return [i * x for i in range(3)]\nprint(f(2), json.dumps({'a': 1}))\n"
+
+
+def warm_up():
+    """Run the job path's lazy initialisations (the compiler's, print's, json's) once here,
+    before any fork: otherwise every job redoes them in fresh copy-on-write memory (the
+    first ``compile()`` in a forked child costs ~1 ms of page faults; after this ~0.2 ms).
+    Only this constant, trusted source runs; the worker never runs job code."""
+    sink_fd = os.open(os.devnull, os.O_WRONLY)
+    sink = io.TextIOWrapper(io.BufferedWriter(io.FileIO(sink_fd, "w")), encoding="utf-8")
+    for _ in range(3):
+        namespace = {"__builtins__": __builtins__, "print": lambda *a: print(*a, file=sink)}
+        exec(compile(WARM_UP_SOURCE, "warm-up", "exec"), namespace)
+        json.loads(json.dumps({"files": {"main.py": "x"}, "argv": ["a"], "limits": {"cpu_s": 1}}))
+        with open(os.devnull, "rb") as fh:
+            fh.read()
+    sink.close()
+
+
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
     drop = PrivilegeDrop(bpf)
+    warm_up()
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
