@@ -181,6 +181,38 @@ def inline_python(argv):
     return None
 
 
+def stream(fd, mode, errors="surrogateescape", line_buffering=False):
+    """A text stream over ``fd`` as the interpreter builds sys.stdin/stdout/stderr."""
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
+    return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
+
+
+def job_stdio():
+    """sys.stdin/stdout/stderr for warm-path jobs, built once in the worker over fds 0-2
+    while those are of the kinds a job gets (a memfd for stdin, pipes for stdout and
+    stderr), so what the streams cache at creation (seekable, position) is what a fresh
+    interpreter would cache in the job. Each job gets its own copy by fork; the worker
+    never uses them."""
+    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    memfd = os.memfd_create("stdin")
+    r, w = os.pipe()
+    try:
+        os.dup2(memfd, 0)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        return stream(0, "r"), stream(1, "w"), stream(2, "w", "backslashreplace", True)
+    finally:
+        for fd, old in enumerate(saved):
+            os.dup2(old, fd)
+            os.close(old)
+        for fd in (memfd, r, w):
+            os.close(fd)
+
+
+JOB_STDIO = None  # set by serve() before the first fork
+
+
 def run_inline(args):
     """Run a script like ``python -I -S script args`` would, in this interpreter; never returns.
 
@@ -189,14 +221,8 @@ def run_inline(args):
     Signal dispositions are the interpreter's start-up defaults already: the worker
     installs no handlers (``test_warm_job_signal_dispositions_are_the_interpreters``).
     """
-
-    def stream(fd, mode, errors="surrogateescape", line_buffering=False):
-        raw = io.FileIO(fd, mode, closefd=False)
-        buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-        return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
-
-    sys.stdin, sys.stdout = stream(0, "r"), stream(1, "w")
-    sys.stderr = stream(2, "w", "backslashreplace", True)
+    sys.stdin, sys.stdout, sys.stderr = JOB_STDIO or (stream(0, "r"), stream(1, "w"),
+                                                       stream(2, "w", "backslashreplace", True))
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = list(args)
     code = 0
@@ -420,7 +446,9 @@ def warm_up():
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
+    global JOB_STDIO
     drop = PrivilegeDrop(bpf)
+    JOB_STDIO = job_stdio()
     warm_up()
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)

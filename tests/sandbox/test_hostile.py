@@ -305,3 +305,20 @@ def test_warm_job_signal_dispositions_are_the_interpreters(executor):
     result = executor.run(py(src))
     assert result.status == "ok", result.stderr
     assert result.stdout == fresh.stdout
+
+
+def test_job_stdio_behaves_like_a_fresh_interpreters(executor, tmp_path):
+    """stdin (a memfd in the sandbox, a file here) and stdout/stderr (pipes) report the same
+    properties and carry the same data as in a fresh ``python3 -I -S``."""
+    src = ("import sys\ndata = sys.stdin.read()\n"
+           "print(repr(data), sys.stdin.seekable(), sys.stdout.seekable(), sys.stderr.seekable(),"
+           " sys.stdout.encoding, sys.stderr.errors, sys.stderr.line_buffering, sys.stdin.tell() > 0)\n"
+           "print('to stderr', file=sys.stderr)")
+    stdin = tmp_path / "stdin.txt"
+    stdin.write_text("héllo\nworld\n")
+    with open(stdin) as fh:
+        fresh = subprocess.run(["/usr/bin/python3", "-I", "-S", "-c", src], stdin=fh, capture_output=True, text=True,
+                               check=True, env={"PYTHONIOENCODING": "utf-8", "LANG": "C.UTF-8"})
+    result = executor.run(py(src, stdin="héllo\nworld\n"))
+    assert result.status == "ok", result.stderr
+    assert (result.stdout, result.stderr) == (fresh.stdout, fresh.stderr)
