@@ -113,20 +113,31 @@ class JobCgroup:
             raise
         return group
 
+    # Raw os calls: these run several times per warm job, where pathlib's overhead showed.
     def _write(self, controller: str, name: str, value: int, optional: bool = False) -> None:
         if controller not in self.paths:
             return
         try:
-            (self.paths[controller] / name).write_text(str(value))
+            fd = os.open(f"{self.paths[controller]}/{name}", os.O_WRONLY)
+            try:
+                os.write(fd, str(value).encode())
+            finally:
+                os.close(fd)
         except OSError:
             if not optional:
                 raise
 
     def _read(self, controller: str, name: str) -> str:
         try:
-            return (self.paths[controller] / name).read_text()
+            fd = os.open(f"{self.paths[controller]}/{name}", os.O_RDONLY)
         except (KeyError, OSError):
             return ""
+        try:
+            return os.read(fd, 1 << 16).decode()
+        except OSError:
+            return ""
+        finally:
+            os.close(fd)
 
     def procs_files(self) -> list[str]:
         return [str(p / "cgroup.procs") for p in self.paths.values()]

@@ -225,9 +225,10 @@ class Worker:
             if code == JOB_SETUP_FAILED and stderr.startswith(b"sandbox worker: job setup failed"):
                 return infra_error(stderr.decode(errors="replace")[-2000:], backend, self.isolation)
             cpu = float(report.get("cpu_s", 0.0))
-            cpu_after = self.group.cpu_time_s() if self.group else None
-            if cpu_before is not None and cpu_after is not None and timed_out:
-                cpu = cpu_after - cpu_before  # killed trees are never reaped by the job's init
+            if cpu_before is not None and timed_out:  # killed trees are never reaped by the job's init
+                cpu_after = self.group.cpu_time_s()
+                if cpu_after is not None:
+                    cpu = cpu_after - cpu_before
             extra = {"mode": "session" if self.session else "warm", "uid": self.uid, "worker_jobs": self.jobs}
             if died and not seen.timed_out:
                 extra["worker_died"] = True
