@@ -141,7 +141,9 @@ def flatten(job: SessionJob) -> Job:
             f"rm -rf -- {shlex.quote(rel)}; printf %s {encoded} | base64 -d > {shlex.quote(rel)}\n"
     script += 'exec "$@"\n'
     files = {**job.files, **{f".steps/{i:03d}.sh": step for i, step in enumerate(job.steps)}}
-    total = (job.step_timeout_s or 0) * len(job.steps) + (job.check.timeout_s or 0)
+    total = None  # the executor's default, unless the steps have their own limit (then the check keeps its time too)
+    if job.step_timeout_s is not None:
+        total = job.step_timeout_s * len(job.steps) + (job.check.timeout_s or 5.0)
     fd = RESULT_FD if job.check.uses_result_fd else ""
     return Job(job_id=job.job_id, files=files, argv=["bash", "-c", script, "flat", fd, *job.check.argv],
-               timeout_s=total or None, stdin=job.check.stdin, result_file=job.check.result_file)
+               timeout_s=total, stdin=job.check.stdin, result_file=job.check.result_file)
