@@ -99,26 +99,25 @@ class SandboxSession:
 def run_session_job(config, job: SessionJob, session_timeout_s: float | None = None) -> JobResult:
     """Steps then check, in one sandbox session; the host adds each step's exit code and
     status to the check's result (``result["steps"]``), so nothing inside can forge them."""
-    steps: list[dict] = []
     budget = session_timeout_s or (len(job.steps) + 2) * float(job.step_timeout_s or config.timeout_s) + 30.0
-    results: list[JobResult] = []
+    done: list[JobResult] = []
     with SandboxSession(config, session_timeout_s=budget) as session:
         for i, step in enumerate(job.steps):
-            r = session.exec(["bash", "-c", step], timeout_s=job.step_timeout_s, files=job.files if i == 0 else None)
-            results.append(r)
-            if r.status == "infra_error":
-                return r
-            steps.append({"exit": r.exit_code, "status": r.status})
+            done.append(session.exec(["bash", "-c", step], timeout_s=job.step_timeout_s,
+                                     files=job.files if i == 0 else None))
+            if done[-1].status == "infra_error":
+                return done[-1]
         check = job.check
         final = session.exec(list(check.argv), timeout_s=check.timeout_s,
                              files={**(job.files if not job.steps else {}), **check.files}, stdin=check.stdin)
-    results.append(final)
+    steps = [{"exit": r.exit_code, "status": r.status} for r in done]
     result = {**final.result, "steps": steps} if isinstance(final.result, dict) else final.result
+    done.append(final)
     return JobResult(
         status=final.status, exit_code=final.exit_code, signal=final.signal, stdout=final.stdout, stderr=final.stderr,
-        duration_s=sum(r.duration_s for r in results), cpu_time_s=sum(r.cpu_time_s for r in results),
-        peak_memory_mb=max(r.peak_memory_mb for r in results), result=result, backend=final.backend,
-        isolation=session.isolation, extra={**final.extra, "steps": steps},
+        duration_s=sum(r.duration_s for r in done), cpu_time_s=sum(r.cpu_time_s for r in done),
+        peak_memory_mb=max(r.peak_memory_mb for r in done), result=result, backend=final.backend,
+        isolation=session.isolation, extra=final.extra,
     )
 
 

@@ -122,9 +122,8 @@ class PrivilegeDrop:
         self.prog = SockFprog(len(bpf) // 8, ctypes.cast(self.buf, ctypes.c_void_p))
         self.prog_addr = ctypes.addressof(self.prog)
 
-    def apply(self):
+    def apply(self):  # no_new_privs is inherited from harden_worker (it cannot be unset)
         check(libc.capset(ctypes.byref(self.header), self.data), "capset")
-        check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
         check(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, self.prog_addr), "seccomp")
 
 
@@ -221,8 +220,7 @@ def run_inline(args):
     Signal dispositions are the interpreter's start-up defaults already: the worker
     installs no handlers (``test_warm_job_signal_dispositions_are_the_interpreters``).
     """
-    sys.stdin, sys.stdout, sys.stderr = JOB_STDIO or (stream(0, "r"), stream(1, "w"),
-                                                       stream(2, "w", "backslashreplace", True))
+    sys.stdin, sys.stdout, sys.stderr = JOB_STDIO
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = list(args)
     code = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 from components.core.recipe import SandboxConfig
@@ -56,3 +57,12 @@ def pids_with(token: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def sandbox_pids_after(seconds: float = 10.0) -> list[int]:
+    """``sandbox_pids()`` once they are gone or ``seconds`` have passed: sandboxes are torn
+    down in the background (the reaper), and a loaded host is slow."""
+    deadline = time.monotonic() + seconds
+    while sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sandbox_pids()

@@ -14,7 +14,7 @@ from components.sandbox.cli import add_parser
 from components.sandbox.executor import get_executor
 from components.sandbox.job import Job
 from components.sandbox.session import SandboxSession
-from tests.sandbox.helpers import bwrap_unavailable, sandbox_config, sandbox_pids
+from tests.sandbox.helpers import bwrap_unavailable, sandbox_config, sandbox_pids_after
 
 pytestmark = pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"bwrap sandbox unavailable: {bwrap_unavailable()}")
 
@@ -74,10 +74,7 @@ def test_session_job_runs_steps_then_a_check_the_steps_cannot_edit(backend):
         assert result.result == {"files": ["a", "check.py"],
                                  "steps": [{"exit": 0, "status": "ok"}, {"exit": 1, "status": "failed"},
                                            {"exit": 3, "status": "failed"}]}
-        deadline = time.monotonic() + 10.0  # the session's sandbox is gone once the job is done
-        while sandbox_pids() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sandbox_pids() == []
+        assert sandbox_pids_after() == []  # the session's sandbox is gone once the job is done
     else:  # one process tree: the same final state, no per-step codes
         assert result.result == {"files": [".steps", "a", "check.py"], "steps": "forged"}
 
@@ -126,9 +123,6 @@ def test_battery_leaves_nothing_behind(mode):
         assert all(r.status != "infra_error" for r in results), [(r.status, r.stderr[-200:]) for r in results]
     finally:
         executor.close()
-    deadline = time.monotonic() + 10.0  # the reaper kills stragglers in the background; a loaded host is slow
-    while sandbox_pids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sandbox_pids() == []
+    assert sandbox_pids_after() == []
     assert cgroups.leftovers(mine_only=True) == []
     assert set(glob.glob("/tmp/posttrain-result-*")) <= before_dirs
