@@ -17,7 +17,7 @@ run, exec'd, without the warm speed-up).
 from __future__ import annotations
 
 import atexit
-import json
+import marshal
 import os
 import queue
 import select
@@ -44,6 +44,7 @@ START_TIMEOUT_S = 15.0
 BACKSTOP_S = 1.0
 WORKER_OVERHEAD_MB = 128
 JOB_SETUP_FAILED = 125
+WIRE_VERSION = 4  # marshal format shared with zygote.py (readable by every Python 3.4+)
 
 
 class WorkerDied(RuntimeError):
@@ -119,7 +120,7 @@ class Worker:
         fds = [child.fileno()]
         try:
             zygote_fd = memfd_with(ZYGOTE_SOURCE.read_bytes(), "posttrain-zygote")
-            bpf_fd = memfd_with(seccomp.bpf("job"), "posttrain-job-bpf")
+            bpf_fd = memfd_with(seccomp.bpf("job-on-zygote"), "posttrain-job-bpf")  # stacks on "zygote"
             filter_fd = seccomp.memfd("zygote")
             fds += [zygote_fd, bpf_fd, filter_fd]
             cmd = [self.python, "-I", "-S", "/sandbox/zygote.py", str(child.fileno()), "/sandbox/job.bpf", self.python]
@@ -154,7 +155,7 @@ class Worker:
         ours: list[int] = []
         theirs: list[int] = []
         try:
-            theirs.append(memfd_with(json.dumps(spec), "posttrain-spec"))
+            theirs.append(memfd_with(marshal.dumps(spec, WIRE_VERSION), "posttrain-spec"))
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             ours += [out_r, err_r]
@@ -173,7 +174,7 @@ class Worker:
             cpu_before = self.group.cpu_time_s() if self.group else None
             start = time.monotonic()
             try:
-                socket.send_fds(self.ctl, [json.dumps(header).encode()], theirs)
+                socket.send_fds(self.ctl, [marshal.dumps(header, WIRE_VERSION)], theirs)
             except OSError as exc:
                 self._die()
                 return infra_error(f"warm worker gone: {exc}", backend, self.isolation)
@@ -190,7 +191,7 @@ class Worker:
                 if not msg:
                     report["worker_died"] = True
                     return True
-                got = json.loads(msg)
+                got = marshal.loads(msg)
                 if got.get("id") == job_key:
                     report.update(got)
                     return True
@@ -274,7 +275,7 @@ class Worker:
     def close(self) -> None:
         if self.ctl is not None:
             try:
-                self.ctl.send(json.dumps({"op": "exit"}).encode())
+                self.ctl.send(marshal.dumps({"op": "exit"}, WIRE_VERSION))
             except OSError:
                 pass
             self.ctl.close()

@@ -4,8 +4,11 @@ Started by pool.py as ``python3 -I -S /sandbox/zygote.py CTL_FD BPF_PATH [sessio
 Stdlib only (it runs on the sandbox's /usr/bin/python3, not the project's venv); the
 host never imports it.
 
-Per job the host sends one SEQPACKET message on CTL_FD: a JSON header plus fds
-(spec memfd, stdout, stderr, optional result pipe). The worker never reads the job's
+Per job the host sends one SEQPACKET message on CTL_FD: a header plus fds (spec memfd,
+stdout, stderr, optional result pipe). Header, spec and report are ``marshal`` data
+(format 4: dicts, lists, strings and numbers only) written by the trusted host and
+worker; decoding them touches far fewer objects than ``json`` (every object a forked job
+touches costs it a copy-on-write page fault). The worker never reads the job's
 data itself (so no job's files linger in the memory later children inherit); it forks:
 
     worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
@@ -40,6 +43,7 @@ import ctypes
 import gc
 import io
 import json
+import marshal
 import os
 import resource
 import select
@@ -60,6 +64,7 @@ SECBITS_LOCKED_NOROOT = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 RESULT_FD_IN_JOB = 3
+WIRE_VERSION = 4  # marshal format of the host's messages and spec: plain dicts, lists, str, numbers
 REPORT_SIZE = struct.calcsize("=idd")
 try:
     with open("/proc/sys/kernel/cap_last_cap") as _fh:
@@ -81,9 +86,17 @@ def prctl(option, arg2=0, arg3=0, arg4=0, arg5=0):
     return libc.prctl(option, arg2, arg3, arg4, arg5)
 
 
+libc.unshare.argtypes = [ctypes.c_int]
+libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+UNSHARE, SETNS, MOUNT = libc.unshare, libc.setns, libc.mount  # resolved once here, not in every job
+TMPFS_FLAGS, PROC_FLAGS = MS_NOSUID | MS_NODEV, MS_NOSUID | MS_NODEV | MS_NOEXEC
+
+
 def mount(source, target, fstype, flags, data):
-    enc = lambda v: v.encode() if v is not None else None  # noqa: E731
-    check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+    """``source``/``target``/``fstype``/``data`` as bytes (or None), built before the fork."""
+    if MOUNT(source, target, fstype, flags, data) != 0:
+        check(-1, f"mount {target!r}")
 
 
 class SockFprog(ctypes.Structure):
@@ -258,7 +271,7 @@ def run_inline(args):
 def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
     """J: becomes the job. Never returns."""
     try:
-        spec = json.loads(read_all(spec_fd))
+        spec = marshal.loads(read_all(spec_fd))
         os.close(spec_fd)
         write_files(spec["files"])
         stdin = os.memfd_create("stdin")
@@ -275,8 +288,9 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
             argv = [str(RESULT_FD_IN_JOB) if a == "{result_fd}" else a for a in argv]
         os.closerange(keep + 1, 65536)
         os.chdir("/work")
-        with open("/proc/self/oom_score_adj", "w") as fh:
-            fh.write("1000")
+        oom = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        os.write(oom, b"1000")
+        os.close(oom)
         os.setsid()
         set_limits(spec["limits"])
         drop.apply()
@@ -314,21 +328,28 @@ def copy_result_file(name, result_fd, cap):
         os.close(fd)
 
 
-def private_mounts(fresh, limits):
-    """New mount and ipc namespaces; fresh tmpfs /work and /tmp; this pid namespace's /proc."""
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
-    mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+def tmpfs_options(limits):
+    """The job's tmpfs mount data for /work and /tmp, built in the worker before the fork."""
+    return (f"size={limits['work_bytes']},mode=0755".encode(), f"size={limits['tmp_bytes']},mode=1777".encode())
+
+
+def private_mounts(fresh, tmpfs):
+    """New mount and ipc namespaces; fresh tmpfs /work and /tmp; this pid namespace's /proc.
+    Every argument is prebuilt: J runs as little Python as it can before the job (each
+    object it touches costs a copy-on-write page fault)."""
+    check(UNSHARE(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
+    mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
     if fresh:
-        mount("tmpfs", "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['work_bytes']},mode=0755")
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['tmp_bytes']},mode=1777")
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        mount(b"tmpfs", b"/work", b"tmpfs", TMPFS_FLAGS, tmpfs[0])
+        mount(b"tmpfs", b"/tmp", b"tmpfs", TMPFS_FLAGS, tmpfs[1])
+    mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
 
 
-def job_pid1(job_args, fresh, limits):
+def job_pid1(job_args, fresh, tmpfs):
     """J as pid 1 of its own pid namespace (the usual path). Never returns."""
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        private_mounts(fresh, limits)
+        private_mounts(fresh, tmpfs)
     except BaseException:
         os.write(job_args[2], ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
         os._exit(125)
@@ -339,7 +360,7 @@ def init_main(job_args, report_fd, fresh, limits, result_file):
     """G: pid 1 of the job's pid namespace. New mount+ipc namespaces, mounts, forks J,
     reaps, writes J's status to ``report_fd``; its exit kills whatever J left behind."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    private_mounts(fresh, limits)
+    private_mounts(fresh, tmpfs_options(limits))
     pid = os.fork()
     if pid == 0:
         os.close(report_fd)
@@ -412,14 +433,19 @@ def wait_job(pid, timeout_s):
             "maxrss_kb": usage.ru_maxrss}
 
 
-def reap(block=False):
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+FD_SIZE = struct.calcsize("i")
+ANCILLARY_SPACE = socket.CMSG_SPACE(8 * FD_SIZE)
+
+
+def receive(ctl):
+    """One control message and the fds passed with it (``socket.recv_fds`` without its
+    per-call import and array: the worker's loop touches as few objects as it can)."""
+    msg, ancdata, _, _ = ctl.recvmsg(65536, ANCILLARY_SPACE)
+    fds = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += struct.unpack(f"{len(data) // FD_SIZE}i", data[:len(data) - len(data) % FD_SIZE])
+    return msg, fds
 
 
 WARM_UP_SOURCE = "import json\ndef f(x):\n    return [i * x for i in range(3)]\nprint(f(2), json.dumps({'a': 1}))\n"
@@ -441,6 +467,19 @@ def warm_up():
     sink.close()
 
 
+def become_job(job_args, tmpfs, limits, result_file, report_r, report_w):
+    """The forked child: J itself, or G for a legacy result_file job. Never returns. The
+    control socket and the worker's namespace fd close with every other fd in job_main."""
+    try:
+        if not result_file:
+            job_pid1(job_args, job_args[-1], tmpfs)
+        os.close(report_r)
+        init_main(job_args, report_w, job_args[-1], limits, result_file)
+    except BaseException:
+        os.write(2, ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
+    os._exit(125)
+
+
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
@@ -450,56 +489,54 @@ def serve(ctl, bpf, python, fresh):
     warm_up()
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
+    ctl.send(marshal.dumps({"op": "ready", "pid": os.getpid()}, WIRE_VERSION))
     while True:
         try:
-            msg, fds, _, _ = socket.recv_fds(ctl, 65536, 8)
+            msg, fds = receive(ctl)
         except OSError:
             return
         if not msg:
             return
-        req = json.loads(msg)
+        req = marshal.loads(msg)
         if req.get("op") != "run":
             for fd in fds:
                 os.close(fd)
             return
-        reap()
         spec_fd, out_fd, err_fd = fds[:3]
         result_fd = fds[3] if len(fds) > 3 else -1
         result_file = req.get("result_file", "")
         report_r, report_w = os.pipe() if result_file else (-1, -1)
         try:
-            check(libc.unshare(CLONE_NEWPID), "unshare pid")  # applies to the next child only
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    ctl.close()
-                    os.close(own_pidns)
-                    job_args = (spec_fd, out_fd, err_fd, result_fd, drop, python, fresh)
-                    if not result_file:
-                        job_pid1(job_args, fresh, req["limits"])
-                    os.close(report_r)
-                    init_main(job_args, report_w, fresh, req["limits"], result_file)
-                except BaseException:
-                    os.write(2, ("sandbox worker: job setup failed:\n" + traceback.format_exc()).encode())
-                os._exit(125)
-            check(libc.setns(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
+            tmpfs = tmpfs_options(req["limits"])
+            timeout_s = float(req["timeout_s"])
+            check(UNSHARE(CLONE_NEWPID), "unshare pid")  # applies to the next child only
         except OSError:
             report = {"error": traceback.format_exc()[-2000:]}
-            pid = 0
-        finally:
-            if report_w >= 0:
-                os.close(report_w)
-            for fd in fds:
+        else:
+            try:
+                pid = os.fork()
+            except OSError:
+                pid, report = -1, {"error": traceback.format_exc()[-2000:]}
+            if pid == 0:
+                become_job((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), tmpfs, req["limits"],
+                           result_file, report_r, report_w)
+            if pid > 0:
+                # Wait first, tidy up after: while J lives, each page the worker writes is
+                # copied (copy-on-write, ~4.5 us here); once J is gone it is only re-enabled (~1 us).
+                if result_file:
+                    os.close(report_w)
+                    report_w = -1
+                    report = wait_report(pid, report_r, timeout_s)
+                    os.waitpid(pid, 0)  # G exits right after its report (or was killed)
+                else:
+                    report = wait_job(pid, timeout_s)
+            check(SETNS(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
+        for fd in fds + [report_r, report_w]:
+            if fd >= 0:
                 os.close(fd)
-        if pid:
-            timeout_s = float(req["timeout_s"])
-            report = wait_report(pid, report_r, timeout_s) if result_file else wait_job(pid, timeout_s)
-        if report_r >= 0:
-            os.close(report_r)
         report["op"] = "done"
         report["id"] = req["id"]
-        ctl.send(json.dumps(report).encode())
+        ctl.send(marshal.dumps(report, WIRE_VERSION))
 
 
 def main():
