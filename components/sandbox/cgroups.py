@@ -1,17 +1,27 @@
-"""Per-job cgroup v1 groups: memory, pids and cpu limits plus exact accounting.
+"""Per-job cgroups: memory, pids and cpu limits plus exact accounting, on v1 or v2.
 
-A ``JobCgroup`` is a set of sibling folders, one per controller, created under the
+A ``JobCgroup`` (v1) is a set of sibling folders, one per controller, created under the
 cgroup this process already lives in (so an outer limit, e.g. a container's, still
-applies). Processes join by writing their pid to each ``cgroup.procs`` *before* they
-exec the sandbox (see bwrap.py), so nothing escapes. After the job the group is swept
-(SIGKILL to whatever is left) and removed.
+applies). A ``JobCgroupV2`` is one folder under this process's cgroup v2 (its
+``base_v2()``), with whichever of memory, pids and cpu that folder delegates. Processes
+join by writing their pid to each ``cgroup.procs`` *before* they exec the sandbox (see
+bwrap.py), so nothing escapes. After the job the group is swept (SIGKILL to whatever is
+left; ``cgroup.kill`` on v2) and removed. ``create_group`` picks v1 where its
+controllers are writable, else v2.
 
-This is ~80 lines by hand on purpose: the available libraries (cgroupspy, cgroup-utils)
-are unmaintained wrappers over the same file writes.
+cgroup v2's "no internal processes" rule: a cgroup that hands controllers to children
+may hold no processes itself (the root excepted). ``prepare_v2`` therefore enables the
+controllers in this process's cgroup and, when this process is the only one there,
+first moves itself into a leaf ``posttrain-supervisor`` — the usual set-up under a
+systemd ``Delegate=yes`` unit or a container with its own cgroup namespace.
 
-Not covered: cgroup v2. Hosts with a delegated v2 subtree (``cgroup.subtree_control``
-listing memory and pids) are detected but not used; the executor then relies on
-rlimits + the pid namespace and says so in its isolation string.
+This is hand-written on purpose: the available libraries (cgroupspy, cgroup-utils) are
+unmaintained wrappers over the same file writes.
+
+Not covered: v2 limits on hosts that do not delegate the controllers (the group then
+gives exact CPU time and ``cgroup.kill`` only, and the isolation string says so); on
+this project's CI host v2 carries no memory/pids/cpu controllers (they are bound to v1),
+so the v2 limit files are tested against a simulated cgroupfs only.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")  # cpuacct: exact CPU time of the whole tree
+V2_CONTROLLERS = ("memory", "pids", "cpu")  # v2 reports CPU time (cpu.stat) without any controller
+SUPERVISOR_LEAF = "posttrain-supervisor"
 PREFIX = "posttrain-"
 CREATED: set[str] = set()  # names of the job groups this process created
 
@@ -114,7 +126,7 @@ class JobCgroup:
         return group
 
     # Raw os calls: these run several times per warm job, where pathlib's overhead showed.
-    def _write(self, controller: str, name: str, value: int, optional: bool = False) -> None:
+    def _write(self, controller: str, name: str, value: int | str, optional: bool = False) -> None:
         if controller not in self.paths:
             return
         try:
@@ -196,6 +208,170 @@ class JobCgroup:
             self.paths.pop(controller, None)
 
 
+def _mount_v2() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted (``/sys/fs/cgroup`` or, on hybrid hosts,
+    ``/sys/fs/cgroup/unified``), or None."""
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            left, _, right = line.partition(" - ")
+            if right.split(" ", 1)[0] == "cgroup2":
+                return Path(left.split(" ")[4])
+    return None
+
+
+def _own_path_v2() -> str:
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            if line.startswith("0::"):
+                return line[3:].strip()
+    return "/"
+
+
+def _words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
+def _try_write(path: Path, text: str) -> bool:
+    try:
+        path.write_text(text)
+        return True
+    except OSError:
+        return False
+
+
+_V2: dict[str, tuple[Path, tuple[str, ...]] | None] = {}
+
+
+def base_v2() -> tuple[Path, tuple[str, ...]] | None:
+    """(folder, controllers) for v2 job groups, or None when this process cannot create
+    groups under its v2 cgroup. Prepared once per process (``prepare_v2``)."""
+    if "base" not in _V2:
+        mount = _mount_v2()
+        _V2["base"] = prepare_v2(mount / _own_path_v2().lstrip("/")) if mount is not None else None
+    return _V2["base"]
+
+
+def prepare_v2(folder: Path, want: tuple[str, ...] = V2_CONTROLLERS) -> tuple[Path, tuple[str, ...]] | None:
+    """Make ``folder`` (this process's v2 cgroup) able to hand ``want`` to job groups.
+
+    Enables the wanted controllers that ``folder`` has in its ``cgroup.subtree_control``.
+    When the kernel refuses because ``folder`` holds processes and this process is the
+    only one there, moves this process into ``folder/posttrain-supervisor`` first. Returns
+    (folder, controllers a job group gets), or None when no group can be created there.
+    """
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        return None
+    offered = [c for c in want if c in _words(folder / "cgroup.controllers")]
+    missing = [c for c in offered if c not in _words(folder / "cgroup.subtree_control")]
+    if missing:
+        enable = " ".join(f"+{c}" for c in missing)
+        if not _try_write(folder / "cgroup.subtree_control", enable):
+            if _words(folder / "cgroup.procs") == [str(os.getpid())]:
+                leaf = folder / SUPERVISOR_LEAF
+                leaf.mkdir(exist_ok=True)
+                if _try_write(leaf / "cgroup.procs", str(os.getpid())):
+                    _try_write(folder / "cgroup.subtree_control", enable)
+    probe = folder / f"{PREFIX}probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return None
+    try:
+        got = tuple(c for c in want if c in _words(probe / "cgroup.controllers"))
+    finally:
+        probe.rmdir()
+    return folder, got
+
+
+@dataclass
+class JobCgroupV2(JobCgroup):
+    """One job's v2 group: a single folder; limits for the controllers it was given,
+    CPU time from ``cpu.stat`` (always there), peak from ``memory.peak`` through one
+    kept-open fd (a write there resets the peak this fd sees, kernel >= 6.12)."""
+
+    peak_fd: int = -1
+
+    @classmethod
+    def create_v2(cls, parent: Path, controllers: tuple[str, ...], memory_bytes: int, pids_max: int,
+                  cpus: float, name: str = "") -> JobCgroupV2:
+        """``name``: the folder's name (default a fresh ``posttrain-<hex>``)."""
+        group = cls(name=name or f"{PREFIX}{uuid.uuid4().hex[:12]}", controllers=list(controllers))
+        CREATED.add(group.name)
+        try:
+            path = parent / group.name
+            path.mkdir(exist_ok=bool(name))
+            group.paths["v2"] = path
+            if "memory" in controllers:
+                group._write("v2", "memory.max", memory_bytes)
+                group._write("v2", "memory.swap.max", 0, optional=True)
+                try:
+                    group.peak_fd = os.open(f"{path}/memory.peak", os.O_RDWR)
+                except OSError:
+                    group.peak_fd = -1
+            if "pids" in controllers:
+                group._write("v2", "pids.max", pids_max)
+            if "cpu" in controllers and cpus > 0:
+                group._write("v2", "cpu.max", f"{int(cpus * 100_000)} 100000")
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def procs_files(self) -> list[str]:
+        return [f"{self.paths['v2']}/cgroup.procs"] if "v2" in self.paths else []
+
+    def reset_peak(self) -> None:
+        if self.peak_fd >= 0:
+            try:
+                os.pwrite(self.peak_fd, b"reset", 0)
+            except OSError:  # kernels before 6.12: the peak is the group's lifetime peak
+                pass
+
+    def peak_memory_mb(self) -> float | None:
+        if self.peak_fd >= 0:
+            text = os.pread(self.peak_fd, 64, 0).decode().strip()
+        else:
+            text = self._read("v2", "memory.peak").strip() if "memory" in self.controllers else ""
+        return int(text) / 2**20 if text else None
+
+    def cpu_time_s(self) -> float | None:
+        for line in self._read("v2", "cpu.stat").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+        return None
+
+    def oom_kills(self) -> int:
+        for line in self._read("v2", "memory.events").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def kill_all(self) -> None:
+        if "v2" in self.paths and not _try_write(self.paths["v2"] / "cgroup.kill", "1"):
+            super().kill_all()  # kernels before 5.14: signal each process
+
+    def close(self, wait_s: float = 2.0) -> None:
+        if self.peak_fd >= 0:
+            os.close(self.peak_fd)
+            self.peak_fd = -1
+        super().close(wait_s)
+
+
+def create_group(support, memory_bytes: int, pids_max: int, cpus: float) -> JobCgroup | None:
+    """A job group on v1 where its controllers are writable, else on v2, else None."""
+    if support.cgroup_v1:
+        return JobCgroup.create(list(support.cgroup_v1), memory_bytes, pids_max, cpus)
+    v2 = base_v2() if support.cgroup_v2 else None
+    if v2 is not None:
+        return JobCgroupV2.create_v2(v2[0], v2[1], memory_bytes, pids_max, cpus)
+    return None
+
+
 class _Reaper:
     """Closes groups off the job's critical path: the job's result is returned while the
     kernel is still tearing down its namespaces; ``then`` (e.g. releasing the uid) runs
@@ -253,9 +429,12 @@ def sweep_stale(min_age_s: float = 300.0) -> int:
 def leftovers(mine_only: bool = False) -> list[Path]:
     """Job groups that still exist (for tests and ``posttrain sandbox doctor``); with
     ``mine_only``, only those this process created (other runs may share the host)."""
+    parents = [base(controller) for controller in CONTROLLERS]
+    if "base" in _V2 and _V2["base"] is not None:
+        parents.append(_V2["base"][0])
     found = []
-    for controller in CONTROLLERS:
-        parent = base(controller)
+    for parent in parents:
         if parent is not None:
-            found.extend(p for p in parent.glob(f"{PREFIX}*") if p.is_dir() and (not mine_only or p.name in CREATED))
+            found.extend(p for p in parent.glob(f"{PREFIX}*") if p.is_dir() and p.name != SUPERVISOR_LEAF
+                         and (not mine_only or p.name in CREATED))
     return found

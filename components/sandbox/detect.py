@@ -1,8 +1,9 @@
 """What isolation this host can give, found by trying it, and the string that names it.
 
 ``probe(python)`` checks each layer (bubblewrap binary, unprivileged uid drop, user/pid/
-net namespaces, seccomp, cgroup v1 controllers, Landlock) and finally starts one real
-sandbox running ``python -I -S`` through the same launch chain jobs use, so "supported"
+net namespaces, seccomp, cgroup v1 controllers or a v2 subtree, Landlock) and finally starts one real
+sandbox running ``python -I -S`` through the same launch chain jobs use (in a job cgroup,
+v1 where writable, else v2), so "supported"
 means "worked here", not "is installed". ``Support.isolation`` is the string recorded
 in every ``JobResult.isolation``; ``Support.missing`` lists required layers that are
 absent, which makes the bwrap executor refuse unless ``sandbox.allow_weak_isolation``.
@@ -11,7 +12,7 @@ Required: bwrap with user+pid+net+mount namespaces, an unprivileged uid, seccomp
 rlimits. Reported but optional: cgroup limits (rlimits, the pid namespace and sized
 tmpfs still bound the job), Landlock (not used; mounts hide the host tree).
 
-Not covered: cgroup v2 use (only reported), AppArmor/SELinux profiles, gVisor detection
+Not covered: AppArmor/SELinux profiles, gVisor detection
 (a gVisor sandbox shows up as its own kernel and passes the probe as usual).
 """
 
@@ -22,6 +23,7 @@ import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from components.sandbox import cgroups, seccomp
 from components.sandbox.command import SandboxSpec, host_argv, tool
@@ -38,7 +40,8 @@ class Support:
     python: str
     seccomp: bool
     cgroup_v1: tuple[str, ...]
-    cgroup_v2_delegated: bool
+    cgroup_v2: bool  # job groups can be created under our cgroup v2 (used only when v1 is not writable)
+    cgroup_v2_controllers: tuple[str, ...]  # of memory, pids, cpu: those a v2 job group gets
     landlock_abi: int
     drops_uid: bool  # root: jobs run as a leased uid; else they run as our own unprivileged uid
     namespaces_ok: bool
@@ -63,7 +66,12 @@ class Support:
             return "process+rlimits (WEAK: no namespaces)"
         parts = ["bwrap:user,pid,net,ipc,uts,mount,cgroup-ns", "uid:unprivileged", "caps:none", "rlimits",
                  "tmpfs:/work,/tmp", "seccomp" if self.seccomp else "no-seccomp(WEAK)"]
-        parts.append(f"cgroup-v1:{','.join(self.cgroup_v1)}" if self.cgroup_v1 else "no-cgroup")
+        if self.cgroup_v1:
+            parts.append(f"cgroup-v1:{','.join(self.cgroup_v1)}")
+        elif self.cgroup_v2:  # cpu.stat and cgroup.kill come with every v2 group
+            parts.append(f"cgroup-v2:{','.join(self.cgroup_v2_controllers + ('accounting',))}")
+        else:
+            parts.append("no-cgroup")
         return "+".join(parts)
 
 
@@ -77,17 +85,6 @@ def landlock_abi() -> int:
     return max(0, int(version))
 
 
-def _v2_delegated() -> bool:
-    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
-        try:
-            controllers = open(os.path.join(root, "cgroup.subtree_control")).read().split()
-        except OSError:
-            continue
-        if "memory" in controllers and "pids" in controllers:
-            return True
-    return False
-
-
 def _bwrap_version(bwrap: str) -> str:
     try:
         return subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
@@ -95,16 +92,15 @@ def _bwrap_version(bwrap: str) -> str:
         return f"unusable: {exc}"
 
 
-def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool,
-                 controllers: list[str]) -> str:
+def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool, cgroup_v1: list[str],
+                 cgroup_v2: bool) -> str:
     """'' when a real sandbox ran ``python -I -S`` as an unprivileged uid, else what failed."""
     limits = Limits(timeout_s=PROBE_TIMEOUT_S, memory_mb=512, output_cap=4096, cpu_s=int(PROBE_TIMEOUT_S) + 1)
     uid = UIDS.lease()
     group = None
     fds: list[int] = []
     try:
-        if controllers:
-            group = cgroups.JobCgroup.create(controllers, 512 << 20, 64, 1.0)
+        group = cgroups.create_group(SimpleNamespace(cgroup_v1=cgroup_v1, cgroup_v2=cgroup_v2), 512 << 20, 64, 1.0)
         if use_seccomp:
             fds.append(seccomp.memfd("job"))
         code = "import os,socket; print(os.getuid(), os.getpid()); socket.socket(socket.AF_INET)"
@@ -142,15 +138,17 @@ def probe(python: str = "/usr/bin/python3") -> Support:
     if why_not_seccomp:
         problems.append(why_not_seccomp)
     controllers = cgroups.v1_writable()
+    v2 = None if controllers else cgroups.base_v2()  # v2 only where v1 is not writable (preparing it may move us)
     namespaces_ok = False
     if bwrap:
-        failed = _try_sandbox(bwrap, setpriv, python, not why_not_seccomp, controllers)
+        failed = _try_sandbox(bwrap, setpriv, python, not why_not_seccomp, controllers, v2 is not None)
         namespaces_ok = not failed
         if failed:
             problems.append(failed)
     return Support(
         bwrap=bwrap, bwrap_version=_bwrap_version(bwrap) if bwrap else "", setpriv=setpriv, python=python,
-        seccomp=not why_not_seccomp, cgroup_v1=tuple(controllers), cgroup_v2_delegated=_v2_delegated(),
+        seccomp=not why_not_seccomp, cgroup_v1=tuple(controllers), cgroup_v2=v2 is not None,
+        cgroup_v2_controllers=v2[1] if v2 else (),
         landlock_abi=landlock_abi(), drops_uid=os.geteuid() == 0, namespaces_ok=namespaces_ok,
         problems=tuple(problems),
     )

@@ -113,9 +113,8 @@ class Worker:
         lim = self.limits
         worker_limits = replace(lim, cpu_s=7 * 86400, memory_mb=lim.memory_mb + WORKER_OVERHEAD_MB,
                                 nproc=lim.nproc + 8)
-        if self.support.cgroup_v1:
-            memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
-            self.group = cgroups.JobCgroup.create(list(self.support.cgroup_v1), memory, lim.pids_max + 8, lim.cpus)
+        memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
+        self.group = cgroups.create_group(self.support, memory, lim.pids_max + 8, lim.cpus)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fds = [child.fileno()]
         try:
