@@ -136,7 +136,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     args = parser.parse_args()
-    n_lat, n_tp, rounds, n_to = (10, 40, 1, 2) if args.quick else (40, 200, 3, 5)
+    n_lat, n_tp, rounds, n_to = (10, 40, 1, 2) if args.quick else (40, 200, 5, 5)
     concurrency = os.cpu_count() or 2
     levels = (concurrency, 2 * concurrency)
     load_before = os.getloadavg()

@@ -19,10 +19,14 @@ data itself (so no job's files linger in the memory later children inherit); it 
             kernel kills everything it left in the namespace. New mount and ipc
             namespaces, private mounts, fresh size-capped tmpfs /work and /tmp, its own
             /proc. Reads the spec, writes files, sets rlimits, drops its capabilities,
-            installs the job seccomp filter, then runs the program. ``{python} -I -S
+            installs the job seccomp filter (seccomp.py's ``job-on-zygote``: the
+            namespace calls; the rest of the job policy is the worker's own filter,
+            which J inherits), then runs the program. ``{python} -I -S
             script`` runs in this already-started interpreter (the warm path: no exec,
             no interpreter start-up); anything else is exec'd. The worker reads J's exit
-            status and resource use with wait4.
+            status and resource use with wait4, after J has exited: while J lives,
+            each page the worker writes is a copy-on-write copy, so the worker blocks
+            on J first and tidies up after.
 
 A job with a legacy ``result_file`` gets one more process: G is pid 1 instead, forks J,
 and copies the file to the result pipe after J has exited (J cannot forge it afterwards).
@@ -308,7 +312,7 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         oom = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(oom, b"1000")
         os.close(oom)
-        os.setsid()
+        os.setsid()  # its own session and process group: kill(0, sig) cannot reach the worker
         set_limits(spec["limits"])
         drop.apply()
     except BaseException:
