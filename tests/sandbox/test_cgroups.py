@@ -120,15 +120,21 @@ PREPARE = ("import os, sys\nfrom pathlib import Path\nfrom components.sandbox im
            "print(got[1] if got else None, open('/proc/self/cgroup').read().split('0::')[1].strip(), flush=True)\n")
 
 
-@pytest.mark.skipif(V2 is None or os.geteuid() != 0, reason="needs a cgroup2 mount and root")
-def test_prepare_v2_moves_a_lone_supervisor_into_a_leaf_and_delegates(lone_cgroup):
-    proc = subprocess.Popen([sys.executable, "-c", PREPARE, str(lone_cgroup)], cwd=ROOT, text=True,
+def prepare_in(folder: Path) -> tuple[str, str]:
+    """Start a process in ``folder``, have it run ``prepare_v2`` there; (controllers, its cgroup after)."""
+    proc = subprocess.Popen([sys.executable, "-c", PREPARE, str(folder)], cwd=ROOT, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout.readline().strip() == "joined"
     proc.stdin.write("\n")
     proc.stdin.flush()
     controllers, where = proc.stdout.readline().split()
     proc.wait(timeout=10)
+    return controllers, where
+
+
+@pytest.mark.skipif(V2 is None or os.geteuid() != 0, reason="needs a cgroup2 mount and root")
+def test_prepare_v2_moves_a_lone_supervisor_into_a_leaf_and_delegates(lone_cgroup):
+    controllers, where = prepare_in(lone_cgroup)
     assert controllers == "('hugetlb',)"
     assert where == f"/{lone_cgroup.name}/{cgroups.SUPERVISOR_LEAF}"
     assert "hugetlb" in (lone_cgroup / "cgroup.subtree_control").read_text().split()
@@ -140,13 +146,7 @@ def test_prepare_v2_leaves_a_shared_cgroup_alone(lone_cgroup):
     neighbour = subprocess.Popen(["sleep", "60"])
     try:
         (lone_cgroup / "cgroup.procs").write_text(str(neighbour.pid))
-        proc = subprocess.Popen([sys.executable, "-c", PREPARE, str(lone_cgroup)], cwd=ROOT, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert proc.stdout.readline().strip() == "joined"
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        controllers, where = proc.stdout.readline().split()
-        proc.wait(timeout=10)
+        controllers, where = prepare_in(lone_cgroup)
         assert controllers == "()"
         assert where == f"/{lone_cgroup.name}"
         assert (lone_cgroup / "cgroup.subtree_control").read_text().split() == []
