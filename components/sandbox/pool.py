@@ -17,6 +17,7 @@ run, exec'd, without the warm speed-up).
 from __future__ import annotations
 
 import atexit
+import json
 import marshal
 import os
 import queue
@@ -44,7 +45,7 @@ START_TIMEOUT_S = 15.0
 BACKSTOP_S = 1.0
 WORKER_OVERHEAD_MB = 128
 JOB_SETUP_FAILED = 125
-WIRE_VERSION = 4  # marshal format shared with zygote.py (readable by every Python 3.4+)
+WIRE_VERSION = 4  # marshal format of header and spec for zygote.py (readable by every Python 3.4+)
 
 
 class WorkerDied(RuntimeError):
@@ -190,7 +191,7 @@ class Worker:
                 if not msg:
                     report["worker_died"] = True
                     return True
-                got = marshal.loads(msg)
+                got = json.loads(msg)  # from inside the sandbox: a parser safe on any input
                 if got.get("id") == job_key:
                     report.update(got)
                     return True

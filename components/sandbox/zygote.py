@@ -5,10 +5,12 @@ Stdlib only (it runs on the sandbox's /usr/bin/python3, not the project's venv);
 host never imports it.
 
 Per job the host sends one SEQPACKET message on CTL_FD: a header plus fds (spec memfd,
-stdout, stderr, optional result pipe). Header, spec and report are ``marshal`` data
-(format 4: dicts, lists, strings and numbers only) written by the trusted host and
-worker; decoding them touches far fewer objects than ``json`` (every object a forked job
-touches costs it a copy-on-write page fault). The worker never reads the job's
+stdout, stderr, optional result pipe). Header and spec are ``marshal`` data (format 4:
+dicts, lists, strings and numbers only) written by the trusted host; decoding them
+touches far fewer objects than ``json`` (every object a forked job touches costs it a
+copy-on-write page fault). The report goes back as JSON: the host parses what comes
+out of a sandbox only with a parser that is safe on hostile input, and the worker
+writes it after the job has exited, when its page faults are cheap. The worker never reads the job's
 data itself (so no job's files linger in the memory later children inherit); it forks:
 
     worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
@@ -68,7 +70,7 @@ SECBITS_LOCKED_NOROOT = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 RESULT_FD_IN_JOB = 3
-WIRE_VERSION = 4  # marshal format of the host's messages and spec: plain dicts, lists, str, numbers
+WIRE_VERSION = 4  # marshal format of the host's header and spec: plain dicts, lists, str, numbers
 REPORT_SIZE = struct.calcsize("=idd")
 try:
     with open("/proc/sys/kernel/cap_last_cap") as _fh:
@@ -510,7 +512,7 @@ def serve(ctl, bpf, python, fresh):
     warm_up()
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    ctl.send(marshal.dumps({"op": "ready", "pid": os.getpid()}, WIRE_VERSION))
+    ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
         try:
             msg, fds = receive(ctl)
@@ -557,7 +559,7 @@ def serve(ctl, bpf, python, fresh):
                 os.close(fd)
         report["op"] = "done"
         report["id"] = req["id"]
-        ctl.send(marshal.dumps(report, WIRE_VERSION))
+        ctl.send(json.dumps(report).encode())
 
 
 def main():
