@@ -250,30 +250,34 @@ def base_v2() -> tuple[Path, tuple[str, ...]] | None:
     groups under its v2 cgroup. Prepared once per process (``prepare_v2``)."""
     if "base" not in _V2:
         mount = _mount_v2()
-        _V2["base"] = prepare_v2(mount / _own_path_v2().lstrip("/")) if mount is not None else None
+        own = _own_path_v2().strip("/")
+        # At the hierarchy's root take what it already delegates: enabling controllers
+        # there would change the whole host.
+        _V2["base"] = prepare_v2(mount / own, enable=bool(own)) if mount is not None else None
     return _V2["base"]
 
 
-def prepare_v2(folder: Path, want: tuple[str, ...] = V2_CONTROLLERS) -> tuple[Path, tuple[str, ...]] | None:
+def prepare_v2(folder: Path, want: tuple[str, ...] = V2_CONTROLLERS,
+               enable: bool = True) -> tuple[Path, tuple[str, ...]] | None:
     """Make ``folder`` (this process's v2 cgroup) able to hand ``want`` to job groups.
 
-    Enables the wanted controllers that ``folder`` has in its ``cgroup.subtree_control``.
-    When the kernel refuses because ``folder`` holds processes and this process is the
-    only one there, moves this process into ``folder/posttrain-supervisor`` first. Returns
+    With ``enable``, turns on in ``folder/cgroup.subtree_control`` each wanted controller
+    that ``folder`` is offered, one at a time (a refused one costs only itself). When the
+    kernel refuses because ``folder`` holds processes and this process is the only one
+    there, moves this process into ``folder/posttrain-supervisor`` first. Returns
     (folder, controllers a job group gets), or None when no group can be created there.
     """
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         return None
     offered = [c for c in want if c in _words(folder / "cgroup.controllers")]
-    missing = [c for c in offered if c not in _words(folder / "cgroup.subtree_control")]
-    if missing:
-        enable = " ".join(f"+{c}" for c in missing)
-        if not _try_write(folder / "cgroup.subtree_control", enable):
-            if _words(folder / "cgroup.procs") == [str(os.getpid())]:
-                leaf = folder / SUPERVISOR_LEAF
-                leaf.mkdir(exist_ok=True)
-                if _try_write(leaf / "cgroup.procs", str(os.getpid())):
-                    _try_write(folder / "cgroup.subtree_control", enable)
+    missing = [c for c in offered if c not in _words(folder / "cgroup.subtree_control")] if enable else []
+    if missing and not _try_write(folder / "cgroup.subtree_control", f"+{missing[0]}"):
+        if _words(folder / "cgroup.procs") == [str(os.getpid())]:
+            leaf = folder / SUPERVISOR_LEAF
+            leaf.mkdir(exist_ok=True)
+            _try_write(leaf / "cgroup.procs", str(os.getpid()))
+    for controller in missing:
+        _try_write(folder / "cgroup.subtree_control", f"+{controller}")
     probe = folder / f"{PREFIX}probe-{uuid.uuid4().hex[:8]}"
     try:
         probe.mkdir()
@@ -293,6 +297,7 @@ class JobCgroupV2(JobCgroup):
     kept-open fd (a write there resets the peak this fd sees, kernel >= 6.12)."""
 
     peak_fd: int = -1
+    peak_stale: bool = False  # a reset was asked for and could not be done: no per-job peak
 
     @classmethod
     def create_v2(cls, parent: Path, controllers: tuple[str, ...], memory_bytes: int, pids_max: int,
@@ -324,13 +329,21 @@ class JobCgroupV2(JobCgroup):
         return [f"{self.paths['v2']}/cgroup.procs"] if "v2" in self.paths else []
 
     def reset_peak(self) -> None:
-        if self.peak_fd >= 0:
-            try:
-                os.pwrite(self.peak_fd, b"reset", 0)
-            except OSError:  # kernels before 6.12: the peak is the group's lifetime peak
-                pass
+        """Kernels before 6.12 cannot reset ``memory.peak``: a warm worker's group then
+        reports no per-job peak (None) rather than the worker's lifetime peak."""
+        if "memory" not in self.controllers:
+            return
+        try:
+            if self.peak_fd < 0:
+                raise OSError("memory.peak is not writable")
+            os.pwrite(self.peak_fd, b"reset", 0)
+            self.peak_stale = False
+        except OSError:
+            self.peak_stale = True
 
     def peak_memory_mb(self) -> float | None:
+        if self.peak_stale:
+            return None
         if self.peak_fd >= 0:
             text = os.pread(self.peak_fd, 64, 0).decode().strip()
         else:

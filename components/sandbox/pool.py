@@ -9,9 +9,10 @@ workers (one per concurrency slot) and replaces any that die.
 The worker enforces each job's wall clock itself; the host kills the whole worker one
 second later as a backstop (the job is then a timeout and the worker is replaced).
 
-Not covered: per-job cgroups (the worker's cgroup covers one job at a time, peak is
-reset per job); jobs that need a different interpreter than the worker's (they still
-run, exec'd, without the warm speed-up).
+Not covered: per-job cgroups (the worker's cgroup covers one job at a time; its memory
+peak is reset per job where the kernel allows, else no per-job cgroup peak is
+reported); jobs that need a different interpreter than the worker's (they still run,
+exec'd, without the warm speed-up).
 """
 
 from __future__ import annotations
@@ -44,8 +45,17 @@ ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
 START_TIMEOUT_S = 15.0
 BACKSTOP_S = 1.0
 WORKER_OVERHEAD_MB = 128
-JOB_SETUP_FAILED = 125
 WIRE_VERSION = 4  # marshal format of header and spec for zygote.py (readable by every Python 3.4+)
+
+
+def plain_str(value) -> str:
+    """``value`` as an exact ``str`` (marshal writes only exact types: a str subclass such
+    as numpy's ``str_`` would fail or travel as something else)."""
+    return value if type(value) is str else str(value)
+
+
+def plain_limits(limits: dict) -> dict:
+    return {key: float(value) if isinstance(value, float) else int(value) for key, value in limits.items()}
 
 
 class WorkerDied(RuntimeError):
@@ -150,8 +160,10 @@ class Worker:
     def run(self, job: Job, backend: str) -> JobResult:
         assert self.alive and self.ctl is not None
         check_paths(job)
-        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
-        spec = {"argv": list(job.argv), "files": dict(job.files), "stdin": job.stdin, "limits": limits.as_dict()}
+        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(float(job.timeout_s))
+        wire_limits = plain_limits(limits.as_dict())
+        spec = {"argv": [plain_str(a) for a in job.argv], "stdin": plain_str(job.stdin), "limits": wire_limits,
+                "files": {plain_str(rel): plain_str(text) for rel, text in job.files.items()}}
         ours: list[int] = []
         theirs: list[int] = []
         try:
@@ -166,8 +178,8 @@ class Worker:
                 ours.append(result_r)
                 theirs.append(result_w)
             job_key = uuid.uuid4().hex
-            header = {"op": "run", "id": job_key, "timeout_s": limits.timeout_s, "limits": limits.as_dict(),
-                      "result_file": "" if job.uses_result_fd else job.result_file}
+            header = {"op": "run", "id": job_key, "timeout_s": float(limits.timeout_s), "limits": wire_limits,
+                      "result_file": "" if job.uses_result_fd else plain_str(job.result_file)}
             if self.group:
                 self.group.reset_peak()
             oom_before = self._oom_seen
@@ -223,8 +235,9 @@ class Worker:
             else:
                 code, sig = os.WEXITSTATUS(status), 0
             stderr = bytes(seen.data["stderr"])
-            if code == JOB_SETUP_FAILED and stderr.startswith(b"sandbox worker: job setup failed"):
-                return infra_error(stderr.decode(errors="replace")[-2000:], backend, self.isolation)
+            if report.get("setup_failed") and not timed_out:  # the worker's word (J's "ready" byte), not the job's
+                return infra_error(stderr.decode(errors="replace")[-2000:] or "job setup failed", backend,
+                                   self.isolation)
             cpu = float(report.get("cpu_s", 0.0))
             if cpu_before is not None and timed_out:  # killed trees are never reaped by the job's init
                 cpu_after = self.group.cpu_time_s()

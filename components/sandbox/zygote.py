@@ -31,7 +31,10 @@ data itself (so no job's files linger in the memory later children inherit); it 
             on J first and tidies up after.
 
 A job with a legacy ``result_file`` gets one more process: G is pid 1 instead, forks J,
-and copies the file to the result pipe after J has exited (J cannot forge it afterwards).
+and once J has exited kills what J left in the namespace and copies the file to the
+result pipe. A process J left behind can still rewrite the file in the moment between
+J's exit and that kill, so a result file is the job's word, never a verdict (verdicts
+come through the result fd: harness.py).
 
 The job cannot see or signal the worker (outside its pid namespace), cannot mount or
 unshare (seccomp, no capabilities) and gets nothing from earlier jobs (fresh tmpfs and
@@ -46,6 +49,7 @@ jobs; threads a warm-path job leaves running are not joined at exit (os._exit).
 
 import atexit
 import ctypes
+import fcntl
 import gc
 import io
 import json
@@ -77,6 +81,40 @@ try:
         CAP_LAST = int(_fh.read())
 except (OSError, ValueError):
     CAP_LAST = 63
+
+
+SETUP_FAILED = 125
+SETUP_FAILED_MARK = b"sandbox worker: job setup failed:\n"
+
+
+def fail_setup(fd=2):
+    """J (or G) could not set the job up: say why on the job's stderr, exit 125. Never
+    returns. Whether this was a setup failure is decided by the worker (no "ready" byte
+    from J), not by the exit code or the text, which a job could imitate."""
+    try:
+        os.write(fd, SETUP_FAILED_MARK + format_exc().encode(errors="replace"))
+    except BaseException:
+        pass
+    finally:
+        os._exit(SETUP_FAILED)
+
+
+def report_uncaught():
+    """What the interpreter does with an uncaught exception: ``sys.excepthook``, and if
+    the hook itself fails, both errors (as ``PyErr_PrintEx`` prints them)."""
+    exc = sys.exc_info()
+    try:
+        sys.excepthook(*exc)
+    except BaseException:
+        import traceback
+
+        try:
+            print("Error in sys.excepthook:", file=sys.stderr)
+            traceback.print_exc()
+            print("\nOriginal exception was:", file=sys.stderr)
+            traceback.print_exception(*exc)
+        except BaseException:
+            pass
 
 
 def format_exc():
@@ -277,12 +315,12 @@ def run_inline(args):
             print(exc.code, file=sys.stderr)
             code = 1
     except BaseException:  # the job's own uncaught error: the interpreter hands it to sys.excepthook too
-        sys.excepthook(*sys.exc_info())
+        report_uncaught()
         code = 1
     try:
         atexit._run_exitfuncs()
     except BaseException:
-        sys.excepthook(*sys.exc_info())
+        report_uncaught()
     for out in (sys.stdout, sys.stderr):
         try:
             out.flush()
@@ -292,8 +330,11 @@ def run_inline(args):
 
 
 def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
-    """J: becomes the job. Never returns."""
+    """J: becomes the job. Never returns. Once everything before the job's own code has
+    worked it writes one byte to READY_W and closes it: the worker's proof that a later
+    exit is the job's, not a setup failure."""
     try:
+        os.dup2(err_fd, 2)  # from here on a setup error lands on the job's stderr
         spec = marshal.loads(read_all(spec_fd))
         os.close(spec_fd)
         write_files(spec["files"], fresh)
@@ -302,14 +343,14 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         os.lseek(stdin, 0, os.SEEK_SET)
         os.dup2(stdin, 0)
         os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
         keep = 2
         argv = list(spec["argv"])
         if result_fd >= 0 and "{result_fd}" in argv:
             os.dup2(result_fd, RESULT_FD_IN_JOB)
             keep = RESULT_FD_IN_JOB
             argv = [str(RESULT_FD_IN_JOB) if a == "{result_fd}" else a for a in argv]
-        os.closerange(keep + 1, 65536)
+        os.closerange(keep + 1, READY_W)  # the worker's control socket and namespace fd included
+        os.closerange(READY_W + 1, 65536)
         os.chdir("/work")
         oom = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(oom, b"1000")
@@ -317,9 +358,10 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         os.setsid()  # its own session and process group: kill(0, sig) cannot reach the worker
         set_limits(spec["limits"])
         drop.apply()
+        os.write(READY_W, b"1")
+        os.close(READY_W)
     except BaseException:
-        os.write(2, ("sandbox worker: job setup failed:\n" + format_exc()).encode())
-        os._exit(125)
+        fail_setup()
     script = inline_python(argv)
     if script is not None:
         run_inline(script)
@@ -374,14 +416,16 @@ def job_pid1(job_args, fresh, tmpfs):
         PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
         private_mounts(fresh, tmpfs)
     except BaseException:
-        os.write(job_args[2], ("sandbox worker: job setup failed:\n" + format_exc()).encode())
-        os._exit(125)
+        fail_setup(job_args[2])
     job_main(*job_args)
 
 
-def init_main(job_args, report_fd, fresh, limits, result_file):
+def init_main(job_args, report_fd, fresh, limits, result_file, worker_fds):
     """G: pid 1 of the job's pid namespace. New mount+ipc namespaces, mounts, forks J,
-    reaps, writes J's status to ``report_fd``; its exit kills whatever J left behind."""
+    reaps, kills whatever J left in the namespace (so nothing can rewrite the result file
+    after J), copies the file, writes J's status to ``report_fd``."""
+    for fd in worker_fds:  # the control socket and the worker's namespace fd: not G's business
+        os.close(fd)
     PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
     private_mounts(fresh, tmpfs_options(limits))
     pid = os.fork()
@@ -399,6 +443,7 @@ def init_main(job_args, report_fd, fresh, limits, result_file):
         except ChildProcessError:
             os._exit(0)
         if got == pid:
+            kill_namespace()
             if result_file and result_fd >= 0:
                 try:
                     copy_result_file(result_file, result_fd, limits["result_cap"])
@@ -406,6 +451,19 @@ def init_main(job_args, report_fd, fresh, limits, result_file):
                     pass
             os.write(report_fd, struct.pack("=idd", status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss))
             os._exit(0)
+
+
+def kill_namespace():
+    """From the namespace's init: SIGKILL every other process in it and reap them."""
+    try:
+        os.kill(-1, SIGKILL)
+    except ProcessLookupError:
+        return
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
 
 
 def wait_report(pid, report_r, timeout_s):
@@ -456,6 +514,31 @@ def wait_job(pid, timeout_s):
             "maxrss_kb": usage.ru_maxrss}
 
 
+READY_W = -1  # set by open_ready_pipe(): J's "setup done" fd, the same number in every job
+
+
+def open_ready_pipe():
+    """The worker's pipe on which each J writes one byte once its setup is done. Both
+    ends sit at fd 10 or above (J's own fds 0-3 are rebuilt below that); the read end is
+    non-blocking. Returns the read end."""
+    global READY_W
+    r, w = os.pipe()
+    ready_r = fcntl.fcntl(r, fcntl.F_DUPFD, 10)
+    READY_W = fcntl.fcntl(w, fcntl.F_DUPFD, 10)
+    os.close(r)
+    os.close(w)
+    os.set_blocking(ready_r, False)
+    return ready_r
+
+
+def job_was_ready(ready_r):
+    """Whether the job that just ended finished its setup (drains the pipe)."""
+    try:
+        return bool(os.read(ready_r, 64))
+    except BlockingIOError:
+        return False
+
+
 FD_SIZE = struct.calcsize("i")
 ANCILLARY_SPACE = socket.CMSG_SPACE(8 * FD_SIZE)
 
@@ -490,17 +573,19 @@ def warm_up():
     sink.close()
 
 
-def become_job(job_args, tmpfs, limits, result_file, report_r, report_w):
-    """The forked child: J itself, or G for a legacy result_file job. Never returns. The
-    control socket and the worker's namespace fd close with every other fd in job_main."""
+def become_job(job_args, tmpfs, limits, result_file, report_r, report_w, worker_fds):
+    """The forked child: J itself, or G for a legacy result_file job. Never returns (and
+    never unwinds back into the worker's loop). J closes the worker's fds with every
+    other fd in job_main; G closes them first thing."""
     try:
         if not result_file:
             job_pid1(job_args, job_args[-1], tmpfs)
         os.close(report_r)
-        init_main(job_args, report_w, job_args[-1], limits, result_file)
+        init_main(job_args, report_w, job_args[-1], limits, result_file, worker_fds)
     except BaseException:
-        os.write(2, ("sandbox worker: job setup failed:\n" + format_exc()).encode())
-    os._exit(125)
+        fail_setup(job_args[2])
+    finally:
+        os._exit(SETUP_FAILED)
 
 
 def serve(ctl, bpf, python, fresh):
@@ -512,8 +597,10 @@ def serve(ctl, bpf, python, fresh):
     warm_up()
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    ready_r = open_ready_pipe()
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
+        report = None  # a forked job must not find the previous job's report in this frame
         try:
             msg, fds = receive(ctl)
         except OSError:
@@ -542,7 +629,7 @@ def serve(ctl, bpf, python, fresh):
                 pid, report = -1, {"error": format_exc()[-2000:]}
             if pid == 0:
                 become_job((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), tmpfs, req["limits"],
-                           result_file, report_r, report_w)
+                           result_file, report_r, report_w, (ctl.fileno(), own_pidns, ready_r))
             if pid > 0:
                 # Wait first, tidy up after: while J lives, each page the worker writes is
                 # copied (copy-on-write, ~4.5 us here); once J is gone it is only re-enabled (~1 us).
@@ -554,6 +641,8 @@ def serve(ctl, bpf, python, fresh):
                 else:
                     report = wait_job(pid, timeout_s)
             check(SETNS(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
+            if pid > 0 and not job_was_ready(ready_r):
+                report["setup_failed"] = True
         for fd in fds + [report_r, report_w]:
             if fd >= 0:
                 os.close(fd)

@@ -196,3 +196,23 @@ def test_v2_group_without_controllers_writes_no_limits(tmp_path):
     assert group.oom_kills() == 0
     (folder / "cpu.stat").unlink()
     group.close()
+
+
+def test_v2_peak_is_not_reported_when_it_cannot_be_reset(tmp_path):
+    """Kernels before 6.12 cannot reset memory.peak: a warm worker's group must not pass
+    the worker's lifetime peak off as the job's."""
+    folder = tmp_path / "posttrain-old"
+    folder.mkdir()
+    (folder / "memory.max").write_text("")
+    (folder / "memory.peak").write_text("9437184\n")
+    (folder / "memory.peak").chmod(0o444)  # not openable for writing, as on older kernels
+    group = cgroups.JobCgroupV2.create_v2(tmp_path, ("memory",), 256 << 20, 64, 0, name="posttrain-old")
+    if group.peak_fd >= 0:  # root ignores file modes: take the fd away as an old kernel would
+        os.close(group.peak_fd)
+        group.peak_fd = -1
+    assert group.peak_memory_mb() == 9.0  # one job per group (strict): the lifetime peak is the job's
+    group.reset_peak()
+    assert group.peak_memory_mb() is None
+    for child in folder.iterdir():
+        child.unlink()
+    group.close()

@@ -322,3 +322,44 @@ def test_job_stdio_behaves_like_a_fresh_interpreters(executor, tmp_path):
     result = executor.run(py(src, stdin="héllo\nworld\n"))
     assert result.status == "ok", result.stderr
     assert (result.stdout, result.stderr) == (fresh.stdout, fresh.stderr)
+
+
+@pytest.mark.parametrize("argv, files", [
+    (["bash", "main.sh"], {"main.sh": "echo 'sandbox worker: job setup failed:' >&2\nexit 125\n"}),
+    (PY, {"main.py": "import os\nos.write(2, b'sandbox worker: job setup failed:\\n')\nos._exit(125)\n"}),
+])
+def test_job_cannot_pass_itself_off_as_an_infrastructure_error(executor, argv, files):
+    """infra_error is retried and left out of rewards, so a job must not be able to claim
+    one: exit 125 with the setup-failure text is the job's own failure."""
+    result = executor.run(Job("fake-infra", files, argv))
+    assert (result.status, result.exit_code) == ("failed", 125), result.stderr
+
+
+def test_broken_excepthook_is_the_jobs_failure(executor):
+    src = "import sys\nsys.excepthook = None\nraise ValueError('boom')\n"
+    result = executor.run(py(src))
+    assert (result.status, result.exit_code) == ("failed", 1), result.stderr
+    assert "ValueError" in result.stderr or "excepthook" in result.stderr
+
+
+def test_job_values_of_str_and_float_subclasses_travel_as_plain_values(executor):
+    class Text(str):
+        pass
+
+    class Seconds(float):
+        pass
+
+    job = Job(Text("typed"), {Text("main.py"): Text("import sys\nprint(sys.stdin.read(), sys.argv[1:])\n")},
+              [Text("{python}"), "-I", "-S", Text("main.py"), Text("arg")], stdin=Text("in"), timeout_s=Seconds(5.0))
+    result = executor.run(job)
+    assert (result.status, result.stdout.strip()) == ("ok", "in ['arg']"), result.stderr
+
+
+def test_a_job_finds_no_earlier_jobs_report(executor):
+    """Warm jobs are forked inside the worker's loop: its frames must not hold the previous report."""
+    assert executor.run(py("print('first')")).status == "ok"
+    src = ("import sys\nf, seen = sys._getframe(), []\nwhile f is not None:\n"
+           "    seen += [v for k, v in f.f_locals.items() if k == 'report']\n    f = f.f_back\nprint(seen)\n")
+    result = executor.run(py(src))
+    assert (result.status, result.stdout.strip()) in (("ok", "[]"), ("ok", "[None]")), result.stdout
+
