@@ -11,9 +11,9 @@ on two workloads (a trivial program, and the code-domain unit-test harness), rep
 per-job latency p50/p95 (sequential), jobs/s at concurrency = CPU count and 2x CPU count
 (each mode's ratio uses its best level: a warm job waits on namespace teardown for part
 of its wall time, so one more job per CPU keeps the CPUs busy, while bare Python start-up
-is CPU-bound either way), and how far the wall clock of timed-out jobs lands from the limit. Writes results.json and results.md
-beside this file and prints the ratios against the goals (strict p50 <= 2x bare, warm
-throughput >= 3x bare, timeouts within 200 ms).
+is CPU-bound either way), and how far the wall clock of timed-out jobs lands from the
+limit. Writes results.json and results.md beside this file and prints the ratios against
+the goals (strict p50 <= 2x bare, warm throughput >= 3x bare, timeouts within 200 ms).
 
 Fairness: every mode runs the same job at the same concurrency (bare through a thread
 pool of that size, the sandbox through ``run_many`` with as many warm workers), rounds
@@ -221,7 +221,8 @@ def markdown(report: dict) -> str:
               f"{report['throughput_jobs'] if 'throughput_jobs' in report else 'n'} jobs per mode per round, "
               "at each concurrency level every mode runs at that concurrency (bare through a thread pool of "
               "that size, the sandbox through run_many with that concurrency; the warm pool has a worker per "
-              "slot), rounds interleaved, median of the rounds; each mode's jobs/s above is its best level. Bare writes the job's files to a temp folder and "
+              "slot), rounds interleaved, median of the rounds; each mode's jobs/s above is its best level. "
+              "Bare writes the job's files to a temp folder and "
               "captures its output, as the sandbox does; it runs no isolation at all.",
               "", "Goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()), ""]
     return "\n".join(lines)

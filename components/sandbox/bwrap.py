@@ -196,7 +196,8 @@ class StrictRunner:
         ours: list[int] = []
         ok = False
         try:
-            group = cgroups.create_group(self.support, limits.memory_mb << 20, limits.pids_max, limits.cpus)
+            group = cgroups.create_group(self.support.cgroup_v1, self.support.cgroup_v2, limits.memory_mb << 20,
+                                         limits.pids_max, limits.cpus)
             file_fds = [memfd_with(b"") for _ in range(n_files)]
             ours += file_fds
             argv = [self.python if a == PYTHON else a for a in argv_t]
@@ -309,7 +310,8 @@ class StrictRunner:
         result_dir = None
         handed = False
         try:
-            group = cgroups.create_group(self.support, limits.memory_mb << 20, limits.pids_max, limits.cpus)
+            group = cgroups.create_group(self.support.cgroup_v1, self.support.cgroup_v2, limits.memory_mb << 20,
+                                         limits.pids_max, limits.cpus)
             files = []
             for rel, text in job.files.items():
                 fd = memfd_with(text)

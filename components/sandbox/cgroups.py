@@ -46,7 +46,8 @@ CREATED: set[str] = set()  # names of the job groups this process created
 
 
 def _own_path(controller: str) -> str:
-    """This process's cgroup path (relative) for a v1 controller, e.g. '/docker/abc'."""
+    """This process's cgroup path (relative) for a v1 controller, e.g. '/docker/abc'; with
+    ``controller=""`` the v2 path (the unified line, ``0::/path``, names no controller)."""
     with open("/proc/self/cgroup") as fh:
         for line in fh:
             _, names, path = line.rstrip("\n").split(":", 2)
@@ -55,13 +56,15 @@ def _own_path(controller: str) -> str:
     return "/"
 
 
-def _mount(controller: str) -> Path | None:
-    """Where a v1 hierarchy holding ``controller`` is mounted, or None."""
+def _mount(fstype: str, controller: str = "") -> Path | None:
+    """Where a cgroup hierarchy is mounted, or None: v1 (``fstype="cgroup"``) holding
+    ``controller``, or v2 (``"cgroup2"``: ``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified``
+    on hybrid hosts)."""
     with open("/proc/self/mountinfo") as fh:
         for line in fh:
             left, _, right = line.partition(" - ")
-            fstype, _, options = right.split(" ", 2)
-            if fstype == "cgroup" and controller in options.strip().split(","):
+            found, _, options = right.split(" ", 2)
+            if found == fstype and (not controller or controller in options.strip().split(",")):
                 return Path(left.split(" ")[4])
     return None
 
@@ -70,7 +73,7 @@ def _mount(controller: str) -> Path | None:
 def base(controller: str) -> Path | None:
     """The folder our job groups go under for ``controller``, if it is writable (cached:
     a process does not change cgroup while it runs sandboxes)."""
-    mount = _mount(controller)
+    mount = _mount("cgroup", controller)
     if mount is None:
         return None
     here = mount / _own_path(controller).lstrip("/")
@@ -208,25 +211,6 @@ class JobCgroup:
             self.paths.pop(controller, None)
 
 
-def _mount_v2() -> Path | None:
-    """Where the cgroup v2 hierarchy is mounted (``/sys/fs/cgroup`` or, on hybrid hosts,
-    ``/sys/fs/cgroup/unified``), or None."""
-    with open("/proc/self/mountinfo") as fh:
-        for line in fh:
-            left, _, right = line.partition(" - ")
-            if right.split(" ", 1)[0] == "cgroup2":
-                return Path(left.split(" ")[4])
-    return None
-
-
-def _own_path_v2() -> str:
-    with open("/proc/self/cgroup") as fh:
-        for line in fh:
-            if line.startswith("0::"):
-                return line[3:].strip()
-    return "/"
-
-
 def _words(path: Path) -> list[str]:
     try:
         return path.read_text().split()
@@ -249,8 +233,8 @@ def base_v2() -> tuple[Path, tuple[str, ...]] | None:
     """(folder, controllers) for v2 job groups, or None when this process cannot create
     groups under its v2 cgroup. Prepared once per process (``prepare_v2``)."""
     if "base" not in _V2:
-        mount = _mount_v2()
-        own = _own_path_v2().strip("/")
+        mount = _mount("cgroup2")
+        own = _own_path("").strip("/")
         # At the hierarchy's root take what it already delegates: enabling controllers
         # there would change the whole host.
         _V2["base"] = prepare_v2(mount / own, enable=bool(own)) if mount is not None else None
@@ -375,11 +359,13 @@ class JobCgroupV2(JobCgroup):
         super().close(wait_s)
 
 
-def create_group(support, memory_bytes: int, pids_max: int, cpus: float) -> JobCgroup | None:
-    """A job group on v1 where its controllers are writable, else on v2, else None."""
-    if support.cgroup_v1:
-        return JobCgroup.create(list(support.cgroup_v1), memory_bytes, pids_max, cpus)
-    v2 = base_v2() if support.cgroup_v2 else None
+def create_group(v1_controllers: tuple[str, ...] | list[str], use_v2: bool, memory_bytes: int, pids_max: int,
+                 cpus: float) -> JobCgroup | None:
+    """A job group on v1 where its controllers are writable (``v1_controllers``, see
+    ``v1_writable``), else on v2 (``use_v2``: ``base_v2()`` worked), else None."""
+    if v1_controllers:
+        return JobCgroup.create(list(v1_controllers), memory_bytes, pids_max, cpus)
+    v2 = base_v2() if use_v2 else None
     if v2 is not None:
         return JobCgroupV2.create_v2(v2[0], v2[1], memory_bytes, pids_max, cpus)
     return None

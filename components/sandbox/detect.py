@@ -23,7 +23,6 @@ import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from components.sandbox import cgroups, seccomp
 from components.sandbox.command import SandboxSpec, host_argv, tool
@@ -100,7 +99,7 @@ def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool
     group = None
     fds: list[int] = []
     try:
-        group = cgroups.create_group(SimpleNamespace(cgroup_v1=cgroup_v1, cgroup_v2=cgroup_v2), 512 << 20, 64, 1.0)
+        group = cgroups.create_group(cgroup_v1, cgroup_v2, 512 << 20, 64, 1.0)
         if use_seccomp:
             fds.append(seccomp.memfd("job"))
         code = "import os,socket; print(os.getuid(), os.getpid()); socket.socket(socket.AF_INET)"

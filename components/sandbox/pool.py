@@ -125,7 +125,8 @@ class Worker:
         worker_limits = replace(lim, cpu_s=7 * 86400, memory_mb=lim.memory_mb + WORKER_OVERHEAD_MB,
                                 nproc=lim.nproc + 8)
         memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
-        self.group = cgroups.create_group(self.support, memory, lim.pids_max + 8, lim.cpus)
+        self.group = cgroups.create_group(self.support.cgroup_v1, self.support.cgroup_v2, memory, lim.pids_max + 8,
+                                          lim.cpus)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fds = [child.fileno()]
         try:
@@ -160,7 +161,7 @@ class Worker:
     def run(self, job: Job, backend: str) -> JobResult:
         assert self.alive and self.ctl is not None
         check_paths(job)
-        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(float(job.timeout_s))
+        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
         wire_limits = plain_limits(limits.as_dict())
         spec = {"argv": [plain_str(a) for a in job.argv], "stdin": plain_str(job.stdin), "limits": wire_limits,
                 "files": {plain_str(rel): plain_str(text) for rel, text in job.files.items()}}
@@ -178,7 +179,7 @@ class Worker:
                 ours.append(result_r)
                 theirs.append(result_w)
             job_key = uuid.uuid4().hex
-            header = {"op": "run", "id": job_key, "timeout_s": float(limits.timeout_s), "limits": wire_limits,
+            header = {"op": "run", "id": job_key, "limits": wire_limits,
                       "result_file": "" if job.uses_result_fd else plain_str(job.result_file)}
             if self.group:
                 self.group.reset_peak()

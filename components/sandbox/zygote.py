@@ -10,8 +10,9 @@ dicts, lists, strings and numbers only) written by the trusted host; decoding th
 touches far fewer objects than ``json`` (every object a forked job touches costs it a
 copy-on-write page fault). The report goes back as JSON: the host parses what comes
 out of a sandbox only with a parser that is safe on hostile input, and the worker
-writes it after the job has exited, when its page faults are cheap. The worker never reads the job's
-data itself (so no job's files linger in the memory later children inherit); it forks:
+writes it after the job has exited, when its page faults are cheap. The worker never
+reads the job's data itself (so no job's files linger in the memory later children
+inherit); it forks:
 
     worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
             enforces the wall clock, reports to the host). At start it empties the
@@ -618,7 +619,7 @@ def serve(ctl, bpf, python, fresh):
         report_r, report_w = os.pipe() if result_file else (-1, -1)
         try:
             tmpfs = tmpfs_options(req["limits"])
-            timeout_s = float(req["timeout_s"])
+            timeout_s = req["limits"]["timeout_s"]
             check(UNSHARE(CLONE_NEWPID), "unshare pid")  # applies to the next child only
         except OSError:
             report = {"error": format_exc()[-2000:]}

@@ -24,7 +24,7 @@ from components.sandbox.job import Job
 from tests.sandbox.helpers import bwrap_unavailable, sandbox_config
 
 ROOT = Path(__file__).resolve().parents[2]
-V2 = cgroups._mount_v2()
+V2 = cgroups._mount("cgroup2")
 
 
 def v2_unusable() -> str:
