@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from components.core.recipe import SandboxConfig  # noqa: E402
 from components.sandbox.executor import get_executor, run_many  # noqa: E402
 from components.sandbox.harness import python_tests_job  # noqa: E402
-from components.sandbox.job import PYTHON, RESULT_FD, Job  # noqa: E402
+from components.core.jobs import PYTHON, RESULT_FD, Job  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BARE_PYTHON = "/usr/bin/python3"

@@ -2,7 +2,8 @@
 
 Every record type derives its Arrow schema from its type hints, so the dataclass and the
 schema cannot drift apart. Supported field types: ``str``, ``int``, ``float``, ``bool``,
-``list[int]``, ``list[float]``, ``list[str]``, ``dict[str, float]`` / ``dict[str, Any]``
+``list[int]``, ``list[float]``, ``list[str]``, a ``Literal`` of strings (a status
+vocabulary, stored as a string), ``dict[str, float]`` / ``dict[str, Any]`` / ``Any``
 (stored as a JSON string, so the Parquet stays flat and readable by DuckDB and pandas)
 and ``list[<record>]`` of a nested record (stored as a list of structs).
 
@@ -18,7 +19,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import pyarrow as pa
 
@@ -73,7 +74,9 @@ class Rollout:
     completion_mask: list[int] = field(default_factory=list)
 
 
-EXECUTION_STATUSES = ("ok", "failed", "timeout", "oom", "killed", "infra_error")
+ExecutionStatus = Literal["ok", "failed", "timeout", "oom", "killed", "infra_error"]
+"""How a sandbox job ended; ``infra_error`` means the sandbox broke, not the program."""
+EXECUTION_STATUSES: tuple[str, ...] = get_args(ExecutionStatus)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Execution:
     domain: str
     backend: str  # "subprocess", "bwrap", "none" (nothing to execute)
     isolation: str  # what isolation was actually given, e.g. "process+rlimits"
-    status: str  # one of EXECUTION_STATUSES
+    status: ExecutionStatus
     exit_code: int
     signal: int  # 0 when the process was not killed by a signal
     stdout: str  # capped
@@ -93,12 +96,12 @@ class Execution:
     duration_s: float
     cpu_time_s: float
     peak_memory_mb: float
-    tests_passed: int
-    tests_total: int
-    verdict: dict[str, Any] = field(default_factory=dict)
+    result: Any = None  # the JSON the job wrote to its result channel; None when nothing came
 
 
-REWARD_STATUSES = ("ok", "excluded")
+RewardStatus = Literal["ok", "excluded"]
+"""``excluded``: an infrastructure failure, never scored 0 and never trained on."""
+REWARD_STATUSES: tuple[str, ...] = get_args(RewardStatus)
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ class Reward:
     normalized_reward: float
     weight: float
     advantage: float
-    status: str  # one of REWARD_STATUSES
+    status: RewardStatus
     reason: str = ""
 
 
@@ -146,11 +149,11 @@ RECORD_TYPES: dict[str, type] = {
 
 
 def _is_json_field(hint: Any) -> bool:
-    return typing.get_origin(hint) is dict
+    return hint is Any or typing.get_origin(hint) is dict
 
 
 def _arrow_type(hint: Any) -> pa.DataType:
-    if hint is str:
+    if hint is str or typing.get_origin(hint) is Literal:
         return pa.string()
     if hint is int:
         return pa.int64()

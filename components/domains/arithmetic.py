@@ -21,7 +21,7 @@ import random
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
-from components.sandbox.job import JobResult
+from components.core.jobs import Outcome
 
 
 @register("arithmetic")
@@ -36,7 +36,7 @@ class Arithmetic(Domain):
     def reference_completion(self, task: Task) -> str:
         return task.reference["answer"]
 
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         text = first_line(completion).replace(" ", "")
         is_int = text.lstrip("-").isdigit()
         correct = is_int and int(text) == int(task.reference["answer"])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from components.core.records import Task
-from components.sandbox.job import Job, JobResult
+from components.core.jobs import Job, Outcome
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Domain(ABC):
         return None
 
     @abstractmethod
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         """Score a completion from the completion text and the sandbox's serialised result."""
 
     # -- sets built from make_task -------------------------------------------------------

@@ -28,7 +28,7 @@ from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
 from components.sandbox.harness import python_tests_job
-from components.sandbox.job import Job, JobResult
+from components.core.jobs import Job, Outcome
 
 EXAMPLE_INPUTS = (1, 2)
 TRAP_INPUTS = (2, 3)
@@ -61,7 +61,7 @@ class Code(Domain):
         body = first_line(completion)
         return python_tests_job(task.task_id, f"def f(x):\n  return {body}\n", "f", task.reference["inputs"])
 
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         expected = task.reference["expected"]
         if result is None or result.status == "infra_error":
             return Verdict(0.0, False, status="infra_error", detail="sandbox did not run the tests")

@@ -36,7 +36,7 @@ import random
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
-from components.sandbox.job import JobResult
+from components.core.jobs import Outcome
 
 FIELDS = ("rev", "cost", "tax", "net", "cash", "debt", "capex", "opex", "div")
 MAX_PROMPT_CHARS = 224  # 256 positions - BOS - EOS - a 24-token completion cap, rounded down
@@ -99,7 +99,7 @@ class Extraction(Domain):
     def reference_completion(self, task: Task) -> str:
         return ",".join(task.reference["answer"])
 
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         want = [normalise(v) for v in task.reference["answer"]]
         line = first_line(completion)
         got = [normalise(v) for v in line.split(",")] if line else []

@@ -28,7 +28,7 @@ from fractions import Fraction
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
-from components.sandbox.job import JobResult
+from components.core.jobs import Outcome
 
 _INT = re.compile(r"^[+-]?\d{1,12}$")
 _FRAC = re.compile(r"^([+-]?\d{1,12})/(\d{1,12})$")
@@ -89,7 +89,7 @@ class Math(Domain):
     def reference_completion(self, task: Task) -> str:
         return task.reference["answer"]
 
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         answer = parse_number(task.reference["answer"])
         assert answer is not None, f"task {task.task_id} has an unparseable answer {task.reference['answer']!r}"
         parsed = parse_number(first_line(completion))

@@ -32,7 +32,7 @@ import jsonschema
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.domains.registry import register
-from components.sandbox.job import JobResult
+from components.core.jobs import Outcome
 
 MAX_SIDE = 1000  # the bound when a prompt names none
 _SIDE = {"type": "integer", "minimum": 1, "maximum": MAX_SIDE}
@@ -96,7 +96,7 @@ class Structured(Domain):
     def reference_completion(self, task: Task) -> str:
         return json.dumps(task.reference["solution"], separators=(",", ":"))
 
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         part = task.reference["kind"] == "part"
         value = parse_json(first_line(completion), PART_SCHEMA if part else SCENE_SCHEMA)
         names = ("volume", "height", "bounds") if part else ("inside", "no_overlap")

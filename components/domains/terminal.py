@@ -41,7 +41,7 @@ import random
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, make_task
 from components.domains.registry import register
-from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult, SessionJob
+from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 
 NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
@@ -207,7 +207,7 @@ class Terminal(Domain):
             argv=[PYTHON, "-I", "-S", "driver.py", RESULT_FD, str(COMMAND_TIMEOUT_S)],
         )
 
-    def verify(self, task: Task, completion: str, result: JobResult | None) -> Verdict:
+    def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         if result is None or result.status == "infra_error":
             return Verdict(0.0, False, status="infra_error", detail="sandbox did not run the command")
         expected: dict[str, str] = task.reference["expected"]

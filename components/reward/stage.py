@@ -22,7 +22,6 @@ from components.reward.advantages import group_advantages
 from components.reward.normalize import (
     STATS_OUTPUT, RunningStats, Stats, cumulative_after, from_json, merge_all, to_json, zscore,
 )
-from components.sandbox.stage import to_job_result
 
 
 def inputs(ctx: StageContext) -> None:
@@ -51,8 +50,7 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
     ``cfg.normalize == "domain_zscore"``; merged with this batch's own raw rewards)."""
     verdicts = {}
     for r in rollouts:
-        ex = executions.get(r.rollout_id)
-        verdicts[r.rollout_id] = registry.get(r.domain).verify(tasks[r.task_id], r.completion, to_job_result(ex) if ex else None)
+        verdicts[r.rollout_id] = registry.get(r.domain).verify(tasks[r.task_id], r.completion, executions.get(r.rollout_id))
     raw_by: dict[str, list[float]] = defaultdict(list)
     for r in rollouts:
         if verdicts[r.rollout_id].status != "infra_error":

@@ -32,7 +32,7 @@ from components.sandbox import cgroups, seccomp
 from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with
 from components.sandbox.detect import Support, probe
 from components.sandbox.executor import DEFAULT_PYTHON, SubprocessExecutor, register_backend
-from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult, SessionJob
+from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult, SessionJob
 from components.sandbox.limits import UIDS, Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
 from components.sandbox.supervise import watch

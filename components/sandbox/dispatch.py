@@ -10,7 +10,7 @@ from components.core.progress import bar
 from components.core.records import Task
 from components.domains import registry
 from components.sandbox.executor import Executor, run_many
-from components.sandbox.job import JobResult
+from components.core.jobs import JobResult
 
 
 def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency: int, label: str = "sandbox") -> dict[str, JobResult]:

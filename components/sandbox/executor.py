@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from components.sandbox.job import PYTHON, RESULT_FD, Job, JobResult, SessionJob
+from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult, SessionJob
 
 DEFAULT_PYTHON = "/usr/bin/python3"
 

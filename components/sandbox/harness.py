@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from components.sandbox.job import PYTHON, RESULT_FD, Job
+from components.core.jobs import PYTHON, RESULT_FD, Job
 
 HARNESS = r'''
 import json, os, sys

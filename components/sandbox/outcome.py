@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from components.sandbox.job import JobResult
+from components.core.jobs import JobResult
 
 
 @dataclass

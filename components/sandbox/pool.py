@@ -36,7 +36,7 @@ from components.sandbox import cgroups, seccomp
 from components.sandbox.bwrap import check_paths
 from components.sandbox.command import SandboxSpec, host_argv, memfd_with
 from components.sandbox.detect import Support
-from components.sandbox.job import Job, JobResult
+from components.core.jobs import Job, JobResult
 from components.sandbox.limits import UIDS, Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
 from components.sandbox.supervise import watch

@@ -24,7 +24,7 @@ import time
 
 from components.sandbox.bwrap import require, resolve_python
 from components.sandbox.detect import probe
-from components.sandbox.job import RESULT_FD, Job, JobResult, SessionJob
+from components.core.jobs import RESULT_FD, Job, JobResult, SessionJob
 from components.sandbox.limits import Limits
 from components.sandbox.pool import Worker
 

@@ -34,11 +34,10 @@ ROLLOUTS = [
 EXECUTIONS = [
     Execution(rollout_id="code-7-i1-g3", task_id="code-7", domain="code", backend="bwrap", isolation="bwrap+seccomp",
               status="timeout", exit_code=-9, signal=9, stdout="partial\n", stderr="Killed", duration_s=5.01,
-              cpu_time_s=4.99, peak_memory_mb=12.5, tests_passed=0, tests_total=2,
-              verdict={"result": {"passed": [False, False]}, "state_checks": []}),
+              cpu_time_s=4.99, peak_memory_mb=12.5, result={"values": [[1, "2"], [None, 3.5]], "state_checks": []}),
     Execution(rollout_id="r2", task_id="t2", domain="code", backend="subprocess", isolation="process+rlimits",
               status="ok", exit_code=0, signal=0, stdout="", stderr="", duration_s=0.0, cpu_time_s=0.0,
-              peak_memory_mb=0.0, tests_passed=2, tests_total=2),
+              peak_memory_mb=0.0),
 ]
 REWARDS = [
     Reward(rollout_id="arith-0001-i1-g0", task_id="arith-0001", domain="arithmetic", group_index=0, raw_reward=1.0,

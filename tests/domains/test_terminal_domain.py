@@ -16,7 +16,7 @@ from components.core.recipe import SandboxConfig
 from components.domains import registry
 from components.domains.base import make_task
 from components.sandbox.executor import get_executor
-from components.sandbox.job import JobResult
+from components.core.jobs import JobResult
 
 TERMINAL = registry.get("terminal")
 

@@ -80,7 +80,7 @@ def test_episode_through_a_sandbox_session() -> None:
 
 
 def test_parse_action_and_observation() -> None:
-    from components.sandbox.job import JobResult
+    from components.core.jobs import JobResult
 
     assert parse_action("  ls -la \n") == ("bash", "ls -la", False)
     assert parse_action("DONE") == ("done", "", True)

@@ -20,7 +20,7 @@ import pytest
 
 from components.sandbox import bwrap, cgroups
 from components.sandbox.detect import probe
-from components.sandbox.job import Job
+from components.core.jobs import Job
 from tests.sandbox.helpers import bwrap_unavailable, sandbox_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from components.sandbox.job import Job
+from components.core.jobs import Job
 from tests.sandbox.helpers import pids_with
 
 PY = ["{python}", "-I", "-S", "main.py"]

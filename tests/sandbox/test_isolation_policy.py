@@ -10,7 +10,7 @@ import pytest
 from components.core.errors import UserError
 from components.sandbox import bwrap
 from components.sandbox.detect import probe
-from components.sandbox.job import Job
+from components.core.jobs import Job
 from tests.sandbox.helpers import sandbox_config
 
 

@@ -12,7 +12,7 @@ import pytest
 from components.sandbox import cgroups
 from components.sandbox.cli import add_parser
 from components.sandbox.executor import get_executor
-from components.sandbox.job import Job
+from components.core.jobs import Job
 from components.sandbox.session import SandboxSession
 from tests.sandbox.helpers import bwrap_unavailable, sandbox_config, sandbox_pids_after
 
@@ -56,7 +56,7 @@ CHECK = ("import json, os, sys\n"
 
 @pytest.mark.parametrize("backend", ["bwrap", "subprocess"])
 def test_session_job_runs_steps_then_a_check_the_steps_cannot_edit(backend):
-    from components.sandbox.job import PYTHON, RESULT_FD, SessionJob
+    from components.core.jobs import PYTHON, RESULT_FD, SessionJob
 
     job = SessionJob(
         job_id="steps", files={"seed.txt": "x"},
