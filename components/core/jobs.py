@@ -15,7 +15,9 @@ A ``SessionJob`` is a multi-step job: lay out ``files``, run each of ``steps`` (
 script) as its own command in one sandbox session, then run ``check`` (a ``Job`` whose
 files are written just before it, so the steps cannot have edited them) in the same work
 folder. Its result is the check's, with the steps' exit codes and statuses added by the
-host under ``result["steps"]``.
+host under ``result["steps"]``. ``flatten(job)`` is its one-process equivalent for
+backends without sessions (the ``subprocess`` backend, trusted code only: there the
+steps share the check's process tree and report no exit codes).
 
 ``Outcome`` is what a verifier reads: a status and the serialised result. Both a fresh
 ``JobResult`` and a stored ``Execution`` record are one, so a stored execution is
@@ -25,6 +27,9 @@ verified as it is, without converting it back. Not covered here: running jobs (t
 
 from __future__ import annotations
 
+import base64
+import posixpath
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,17 +44,12 @@ class Job:
     job_id: str
     files: dict[str, str]  # relative path -> text, written into the work folder
     argv: list[str]  # run inside the work folder; "{python}" is replaced by the job interpreter
-    result_file: str = ""  # legacy result channel: a file in the work folder (being removed)
     timeout_s: float | None = None  # None: the executor's default
     stdin: str = ""
 
     @property
     def uses_result_fd(self) -> bool:
         return RESULT_FD in self.argv
-
-    @property
-    def wants_result(self) -> bool:
-        return self.uses_result_fd or bool(self.result_file)
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,29 @@ class SessionJob:
     steps: list[str]  # bash scripts, one command each, run in order in the work folder
     check: Job  # runs last; its result channel is the SessionJob's result
     step_timeout_s: float | None = None  # per step; None: the executor's default
+
+
+# Runs each step file in a subshell that cannot write to the result fd ($1), then writes
+# the check's files afresh (from this script's own text, which no step can edit) and execs the check.
+_FLAT = 'fd=$1; shift; for f in .steps/*.sh; do (if [ -n "$fd" ]; then eval "exec $fd>&-"; fi; bash "$f") </dev/null; done\n'
+
+
+def flatten(job: SessionJob) -> Job:
+    """The same steps and check as one process tree (no session, no per-step exit codes)."""
+    script = _FLAT
+    for rel, text in job.check.files.items():
+        parent = posixpath.dirname(rel)
+        encoded = base64.b64encode(text.encode()).decode()
+        script += (f"mkdir -p -- {shlex.quote(parent)}; " if parent else "") + \
+            f"rm -rf -- {shlex.quote(rel)}; printf %s {encoded} | base64 -d > {shlex.quote(rel)}\n"
+    script += 'exec "$@"\n'
+    files = {**job.files, **{f".steps/{i:03d}.sh": step for i, step in enumerate(job.steps)}}
+    total = None  # the executor's default, unless the steps have their own limit (then the check keeps its time too)
+    if job.step_timeout_s is not None:
+        total = job.step_timeout_s * len(job.steps) + (job.check.timeout_s or 5.0)
+    fd = RESULT_FD if job.check.uses_result_fd else ""
+    return Job(job_id=job.job_id, files=files, argv=["bash", "-c", script, "flat", fd, *job.check.argv],
+               timeout_s=total, stdin=job.check.stdin)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ Required: bwrap with user+pid+net+mount namespaces, an unprivileged uid, seccomp
 rlimits. Reported but optional: cgroup limits (rlimits, the pid namespace and sized
 tmpfs still bound the job), Landlock (not used; mounts hide the host tree).
 
+``require`` turns missing layers into that refusal, ``resolve_python`` picks the job
+interpreter (it must live under /usr, the only host tree a sandbox sees) and
+``check_paths`` refuses job files that would land outside the work folder.
+
 Not covered: AppArmor/SELinux profiles, gVisor detection
 (a gVisor sandbox shows up as its own kernel and passes the probe as usual).
 """
@@ -23,12 +27,15 @@ import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from components.sandbox import cgroups, seccomp
 from components.sandbox.command import SandboxSpec, host_argv, tool
-from components.sandbox.limits import UIDS, Limits
+from components.core.jobs import Job
+from components.sandbox.limits import Lease, Limits
 
 PROBE_TIMEOUT_S = 20.0
+DEFAULT_PYTHON = "/usr/bin/python3"
 
 
 @dataclass(frozen=True)
@@ -95,19 +102,15 @@ def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool
                  cgroup_v2: bool) -> str:
     """'' when a real sandbox ran ``python -I -S`` as an unprivileged uid, else what failed."""
     limits = Limits(timeout_s=PROBE_TIMEOUT_S, memory_mb=512, output_cap=4096, cpu_s=int(PROBE_TIMEOUT_S) + 1)
-    uid = UIDS.lease()
-    group = None
-    fds: list[int] = []
+    lease = None
     try:
-        group = cgroups.create_group(cgroup_v1, cgroup_v2, 512 << 20, 64, 1.0)
-        if use_seccomp:
-            fds.append(seccomp.memfd("job"))
+        lease = Lease(cgroup_v1, cgroup_v2, 512 << 20, 64, 1.0)
+        seccomp_fd = lease.keep(seccomp.memfd("job")) if use_seccomp else None
         code = "import os,socket; print(os.getuid(), os.getpid()); socket.socket(socket.AF_INET)"
-        spec = SandboxSpec(uid=uid, limits=limits, cmd=[python, "-I", "-S", "-c", code],
-                           cgroup_procs=group.procs_files() if group else [],
-                           seccomp_fd=fds[0] if fds else None)
+        spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[python, "-I", "-S", "-c", code],
+                           cgroup_procs=lease.procs_files(), seccomp_fd=seccomp_fd)
         argv, env = host_argv(spec, bwrap, setpriv)
-        proc = subprocess.run(argv, env=env, pass_fds=fds, capture_output=True, text=True,
+        proc = subprocess.run(argv, env=env, pass_fds=lease.ours, capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S, start_new_session=True)
         first = proc.stdout.split()
         if len(first) < 2 or first[1] != "2":
@@ -120,11 +123,8 @@ def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool
     except (OSError, subprocess.SubprocessError) as exc:
         return f"probe sandbox could not start: {exc}"
     finally:
-        for fd in fds:
-            os.close(fd)
-        if group:
-            group.close()
-        UIDS.release(uid)
+        if lease is not None:
+            lease.release(wait=True)
 
 
 @functools.cache
@@ -151,3 +151,34 @@ def probe(python: str = "/usr/bin/python3") -> Support:
         landlock_abi=landlock_abi(), drops_uid=os.geteuid() == 0, namespaces_ok=namespaces_ok,
         problems=tuple(problems),
     )
+
+
+def require(support: Support, allow_weak: bool) -> None:
+    """Refuse weak isolation unless the recipe allows it."""
+    from components.core.errors import UserError
+
+    if support.missing and not allow_weak:
+        detail = "; ".join(support.problems)
+        raise UserError(
+            "sandbox.allow_weak_isolation", False,
+            f"this host lacks {', '.join(support.missing)} for the bwrap sandbox" + (f" ({detail})" if detail else ""),
+            "install what is missing (see 'Threat model' in components/sandbox/README.md), or set "
+            "sandbox.allow_weak_isolation: true to run untrusted code with weaker isolation",
+        )
+
+
+def resolve_python(config) -> str:
+    from components.core.errors import UserError
+
+    python = getattr(config, "python", "") or DEFAULT_PYTHON
+    if not python.startswith("/usr/"):
+        raise UserError("sandbox.python", python, "the bwrap sandbox only shows /usr, so this interpreter is not "
+                        "visible inside it", "leave sandbox.python empty to use /usr/bin/python3 (Debian's)")
+    return python
+
+
+def check_paths(job: Job) -> None:
+    for rel in job.files:
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts:
+            raise ValueError(f"job {job.job_id}: file path {rel!r} must be relative and stay inside the work folder")

@@ -4,7 +4,9 @@
 the sandbox applies: rlimits (CPU, address space, file size, open files, processes),
 cgroup values, tmpfs sizes and the output flood threshold. ``UidPool`` hands each
 concurrently running sandbox its own unprivileged host uid, so per-uid limits
-(RLIMIT_NPROC) and signals never cross between jobs.
+(RLIMIT_NPROC) and signals never cross between jobs. A ``Lease`` is what one sandbox
+holds on the host (its uid, its cgroup, the host's ends of its fds): taken together,
+given back together in ``release``.
 
 Not covered: per-recipe tuning of the derived values (they are constants here); disk
 I/O bandwidth and network limits (there is no network).
@@ -17,6 +19,8 @@ import math
 import os
 import threading
 from dataclasses import dataclass
+
+from components.sandbox import cgroups
 
 UID_BASE = 1_500_000  # far above login users, below the 2^31 kernel edge; no passwd entry needed
 UID_SLOTS = 4096
@@ -129,3 +133,68 @@ class UidPool:
 
 
 UIDS = UidPool()
+
+
+class Lease:
+    """One sandbox's host resources: a uid from ``UIDS``, a cgroup (``cgroups.create_group``;
+    None where there is no writable cgroup) and fds. ``ours`` are the host's ends, closed
+    on ``release``; ``theirs`` go to the sandbox and are closed by ``started()`` once it
+    has them. ``release`` gives everything back exactly once; by default the group is
+    removed (and only then the uid freed) off the job's critical path."""
+
+    def __init__(self, cgroup_v1, cgroup_v2: bool, memory_bytes: int, pids_max: int, cpus: float) -> None:
+        self.uid = UIDS.lease()
+        self.ours: list[int] = []
+        self.theirs: list[int] = []
+        self.released = False
+        try:
+            self.group = cgroups.create_group(cgroup_v1, cgroup_v2, memory_bytes, pids_max, cpus)
+        except BaseException:
+            UIDS.release(self.uid)
+            raise
+
+    def keep(self, fd: int) -> int:
+        self.ours.append(fd)
+        return fd
+
+    def give(self, fd: int) -> int:
+        self.theirs.append(fd)
+        return fd
+
+    def pipe(self) -> tuple[int, int]:
+        """(read end, kept here; write end, for the sandbox)."""
+        r, w = os.pipe()
+        return self.keep(r), self.give(w)
+
+    def procs_files(self) -> list[str]:
+        return self.group.procs_files() if self.group else []
+
+    def close(self, fd: int) -> None:
+        """Close one of ``ours`` early (e.g. to send EOF)."""
+        self.ours.remove(fd)
+        os.close(fd)
+
+    def started(self) -> None:
+        for fd in self.theirs:
+            os.close(fd)
+        self.theirs.clear()
+
+    def release(self, wait: bool = False) -> None:
+        """Close every fd, kill what is left in the group and remove it, free the uid;
+        ``wait``: do it now instead of on the cgroup reaper's thread."""
+        if self.released:
+            return
+        self.released = True
+        for fd in self.ours + self.theirs:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.ours, self.theirs = [], []
+        group, self.group, uid = self.group, None, self.uid
+        if group and not wait:
+            cgroups.REAPER.submit(group, lambda: UIDS.release(uid))
+            return
+        if group:
+            group.close()
+        UIDS.release(uid)

@@ -16,25 +16,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.core.jobs import JobResult
+from components.sandbox.supervise import Watched
 
 
 @dataclass
 class Observed:
+    seen: Watched  # the job's streams, and whether the host hit the wall clock or saw a flood
     exit_code: int  # as a shell reports it: 128+N when killed by signal N
-    signaled: int  # signal number when known to be a signal, else 0
-    timed_out: bool
-    flooded: bool
-    oom_kills: int
-    stdout: bytes
-    stderr: bytes
-    stdout_total: int
-    stderr_total: int
     duration_s: float
     cpu_time_s: float
     peak_memory_mb: float
-    result_raw: bytes | None = None
-    result_total: int = 0
+    signaled: int = 0  # signal number when known to be a signal, else 0
+    oom_kills: int = 0
+    timed_out: bool = False  # the job's own clock ran out (the warm worker's), besides the host's
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def text(self, name: str) -> str:
+        return cap_text(bytes(self.seen.data[name]), self.seen.total[name])
 
 
 def cap_text(data: bytes, total: int) -> str:
@@ -42,9 +40,9 @@ def cap_text(data: bytes, total: int) -> str:
     return text + f"\n...[{total - len(data)} bytes cut]" if total > len(data) else text
 
 
-def parse_result(raw: bytes | None, total: int, cap: int) -> tuple[Any, str]:
+def parse_result(raw: bytes, total: int, cap: int) -> tuple[Any, str]:
     """(parsed JSON or None, problem or '')."""
-    if raw is None or total == 0:
+    if total == 0:
         return None, "no result written"
     if total > cap:
         return None, f"result larger than {cap} bytes"
@@ -57,34 +55,33 @@ def parse_result(raw: bytes | None, total: int, cap: int) -> tuple[Any, str]:
 def status_of(obs: Observed) -> tuple[str, int]:
     """(status, signal)."""
     sig = obs.signaled or (obs.exit_code - 128 if 128 < obs.exit_code < 128 + 65 else 0)
-    if obs.timed_out or sig == signal.SIGXCPU:
+    if obs.timed_out or obs.seen.timed_out or sig == signal.SIGXCPU:
         return "timeout", sig
     if obs.oom_kills > 0:
         return "oom", sig
-    if obs.flooded:
+    if obs.seen.flooded or sig:
         return "killed", sig
-    if sig:
-        return "killed", sig
-    if obs.exit_code != 0 and b"MemoryError" in obs.stderr:
+    if obs.exit_code != 0 and b"MemoryError" in obs.seen.data["stderr"]:
         return "oom", 0
     return ("ok" if obs.exit_code == 0 else "failed"), 0
 
 
-def to_result(obs: Observed, backend: str, isolation: str, result_cap: int, want_result: bool) -> JobResult:
+def to_result(obs: Observed, backend: str, isolation: str, result_cap: int) -> JobResult:
+    """The one place a ``JobResult`` is built from a finished job (every backend); the
+    result channel is parsed when the job had one (a ``result`` stream)."""
     status, sig = status_of(obs)
     extra = dict(obs.extra)
     result = None
-    if want_result:
-        result, problem = parse_result(obs.result_raw, obs.result_total, result_cap)
+    if "result" in obs.seen.data:
+        result, problem = parse_result(bytes(obs.seen.data["result"]), obs.seen.total["result"], result_cap)
         if problem:
             extra["result_problem"] = problem
-    if obs.flooded:
+    if obs.seen.flooded:
         extra["reason"] = "output flood"
     return JobResult(
-        status=status, exit_code=obs.exit_code, signal=int(sig),
-        stdout=cap_text(obs.stdout, obs.stdout_total), stderr=cap_text(obs.stderr, obs.stderr_total),
-        duration_s=obs.duration_s, cpu_time_s=obs.cpu_time_s, peak_memory_mb=obs.peak_memory_mb,
-        result=result, backend=backend, isolation=isolation, extra=extra,
+        status=status, exit_code=obs.exit_code, signal=int(sig), stdout=obs.text("stdout"),
+        stderr=obs.text("stderr"), duration_s=obs.duration_s, cpu_time_s=obs.cpu_time_s,
+        peak_memory_mb=obs.peak_memory_mb, result=result, backend=backend, isolation=isolation, extra=extra,
     )
 
 

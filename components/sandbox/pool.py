@@ -32,14 +32,13 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from components.sandbox import cgroups, seccomp
-from components.sandbox.bwrap import check_paths
-from components.sandbox.command import SandboxSpec, host_argv, memfd_with
-from components.sandbox.detect import Support
 from components.core.jobs import Job, JobResult
-from components.sandbox.limits import UIDS, Limits
+from components.sandbox import seccomp
+from components.sandbox.command import SandboxSpec, host_argv, memfd_with
+from components.sandbox.detect import Support, check_paths
+from components.sandbox.limits import Lease, Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
-from components.sandbox.supervise import watch
+from components.sandbox.supervise import job_streams, watch
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
 START_TIMEOUT_S = 15.0
@@ -107,7 +106,7 @@ class Worker:
         self.limits = limits
         self.isolation = isolation
         self.session = session
-        self.uid = UIDS.lease()
+        self.lease: Lease | None = None
         self.group = None
         self.proc: subprocess.Popen | None = None
         self.ctl: socket.socket | None = None
@@ -125,8 +124,8 @@ class Worker:
         worker_limits = replace(lim, cpu_s=7 * 86400, memory_mb=lim.memory_mb + WORKER_OVERHEAD_MB,
                                 nproc=lim.nproc + 8)
         memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
-        self.group = cgroups.create_group(self.support.cgroup_v1, self.support.cgroup_v2, memory, lim.pids_max + 8,
-                                          lim.cpus)
+        self.lease = Lease(self.support.cgroup_v1, self.support.cgroup_v2, memory, lim.pids_max + 8, lim.cpus)
+        self.uid, self.group = self.lease.uid, self.lease.group
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fds = [child.fileno()]
         try:
@@ -138,7 +137,7 @@ class Worker:
             if self.session:
                 cmd.append("session")
             spec = SandboxSpec(uid=self.uid, limits=worker_limits, cmd=cmd,
-                               cgroup_procs=self.group.procs_files() if self.group else [], seccomp_fd=filter_fd,
+                               cgroup_procs=self.lease.procs_files(), seccomp_fd=filter_fd,
                                system_files=[(zygote_fd, "/sandbox/zygote.py"), (bpf_fd, "/sandbox/job.bpf")],
                                worker=True, pdeathsig=False)
             argv, env = host_argv(spec, self.support.bwrap, self.support.setpriv)
@@ -174,13 +173,12 @@ class Worker:
             ours += [out_r, err_r]
             theirs += [out_w, err_w]
             result_r = None
-            if job.wants_result:
+            if job.uses_result_fd:
                 result_r, result_w = os.pipe()
                 ours.append(result_r)
                 theirs.append(result_w)
             job_key = uuid.uuid4().hex
-            header = {"op": "run", "id": job_key, "limits": wire_limits,
-                      "result_file": "" if job.uses_result_fd else plain_str(job.result_file)}
+            header = {"op": "run", "id": job_key, "limits": wire_limits}
             if self.group:
                 self.group.reset_peak()
             oom_before = self._oom_seen
@@ -210,13 +208,8 @@ class Worker:
                     return True
                 return False
 
-            streams = {"stdout": out_r, "stderr": err_r}
-            caps = {"stdout": limits.output_cap, "stderr": limits.output_cap}
-            if result_r is not None:
-                streams["result"] = result_r
-                caps["result"] = limits.result_cap
-            seen = watch(streams, caps, self.ctl.fileno(), on_message, start + limits.timeout_s + BACKSTOP_S,
-                         self._die, limits.flood)
+            seen = watch(job_streams(out_r, err_r, result_r, limits), self.ctl.fileno(), on_message,
+                         start + limits.timeout_s + BACKSTOP_S, self._die, limits.flood)
             duration = time.monotonic() - start
             if seen.flooded and self.alive:
                 self._die()  # the flood kill took the worker down with the job
@@ -235,10 +228,9 @@ class Worker:
                 code = 128 + sig
             else:
                 code, sig = os.WEXITSTATUS(status), 0
-            stderr = bytes(seen.data["stderr"])
             if report.get("setup_failed") and not timed_out:  # the worker's word (J's "ready" byte), not the job's
-                return infra_error(stderr.decode(errors="replace")[-2000:] or "job setup failed", backend,
-                                   self.isolation)
+                stderr = bytes(seen.data["stderr"]).decode(errors="replace")
+                return infra_error(stderr[-2000:] or "job setup failed", backend, self.isolation)
             cpu = float(report.get("cpu_s", 0.0))
             if cpu_before is not None and timed_out:  # killed trees are never reaped by the job's init
                 cpu_after = self.group.cpu_time_s()
@@ -251,16 +243,10 @@ class Worker:
                 peak = self.group.peak_memory_mb()
                 if peak is not None:
                     extra["cgroup_peak_memory_mb"] = round(peak, 1)
-            obs = Observed(
-                exit_code=code, signaled=sig, timed_out=timed_out, flooded=seen.flooded,
-                oom_kills=self._oom_delta(oom_before, code),
-                stdout=bytes(seen.data["stdout"]), stderr=stderr, stdout_total=seen.total["stdout"],
-                stderr_total=seen.total["stderr"], duration_s=duration, cpu_time_s=cpu,
-                peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024,
-                result_raw=bytes(seen.data["result"]) if result_r is not None else None,
-                result_total=seen.total["result"] if result_r is not None else 0, extra=extra,
-            )
-            return to_result(obs, backend, self.isolation, limits.result_cap, job.wants_result)
+            obs = Observed(seen=seen, exit_code=code, signaled=sig, timed_out=timed_out,
+                           oom_kills=self._oom_delta(oom_before, code), duration_s=duration, cpu_time_s=cpu,
+                           peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024, extra=extra)
+            return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             for fd in ours + theirs:
                 try:
@@ -302,12 +288,9 @@ class Worker:
                 self.proc.wait()
             self.proc = None
         self.alive = False
-        if self.group:
-            self.group.close()
-            self.group = None
-        if self.uid is not None:
-            UIDS.release(self.uid)
-            self.uid = None
+        if self.lease is not None:
+            self.lease.release(wait=True)
+            self.lease = self.group = None
 
 
 class WarmPool:

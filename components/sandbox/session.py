@@ -8,10 +8,9 @@ starts die when it returns. The session is closed by ``close()``, by leaving its
 ``with`` block, or when ``session_timeout_s`` runs out (later ``exec`` calls then
 return a ``timeout`` result without running anything).
 
-``run_session_job(config, job)`` runs a ``SessionJob`` (job.py) in one session: the
-setup files, each step as its own ``exec``, then the check; ``flatten(job)`` is the
-one-process equivalent for backends without sessions (the ``subprocess`` backend,
-trusted code only: there the steps share the check's process tree).
+``run_session_job(config, job)`` runs a ``SessionJob`` (core/jobs.py) in one session:
+the setup files, each step as its own ``exec``, then the check (backends without
+sessions run ``core.jobs.flatten(job)`` instead).
 
 Not covered: background processes that outlive one command (use one ``exec`` for a
 server and its client), network access, sessions that survive the host process.
@@ -22,16 +21,16 @@ from __future__ import annotations
 import threading
 import time
 
-from components.sandbox.bwrap import require, resolve_python
-from components.sandbox.detect import probe
-from components.core.jobs import RESULT_FD, Job, JobResult, SessionJob
+from components.core.jobs import Job, JobResult, SessionJob
+from components.sandbox.detect import probe, require, resolve_python
+from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.pool import Worker
 
 DEFAULT_SESSION_TIMEOUT_S = 600.0
 
 
-class SandboxSession:
+class SandboxSession(Closing):
     name = "bwrap"
 
     def __init__(self, config, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S) -> None:
@@ -42,7 +41,7 @@ class SandboxSession:
         require(support, bool(getattr(config, "allow_weak_isolation", False)))
         if not support.bwrap or not support.namespaces_ok:
             raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
-                            "install bubblewrap and allow unprivileged user namespaces (see 'Sandbox: threat model' in README.md)")
+                            "install bubblewrap and allow unprivileged user namespaces (see components/sandbox/README.md)")
         self.config = config
         self.isolation = support.isolation + "+mode:session"
         self.limits = Limits.from_config(config)
@@ -89,12 +88,6 @@ class SandboxSession:
         with self._lock:
             self._close_locked()
 
-    def __enter__(self) -> SandboxSession:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def run_session_job(config, job: SessionJob, session_timeout_s: float | None = None) -> JobResult:
     """Steps then check, in one sandbox session; the host adds each step's exit code and
@@ -119,30 +112,3 @@ def run_session_job(config, job: SessionJob, session_timeout_s: float | None = N
         peak_memory_mb=max(r.peak_memory_mb for r in done), result=result, backend=final.backend,
         isolation=session.isolation, extra=final.extra,
     )
-
-
-# Runs each step file in a subshell that cannot write to the result fd ($1), then writes
-# the check's files afresh (from this script's own text, which no step can edit) and execs the check.
-_FLAT = 'fd=$1; shift; for f in .steps/*.sh; do (if [ -n "$fd" ]; then eval "exec $fd>&-"; fi; bash "$f") </dev/null; done\n'
-
-
-def flatten(job: SessionJob) -> Job:
-    """The same steps and check as one process tree (no session, no per-step exit codes)."""
-    import base64
-    import posixpath
-    import shlex
-
-    script = _FLAT
-    for rel, text in job.check.files.items():
-        parent = posixpath.dirname(rel)
-        encoded = base64.b64encode(text.encode()).decode()
-        script += (f"mkdir -p -- {shlex.quote(parent)}; " if parent else "") + \
-            f"rm -rf -- {shlex.quote(rel)}; printf %s {encoded} | base64 -d > {shlex.quote(rel)}\n"
-    script += 'exec "$@"\n'
-    files = {**job.files, **{f".steps/{i:03d}.sh": step for i, step in enumerate(job.steps)}}
-    total = None  # the executor's default, unless the steps have their own limit (then the check keeps its time too)
-    if job.step_timeout_s is not None:
-        total = job.step_timeout_s * len(job.steps) + (job.check.timeout_s or 5.0)
-    fd = RESULT_FD if job.check.uses_result_fd else ""
-    return Job(job_id=job.job_id, files=files, argv=["bash", "-c", script, "flat", fd, *job.check.argv],
-               timeout_s=total, stdin=job.check.stdin, result_file=job.check.result_file)

@@ -1,6 +1,8 @@
 """Watch one running job from the host: drain its pipes, enforce the wall clock, reap it.
 
-``watch`` multiplexes the job's stdout, stderr and result pipes plus a "finished" fd
+Serves all three ways a job runs: a strict bwrap sandbox and a ``subprocess`` job (a
+process we spawned: ``watch_process``) and a warm job (``watch`` on the worker's
+control socket). ``watch`` multiplexes the job's stdout, stderr and result pipes plus a "finished" fd
 (a pidfd for a process we spawned, or the warm worker's control socket) with one
 ``select.poll`` loop in the calling thread (no epoll instance to create and close per
 job; a warm job is ~3 ms, so the host's share matters). Output beyond ``cap`` bytes is read and
@@ -9,7 +11,7 @@ the job (a flood would otherwise burn host CPU until the timeout). On the deadli
 calls ``kill`` once and keeps draining briefly.
 
 Not covered: the kill itself (the caller knows how to kill its tree) and accounting
-(the caller reaps with ``os.wait4`` or reads the worker's report).
+beyond ``wait4`` (cgroup counters, the warm worker's report).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import select
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,24 +40,32 @@ class Watched:
     finished_at: float = 0.0
 
 
+def job_streams(stdout: int, stderr: int, result: int | None, limits) -> dict[str, tuple[int, int]]:
+    """name -> (fd, bytes kept) for a job's pipes (``limits``: a ``Limits``)."""
+    streams = {"stdout": (stdout, limits.output_cap), "stderr": (stderr, limits.output_cap)}
+    if result is not None:
+        streams["result"] = (result, limits.result_cap)
+    return streams
+
+
 def watch(
-    streams: dict[str, int],
-    caps: dict[str, int],
+    streams: dict[str, tuple[int, int]],
     finished_fd: int,
     on_finished: Callable[[], bool],
     deadline: float,
     kill: Callable[[], None],
     flood: int,
 ) -> Watched:
-    """Drain ``streams`` until ``on_finished()`` says done and the pipes closed (or time ran out).
+    """Drain ``streams`` (name -> (fd, bytes kept)) until ``on_finished()`` says done and
+    the pipes closed (or time ran out).
 
     ``on_finished`` is called whenever ``finished_fd`` is readable and returns True once
     the job is over. ``deadline`` is a ``time.monotonic()`` value.
     """
     out = Watched({name: bytearray() for name in streams}, {name: 0 for name in streams})
-    names = {fd: name for name, fd in streams.items()}
+    names = {fd: name for name, (fd, _) in streams.items()}
     poller = select.poll()
-    for fd in streams.values():
+    for fd in names:
         os.set_blocking(fd, False)
         poller.register(fd, READABLE)
     poller.register(finished_fd, READABLE)
@@ -86,7 +97,7 @@ def watch(
                 del names[fd]
                 continue
             out.total[name] += len(chunk)
-            room = caps[name] - len(out.data[name])
+            room = streams[name][1] - len(out.data[name])
             if room > 0:
                 out.data[name] += chunk[:room]
             if out.total[name] > flood and not killed:
@@ -94,3 +105,23 @@ def watch(
                 kill()
                 deadline = time.monotonic() + 2.0
     return out
+
+
+def watch_process(proc: subprocess.Popen, streams: dict[str, tuple[int, int]], deadline: float,
+                  kill: Callable[[], None], flood: int) -> tuple[Watched, os.struct_rusage]:
+    """``watch`` a process we spawned (finished: its pidfd), kill it if the watch gave up
+    on it, and reap it with ``os.wait4``: this child's own rusage (``RUSAGE_CHILDREN``
+    would mix concurrent jobs). Sets ``proc.returncode``."""
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        seen = watch(streams, pidfd, lambda: True, deadline, kill, flood)
+    finally:
+        os.close(pidfd)
+    if not seen.finished:
+        kill()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    for stream in (proc.stdout, proc.stderr):
+        if stream:
+            stream.close()
+    return seen, usage

@@ -5,7 +5,7 @@ Stdlib only (it runs on the sandbox's /usr/bin/python3, not the project's venv);
 host never imports it.
 
 Per job the host sends one SEQPACKET message on CTL_FD: a header plus fds (spec memfd,
-stdout, stderr, optional result pipe). Header and spec are ``marshal`` data (format 4:
+stdout, stderr, and the result pipe when the job has a ``{result_fd}``). Header and spec are ``marshal`` data (format 4:
 dicts, lists, strings and numbers only) written by the trusted host; decoding them
 touches far fewer objects than ``json`` (every object a forked job touches costs it a
 copy-on-write page fault). The report goes back as JSON: the host parses what comes
@@ -30,12 +30,6 @@ inherit); it forks:
             status and resource use with wait4, after J has exited: while J lives,
             each page the worker writes is a copy-on-write copy, so the worker blocks
             on J first and tidies up after.
-
-A job with a legacy ``result_file`` gets one more process: G is pid 1 instead, forks J,
-and once J has exited kills what J left in the namespace and copies the file to the
-result pipe. A process J left behind can still rewrite the file in the moment between
-J's exit and that kill, so a result file is the job's word, never a verdict (verdicts
-come through the result fd: harness.py).
 
 The job cannot see or signal the worker (outside its pid namespace), cannot mount or
 unshare (seccomp, no capabilities) and gets nothing from earlier jobs (fresh tmpfs and
@@ -62,7 +56,6 @@ import signal
 import socket
 import struct
 import sys
-import time
 
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
@@ -76,7 +69,6 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 RESULT_FD_IN_JOB = 3
 WIRE_VERSION = 4  # marshal format of the host's header and spec: plain dicts, lists, str, numbers
-REPORT_SIZE = struct.calcsize("=idd")
 try:
     with open("/proc/sys/kernel/cap_last_cap") as _fh:
         CAP_LAST = int(_fh.read())
@@ -89,7 +81,7 @@ SETUP_FAILED_MARK = b"sandbox worker: job setup failed:\n"
 
 
 def fail_setup(fd=2):
-    """J (or G) could not set the job up: say why on the job's stderr, exit 125. Never
+    """J could not set the job up: say why on the job's stderr, exit 125. Never
     returns. Whether this was a setup failure is decided by the worker (no "ready" byte
     from J), not by the exit code or the text, which a job could imitate."""
     try:
@@ -374,26 +366,6 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         os._exit(127)
 
 
-def copy_result_file(name, result_fd, cap):
-    """Legacy result_file: after the job, hand the file's bytes to the host over the pipe."""
-    try:
-        fd = os.open(os.path.join("/work", name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return
-    try:
-        if not __import__("stat").S_ISREG(os.fstat(fd).st_mode):
-            return
-        left = cap + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            os.write(result_fd, chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-
-
 def tmpfs_options(limits):
     """The job's tmpfs mount data for /work and /tmp, built in the worker before the fork."""
     return (f"size={limits['work_bytes']},mode=0755".encode(), f"size={limits['tmp_bytes']},mode=1777".encode())
@@ -412,90 +384,17 @@ def private_mounts(fresh, tmpfs):
 
 
 def job_pid1(job_args, fresh, tmpfs):
-    """J as pid 1 of its own pid namespace (the usual path). Never returns."""
+    """The forked child: J, pid 1 of its own pid namespace. Never returns (and never
+    unwinds back into the worker's loop); J closes the worker's fds in job_main."""
     try:
         PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
         private_mounts(fresh, tmpfs)
     except BaseException:
         fail_setup(job_args[2])
-    job_main(*job_args)
-
-
-def init_main(job_args, report_fd, fresh, limits, result_file, worker_fds):
-    """G: pid 1 of the job's pid namespace. New mount+ipc namespaces, mounts, forks J,
-    reaps, kills whatever J left in the namespace (so nothing can rewrite the result file
-    after J), copies the file, writes J's status to ``report_fd``."""
-    for fd in worker_fds:  # the control socket and the worker's namespace fd: not G's business
-        os.close(fd)
-    PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
-    private_mounts(fresh, tmpfs_options(limits))
-    pid = os.fork()
-    if pid == 0:
-        os.close(report_fd)
+    try:
         job_main(*job_args)
-    for fd in job_args[:3]:
-        os.close(fd)
-    result_fd = job_args[3]
-    if result_fd >= 0 and not result_file:
-        os.close(result_fd)
-    while True:
-        try:
-            got, status, usage = os.wait4(-1, 0)
-        except ChildProcessError:
-            os._exit(0)
-        if got == pid:
-            kill_namespace()
-            if result_file and result_fd >= 0:
-                try:
-                    copy_result_file(result_file, result_fd, limits["result_cap"])
-                except OSError:
-                    pass
-            os.write(report_fd, struct.pack("=idd", status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss))
-            os._exit(0)
-
-
-def kill_namespace():
-    """From the namespace's init: SIGKILL every other process in it and reap them."""
-    try:
-        os.kill(-1, SIGKILL)
-    except ProcessLookupError:
-        return
-    while True:
-        try:
-            os.wait()
-        except ChildProcessError:
-            return
-
-
-def wait_report(pid, report_r, timeout_s):
-    """Read G's report; kill G when the wall clock runs out. Returns the report dict."""
-    pidfd = os.pidfd_open(pid)
-    deadline = time.monotonic() + timeout_s
-    packed = b""
-    timed_out = False
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                os.kill(pid, signal.SIGKILL)
-                break
-            ready, _, _ = select.select([report_r, pidfd], [], [], left)
-            if report_r in ready:
-                chunk = os.read(report_r, 64)
-                packed += chunk
-                if not chunk or len(packed) >= REPORT_SIZE:
-                    break
-            elif pidfd in ready:
-                packed += os.read(report_r, 64) if select.select([report_r], [], [], 0)[0] else b""
-                break
     finally:
-        os.close(pidfd)
-    report = {"timed_out": timed_out}
-    if len(packed) == REPORT_SIZE:
-        status, cpu, maxrss = struct.unpack("=idd", packed)
-        report.update(status=status, cpu_s=cpu, maxrss_kb=maxrss)
-    return report
+        os._exit(SETUP_FAILED)
 
 
 def wait_job(pid, timeout_s):
@@ -574,21 +473,6 @@ def warm_up():
     sink.close()
 
 
-def become_job(job_args, tmpfs, limits, result_file, report_r, report_w, worker_fds):
-    """The forked child: J itself, or G for a legacy result_file job. Never returns (and
-    never unwinds back into the worker's loop). J closes the worker's fds with every
-    other fd in job_main; G closes them first thing."""
-    try:
-        if not result_file:
-            job_pid1(job_args, job_args[-1], tmpfs)
-        os.close(report_r)
-        init_main(job_args, report_w, job_args[-1], limits, result_file, worker_fds)
-    except BaseException:
-        fail_setup(job_args[2])
-    finally:
-        os._exit(SETUP_FAILED)
-
-
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
@@ -615,8 +499,6 @@ def serve(ctl, bpf, python, fresh):
             return
         spec_fd, out_fd, err_fd = fds[:3]
         result_fd = fds[3] if len(fds) > 3 else -1
-        result_file = req.get("result_file", "")
-        report_r, report_w = os.pipe() if result_file else (-1, -1)
         try:
             tmpfs = tmpfs_options(req["limits"])
             timeout_s = req["limits"]["timeout_s"]
@@ -629,24 +511,16 @@ def serve(ctl, bpf, python, fresh):
             except OSError:
                 pid, report = -1, {"error": format_exc()[-2000:]}
             if pid == 0:
-                become_job((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), tmpfs, req["limits"],
-                           result_file, report_r, report_w, (ctl.fileno(), own_pidns, ready_r))
+                job_pid1((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), fresh, tmpfs)
             if pid > 0:
                 # Wait first, tidy up after: while J lives, each page the worker writes is
                 # copied (copy-on-write, ~4.5 us here); once J is gone it is only re-enabled (~1 us).
-                if result_file:
-                    os.close(report_w)
-                    report_w = -1
-                    report = wait_report(pid, report_r, timeout_s)
-                    os.waitpid(pid, 0)  # G exits right after its report (or was killed)
-                else:
-                    report = wait_job(pid, timeout_s)
+                report = wait_job(pid, timeout_s)
             check(SETNS(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
             if pid > 0 and not job_was_ready(ready_r):
                 report["setup_failed"] = True
-        for fd in fds + [report_r, report_w]:
-            if fd >= 0:
-                os.close(fd)
+        for fd in fds:
+            os.close(fd)
         report["op"] = "done"
         report["id"] = req["id"]
         ctl.send(json.dumps(report).encode())

@@ -277,12 +277,6 @@ def test_stdin_and_result_fd_round_trip(executor):
     assert result.status == "ok" and result.result == {"got": "hello"}
 
 
-def test_legacy_result_file_is_read_back(executor):
-    job = Job("rf", {"main.py": "import json\njson.dump({'v': 3}, open('results.json', 'w'))"}, PY,
-              result_file="results.json")
-    assert executor.run(job).result == {"v": 3}
-
-
 def test_subprocess_backend_accounts_cpu_per_job():
     """The plain subprocess backend reaps with wait4 too (it used to sum RUSAGE_CHILDREN)."""
     from components.core.recipe import SandboxConfig

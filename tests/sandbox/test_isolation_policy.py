@@ -8,7 +8,7 @@ import os
 import pytest
 
 from components.core.errors import UserError
-from components.sandbox import bwrap
+from components.sandbox import bwrap, detect
 from components.sandbox.detect import probe
 from components.core.jobs import Job
 from tests.sandbox.helpers import sandbox_config
@@ -47,7 +47,7 @@ def test_interpreter_outside_usr_is_refused():
 
 def test_paths_escaping_the_work_folder_are_rejected():
     with pytest.raises(ValueError, match="inside the work folder"):
-        bwrap.check_paths(Job("p", {"../evil.py": ""}, ["true"]))
+        detect.check_paths(Job("p", {"../evil.py": ""}, ["true"]))
 
 
 def test_uid_leases_are_exclusive_across_processes(tmp_path):

@@ -1,0 +1,258 @@
+"""Strict mode: a fresh bubblewrap sandbox per job, its launch parked ahead of time.
+
+Joining a job's cgroup (v1) costs one RCU grace period (several ms, the largest part of
+a strict job's overhead here), and the fork/exec chain a few more. So after each job a
+background thread *parks* the next launch for the same job shape (argv, file count,
+result fd, limits): a fresh ``Lease`` (uid, cgroup, fds), the launch chain run up to
+bwrap, which blocks reading its options (``--args``) before it creates any namespace.
+The next job of that shape fills in its files and stdin and sends the options;
+everything else (namespaces, mounts, seccomp, the program) happens per job. A job that
+finds nothing parked launches the same way on the spot. Parked launches hold no job
+data, and a launch is used for one job only.
+
+Not covered: reusing anything between jobs (that is warm mode, pool.py); shapes other
+than the last one seen are not parked (a new shape discards the old ones).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult
+from components.sandbox import seccomp
+from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with
+from components.sandbox.detect import Support, check_paths
+from components.sandbox.limits import Lease, Limits
+from components.sandbox.outcome import Observed, infra_error, to_result
+from components.sandbox.supervise import job_streams, watch_process
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+@dataclass
+class Launch:
+    """A launch started ahead of its job: in its cgroup, rlimits set, uid dropped, bwrap
+    exec'd and blocked reading its options from ``args_w``. Its lease holds empty memfds
+    for the files and stdin (filled in by the job before the options go) and pipes."""
+
+    key: tuple
+    lease: Lease
+    proc: subprocess.Popen
+    args_w: int
+    file_fds: list[int]
+    stdin_fd: int
+    status_r: int
+    result_r: int | None
+    status_w: int  # fd numbers in the launched process only
+    seccomp_fd: int | None
+
+    def discard(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait()
+        except ChildProcessError:
+            pass
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+        self.lease.release()
+
+
+class StrictRunner:
+    """A fresh sandbox per job (see the module docstring)."""
+
+    def __init__(self, support: Support, python: str, limits: Limits, use_seccomp: bool, isolation: str,
+                 park: int = 1) -> None:
+        self.support = support
+        self.python = python
+        self.limits = limits
+        self.use_seccomp = use_seccomp
+        self.isolation = isolation
+        self.park_max = park
+        self._parked: list[Launch] = []
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._wake: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    # -- parking -------------------------------------------------------------------
+
+    def _take(self, key: tuple) -> Launch | None:
+        with self._lock:
+            for i, parked in enumerate(self._parked):
+                if parked.key == key:
+                    return self._parked.pop(i)
+        return None
+
+    def _request(self, key: tuple) -> None:
+        """Ask the parking thread for one more launch of this shape (drops other shapes)."""
+        if self.park_max <= 0:
+            return
+        with self._lock:
+            if self._closed or len([p for p in self._parked if p.key == key]) + self._pending >= self.park_max:
+                return
+            stale = [p for p in self._parked if p.key != key]
+            self._parked = [p for p in self._parked if p.key == key]
+            self._pending += 1
+            if self._thread is None:
+                # a long-lived thread: setpriv's --pdeathsig fires when the thread that forked exits
+                self._thread = threading.Thread(target=self._loop, name="sandbox-park", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)  # remove parked launches' cgroups on a normal exit
+        for parked in stale:
+            parked.discard()
+        self._wake.put(key)
+
+    def _loop(self) -> None:
+        while True:
+            key = self._wake.get()
+            if key is None:
+                return
+            try:
+                parked = self._launch(key)
+            except Exception:  # noqa: BLE001 - parking is an optimisation; the job launches on the spot
+                parked = None
+            with self._lock:
+                self._pending -= 1
+                if parked is not None and not self._closed:
+                    self._parked.append(parked)
+                    parked = None
+            if parked is not None:
+                parked.discard()
+
+    def _launch(self, key: tuple) -> Launch:
+        """Start the chain up to bwrap, which then waits for its options; the lease is
+        given back on any failure."""
+        argv_t, n_files, uses_result_fd, limits = key
+        lease = Lease(self.support.cgroup_v1, self.support.cgroup_v2, limits.memory_mb << 20, limits.pids_max,
+                      limits.cpus)
+        try:
+            file_fds = [lease.keep(memfd_with(b"")) for _ in range(n_files)]
+            argv = [self.python if a == PYTHON else a for a in argv_t]
+            result_r = None
+            if uses_result_fd:
+                result_r, result_w = lease.pipe()
+                argv = [str(result_w) if a == RESULT_FD else a for a in argv]
+            status_r, status_w = lease.pipe()
+            seccomp_fd = lease.give(seccomp.memfd("job")) if self.use_seccomp else None
+            args_r, args_w = os.pipe()
+            lease.give(args_r)
+            lease.keep(args_w)
+            stdin_fd = lease.keep(memfd_with(b"", "posttrain-stdin"))
+            spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=argv, cgroup_procs=lease.procs_files())
+            host, env = host_argv(spec, self.support.bwrap, self.support.setpriv, args_fd=args_r)
+            proc = subprocess.Popen(host, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    pass_fds=lease.theirs + file_fds, start_new_session=True, cwd="/")
+            lease.started()
+            return Launch(key, lease, proc, args_w, file_fds, stdin_fd, status_r, result_r, status_w, seccomp_fd)
+        except BaseException:
+            lease.release()
+            raise
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        with self._lock:
+            self._closed = True
+            parked, self._parked = self._parked, []
+        if self._thread is not None:
+            self._wake.put(None)
+        for p in parked:
+            p.discard()
+
+    # -- one job -------------------------------------------------------------------
+
+    def run(self, job: Job, backend: str) -> JobResult:
+        check_paths(job)
+        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
+        key = (tuple(job.argv), len(job.files), job.uses_result_fd, limits)
+        launch = self._take(key)
+        if launch is not None and launch.proc.poll() is not None:
+            launch.discard()  # died while parked (killed from outside): launch on the spot
+            launch = None
+        self._request(key)  # the next job of this shape finds its launch parked
+        if launch is not None:
+            result = self._run(job, limits, launch, backend, None)
+            if result is not None:
+                return result  # else the parked launch was gone: launch on the spot
+        start = time.monotonic()
+        try:
+            launch = self._launch(key)
+        except OSError as exc:
+            return infra_error(f"could not start bwrap: {exc}", backend, self.isolation)
+        return self._run(job, limits, launch, backend, start) or infra_error(
+            "sandbox did not start: bwrap closed its options pipe", backend, self.isolation)
+
+    def _run(self, job: Job, limits: Limits, launch: Launch, backend: str, start: float | None) -> JobResult | None:
+        """Fill in the job, send the options, watch the sandbox to its end; gives the
+        lease back. None when the launch was gone before it got the options."""
+        lease, proc = launch.lease, launch.proc
+        try:
+            files = []
+            for fd, (rel, text) in zip(launch.file_fds, job.files.items()):
+                write_all(fd, text.encode())
+                os.lseek(fd, 0, os.SEEK_SET)
+                files.append((fd, rel))
+            write_all(launch.stdin_fd, job.stdin.encode())
+            os.lseek(launch.stdin_fd, 0, os.SEEK_SET)
+            spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[], seccomp_fd=launch.seccomp_fd,
+                               status_fd=launch.status_w, files=files)
+            options = bwrap_options(spec)
+            start = time.monotonic() if start is None else start
+            write_all(launch.args_w, options)
+            lease.close(launch.args_w)  # EOF: bwrap reads its options to the end
+        except BrokenPipeError:
+            launch.discard()
+            return None
+        except BaseException:
+            launch.discard()
+            raise
+        group = lease.group
+        try:
+            def kill() -> None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                if group:
+                    group.kill_all()
+
+            streams = job_streams(proc.stdout.fileno(), proc.stderr.fileno(), launch.result_r, limits)
+            streams["status"] = (launch.status_r, 4096)
+            seen, usage = watch_process(proc, streams, start + limits.timeout_s, kill, limits.flood)
+            duration = time.monotonic() - start
+            if group:
+                group.kill_all()  # anything still there outlived bwrap's pid namespace: kill it
+            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+            if b"child-pid" not in seen.data["status"] and not seen.timed_out and not seen.flooded:
+                why = bytes(seen.data["stderr"]).decode(errors="replace").strip()[-2000:]
+                return infra_error(f"sandbox did not start (exit {code}): {why}", backend, self.isolation)
+            extra = {"mode": "strict", "uid": lease.uid}
+            cpu, oom = usage.ru_utime + usage.ru_stime, 0
+            if group:
+                oom = group.oom_kills()
+                group_cpu = group.cpu_time_s()
+                if group_cpu is not None:
+                    cpu = group_cpu  # includes processes killed before anyone reaped them
+                peak = group.peak_memory_mb()
+                if peak is not None:
+                    extra["cgroup_peak_memory_mb"] = round(peak, 1)
+            obs = Observed(seen=seen, exit_code=code, duration_s=duration, cpu_time_s=cpu,
+                           peak_memory_mb=usage.ru_maxrss / 1024, oom_kills=oom, extra=extra)
+            return to_result(obs, backend, self.isolation, limits.result_cap)
+        finally:
+            lease.release()  # kill stragglers, remove the group, then free the uid: off the critical path

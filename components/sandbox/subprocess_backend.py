@@ -1,0 +1,110 @@
+"""The ``subprocess`` backend: process-level containment only, for trusted code.
+
+Each job gets a fresh temp work folder, its own session (so a timeout kills the whole
+tree), rlimits for CPU time, address space, file size and open files, capped output,
+the result pipe (``{result_fd}``), and ``-I`` for Python. It is watched and turned into
+a ``JobResult`` exactly as a bwrap job is (``supervise.watch_process``,
+``outcome.to_result``). A ``SessionJob`` runs flattened (``core.jobs.flatten``).
+
+It is NOT isolation from the host: the job can read what the user can read and reach
+the network, so it refuses to start unless ``sandbox.allow_weak_isolation`` is set.
+Not covered: cgroups, namespaces, seccomp (that is the bwrap backend).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult, SessionJob, flatten
+from components.sandbox.command import memfd_with
+from components.sandbox.detect import DEFAULT_PYTHON, check_paths
+from components.sandbox.executor import Closing, register_backend
+from components.sandbox.limits import Limits
+from components.sandbox.outcome import Observed, infra_error, to_result
+from components.sandbox.supervise import job_streams, watch_process
+
+
+def python_for(config) -> str:
+    return config.python or (DEFAULT_PYTHON if os.path.exists(DEFAULT_PYTHON) else shutil.which("python3") or "python3")
+
+
+@register_backend("subprocess")
+class SubprocessExecutor(Closing):
+    name = "subprocess"
+    isolation = "process+rlimits"
+
+    def __init__(self, config) -> None:
+        from components.core.errors import UserError
+
+        # Process-level containment only: refuse untrusted code unless the recipe says so.
+        if not getattr(config, "allow_weak_isolation", False):
+            raise UserError("sandbox.allow_weak_isolation", False,
+                            "backend 'subprocess' gives no namespace isolation (weaker than the 'bwrap' backend)",
+                            "use sandbox.backend: bwrap, or set sandbox.allow_weak_isolation: true for trusted code")
+        self.python = python_for(config)
+        self.limits = Limits.from_config(config)
+
+    def run(self, job: Job | SessionJob) -> JobResult:
+        if isinstance(job, SessionJob):
+            job = flatten(job)
+        check_paths(job)
+        limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
+
+        def set_limits() -> None:  # in the child, before exec
+            mem = limits.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+            resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.fsize_mb << 20,) * 2)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
+
+        with tempfile.TemporaryDirectory(prefix="posttrain-job-") as work:
+            for rel, text in job.files.items():
+                path = Path(work) / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            argv = [self.python if a == PYTHON else a for a in job.argv]
+            stdin = memfd_with(job.stdin, "posttrain-stdin")
+            result_r = result_w = None
+            if job.uses_result_fd:  # the write end keeps its number in the child (pass_fds)
+                result_r, result_w = os.pipe()
+                argv = [str(result_w) if a == RESULT_FD else a for a in argv]
+            start = time.monotonic()
+            try:
+                proc = subprocess.Popen(argv, cwd=work, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        start_new_session=True, preexec_fn=set_limits,
+                                        env={"PATH": "/usr/bin:/bin", "HOME": work},
+                                        pass_fds=[result_w] if result_w is not None else [])
+            except OSError as exc:
+                if result_r is not None:
+                    os.close(result_r)
+                return infra_error(f"could not start {argv[0]}: {exc}", self.name, self.isolation)
+            finally:
+                for fd in (stdin, result_w):
+                    if fd is not None:
+                        os.close(fd)
+
+            def kill() -> None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+            try:
+                streams = job_streams(proc.stdout.fileno(), proc.stderr.fileno(), result_r, limits)
+                seen, usage = watch_process(proc, streams, start + limits.timeout_s, kill, limits.flood)
+            finally:
+                if result_r is not None:
+                    os.close(result_r)
+            kill()  # what the job left in its session
+            code = proc.returncode
+            obs = Observed(seen=seen, exit_code=code if code >= 0 else 128 - code, signaled=max(0, -code),
+                           duration_s=time.monotonic() - start, cpu_time_s=usage.ru_utime + usage.ru_stime,
+                           peak_memory_mb=usage.ru_maxrss / 1024)
+            return to_result(obs, self.name, self.isolation, limits.result_cap)
