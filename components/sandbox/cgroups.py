@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import functools
 import os
-import queue
 import signal
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path("/sys/fs/cgroup")
+from components.sandbox.background import Background
+
 CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")  # cpuacct: exact CPU time of the whole tree
 V2_CONTROLLERS = ("memory", "pids", "cpu")  # v2 reports CPU time (cpu.stat) without any controller
 SUPERVISOR_LEAF = "posttrain-supervisor"
@@ -371,44 +369,7 @@ def create_group(v1_controllers: tuple[str, ...] | list[str], use_v2: bool, memo
     return None
 
 
-class _Reaper:
-    """Closes groups off the job's critical path: the job's result is returned while the
-    kernel is still tearing down its namespaces; ``then`` (e.g. releasing the uid) runs
-    once the group is empty and removed."""
-
-    def __init__(self) -> None:
-        self._todo: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pending = 0
-
-    def _loop(self) -> None:
-        while True:
-            group, then = self._todo.get()
-            try:
-                group.close()
-            finally:
-                if then is not None:
-                    then()
-                with self._lock:
-                    self._pending -= 1
-
-    def submit(self, group: JobCgroup, then: Callable[[], None] | None = None) -> None:
-        with self._lock:
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="sandbox-cgroup-reaper", daemon=True)
-                self._thread.start()
-        self._todo.put((group, then))
-
-    def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait until every submitted group is closed (tests, executor close)."""
-        deadline = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < deadline:
-            time.sleep(0.005)
-
-
-REAPER = _Reaper()
+REAPER = Background("sandbox-cgroup-reaper")  # closes groups off the job's critical path (Lease.release)
 
 
 def sweep_stale(min_age_s: float = 300.0) -> int:

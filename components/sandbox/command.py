@@ -56,8 +56,6 @@ class SandboxSpec:
     status_fd: int | None = None
     files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, relative path in /work)
     system_files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, absolute path), read-only
-    binds: list[tuple[str, str]] = field(default_factory=list)  # (host path, sandbox path), writable
-    ro_binds: list[tuple[str, str]] = field(default_factory=list)
     worker: bool = False  # the warm worker: keeps namespace-building caps inside its user namespace
     pdeathsig: bool = True  # kill the sandbox if the spawning thread dies (strict jobs only)
 
@@ -94,10 +92,6 @@ def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
         args += ["--dir", folder]
     for fd, path in spec.system_files:
         args += ["--perms", "0444", "--file", str(fd), path]
-    for src, dest in spec.ro_binds:
-        args += ["--ro-bind", src, dest]
-    for src, dest in spec.binds:
-        args += ["--bind", src, dest]
     args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
              "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]
     if spec.worker:
@@ -138,11 +132,14 @@ def bwrap_options(spec: SandboxSpec) -> bytes:
     return b"".join(arg.encode() + b"\0" for arg in options)
 
 
-def memfd_with(text: str | bytes, name: str = "posttrain-file") -> int:
-    fd = os.memfd_create(name, 0)
-    data = text.encode() if isinstance(text, str) else text
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def memfd_with(text: str | bytes, name: str = "posttrain-file") -> int:
+    fd = os.memfd_create(name, 0)
+    write_all(fd, text.encode() if isinstance(text, str) else text)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd

@@ -15,8 +15,7 @@ expected answers never enter the sandbox — the verifier compares values outsid
 values a child sends are only what the solution returned: an ``int`` subclass is
 serialised by its real value, any other object by its ``repr`` string.
 
-``parse_values(result, n)`` turns the channel's JSON into exactly ``n`` entries for a
-verifier. The result shape is the one ``components/domains/code.py`` already verifies.
+The result shape is the one ``components/domains/code.py`` verifies.
 
 Not covered: functions of several arguments (each input is one positional argument),
 per-test timeouts (the job's wall clock bounds all tests), and performance tests.
@@ -118,11 +117,3 @@ def python_tests_job(job_id: str, solution_src: str, func_name: str, inputs: lis
         argv=[PYTHON, "-I", "-S", "harness.py", RESULT_FD, func_name],
         timeout_s=timeout_s,
     )
-
-
-def parse_values(result: Any, n: int) -> list[dict]:
-    """Exactly ``n`` entries ``{"ok": bool, "value"|"error": ...}`` from a harness result."""
-    values = result.get("values") if isinstance(result, dict) else None
-    values = values if isinstance(values, list) else []
-    out = [v if isinstance(v, dict) else {"ok": False, "error": "malformed"} for v in values[:n]]
-    return out + [{"ok": False, "error": "no result"}] * (n - len(out))

@@ -191,10 +191,16 @@ class Lease:
             except OSError:
                 pass
         self.ours, self.theirs = [], []
-        group, self.group, uid = self.group, None, self.uid
+        group, self.group = self.group, None
         if group and not wait:
-            cgroups.REAPER.submit(group, lambda: UIDS.release(uid))
-            return
-        if group:
-            group.close()
-        UIDS.release(uid)
+            cgroups.REAPER.submit(self._give_back, group, self.uid)
+        else:
+            self._give_back(group, self.uid)
+
+    @staticmethod
+    def _give_back(group, uid: int) -> None:
+        try:
+            if group:
+                group.close()  # kill what is left, wait for it to go, remove the folders
+        finally:
+            UIDS.release(uid)  # only then: the uid's next holder finds nothing of this job

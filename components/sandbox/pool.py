@@ -34,11 +34,12 @@ from pathlib import Path
 
 from components.core.jobs import Job, JobResult
 from components.sandbox import seccomp
+from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, host_argv, memfd_with
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Lease, Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
-from components.sandbox.supervise import job_streams, watch
+from components.sandbox.supervise import job_streams, kill_tree, watch
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
 START_TIMEOUT_S = 15.0
@@ -59,42 +60,6 @@ def plain_limits(limits: dict) -> dict:
 
 class WorkerDied(RuntimeError):
     pass
-
-
-class _Spawner:
-    """Starts workers from one long-lived daemon thread.
-
-    bwrap's ``--die-with-parent`` uses PR_SET_PDEATHSIG, which fires when the *thread*
-    that forked bwrap exits; workers started from a short-lived thread (a prestart
-    thread, a ``run_many`` pool thread) would be killed with it.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def _loop(self) -> None:
-        while True:
-            future, args, kwargs = self._jobs.get()
-            try:
-                future.set_result(subprocess.Popen(*args, **kwargs))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def popen(self, *args, **kwargs) -> subprocess.Popen:
-        from concurrent.futures import Future
-
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="sandbox-spawner", daemon=True)
-                self._thread.start()
-        future: Future = Future()
-        self._jobs.put((future, args, kwargs))
-        return future.result()
-
-
-SPAWNER = _Spawner()
 
 
 class Worker:
@@ -141,8 +106,9 @@ class Worker:
                                system_files=[(zygote_fd, "/sandbox/zygote.py"), (bpf_fd, "/sandbox/job.bpf")],
                                worker=True, pdeathsig=False)
             argv, env = host_argv(spec, self.support.bwrap, self.support.setpriv)
-            self.proc = SPAWNER.popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.PIPE, pass_fds=fds, start_new_session=True, cwd="/")
+            self.proc = SPAWNER.call(subprocess.Popen, argv, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
+                                     start_new_session=True, cwd="/")
         finally:
             for fd in fds[1:]:
                 os.close(fd)
@@ -265,11 +231,8 @@ class Worker:
         """Kill the whole worker sandbox (timeout backstop, flood, lost worker)."""
         self.alive = False
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.group:
+            kill_tree(self.proc.pid, self.group)
+        elif self.group:
             self.group.kill_all()
 
     def close(self) -> None:

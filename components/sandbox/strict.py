@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
-import signal
 import subprocess
 import threading
 import time
@@ -27,17 +25,12 @@ from dataclasses import dataclass
 
 from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult
 from components.sandbox import seccomp
-from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with
+from components.sandbox.background import SPAWNER
+from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with, write_all
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Lease, Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
-from components.sandbox.supervise import job_streams, watch_process
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
 @dataclass
@@ -58,10 +51,7 @@ class Launch:
     seccomp_fd: int | None
 
     def discard(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(self.proc.pid)
         try:
             self.proc.wait()
         except ChildProcessError:
@@ -87,8 +77,7 @@ class StrictRunner:
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._wake: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._atexit = False
 
     # -- parking -------------------------------------------------------------------
 
@@ -100,7 +89,7 @@ class StrictRunner:
         return None
 
     def _request(self, key: tuple) -> None:
-        """Ask the parking thread for one more launch of this shape (drops other shapes)."""
+        """Ask for one more launch of this shape to be parked (drops other shapes)."""
         if self.park_max <= 0:
             return
         with self._lock:
@@ -109,31 +98,28 @@ class StrictRunner:
             stale = [p for p in self._parked if p.key != key]
             self._parked = [p for p in self._parked if p.key == key]
             self._pending += 1
-            if self._thread is None:
-                # a long-lived thread: setpriv's --pdeathsig fires when the thread that forked exits
-                self._thread = threading.Thread(target=self._loop, name="sandbox-park", daemon=True)
-                self._thread.start()
+            if not self._atexit:
+                self._atexit = True
                 atexit.register(self.close)  # remove parked launches' cgroups on a normal exit
         for parked in stale:
             parked.discard()
-        self._wake.put(key)
+        # on SPAWNER's long-lived thread: setpriv's --pdeathsig fires when the thread that forked exits
+        SPAWNER.submit(self._park, key)
 
-    def _loop(self) -> None:
-        while True:
-            key = self._wake.get()
-            if key is None:
-                return
+    def _park(self, key: tuple) -> None:
+        parked = None
+        if not self._closed:
             try:
                 parked = self._launch(key)
             except Exception:  # noqa: BLE001 - parking is an optimisation; the job launches on the spot
                 parked = None
-            with self._lock:
-                self._pending -= 1
-                if parked is not None and not self._closed:
-                    self._parked.append(parked)
-                    parked = None
-            if parked is not None:
-                parked.discard()
+        with self._lock:
+            self._pending -= 1
+            if parked is not None and not self._closed:
+                self._parked.append(parked)
+                parked = None
+        if parked is not None:
+            parked.discard()
 
     def _launch(self, key: tuple) -> Launch:
         """Start the chain up to bwrap, which then waits for its options; the lease is
@@ -169,8 +155,6 @@ class StrictRunner:
         with self._lock:
             self._closed = True
             parked, self._parked = self._parked, []
-        if self._thread is not None:
-            self._wake.put(None)
         for p in parked:
             p.discard()
 
@@ -223,17 +207,10 @@ class StrictRunner:
             raise
         group = lease.group
         try:
-            def kill() -> None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                if group:
-                    group.kill_all()
-
             streams = job_streams(proc.stdout.fileno(), proc.stderr.fileno(), launch.result_r, limits)
             streams["status"] = (launch.status_r, 4096)
-            seen, usage = watch_process(proc, streams, start + limits.timeout_s, kill, limits.flood)
+            seen, usage = watch_process(proc, streams, start + limits.timeout_s, lambda: kill_tree(proc.pid, group),
+                                        limits.flood)
             duration = time.monotonic() - start
             if group:
                 group.kill_all()  # anything still there outlived bwrap's pid namespace: kill it

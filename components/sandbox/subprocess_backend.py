@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -28,7 +27,7 @@ from components.sandbox.detect import DEFAULT_PYTHON, check_paths
 from components.sandbox.executor import Closing, register_backend
 from components.sandbox.limits import Limits
 from components.sandbox.outcome import Observed, infra_error, to_result
-from components.sandbox.supervise import job_streams, watch_process
+from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
 def python_for(config) -> str:
@@ -89,12 +88,7 @@ class SubprocessExecutor(Closing):
                 for fd in (stdin, result_w):
                     if fd is not None:
                         os.close(fd)
-
-            def kill() -> None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill = lambda: kill_tree(proc.pid)  # noqa: E731 - the job's whole session
 
             try:
                 streams = job_streams(proc.stdout.fileno(), proc.stderr.fileno(), result_r, limits)
@@ -102,7 +96,7 @@ class SubprocessExecutor(Closing):
             finally:
                 if result_r is not None:
                     os.close(result_r)
-            kill()  # what the job left in its session
+            kill()  # what the job left behind in its session
             code = proc.returncode
             obs = Observed(seen=seen, exit_code=code if code >= 0 else 128 - code, signaled=max(0, -code),
                            duration_s=time.monotonic() - start, cpu_time_s=usage.ru_utime + usage.ru_stime,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import select
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -38,6 +39,17 @@ class Watched:
     flooded: bool = False
     finished: bool = False
     finished_at: float = 0.0
+
+
+def kill_tree(pid: int, group=None) -> None:
+    """SIGKILL the process group ``pid`` leads (we start every sandbox in its own session)
+    and everything in its cgroup ``group``, if any."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if group:
+        group.kill_all()
 
 
 def job_streams(stdout: int, stderr: int, result: int | None, limits) -> dict[str, tuple[int, int]]:
