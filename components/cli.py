@@ -14,19 +14,15 @@ and exit status 2; a failed data-quality gate exits 3.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from importlib import import_module
-from pathlib import Path
 
 from components import STAGES
-from components.core.errors import EXIT_USER_ERROR, UserError
-
-DEFAULT_RECIPE = "recipes/demo.yaml"
-
-
-def default_run_root() -> str:
-    return os.environ.get("POSTTRAIN_RUN_ROOT", str(Path(os.environ.get("POSTTRAIN_HOME", ".posttrain")) / "store"))
+from components.core.errors import EXIT_USER_ERROR, DataQualityError, UserError
+from components.core.settings import DEFAULT_RECIPE, default_run_root
+from components.domains.cli import add_parser as add_verify
+from components.reward.replay import add_parser as add_replay
+from components.rollout.cli import add_parser as add_serve
+from components.sandbox.cli import add_parser as add_sandbox
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -48,23 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     run.add_argument("--iterations", type=int, default=3, help="bring the pipeline to this many finished iterations")
 
-    try:
-        from components.sandbox.cli import add_parser as add_sandbox
-    except ImportError:
-        add_sandbox = None
-    if add_sandbox is not None:
-        add_sandbox(sub)
-    try:
-        from components.rollout.cli import add_parser as add_serve
-    except ImportError:
-        add_serve = None
-    if add_serve is not None:
-        add_serve(sub)
-    for module in ("components.domains.cli", "components.reward.replay"):  # posttrain verify, posttrain replay
-        try:
-            add = import_module(module).add_parser
-        except ImportError:
-            continue
+    for add in (add_sandbox, add_serve, add_verify, add_replay):  # sandbox, serve, verify, replay
         add(sub)
     return parser
 
@@ -77,7 +57,7 @@ def _stage(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from components.orchestrate import run_local
+    from dags.orchestrate import run_local
 
     return run_local(args.recipe, args.run_root or default_run_root(), args.iterations)
 
@@ -92,13 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"posttrain: error: {exc.line()}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except Exception as exc:
-        from components.validation.stage import DataQualityError
-
-        if isinstance(exc, DataQualityError):
-            print(f"posttrain: {exc}", file=sys.stderr)
-            return DataQualityError.exit_code
-        raise
+    except DataQualityError as exc:
+        print(f"posttrain: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Checks the recipe, the store and the starting checkpoint up front (each failure is one
 UserError, exit 2), then drives ``dags/local.py`` (Airflow's in-process test runner on
-SQLite). Iterations with an evaluation manifest are skipped, so a killed run started
-again resumes where it stopped. After each iteration it prints a table of eval pass
+SQLite), which lives beside it in this folder. Iterations with an evaluation manifest
+are skipped, so a killed run started again resumes where it stopped. After each iteration it prints a table of eval pass
 rates by domain; at the end, the command that opens the MLflow UI on this run.
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from components.core import tracking
+from components.core import settings, tracking
 from components.core.context import read_manifest
 from components.core.errors import UserError
+from components.core.facts import Decision, Scored, Slice
 from components.core.manifest import stage_prefix
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
@@ -35,22 +36,23 @@ def preflight_checkpoint(recipe: Recipe) -> None:
                         "restore the checkpoint files, or move the 'champion' alias to a readable version in MLflow") from None
 
 
-def weakest_text(info: dict) -> str:
-    """The weakest eval slice (domain/difficulty/context bucket) a manifest recorded, or '-'."""
-    worst = info.get("weakest_slice")
-    return f"{worst['name']} {worst['pass_rate']:.2f} (n={worst['tasks']})" if worst else "-"
+def weakest_text(worst: Slice | None) -> str:
+    """The weakest eval slice (domain/difficulty/context bucket), or '-'."""
+    return worst.text() if worst else "-"
 
 
 def summary_rows(store: Store, recipe: Recipe, upto: int) -> list[tuple[str, str, dict[str, float], str, str]]:
     rows = []
     boot = read_manifest(store, stage_prefix(recipe.pipeline, 0, "bootstrap"))
     if boot is not None:
-        rows.append(("0 (bootstrap)", boot.info["version"], boot.info["pass_rates"], "champion", weakest_text(boot.info)))
+        b = boot.facts(Scored)
+        rows.append(("0 (bootstrap)", b.version, b.pass_rates, "champion", weakest_text(b.weakest_slice)))
     for k in range(1, upto + 1):
         m = read_manifest(store, stage_prefix(recipe.pipeline, k, "evaluation"))
         if m is not None:
-            rows.append((str(k), m.info["version"], m.info["pass_rates"], "promoted" if m.info["promoted"] else "held",
-                         weakest_text(m.info)))
+            d = m.facts(Decision)
+            rows.append((str(k), d.version, d.pass_rates, "promoted" if d.promoted else "held",
+                         weakest_text(d.weakest_slice)))
     return rows
 
 
@@ -76,7 +78,7 @@ def run_local(recipe_path: str, run_root: str, iterations: int) -> int:
     preflight_checkpoint(recipe)
     from dags.local import prepare, run_iteration
 
-    prepare(tracking.home(), recipe.sandbox.concurrency)
+    prepare(settings.home(), recipe.sandbox.concurrency)
     recipe_abs = str(Path(recipe_path).resolve())
     for k in range(1, iterations + 1):
         if read_manifest(store, stage_prefix(recipe.pipeline, k, "evaluation")) is not None:

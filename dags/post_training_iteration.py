@@ -20,9 +20,8 @@ def _run(stage: str, shard: str | None = None) -> dict:
     from airflow.sdk.exceptions import AirflowFailException
     from airflow.sdk import get_current_context
 
-    from components.core.errors import UserError
+    from components.core.errors import DataQualityError, UserError
     from components.core.runner import run_stage
-    from components.validation.stage import DataQualityError
 
     ctx = get_current_context()
     p = ctx["params"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from components.core.facts import Scored
 from components.core.runner import run_stage
 from components.core.storage import Store
 from components.domains import registry
@@ -101,10 +102,10 @@ def corrupted(tmp_path_factory: pytest.TempPathFactory):
         boot = run_stage("bootstrap", TINY_RECIPE, f"file://{root}", 0)
         reset_tracking_clients()
     ckpt = root / "tiny" / "bootstrap" / "checkpoint"
-    assert boot.info["checkpoint_uri"] == Store(f"file://{root}").url("tiny/bootstrap/checkpoint")
+    assert boot.facts(Scored).checkpoint_uri == Store(f"file://{root}").url("tiny/bootstrap/checkpoint")
     (ckpt / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     (ckpt / "model.safetensors").write_bytes(b"\x00garbage, not safetensors")
-    return Corrupted(root=root, uri=f"file://{root}", checkpoint=boot.info["checkpoint_uri"], env=base_env(base / "home"))
+    return Corrupted(root=root, uri=f"file://{root}", checkpoint=boot.facts(Scored).checkpoint_uri, env=base_env(base / "home"))
 
 
 def test_rollout_on_unreadable_checkpoint(corrupted: Corrupted) -> None:

@@ -41,7 +41,7 @@ def main() -> None:
 
     from components.core.policy import Policy, build_model, build_tokenizer
     from components.core.recipe import ModelConfig
-    from components.rollout.engines import HFEngine
+    from components.rollout.hf_engine import HFEngine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=96)

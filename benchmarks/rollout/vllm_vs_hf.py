@@ -62,7 +62,8 @@ def main() -> None:
     from components.core.policy import build_model, build_tokenizer, load_policy, save_policy
     from components.core.recipe import ModelConfig
     from components.core.storage import Store
-    from components.rollout.engines import HFEngine, get_engine
+    from components.rollout.engines import get_engine
+from components.rollout.hf_engine import HFEngine
     from components.rollout.vllm_engine import on_cpu
     from tests.rollout.test_hf_engine import recomputed
 

@@ -62,7 +62,7 @@ def model_config():
 
 def greedy_accuracy(policy, tasks) -> float:
     from components.domains import registry
-    from components.rollout.engines import HFEngine
+    from components.rollout.hf_engine import HFEngine
 
     domain = registry.get("arithmetic")
     policy.model.eval()
@@ -77,7 +77,7 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
     from components.core.policy import EOS, Policy, build_model, build_tokenizer, save_policy
     from components.core.storage import Store
     from components.domains import registry
-    from components.trainer.grpo import pad_batch, token_logprobs
+    from components.core.policy import pad_batch, token_logprobs
 
     cfg = model_config()
     folder = cache / f"sft-h{cfg.hidden_size}-l{cfg.num_layers}-i{cfg.intermediate_size}-s{seed}-e{len(eval_ids)}"
@@ -136,7 +136,7 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int) -> tupl
     from components.core.policy import load_policy
     from components.domains import registry
     from components.reward.advantages import group_advantages
-    from components.rollout.engines import HFEngine
+    from components.rollout.hf_engine import HFEngine
     from components.trainer.grpo import Sample, grpo_step
     from components.trainer.state import build_optimizer
 

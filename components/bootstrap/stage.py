@@ -27,15 +27,20 @@ import random
 
 from components.core import tracking
 from components.core.context import StageContext
-from components.core.policy import EOS, Policy, build_model, build_tokenizer, load_policy, save_policy
+from components.core.facts import Scored
+from components.core.policy import (
+    EOS, Policy, build_model, build_tokenizer, load_policy, pad_batch, save_policy, token_logprobs,
+)
 from components.core.progress import say
 from components.core.records import Task
 from components.core.seeds import seed_everything
 from components.domains import registry
-from components.evaluation.stage import eval_tags, evaluate_and_log
-from components.evaluation.suite import eval_tasks, pass_rates, run_suite
+from components.evalsuite.score import eval_tags, evaluate_and_log
+from components.evalsuite.suite import eval_tasks, pass_rates, run_suite
 from components.sandbox.executor import get_executor
-from components.trainer.grpo import pad_batch, token_logprobs
+
+SECTIONS = ("model", "bootstrap", "evaluation", "rollout", "sandbox")
+"""Recipe sections read: the model and SFT settings, and what scoring on the eval suite needs."""
 
 
 def inputs(ctx: StageContext) -> None:
@@ -140,14 +145,14 @@ def run(ctx: StageContext) -> dict[str, float]:
     digests = save_policy(policy.model, policy.tokenizer, ctx.store, rel)
     ctx.add_output("checkpoint", rel, rows=int(metrics["parameters"]), digest=digests["model.safetensors"])
     uri = ctx.store.url(rel)
-    run_id = ctx.info["mlflow_run_id"]
-    version = tracking.register_checkpoint(ctx.pipeline, uri, run_id, {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri})
+    version = tracking.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
+                                           {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri})
     policy.version = version
-    _, rates = evaluate_and_log(ctx, policy)
+    _, rates, worst = evaluate_and_log(ctx, policy)
     tracking.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
     tracking.set_alias(ctx.pipeline, "champion", version)
     tracking.set_alias(ctx.pipeline, "candidate", version)
-    ctx.info.update({"checkpoint_uri": uri, "version": version, "pass_rates": rates})
+    ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)
     say("bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items()) + f" | registered version {version} as champion")
     metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})
     return metrics

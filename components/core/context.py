@@ -1,9 +1,15 @@
 """What a stage function receives: recipe, store, iteration, shard, seed and I/O helpers.
 
 ``StageContext`` is the stage contract in code. A stage reads the manifested outputs of
-earlier stages of the same iteration (``upstream``/``read_records``) and writes its own
-files under its prefix (``write_records``/``write_json``); the runner writes the manifest
-last. Nothing passes between stages but URIs.
+earlier stages of the same iteration (``upstream``/``read_records``, and their typed
+facts with ``facts_of``) and writes its own files under its prefix
+(``write_records``/``write_json``) and its facts on ``ctx.facts``; the runner writes the
+manifest last. Nothing passes between stages but URIs and those small facts.
+
+``ctx.recipe`` is a ``RecipeView``: the recipe as far as the stage declared it reads
+it (``SECTIONS`` in its stage module, which is also its cache key). Reading an
+undeclared section is an ``UndeclaredSection`` error, so a stage cannot depend on
+config its cache key does not cover.
 """
 
 from __future__ import annotations
@@ -14,32 +20,57 @@ from typing import Any, TypeVar
 from components import SHARDED_STAGES
 from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Manifest, OutputFile, Shard, stage_prefix
-from components.core.recipe import Recipe
+from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
 from components.core.storage import Store
 
 R = TypeVar("R")
+F = TypeVar("F")
+
+
+class UndeclaredSection(AssertionError):
+    """A stage read a recipe section it does not declare (our bug, not the user's)."""
+
+
+class RecipeView:
+    """A recipe seen through a stage's declared sections; records what was read."""
+
+    def __init__(self, recipe: Recipe, stage: str, sections: tuple[str, ...]) -> None:
+        self._recipe, self._stage, self._sections = recipe, stage, sections
+        self.read: set[str] = set()
+
+    @property
+    def whole(self) -> Recipe:
+        """The underlying recipe, for code that must see all of it (digests, replays)."""
+        return self._recipe
+
+    def __getattr__(self, name: str) -> Any:
+        if name in Recipe.model_fields and name not in COMMON_FIELDS:
+            if name not in self._sections:
+                raise UndeclaredSection(
+                    f"stage {self._stage} read recipe section {name!r} but declares only {list(self._sections)}; "
+                    f"add {name!r} to SECTIONS in components/{self._stage}/stage.py (it is part of the cache key)")
+            self.read.add(name)
+        return getattr(self._recipe, name)
 
 
 @dataclass
 class StageContext:
     stage: str
-    recipe: Recipe
+    recipe: RecipeView
     store: Store  # rooted at the run root
     iteration: int
     shard: Shard
     outputs: dict[str, OutputFile] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, InputRef] = field(default_factory=dict)
+    facts: Any = None  # this stage's facts for later stages (a dataclass from components.core.facts)
+    mlflow_run_id: str = ""  # this stage's MLflow run, set by the runner while the stage runs
+    parent_run_id: str = ""  # the iteration's MLflow parent run (empty for bootstrap)
 
     @property
     def pipeline(self) -> str:
         return self.recipe.pipeline
-
-    @property
-    def config(self) -> Any:
-        return getattr(self.recipe, self.stage)
 
     @property
     def sharded(self) -> bool:
@@ -77,6 +108,10 @@ class StageContext:
     def upstream(self, stage: str, iteration: int | None = None) -> list[Manifest]:
         """Manifests of an earlier stage (all shards), or a UserError saying what to run first."""
         return read_manifests(self.store, self.pipeline, self.iteration if iteration is None else iteration, stage)
+
+    def facts_of(self, stage: str, cls: type[F]) -> F:
+        """The typed facts of an earlier (unsharded) stage of this iteration."""
+        return self.upstream(stage)[0].facts(cls)
 
     def read_records(self, stage: str, name: str, cls: type[R], shard_only: bool = False) -> list[R]:
         """Records ``name`` from every shard of ``stage`` (or only this shard's, when the

@@ -1,4 +1,4 @@
-"""The one error type for a user's mistake.
+"""The project's error types: a user's mistake, and a failed data-quality gate.
 
 A ``UserError`` names the field (or thing), the value that was wrong, and the fix. The
 CLI prints it as one line and exits with status 2; no traceback. Internal invariants use
@@ -28,3 +28,13 @@ class UserError(Exception):
 def value_text(value: object, limit: int = 200) -> str:
     text = str(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+EXIT_DATA_QUALITY = 3
+
+
+class DataQualityError(Exception):
+    """The data-quality gate failed: the trainer's input is malformed. Retrying cannot
+    help (the data would be just as bad); the CLI exits with status 3."""
+
+    exit_code = EXIT_DATA_QUALITY

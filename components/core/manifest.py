@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F")
 
 MANIFEST = "_MANIFEST.json"
 
@@ -83,7 +85,7 @@ class Manifest:
     code_version: str
     outputs: dict[str, OutputFile] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)  # small non-metric facts (e.g. policy version)
+    info: dict[str, Any] = field(default_factory=dict)  # the stage's typed facts as JSON (components.core.facts)
     timings: dict[str, float] = field(default_factory=dict)
     mlflow_run_id: str = ""
 
@@ -96,6 +98,13 @@ class Manifest:
             "info": self.info,
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def facts(self, cls: type[F]) -> F:
+        """This manifest's facts as ``cls`` (a UserError naming the stage to re-run if they do not fit)."""
+        from components.core.facts import from_json
+
+        where = stage_prefix(self.pipeline, self.iteration, self.stage, Shard.parse(self.shard) if self.shard else None)
+        return from_json(cls, self.info, self.stage, where)
 
     def matches(self, inputs: dict[str, InputRef], config_digest: str, code_version: str) -> bool:
         return self.inputs == inputs and self.config_digest == config_digest and self.code_version == code_version

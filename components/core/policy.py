@@ -5,7 +5,8 @@ character-level tokenizer made by the ``tokenizers`` library (every printable AS
 character plus newline is one token). Checkpoints are plain Hugging Face folders
 (``config.json``, ``model.safetensors``, tokenizer files), so transformers and vLLM load
 them as they are. Any other Hugging Face causal LM folder also loads through
-``load_policy``.
+``load_policy``. ``pad_batch`` and ``token_logprobs`` score (prompt, completion) pairs
+under a policy, for SFT (bootstrap) and the policy-gradient trainer alike.
 
 Not covered: sharded or quantised checkpoints, and tokenizers that need remote code.
 """
@@ -16,10 +17,13 @@ import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from components.core.errors import UserError
 from components.core.storage import Store, normalize_uri
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -121,3 +125,31 @@ def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
     tokenizer.padding_side = "left"
     model.eval()
     return Policy(model=model, tokenizer=tokenizer, uri=uri, version=version)
+
+
+def pad_batch(samples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded (input_ids, attention_mask, completion_mask); the mask marks the
+    positions of the logits (shifted by one) that predict completion tokens."""
+    import torch
+
+    width = max(len(p) + len(c) for p, c in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    comp = torch.zeros((len(samples), width - 1), dtype=torch.float32)
+    for row, (p, c) in enumerate(samples):
+        seq = p + c
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attn[row, : len(seq)] = 1
+        comp[row, len(p) - 1 : len(seq) - 1] = 1.0
+    return ids, attn, comp
+
+
+def token_logprobs(model, ids: Tensor, attn: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(logprob of each next token, entropy) for positions 0..L-2, under softmax(logits/T)."""
+    import torch
+
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

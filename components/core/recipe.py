@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from components.core.errors import UserError
+from components.core.plugins import BACKENDS, DOMAINS, ENGINES
 
 
 class _Section(BaseModel):
@@ -154,29 +156,22 @@ class Recipe(_Section):
     trainer: TrainerConfig = TrainerConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
 
-    def section(self, stage: str) -> dict[str, Any]:
-        """The resolved config a stage depends on (what its cache key covers)."""
-        common: dict[str, Any] = {"pipeline": self.pipeline, "seed": self.seed, "domains": list(self.domains)}
-        for name in _STAGE_SECTIONS.get(stage, (stage,)):
+    def section(self, sections: Iterable[str]) -> dict[str, Any]:
+        """The resolved config a stage depends on: the common fields plus ``sections``
+        (the stage module's ``SECTIONS``). What a stage's cache key covers."""
+        common: dict[str, Any] = {name: getattr(self, name) for name in COMMON_FIELDS}
+        common["domains"] = list(self.domains)
+        for name in sections:
             common[name] = getattr(self, name).model_dump()
         return common
 
-    def digest(self, stage: str) -> str:
-        blob = json.dumps(self.section(stage), sort_keys=True).encode()
+    def digest(self, sections: Iterable[str]) -> str:
+        blob = json.dumps(self.section(sections), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 
 
-_STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "bootstrap": ("model", "bootstrap", "evaluation", "sandbox"),
-    "taskgen": ("taskgen", "rollout"),
-    "rollout": ("rollout",),
-    "sandbox": ("sandbox",),
-    "reward": ("reward",),
-    "validation": ("validation",),
-    "trainer": ("trainer", "rollout"),
-    "evaluation": ("evaluation", "sandbox"),
-}
-"""Which recipe sections each stage's output depends on (its cache key)."""
+COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains")
+"""Recipe fields every stage may read; every other field is a section a stage declares."""
 
 
 def _fix_for(loc: str, msg: str) -> str:
@@ -188,8 +183,6 @@ def _fix_for(loc: str, msg: str) -> str:
 
 
 def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
-    from components.domains import registry  # domains register on import
-
     if not isinstance(data, dict):
         raise UserError("recipe", source, "the recipe must be a YAML mapping", "write key: value pairs, e.g. 'pipeline: demo'")
     try:
@@ -200,8 +193,9 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         value = err.get("input", "")
         raise UserError(f"{source}: {loc}", value if not isinstance(value, dict) else "{...}", err["msg"], _fix_for(loc, err["msg"])) from None
     for i, name in enumerate(recipe.domains):
-        if name not in registry.names():
-            raise UserError(f"{source}: domains[{i}]", name, "unknown domain", f"use one of {registry.names()}")
+        DOMAINS.check(name, f"{source}: domains[{i}]")
+    ENGINES.check(recipe.rollout.engine, f"{source}: rollout.engine")
+    BACKENDS.check(recipe.sandbox.backend, f"{source}: sandbox.backend")
     for name in recipe.taskgen.domain_weights:
         if name not in recipe.domains:
             raise UserError(f"{source}: taskgen.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")

@@ -35,7 +35,7 @@ class Task:
     split: str  # "train" or "eval"
     difficulty: int  # 1 (easiest) upward; the meaning is the domain's
     prompt: str
-    context_tokens: int  # prompt length in policy tokens, for context-length buckets
+    context_tokens: int  # prompt length in characters (a proxy for tokens), for context-length buckets
     reference: dict[str, Any]  # answer, tests, expected state or schema: the domain's
     metadata: dict[str, Any] = field(default_factory=dict)
 

@@ -1,11 +1,13 @@
 """Run one stage under the stage contract: inputs, cache check, tracking, manifest last.
 
 ``run_stage`` is what ``posttrain stage <id>`` calls and what every orchestrator task
-calls. Each stage package has a ``stage`` module with two functions:
+calls. Each stage package has a ``stage`` module with:
 
+- ``SECTIONS``: the recipe sections the stage reads (besides pipeline, seed and
+  domains); they make its cache key, and ``ctx.recipe`` refuses any other section;
 - ``inputs(ctx)``: declare inputs (upstream manifests, policy URI) on ``ctx.inputs``;
-- ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx``, return
-  summary metrics (namespaced ``<stage>/...`` when logged).
+- ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx`` (and its
+  facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged).
 
 If a manifest already exists with the same inputs, config digest and code version, the
 stage is a cache hit and returns that manifest without doing anything. Otherwise the old
@@ -19,11 +21,13 @@ import os
 import time
 from importlib import import_module
 from pathlib import Path
+from types import ModuleType
 
 from components import SHARDED_STAGES, STAGES, __version__
 from components.core import tracking
-from components.core.context import StageContext, read_manifest
+from components.core.context import RecipeView, StageContext, read_manifest
 from components.core.errors import UserError
+from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, Shard
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
@@ -32,6 +36,16 @@ from components.core.storage import Store
 
 def code_version() -> str:
     return os.environ.get("POSTTRAIN_CODE_VERSION", __version__)
+
+
+def stage_module(stage: str) -> ModuleType:
+    """The ``components.<stage>.stage`` module (``inputs``, ``run``, ``SECTIONS``)."""
+    return import_module(f"components.{stage}.stage")
+
+
+def config_digest(recipe: Recipe, stage: str) -> str:
+    """The digest of the config ``stage`` reads: the config half of its cache key."""
+    return recipe.digest(stage_module(stage).SECTIONS)
 
 
 def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None) -> StageContext:
@@ -47,7 +61,8 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
     if stage in SHARDED_STAGES and parsed.count != recipe.rollout.shards:
         raise UserError("--shard", str(parsed), f"recipe shards this stage {recipe.rollout.shards} ways",
                         f"pass --shard i/{recipe.rollout.shards}")
-    return StageContext(stage=stage, recipe=recipe, store=store, iteration=0 if stage == "bootstrap" else iteration, shard=parsed)
+    view = RecipeView(recipe, stage, stage_module(stage).SECTIONS)
+    return StageContext(stage=stage, recipe=view, store=store, iteration=0 if stage == "bootstrap" else iteration, shard=parsed)
 
 
 def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
@@ -55,7 +70,7 @@ def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
         return None
     if ctx.stage == "taskgen":
         return tracking.iteration_run(ctx.pipeline, ctx.iteration, ctx.store.uri, orchestrator_run_id)
-    return ctx.upstream("taskgen")[0].info["parent_run_id"]
+    return ctx.facts_of("taskgen", StartingPolicy).parent_run_id
 
 
 def _failpoint(label: str) -> None:
@@ -70,36 +85,33 @@ def _failpoint(label: str) -> None:
 def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None,
               orchestrator_run_id: str = "") -> Manifest:
     ctx = make_context(stage, recipe, run_root, iteration, shard)
-    module = import_module(f"components.{stage}.stage")
+    module = stage_module(stage)
     module.inputs(ctx)
-    config_digest = ctx.recipe.digest(stage)
+    digest = config_digest(ctx.recipe.whole, stage)
     label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
     existing = read_manifest(ctx.store, ctx.prefix)
-    if existing is not None and existing.matches(ctx.inputs, config_digest, code_version()):
+    if existing is not None and existing.matches(ctx.inputs, digest, code_version()):
         say(f"iter {ctx.iteration} | {label} | cache hit | {ctx.store.url(ctx.prefix)}")
         return existing
     ctx.store.delete(f"{ctx.prefix}/{MANIFEST}")
 
-    parent = _parent_run(ctx, orchestrator_run_id)
-    if ctx.stage == "taskgen":
-        ctx.info["parent_run_id"] = parent
+    ctx.parent_run_id = _parent_run(ctx, orchestrator_run_id) or ""
     started = time.time()
-    with tracking.stage_run(ctx.pipeline, stage, label, parent, ctx.recipe.section(stage),
+    with tracking.stage_run(ctx.pipeline, stage, label, ctx.parent_run_id or None, ctx.recipe.whole.section(module.SECTIONS),
                             tags={tracking.TAG_ITERATION: str(ctx.iteration), tracking.TAG_RUN_ROOT: ctx.store.uri,
                                   tracking.TAG_ORCH: orchestrator_run_id}) as run_id:
-        ctx.info["mlflow_run_id"] = run_id
+        ctx.mlflow_run_id = run_id
         metrics = module.run(ctx)
         named = {f"{stage}/{k}": float(v) for k, v in metrics.items()}
         named[f"{stage}/duration_s"] = time.time() - started
         tracking.log_metrics(run_id, named, step=ctx.iteration)
         if ctx.inputs:
             tracking.log_datasets(run_id, {k: (v.uri, v.digest) for k, v in ctx.inputs.items()}, context="input")
-    ctx.info.pop("mlflow_run_id", None)
     finished = time.time()
     manifest = Manifest(
         stage=stage, pipeline=ctx.pipeline, iteration=ctx.iteration, shard=str(ctx.shard) if ctx.sharded else None,
-        inputs=dict(ctx.inputs), config_digest=config_digest, code_version=code_version(), outputs=dict(ctx.outputs),
-        metrics=named, info=dict(ctx.info), timings={"start": started, "end": finished, "duration_s": finished - started},
+        inputs=dict(ctx.inputs), config_digest=digest, code_version=code_version(), outputs=dict(ctx.outputs),
+        metrics=named, info=to_json(ctx.facts) if ctx.facts is not None else {}, timings={"start": started, "end": finished, "duration_s": finished - started},
         mlflow_run_id=run_id,
     )
     _failpoint(label)

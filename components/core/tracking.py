@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from components.core import settings
+
 POLICY_SUFFIX = "-policy"
 TAG_PIPELINE = "posttrain.pipeline"
 TAG_ITERATION = "posttrain.iteration"
@@ -30,16 +32,12 @@ TAG_STAGE = "posttrain.stage"
 TAG_ORCH = "posttrain.orchestrator_run_id"
 
 
-def home() -> Path:
-    return Path(os.environ.get("POSTTRAIN_HOME", ".posttrain")).resolve()
-
-
 def tracking_uri() -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    home().mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home() / 'mlflow.db'}"
+    settings.home().mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{settings.home() / 'mlflow.db'}"
 
 
 _clients: dict[str, Any] = {}
@@ -69,7 +67,7 @@ def experiment_id(pipeline: str) -> str:
         return exp.experiment_id
     artifacts = None
     if tracking_uri().startswith("sqlite:"):
-        artifacts = (home() / "mlartifacts" / pipeline).as_uri()
+        artifacts = (settings.home() / "mlartifacts" / pipeline).as_uri()
     try:
         return c.create_experiment(pipeline, artifact_location=artifacts)
     except Exception:  # created concurrently by another stage

@@ -1,7 +1,8 @@
-"""The domain interface and its registry.
+"""The domain interface.
 
 A domain module holds a task generator, its fixed eval set, an execution plan (what, if
-anything, the sandbox runs) and a verifier. Register one with ``@register("name")``;
+anything, the sandbox runs) and a verifier. A domain class sets ``name`` and is listed
+under that name in ``components.core.plugins.DOMAINS`` (or a plug-in's entry point);
 the recipe's ``domains`` list picks them by name, and an unknown name is an error that
 lists what is registered.
 
@@ -16,24 +17,27 @@ import hashlib
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from components.core.records import Task
 from components.core.jobs import Job, Outcome
+
+
+VerdictStatus = Literal["ok", "infra_error"]
+"""``infra_error``: the score says nothing about the policy; the reward stage excludes it."""
 
 
 @dataclass(frozen=True)
 class Verdict:
     score: float
     passed: bool
-    status: str = "ok"  # ok | infra_error
+    status: VerdictStatus = "ok"
     components: dict[str, float] = field(default_factory=dict)
     detail: str = ""
 
 
 class Domain(ABC):
     name: ClassVar[str]
-    needs_sandbox: ClassVar[bool] = False
 
     @abstractmethod
     def make_task(self, rng: random.Random, split: str) -> Task:
@@ -49,7 +53,8 @@ class Domain(ABC):
 
     @abstractmethod
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
-        """Score a completion from the completion text and the sandbox's serialised result."""
+        """Score a completion from the completion text and the sandbox's serialised result
+        (a fresh ``JobResult`` or a stored ``Execution``; None when nothing ran)."""
 
     # -- sets built from make_task -------------------------------------------------------
     def eval_set(self, n: int, seed: int) -> list[Task]:
@@ -100,7 +105,7 @@ def make_task(domain: str, split: str, difficulty: int, prompt: str, reference: 
         split=split,
         difficulty=difficulty,
         prompt=prompt,
-        context_tokens=len(prompt),
+        context_tokens=len(prompt),  # characters: one token each for the character-level demo policy
         reference=reference,
         metadata=metadata,
     )

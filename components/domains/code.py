@@ -26,7 +26,6 @@ import random
 
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.domains.registry import register
 from components.sandbox.harness import python_tests_job
 from components.core.jobs import Job, Outcome
 
@@ -40,9 +39,8 @@ def expression(a: int, b: int) -> str:
     return core if b == 0 else f"{core}+{b}"
 
 
-@register("code")
 class Code(Domain):
-    needs_sandbox = True
+    name = "code"
 
     def make_task(self, rng: random.Random, split: str) -> Task:
         difficulty = rng.choice((1, 2, 3))

@@ -35,7 +35,6 @@ import random
 
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.domains.registry import register
 from components.core.jobs import Outcome
 
 FIELDS = ("rev", "cost", "tax", "net", "cash", "debt", "capex", "opex", "div")
@@ -61,8 +60,8 @@ def _line(period: Period, estimate: tuple[str, int] | None = None) -> str:
     return " ".join(parts + [f"{k} {v}" for k, v in values.items()])
 
 
-@register("extraction")
 class Extraction(Domain):
+    name = "extraction"
     def make_task(self, rng: random.Random, split: str) -> Task:
         difficulty = rng.choice((1, 2, 3))
         cap = LENGTH_CAP[difficulty]

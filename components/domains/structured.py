@@ -31,7 +31,6 @@ import jsonschema
 
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.domains.registry import register
 from components.core.jobs import Outcome
 
 MAX_SIDE = 1000  # the bound when a prompt names none
@@ -74,8 +73,8 @@ def scene_checks(task: Task, value: Any) -> dict[str, float]:
     return {"inside": float(inside), "no_overlap": float(apart)}
 
 
-@register("structured")
 class Structured(Domain):
+    name = "structured"
     def make_task(self, rng: random.Random, split: str) -> Task:
         if rng.random() < 0.6:
             w, d, h = rng.randint(1, 8), rng.randint(1, 8), rng.randint(1, 8)

@@ -40,7 +40,6 @@ import random
 
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, make_task
-from components.domains.registry import register
 from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 
 NAMES = "abcdefghjkmnpqrstuvwxyz"
@@ -146,9 +145,8 @@ def _shown(start: dict[str, str]) -> str:
     return "(has " + " ".join(sorted(start)) + ")\n" if start else ""
 
 
-@register("terminal")
 class Terminal(Domain):
-    needs_sandbox = True
+    name = "terminal"
 
     def make_task(self, rng: random.Random, split: str) -> Task:
         difficulty = rng.choice((1, 2, 3))

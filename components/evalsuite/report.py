@@ -10,8 +10,8 @@ unlucky task does not make a slice "weakest"; if no slice is that large, all cou
 ``log_layered(ctx, results)`` writes the table to the store (``layered.json``, a stage
 output), logs it to MLflow as a table artifact (``<stage>/layered.json``, viewable in the
 run's artifact UI) with a matplotlib plot (``<stage>/pass_rates.png``: pass rate per
-domain, and per difficulty and context bucket within each domain), and records the
-weakest slice in the manifest's info for ``posttrain run``'s per-iteration table.
+domain, and per difficulty and context bucket within each domain), and returns the
+weakest slice, which the stage keeps in its facts for ``posttrain run``'s table.
 
 Not covered: confidence intervals per slice, or slices along other axes.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from components.core.facts import Slice
 from components.core.records import EvalResult
 
 MIN_SLICE = 5
@@ -86,7 +87,7 @@ def plot(rows: list[dict[str, Any]]):
     return fig
 
 
-def log_layered(ctx, results: list[EvalResult]) -> dict[str, Any] | None:
+def log_layered(ctx, results: list[EvalResult]) -> Slice | None:
     """Write and log the layered table and plot; returns the weakest slice."""
     import pandas as pd
 
@@ -95,8 +96,7 @@ def log_layered(ctx, results: list[EvalResult]) -> dict[str, Any] | None:
     rows = slices(results)
     ctx.write_json("layered", rows)
     worst = weakest(rows)
-    ctx.info["weakest_slice"] = {**worst, "name": slice_name(worst)} if worst else None
-    run_id = ctx.info.get("mlflow_run_id")
+    run_id = ctx.mlflow_run_id
     if run_id:
         client = tracking.client()
         client.log_table(run_id, pd.DataFrame(rows), f"{ctx.stage}/layered.json")
@@ -108,4 +108,4 @@ def log_layered(ctx, results: list[EvalResult]) -> dict[str, Any] | None:
                 client.log_figure(run_id, fig, f"{ctx.stage}/pass_rates.png")
             finally:
                 plt.close(fig)
-    return ctx.info["weakest_slice"]
+    return Slice(name=slice_name(worst), **worst) if worst else None

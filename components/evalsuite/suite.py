@@ -16,7 +16,7 @@ from components.core.recipe import Recipe
 from components.core.seeds import derive_seed
 from components.domains import registry
 from components.rollout.engines import get_engine
-from components.sandbox.dispatch import execute
+from components.domains.execute import execute
 from components.sandbox.executor import Executor
 
 

@@ -15,27 +15,21 @@ greedy, so the same policy always gets the same score).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 
 from components.core import tracking
 from components.core.context import StageContext
+from components.core.facts import Checkpoint, Decision
 from components.core.policy import load_policy
 from components.core.progress import say
-from components.core.records import EvalResult
-from components.evaluation.report import log_layered
-from components.evaluation.suite import eval_tasks, pass_rates, run_suite
-from components.sandbox.executor import get_executor
+from components.evalsuite.score import eval_tags, evaluate_and_log, tagged_rates
 
-EVAL_TAG = "posttrain.eval."
-
-
-def eval_tags(rates: dict[str, float]) -> dict[str, str]:
-    return {f"{EVAL_TAG}{d}": f"{v:.6f}" for d, v in rates.items()}
+SECTIONS = ("evaluation", "rollout", "sandbox")
+"""Recipe sections read: the suite's size and generation settings, the engine, the sandbox."""
 
 
 def baseline_rates(pipeline: str, version: str) -> dict[str, float]:
-    mv = tracking.client().get_model_version(tracking.model_name(pipeline), version)
-    return {k[len(EVAL_TAG):]: float(v) for k, v in mv.tags.items() if k.startswith(EVAL_TAG)}
+    return tagged_rates(tracking.client().get_model_version(tracking.model_name(pipeline), version).tags)
 
 
 def baseline_for(pipeline: str, parent_version: str) -> tuple[str, dict[str, float]]:
@@ -54,45 +48,27 @@ def decide(candidate: dict[str, float], baseline: dict[str, float], tolerance: f
     return True, "no domain regressed beyond tolerance"
 
 
-def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[str, float]]:
-    executor = get_executor(ctx.recipe.sandbox)
-    try:
-        results = run_suite(policy, eval_tasks(ctx.recipe), ctx.recipe, executor, label=f"{ctx.stage} eval")
-    finally:
-        executor.close()
-    ctx.write_records("eval_results", results, EvalResult)
-    log_layered(ctx, results)  # domain x difficulty x context bucket: store, MLflow table + plot
-    samples = {}
-    for r in results:
-        samples.setdefault(r.domain, [])
-        if len(samples[r.domain]) < 8:
-            samples[r.domain].append({"task_id": r.task_id, "completion": r.completion, "passed": r.passed})
-    tracking.log_artifact_text(ctx.info["mlflow_run_id"], json.dumps(samples, indent=2), f"{ctx.stage}/samples.json")
-    return results, pass_rates(results)
-
-
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("trainer")
 
 
 def run(ctx: StageContext) -> dict[str, float]:
-    trainer = ctx.upstream("trainer")[0].info
-    candidate = load_policy(trainer["checkpoint_uri"], trainer["version"])
-    _, rates = evaluate_and_log(ctx, candidate)
-    baseline_version, baseline = baseline_for(ctx.pipeline, trainer["parent_version"])
+    trainer = ctx.facts_of("trainer", Checkpoint)
+    candidate = load_policy(trainer.checkpoint_uri, trainer.version)
+    _, rates, worst = evaluate_and_log(ctx, candidate)
+    baseline_version, baseline = baseline_for(ctx.pipeline, trainer.parent_version)
     promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
-    tracking.set_version_tags(ctx.pipeline, trainer["version"], {**eval_tags(rates), "posttrain.promoted": str(promoted)})
+    tracking.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
     if promoted:
-        tracking.set_alias(ctx.pipeline, "champion", trainer["version"])
-    ctx.info.update({"promoted": promoted, "reason": reason, "pass_rates": rates, "baseline": baseline,
-                     "baseline_version": baseline_version, "version": trainer["version"]})
-    ctx.write_json("report", {"candidate": trainer["version"], "baseline": baseline_version,
-                              "parent": trainer["parent_version"], "pass_rates": rates,
+        tracking.set_alias(ctx.pipeline, "champion", trainer.version)
+    ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,
+                         reason=reason, baseline=baseline, baseline_version=baseline_version)
+    ctx.write_json("report", {"candidate": trainer.version, "baseline": baseline_version,
+                              "parent": trainer.parent_version, "pass_rates": rates,
                               "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
-                              "weakest_slice": ctx.info.get("weakest_slice")})
-    worst = ctx.info.get("weakest_slice")
+                              "weakest_slice": dataclasses.asdict(worst) if worst else None})
     say(f"iter {ctx.iteration} | evaluation | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
-        + (f" | weakest {worst['name']} {worst['pass_rate']:.3f}" if worst else "")
+        + (f" | weakest {worst.name} {worst.pass_rate:.3f}" if worst else "")
         + f" | {'promoted' if promoted else 'held'}: {reason}")
     metrics = {f"{d}/pass_at_1": v for d, v in rates.items()}
     metrics["mean/pass_at_1"] = sum(rates.values()) / max(1, len(rates))

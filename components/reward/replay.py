@@ -116,9 +116,9 @@ def _stats(rewards: list[Reward], domain: str) -> dict[str, float]:
 
 
 def handle_replay(args: argparse.Namespace) -> int:
-    from components.cli import default_run_root
     from components.core.errors import UserError
     from components.core.recipe import load_recipe
+    from components.core.settings import default_run_root
 
     if args.iteration < 1:
         raise UserError("--iteration", args.iteration, "iterations count from 1", "pass --iteration 1 or higher")

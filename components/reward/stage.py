@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from components.core.context import StageContext
+from components.core.facts import NormPrior
 from components.core.records import Execution, Reward, Rollout, Task
 from components.domains import registry
 from components.reward.advantages import group_advantages
@@ -23,14 +24,16 @@ from components.reward.normalize import (
     STATS_OUTPUT, RunningStats, Stats, cumulative_after, from_json, merge_all, to_json, zscore,
 )
 
+SECTIONS = ("reward",)
+"""Recipe sections read: normalisation and advantage settings."""
+
 
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("taskgen")
     ctx.depend_on("rollout", shard_only=True)
     ctx.depend_on("sandbox", shard_only=True)
     prior_iteration, prior = cumulative_after(ctx, ctx.iteration - 1)
-    ctx.info["norm_prior_iteration"] = prior_iteration
-    ctx.info["norm_prior"] = to_json(prior)
+    ctx.facts = NormPrior(norm_prior_iteration=prior_iteration, norm_prior=to_json(prior))
 
 
 def batch_stats(rewards: list[Reward]) -> Stats:
@@ -99,11 +102,12 @@ def run(ctx: StageContext) -> dict[str, float]:
     tasks = {t.task_id: t for t in ctx.read_records("taskgen", "tasks", Task)}
     rollouts = ctx.read_records("rollout", "rollouts", Rollout, shard_only=True)
     executions = {e.rollout_id: e for e in ctx.read_records("sandbox", "executions", Execution, shard_only=True)}
-    prior = from_json(ctx.info["norm_prior"])
+    facts: NormPrior = ctx.facts
+    prior = from_json(facts.norm_prior)
     rewards = score(tasks, rollouts, executions, ctx.recipe.reward, prior)
     ctx.write_records("rewards", rewards, Reward)
     batch = batch_stats(rewards)
-    ctx.write_json(STATS_OUTPUT, {"prior_iteration": ctx.info["norm_prior_iteration"], "prior": to_json(prior),
+    ctx.write_json(STATS_OUTPUT, {"prior_iteration": facts.norm_prior_iteration, "prior": to_json(prior),
                                   "batch": to_json(batch)})
     metrics = summarize(rewards)
     for domain, s in sorted(merge_all(prior, batch).items()):

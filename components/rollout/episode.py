@@ -36,7 +36,8 @@ from typing import Protocol
 
 from components.core.policy import Policy
 from components.core.records import Turn
-from components.rollout.engines import HFEngine, TokenPromptPolicy
+from components.rollout.engines import TokenPromptPolicy
+from components.rollout.hf_engine import HFEngine
 
 DONE = "DONE"
 

@@ -28,7 +28,7 @@ import urllib.request
 from typing import Any
 
 from components.core.errors import UserError
-from components.rollout.engines import Engine, Sample, register_engine
+from components.rollout.engines import Engine, Generation
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
 ENV_MODEL = "POSTTRAIN_OPENAI_MODEL"
@@ -66,7 +66,6 @@ def _token_id(token: str, tokenizer) -> int:
     return int(tid)
 
 
-@register_engine("openai")
 class OpenAIEngine(Engine):
     name = "openai"
 
@@ -88,7 +87,7 @@ class OpenAIEngine(Engine):
         url = completions_url(self.base_url)
         encoded = [policy.encode_prompt(p) for p in prompts]
         eos = policy.eos_id
-        results: list[Sample] = []
+        results: list[Generation] = []
         for b, start in enumerate(range(0, len(encoded), batch_size)):
             chunk = encoded[start:start + batch_size]
             body = {
@@ -111,7 +110,7 @@ class OpenAIEngine(Engine):
                 stop = comp.index(eos) + 1 if eos in comp else len(comp)
                 comp, logprobs = comp[:stop], [float(x) for x in logprobs[:stop]]
                 text_ids = comp[:-1] if comp and comp[-1] == eos else comp
-                results.append(Sample(
+                results.append(Generation(
                     prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
                     text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
                     finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",

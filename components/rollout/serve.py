@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 from components.core.policy import Policy
-from components.rollout.engines import HFEngine, TokenPromptPolicy
+from components.rollout.engines import TokenPromptPolicy
+from components.rollout.hf_engine import HFEngine
 
 
 def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:

@@ -7,10 +7,14 @@ samples of one task lands in one shard and group-relative advantages need no shu
 from __future__ import annotations
 
 from components.core.context import StageContext
+from components.core.facts import StartingPolicy
 from components.core.policy import load_policy
 from components.core.progress import bar
 from components.core.records import Rollout, Task
 from components.rollout.engines import get_engine
+
+SECTIONS = ("rollout",)
+"""Recipe sections read: the engine, group size and sampling settings."""
 
 
 def inputs(ctx: StageContext) -> None:
@@ -24,9 +28,9 @@ def shard_tasks(ctx: StageContext) -> list[Task]:
 
 def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.rollout
-    info = ctx.upstream("taskgen")[0].info
+    start = ctx.facts_of("taskgen", StartingPolicy)
     tasks = shard_tasks(ctx)
-    policy = load_policy(info["policy_uri"], info["policy_version"])
+    policy = load_policy(start.policy_uri, start.policy_version)
     engine = get_engine(cfg.engine)
     prompts = [t.prompt for t in tasks for _ in range(cfg.group_size)]
     with bar(f"rollout[{ctx.shard}]", len(prompts)) as advance:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from components.core.errors import UserError
-from components.rollout.engines import Engine, Sample, register_engine
+from components.rollout.engines import Engine, Generation
 
 INSTALL_HINT = "pip install vllm (GPU; for CPU see https://docs.vllm.ai/en/latest/getting_started/installation/cpu.html), or set rollout.engine: hf"
 
@@ -73,7 +73,6 @@ def check_cpu_head_size(folder: Path, uri: str) -> None:
                         "or set rollout.engine: hf")
 
 
-@register_engine("vllm")
 class VLLMEngine(Engine):
     name = "vllm"
 
@@ -138,7 +137,7 @@ class VLLMEngine(Engine):
             logprobs = [float(step[tok].logprob) for tok, step in zip(comp, o.logprobs or [])]
             assert len(logprobs) == len(comp), "vLLM returned fewer logprobs than tokens"
             text_ids = comp[:-1] if comp and comp[-1] == policy.eos_id else comp
-            results.append(Sample(prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
+            results.append(Generation(prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
                                   text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
                                   finish_reason="stop" if o.finish_reason == "stop" else "length"))
         if progress:

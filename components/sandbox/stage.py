@@ -15,8 +15,11 @@ from collections import Counter
 from components.core.context import StageContext
 from components.core.records import Execution, Rollout, Task
 from components.core.jobs import to_execution
-from components.sandbox.dispatch import execute
+from components.domains.execute import execute
 from components.sandbox.executor import get_executor
+
+SECTIONS = ("sandbox",)
+"""Recipe sections read: the backend, its limits and concurrency."""
 
 
 def inputs(ctx: StageContext) -> None:

@@ -14,13 +14,15 @@ fixed eval suite.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import dataclasses
+
 from components.core.context import StageContext, read_manifest
 from components.core.errors import UserError
+from components.core.facts import StartingPolicy
 from components.core.lineage import resolve_policy
 from components.core.manifest import InputRef
 from components.core.records import Task
@@ -28,7 +30,11 @@ from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
 from components.domains.taskfile import load_tasks, read_bytes
-from components.evaluation.suite import eval_tasks
+from components.evalsuite.suite import eval_tasks
+
+SECTIONS = ("taskgen", "rollout", "evaluation")
+"""Recipe sections read: sampling, the starting policy (``rollout.policy``), and the eval
+suite's size (its tasks are kept out of training)."""
 
 
 def domain_counts(domains: list[str], weights: dict[str, float], total: int) -> dict[str, int]:
@@ -46,13 +52,13 @@ def inputs(ctx: StageContext) -> None:
     # The starting policy is fixed once per iteration: re-running a finished iteration's
     # taskgen (an Airflow clear, a KFP resubmit) must not pick up a later champion.
     earlier = read_manifest(ctx.store, ctx.prefix)
-    if earlier is not None and earlier.config_digest == ctx.recipe.digest("taskgen"):
-        version, uri = earlier.info["policy_version"], earlier.info["policy_uri"]
+    if earlier is not None and earlier.config_digest == ctx.recipe.whole.digest(SECTIONS):
+        start = earlier.facts(StartingPolicy)
+        version, uri = start.policy_version, start.policy_uri
     else:
         version, uri = resolve_policy(ctx.recipe)
     ctx.inputs["policy"] = InputRef(uri=uri, digest=f"version:{version}")
-    ctx.info["policy_version"] = version
-    ctx.info["policy_uri"] = uri
+    ctx.facts = StartingPolicy(policy_version=version, policy_uri=uri)
     if ctx.recipe.taskgen.task_file:
         source = ctx.recipe.taskgen.task_file
         uri = source if "://" in source else Path(source).resolve().as_uri()
@@ -94,6 +100,7 @@ def run(ctx: StageContext) -> dict[str, float]:
             tasks.extend(registry.get(name).train_tasks(r, n, exclude) if n else [])
     r.shuffle(tasks)  # so shards get a mix of domains
     ctx.write_records("tasks", tasks, Task)
+    ctx.facts = dataclasses.replace(ctx.facts, parent_run_id=ctx.parent_run_id)
     by = Counter(t.domain for t in tasks)
     return {"tasks": len(tasks), **{f"{d}/tasks": float(by[d]) for d in sorted(by)},
             **{f"{d}/weight": w for d, w in sorted(weights.items())}}

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from components.core.policy import pad_batch, token_logprobs
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -38,30 +40,6 @@ class Sample:
     @property
     def trained_tokens(self) -> int:
         return sum(self.mask) if self.mask else len(self.completion_ids)
-
-
-def pad_batch(samples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (input_ids, attention_mask, completion_mask); the mask marks the
-    positions of the logits (shifted by one) that predict completion tokens."""
-    width = max(len(p) + len(c) for p, c in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), width), dtype=torch.long)
-    comp = torch.zeros((len(samples), width - 1), dtype=torch.float32)
-    for row, (p, c) in enumerate(samples):
-        seq = p + c
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attn[row, : len(seq)] = 1
-        comp[row, len(p) - 1 : len(seq) - 1] = 1.0
-    return ids, attn, comp
-
-
-def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each next token, entropy) for positions 0..L-2, under softmax(logits/T)."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
 
 
 def apply_sample_masks(samples: list[Sample], comp_mask: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from collections import defaultdict
 
 from components.core import tracking
 from components.core.context import StageContext
+from components.core.facts import Checkpoint, StartingPolicy
 from components.core.manifest import InputRef
 from components.core.policy import load_policy, save_policy
 from components.core.progress import bar, say
@@ -34,13 +35,16 @@ from components.core.storage import Store
 from components.trainer.grpo import Sample, grpo_step, step_batches
 from components.trainer.state import DataPosition, build_optimizer, build_scheduler, load_trainer_state, save_trainer_state
 
+SECTIONS = ("trainer", "rollout")
+"""Recipe sections read: the optimizer settings, and the sampling temperature of the rollouts."""
+
 
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("validation")
     ctx.depend_on("rollout")
     ctx.depend_on("reward")
-    info = ctx.upstream("taskgen")[0].info
-    ctx.inputs["policy"] = InputRef(uri=info["policy_uri"], digest=f"version:{info['policy_version']}")
+    start = ctx.facts_of("taskgen", StartingPolicy)
+    ctx.inputs["policy"] = InputRef(uri=start.policy_uri, digest=f"version:{start.policy_version}")
 
 
 def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sample]]:
@@ -57,10 +61,10 @@ def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sa
 
 def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.trainer
-    info = ctx.upstream("taskgen")[0].info
-    run_id = ctx.info["mlflow_run_id"]
+    start = ctx.facts_of("taskgen", StartingPolicy)
+    run_id = ctx.mlflow_run_id
     seed_everything(ctx.seed())
-    policy = load_policy(info["policy_uri"], info["policy_version"])
+    policy = load_policy(start.policy_uri, start.policy_version)
     model = policy.model
     datasets = {}
     for stage, name in (("rollout", "rollouts"), ("reward", "rewards")):
@@ -68,15 +72,15 @@ def run(ctx: StageContext) -> dict[str, float]:
             out = m.outputs[name]
             datasets[f"{name}[{m.shard}]" if m.shard else name] = (ctx.store.url(out.path), out.sha256)
     tracking.log_datasets(run_id, datasets, context="training")
-    tracking.client().set_tag(run_id, "posttrain.parent_policy_version", info["policy_version"])
-    tracking.client().set_tag(run_id, "posttrain.parent_policy_uri", info["policy_uri"])
+    tracking.client().set_tag(run_id, "posttrain.parent_policy_version", start.policy_version)
+    tracking.client().set_tag(run_id, "posttrain.parent_policy_uri", start.policy_uri)
 
     groups = build_groups(ctx.read_records("rollout", "rollouts", Rollout), ctx.read_records("reward", "rewards", Reward))
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     carried = None
     if cfg.carry_optimizer_state:
-        carried = load_trainer_state(Store(info["policy_uri"], "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
+        carried = load_trainer_state(Store(start.policy_uri, "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
     global_step = carried.global_step if carried else 0
     batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
     totals: dict[str, float] = defaultdict(float)
@@ -104,11 +108,11 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.add_output("trainer_state", f"{rel}/trainer_state.pt", rows=position.global_step, digest=state_digest)
     uri = ctx.store.url(rel)
     version = tracking.register_checkpoint(ctx.pipeline, uri, run_id, {
-        "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": info["policy_version"],
+        "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
     })
     tracking.set_alias(ctx.pipeline, "candidate", version)
-    ctx.info.update({"checkpoint_uri": uri, "version": version, "parent_version": info["policy_version"]})
+    ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups | registered version {version}")
     return {

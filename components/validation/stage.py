@@ -9,12 +9,12 @@ written on failure, so the trainer cannot start from bad data.
 from __future__ import annotations
 
 from components.core.context import StageContext
+from components.core.errors import DataQualityError
 from components.core.records import Reward, Rollout
 from components.validation.suite import check
 
-
-class DataQualityError(Exception):
-    exit_code = 3
+SECTIONS = ("validation", "rollout")
+"""Recipe sections read: the gate's thresholds, and the completion cap rows must respect."""
 
 
 def inputs(ctx: StageContext) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from components.core import tracking
+from components.core import settings, tracking
+from components.core.facts import Checkpoint, Decision, Scored, StartingPolicy
 from components.core.manifest import Manifest
 from components.core.runner import run_stage
 from components.core.storage import Store
@@ -52,13 +53,13 @@ def test_trainer_registered_version_2_from_its_run(iteration: Iteration, client)
     trainer = iteration.manifests["trainer"]
     mv = client.get_model_version(MODEL, "2")
     assert mv.run_id == trainer.mlflow_run_id
-    assert trainer.info["version"] == "2"
-    assert mv.source == trainer.info["checkpoint_uri"] == iteration.store.url(trainer.outputs["checkpoint"].path)
+    assert trainer.facts(Checkpoint).version == "2"
+    assert mv.source == trainer.facts(Checkpoint).checkpoint_uri == iteration.store.url(trainer.outputs["checkpoint"].path)
     assert mv.tags["posttrain.parent_version"] == "1"
     assert mv.tags["posttrain.iteration"] == "1"
     v1 = client.get_model_version(MODEL, "1")
     assert v1.run_id == iteration.manifests["bootstrap"].mlflow_run_id
-    assert v1.source == iteration.manifests["bootstrap"].info["checkpoint_uri"]
+    assert v1.source == iteration.manifests["bootstrap"].facts(Scored).checkpoint_uri
     assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{MODEL}'")) == [1, 2]
 
 
@@ -93,14 +94,14 @@ def test_stage_inputs_are_logged_with_manifest_digests(iteration: Iteration, cli
 def test_trainer_run_names_its_parent_policy(iteration: Iteration, client) -> None:
     tags = client.get_run(iteration.manifests["trainer"].mlflow_run_id).data.tags
     assert tags["posttrain.parent_policy_version"] == "1"
-    assert tags["posttrain.parent_policy_uri"] == iteration.manifests["bootstrap"].info["checkpoint_uri"]
+    assert tags["posttrain.parent_policy_uri"] == iteration.manifests["bootstrap"].facts(Scored).checkpoint_uri
     assert tags[tracking.TAG_STAGE] == "trainer"
     assert tags[tracking.TAG_ITERATION] == "1"
 
 
 def test_aliases_follow_the_evaluation_decision(iteration: Iteration, client) -> None:
     evaluation = iteration.manifests["evaluation"]
-    promoted = evaluation.info["promoted"]
+    promoted = evaluation.facts(Decision).promoted
     assert isinstance(promoted, bool)
     assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "2"
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == ("2" if promoted else "1")
@@ -109,7 +110,7 @@ def test_aliases_follow_the_evaluation_decision(iteration: Iteration, client) ->
 
 
 def test_every_stage_run_hangs_under_the_iteration_run(iteration: Iteration, client) -> None:
-    parent_id = iteration.manifests["taskgen"].info["parent_run_id"]
+    parent_id = iteration.manifests["taskgen"].facts(StartingPolicy).parent_run_id
     parent = client.get_run(parent_id)
     assert parent.data.tags[tracking.TAG_STAGE] == "iteration"
     assert parent.data.tags[tracking.TAG_ITERATION] == "1"
@@ -124,14 +125,14 @@ def test_every_stage_run_hangs_under_the_iteration_run(iteration: Iteration, cli
 
 
 def test_artifacts_live_beside_the_embedded_database(iteration: Iteration) -> None:
-    home = Path(tracking.home())
+    home = settings.home()
     assert tracking.tracking_uri() == f"sqlite:///{home / 'mlflow.db'}"
     assert (home / "mlflow.db").is_file()
 
 
 # Kept last: it re-runs taskgen of a finished iteration (which must be a cache hit).
 def test_rerunning_a_finished_iterations_taskgen_is_a_cache_hit(iteration: Iteration) -> None:
-    assert iteration.manifests["evaluation"].info["promoted"] is True  # the alias moved to version 2
+    assert iteration.manifests["evaluation"].facts(Decision).promoted is True  # the alias moved to version 2
     again = run_stage("taskgen", TINY_RECIPE, iteration.store.uri, 1)
-    assert again.info["policy_version"] == "1"
+    assert again.facts(StartingPolicy).policy_version == "1"
     assert again == iteration.manifests["taskgen"]

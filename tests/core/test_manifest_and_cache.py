@@ -20,7 +20,8 @@ from components.core.context import read_manifest
 from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Manifest
 from components.core.recipe import load_recipe
-from components.core.runner import code_version, run_stage
+from components.core.facts import Scored, StartingPolicy
+from components.core.runner import code_version, config_digest, run_stage
 from components.core.storage import Store
 from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
 from tests.fixtures.s3 import apply_env, new_store_uri
@@ -73,7 +74,7 @@ def snapshot(store: Store, rels: list[str]) -> dict[str, tuple[bytes, object]]:
 def test_bootstrap_manifest(booted: Booted) -> None:
     m, store = booted.boot, booted.store
     assert (m.stage, m.pipeline, m.iteration, m.shard, m.inputs) == ("bootstrap", "tiny", 0, None, {})
-    assert m.config_digest == TINY.digest("bootstrap")
+    assert m.config_digest == config_digest(TINY, "bootstrap")
     assert m.code_version == code_version()
     assert set(m.outputs) == {"checkpoint", "eval_results", "layered"}
     ckpt = m.outputs["checkpoint"]
@@ -84,8 +85,9 @@ def test_bootstrap_manifest(booted: Booted) -> None:
     assert evals.path == "tiny/bootstrap/eval_results.parquet"
     assert evals.sha256 == sha256_of(store, evals.path)
     assert evals.rows == store.read_table(evals.path).num_rows == 2 * TINY.evaluation.tasks_per_domain
-    assert m.info["version"] == "1"
-    assert m.info["checkpoint_uri"] == store.url("tiny/bootstrap/checkpoint")
+    facts = m.facts(Scored)
+    assert (facts.version, facts.checkpoint_uri) == ("1", store.url("tiny/bootstrap/checkpoint"))
+    assert set(facts.pass_rates) == {"arithmetic", "code"}
     assert m.mlflow_run_id
     run = tracking.client().get_run(m.mlflow_run_id)
     assert (run.info.status, run.data.tags[tracking.TAG_STAGE]) == ("FINISHED", "bootstrap")
@@ -98,14 +100,14 @@ def test_taskgen_and_rollout_manifests_record_inputs(booted: Booted) -> None:
     store = booted.store
     tg = run_stage("taskgen", TINY_RECIPE, booted.root, 1)
     assert (tg.stage, tg.iteration, tg.shard) == ("taskgen", 1, None)
-    assert tg.inputs == {"policy": InputRef(uri=booted.boot.info["checkpoint_uri"], digest="version:1")}
-    assert tg.config_digest == TINY.digest("taskgen")
+    assert tg.inputs == {"policy": InputRef(uri=booted.boot.facts(Scored).checkpoint_uri, digest="version:1")}
+    assert tg.config_digest == config_digest(TINY, "taskgen")
     tasks = tg.outputs["tasks"]
     assert tasks.path == "tiny/iter-000001/taskgen/tasks.parquet"
     assert tasks.rows == TINY.taskgen.tasks_per_iteration == store.read_table(tasks.path).num_rows
     assert tasks.sha256 == sha256_of(store, tasks.path)
     assert tg.metrics["taskgen/tasks"] == 8.0
-    assert tg.mlflow_run_id and tg.info["parent_run_id"]
+    assert tg.mlflow_run_id and tg.facts(StartingPolicy).parent_run_id
     assert read_manifest(store, "tiny/iter-000001/taskgen").to_json() == tg.to_json()
 
     ro = run_stage("rollout", TINY_RECIPE, booted.root, 1, "1/2")
@@ -116,7 +118,7 @@ def test_taskgen_and_rollout_manifests_record_inputs(booted: Booted) -> None:
     assert rollouts.rows == 4 * TINY.rollout.group_size  # tasks 1, 3, 5, 7 of 8
     assert rollouts.sha256 == sha256_of(store, rollouts.path)
     assert ro.mlflow_run_id not in ("", tg.mlflow_run_id)
-    assert tracking.client().get_run(ro.mlflow_run_id).data.tags["mlflow.parentRunId"] == tg.info["parent_run_id"]
+    assert tracking.client().get_run(ro.mlflow_run_id).data.tags["mlflow.parentRunId"] == tg.facts(StartingPolicy).parent_run_id
 
 
 def test_rerun_is_a_cache_hit(booted: Booted) -> None:
@@ -146,7 +148,7 @@ def test_changed_stage_config_reruns(booted: Booted) -> None:
     runs = run_count()
 
     second = run_stage("taskgen", changed, booted.root, 3)
-    assert second.config_digest == load_recipe(changed).digest("taskgen") != first.config_digest
+    assert second.config_digest == config_digest(load_recipe(changed), "taskgen") != first.config_digest
     assert second.outputs["tasks"].rows == 6 == store.read_table(second.outputs["tasks"].path).num_rows
     assert second.mlflow_run_id != first.mlflow_run_id
     assert run_count() == runs + 1

@@ -8,6 +8,7 @@ import pytest
 
 from components.core.errors import UserError
 from components.core.recipe import load_recipe, parse_recipe
+from components.core.runner import config_digest
 from components.domains import registry
 from tests.fixtures.home import TINY_RECIPE
 
@@ -84,10 +85,13 @@ def test_tiny_recipe_overrides_defaults() -> None:
 def test_stage_digest_covers_only_its_sections() -> None:
     base = parse_recipe({"pipeline": "t"})
     more_tasks = parse_recipe({"pipeline": "t", "taskgen": {"tasks_per_iteration": 7}})
-    assert base.digest("taskgen") != more_tasks.digest("taskgen")
+    assert config_digest(base, "taskgen") != config_digest(more_tasks, "taskgen")
     for stage in ("rollout", "sandbox", "reward", "validation", "trainer", "evaluation", "bootstrap"):
-        assert base.digest(stage) == more_tasks.digest(stage), stage
+        assert config_digest(base, stage) == config_digest(more_tasks, stage), stage
     other_seed = parse_recipe({"pipeline": "t", "seed": 1})
-    assert all(base.digest(s) != other_seed.digest(s) for s in ("bootstrap", "taskgen", "trainer"))
-    assert base.digest("taskgen") == parse_recipe({"pipeline": "t"}).digest("taskgen")  # deterministic
-    assert len(base.digest("taskgen")) == 64
+    assert all(config_digest(base, s) != config_digest(other_seed, s) for s in ("bootstrap", "taskgen", "trainer"))
+    assert config_digest(base, "taskgen") == config_digest(parse_recipe({"pipeline": "t"}), "taskgen")  # deterministic
+    assert len(config_digest(base, "taskgen")) == 64
+    # evaluation scores with the rollout engine: a change of engine settings re-runs it
+    wider = parse_recipe({"pipeline": "t", "rollout": {"batch_size": 7}})
+    assert config_digest(base, "evaluation") != config_digest(wider, "evaluation")

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from components.core.context import StageContext
+from components.core.context import RecipeView, StageContext
 from components.core.manifest import Shard
 from components.core.recipe import parse_recipe
 from components.core.records import EvalResult
 from components.core.storage import Store
-from components.evaluation.report import log_layered, slices, weakest
-from components.orchestrate import weakest_text
+from components.evalsuite.report import log_layered, slices, weakest
+from dags.orchestrate import weakest_text
 
 
 def result(domain: str, difficulty: int, bucket: str, passed: bool, i: int) -> EvalResult:
@@ -53,12 +53,12 @@ def test_log_layered_writes_store_output_mlflow_table_and_plot(tmp_path, posttra
     from components.core import tracking
 
     recipe = parse_recipe({"pipeline": "lay", "domains": ["math", "extraction"]})
-    ctx = StageContext(stage="evaluation", recipe=recipe, store=Store(str(tmp_path / "store")), iteration=3,
+    ctx = StageContext(stage="evaluation", recipe=RecipeView(recipe, "evaluation", ("evaluation",)), store=Store(str(tmp_path / "store")), iteration=3,
                        shard=Shard(0, 1))
     with tracking.stage_run("lay", "evaluation", "evaluation", None, {}) as run_id:
-        ctx.info["mlflow_run_id"] = run_id
+        ctx.mlflow_run_id = run_id
         worst = log_layered(ctx, results())
-    assert worst["name"] == "math/d2/<=32" and worst["pass_rate"] == 0.2
+    assert (worst.name, worst.pass_rate, worst.tasks, worst.passed) == ("math/d2/<=32", 0.2, 5, 1)
     stored = ctx.store.read_json(ctx.outputs["layered"].path)
     assert ctx.outputs["layered"].path == "lay/iter-000003/evaluation/layered.json" and len(stored) == 5
     client = tracking.client()
@@ -68,8 +68,8 @@ def test_log_layered_writes_store_output_mlflow_table_and_plot(tmp_path, posttra
     assert table["columns"][:3] == ["domain", "difficulty", "context_bucket"] and len(table["data"]) == 5
     png = open(client.download_artifacts(run_id, "evaluation/pass_rates.png", str(tmp_path)), "rb").read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert weakest_text(ctx.info) == "math/d2/<=32 0.20 (n=5)"
-    assert weakest_text({}) == "-"
+    assert weakest_text(worst) == "math/d2/<=32 0.20 (n=5)"
+    assert weakest_text(None) == "-"
 
 
 def test_trap_tasks_form_their_own_slice_and_can_be_the_weakest():
@@ -82,6 +82,6 @@ def test_trap_tasks_form_their_own_slice_and_can_be_the_weakest():
     assert [(r["trap"], r["tasks"], r["passed"]) for r in rows] == [(False, 5, 5), (True, 3, 0)]
     w = weakest(rows, min_tasks=3)
     assert w["trap"] is True and w["pass_rate"] == 0.0
-    from components.evaluation.report import slice_name
+    from components.evalsuite.report import slice_name
 
     assert slice_name(w) == "math/d2/<=32/trap"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from components.core import tracking
-from components.evaluation.stage import baseline_for, decide, eval_tags
+from components.evalsuite.score import eval_tags
+from components.evaluation.stage import baseline_for, decide
 
 
 @pytest.mark.parametrize(("candidate", "promoted", "reason"), [

@@ -29,7 +29,7 @@ def write_stage(store: Store, pipeline: str, k: int, stage: str, shard: Shard | 
         _, digest = store.write_table(rel, to_table(records, cls))
         files[name] = OutputFile(path=rel, rows=len(records), sha256=digest)
     m = Manifest(stage=stage, pipeline=pipeline, iteration=k, shard=str(shard) if shard else None, inputs={},
-                 config_digest="fake", code_version="test", outputs=files, info={"parent_run_id": ""})
+                 config_digest="fake", code_version="test", outputs=files, info={})
     store.write_json(f"{prefix}/{MANIFEST}", m.to_json())
 
 
@@ -43,14 +43,15 @@ def write_iteration(store: Store, pipeline: str, k: int, shards: list[list[Rollo
 
 def run_reward(recipe, store: Store, k: int, shard: str):
     """One reward shard, as ``run_stage`` would run it minus tracking; returns its context."""
-    from components.core.runner import make_context
+    from components.core.facts import to_json
+    from components.core.runner import config_digest, make_context
     from components.reward import stage
 
     ctx = make_context("reward", recipe, store.uri, k, shard)
     stage.inputs(ctx)
     metrics = stage.run(ctx)
     m = Manifest(stage="reward", pipeline=recipe.pipeline, iteration=k, shard=str(ctx.shard), inputs=dict(ctx.inputs),
-                 config_digest=recipe.digest("reward"), code_version="test", outputs=dict(ctx.outputs),
-                 metrics=metrics, info=dict(ctx.info))
+                 config_digest=config_digest(recipe, "reward"), code_version="test", outputs=dict(ctx.outputs),
+                 metrics=metrics, info=to_json(ctx.facts))
     store.write_json(f"{ctx.prefix}/{MANIFEST}", m.to_json())
     return ctx

@@ -42,7 +42,7 @@ def test_stats_survive_a_restart_and_next_iteration_reads_them(tmp_path):
                                        [rollout(B, i, c) for i, c in enumerate(["20", "20", "14", "x"])]], [A, B])
     first = run_reward(r, store, 1, "0/2")
     run_reward(r, store, 1, "1/2")
-    assert first.info["norm_prior_iteration"] == 0
+    assert first.facts.norm_prior_iteration == 0
     # shard 0 of iteration 1 normalises with its own batch only: mean .75, std sqrt(.1875)
     assert [x.normalized_reward for x in rewards_of(first)] == pytest.approx(
         [(v - 0.75) / (math.sqrt(0.1875) + 1e-6) for v in (1, 0, 1, 1)])

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.rollout.engines import HFEngine, get_engine
-from components.trainer.grpo import pad_batch, token_logprobs
+from components.rollout.engines import get_engine
+from components.rollout.hf_engine import HFEngine
+from components.core.policy import pad_batch, token_logprobs
 
 from tests.rollout.helpers import PROMPTS
 

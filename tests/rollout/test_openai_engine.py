@@ -21,7 +21,8 @@ import pytest
 from components.core.errors import UserError
 from components.core.policy import load_policy, save_policy
 from components.core.storage import Store
-from components.rollout.engines import HFEngine, get_engine
+from components.rollout.engines import get_engine
+from components.rollout.hf_engine import HFEngine
 from components.rollout.openai_engine import ENV_BASE_URL, ENV_MODEL, OpenAIEngine, completions_url, post_json
 from tests.rollout.helpers import PROMPTS, tiny_policy
 from tests.rollout.test_hf_engine import TOLERANCE, recomputed

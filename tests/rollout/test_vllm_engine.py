@@ -17,7 +17,8 @@ from components.core.errors import UserError
 from components.core.policy import Policy, build_model, build_tokenizer, load_policy, save_policy
 from components.core.recipe import ModelConfig
 from components.core.storage import Store
-from components.rollout.engines import HFEngine, get_engine
+from components.rollout.engines import get_engine
+from components.rollout.hf_engine import HFEngine
 from tests.rollout.helpers import PROMPTS, tiny_policy
 from tests.rollout.test_hf_engine import recomputed
 

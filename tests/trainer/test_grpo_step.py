@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from components.core.recipe import TrainerConfig
-from components.rollout.engines import HFEngine
-from components.trainer.grpo import Sample, grpo_step, micro_batches, pad_batch, token_logprobs, token_weights
+from components.rollout.hf_engine import HFEngine
+from components.core.policy import pad_batch, token_logprobs
+from components.trainer.grpo import Sample, grpo_step, micro_batches, token_weights
 from components.trainer.state import build_optimizer
 from tests.rollout.helpers import PROMPTS, tiny_policy
 

@@ -18,7 +18,7 @@ import torch
 from components.core.policy import load_policy, save_policy
 from components.core.recipe import TrainerConfig
 from components.core.storage import Store
-from components.rollout.engines import HFEngine
+from components.rollout.hf_engine import HFEngine
 from components.trainer.grpo import Sample, grpo_step
 from components.trainer.state import build_optimizer
 from tests.rollout.test_hf_engine import TOLERANCE, recomputed

@@ -1,0 +1,113 @@
+"""Typed facts between stages: what one stage's manifest tells the stages after it.
+
+Each stage that hands on something other than files (which policy the iteration starts
+from, which registry version a checkpoint became, whether it was promoted) sets
+``ctx.facts`` to one of the frozen dataclasses below; the runner stores it as the
+manifest's ``info`` and a reader gets it back typed with ``Manifest.facts(cls)`` or
+``StageContext.facts_of(stage, cls)``. A missing or mistyped field is an error at the
+read, not a ``KeyError`` three stages later. Facts are part of a manifest's content
+digest, so keep them small (URIs, versions, a few numbers): data goes in files.
+
+Not covered: evolving a facts class while old manifests exist. A renamed field makes
+old manifests unreadable (the error names the stage to re-run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
+
+from components.core.errors import UserError
+
+F = TypeVar("F")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One slice of the layered eval report (domain x difficulty x context bucket x trap)."""
+
+    name: str  # e.g. "math/d3/<=32" or "code/d1/<=128/trap"
+    domain: str
+    difficulty: int
+    context_bucket: str
+    trap: bool
+    tasks: int
+    passed: int
+    pass_rate: float
+    mean_score: float
+
+    def text(self) -> str:
+        return f"{self.name} {self.pass_rate:.2f} (n={self.tasks})"
+
+
+@dataclass(frozen=True)
+class StartingPolicy:
+    """taskgen: the policy the whole iteration samples from and trains, fixed once."""
+
+    policy_version: str
+    policy_uri: str
+    parent_run_id: str = ""  # the iteration's MLflow parent run
+
+
+@dataclass(frozen=True)
+class NormPrior:
+    """reward: the running per-domain statistics this shard normalised with."""
+
+    norm_prior_iteration: int  # the last iteration those statistics include (0: none)
+    norm_prior: dict[str, dict[str, float]]  # domain -> RunningStats as JSON
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """trainer: the new checkpoint and its registry version."""
+
+    checkpoint_uri: str
+    version: str
+    parent_version: str
+
+
+@dataclass(frozen=True)
+class Scored:
+    """bootstrap: the base policy, its registry version and its eval-suite scores."""
+
+    checkpoint_uri: str
+    version: str
+    pass_rates: dict[str, float]
+    weakest_slice: Slice | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """evaluation: the candidate's scores and the promotion decision."""
+
+    version: str
+    pass_rates: dict[str, float]
+    weakest_slice: Slice | None
+    promoted: bool
+    reason: str
+    baseline: dict[str, float]
+    baseline_version: str
+
+
+@cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+def to_json(facts: Any) -> dict[str, Any]:
+    return _adapter(type(facts)).dump_python(facts, mode="json")
+
+
+def from_json(cls: type[F], data: dict[str, Any], stage: str, where: str) -> F:
+    """``data`` (a manifest's info) as ``cls``; a UserError naming the manifest and the
+    stage to re-run when it does not fit (an older layout, or a hand-edited manifest)."""
+    try:
+        return _adapter(cls).validate_python(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UserError(f"manifest {where}", ".".join(map(str, first["loc"])) or "info",
+                        f"its facts are not a {cls.__name__} ({first['msg']})",
+                        f"re-run stage {stage} (delete its _MANIFEST.json to force it)") from None
