@@ -32,6 +32,6 @@ ENGINES = Registry("rollout engine", "rollout.engine", {
 
 BACKENDS = Registry("sandbox backend", "sandbox.backend", {
     "bwrap": "components.sandbox.bwrap:BwrapExecutor",
-    "subprocess": "components.sandbox.executor:SubprocessExecutor",
+    "subprocess": "components.sandbox.subprocess_backend:SubprocessExecutor",
 }, group="posttrain.sandbox_backends")
 """Sandbox executors (called with the recipe's ``SandboxConfig``)."""
