@@ -86,14 +86,23 @@ def v1_writable() -> list[str]:
         parent = base(controller)
         if parent is None:
             continue
-        probe = parent / f"{PREFIX}probe-{uuid.uuid4().hex[:8]}"
-        try:
-            probe.mkdir()
-            probe.rmdir()
+        if _probe(parent) is not None:
             ok.append(controller)
-        except OSError:
-            continue
     return ok
+
+
+def _probe(parent: Path) -> list[str] | None:
+    """Create and remove a group under ``parent``: the controllers it got (v2), None if
+    no group can be created there."""
+    probe = parent / f"{PREFIX}probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.mkdir()
+    except OSError:
+        return None
+    try:
+        return _words(probe / "cgroup.controllers")
+    finally:
+        probe.rmdir()
 
 
 @dataclass
@@ -140,6 +149,14 @@ class JobCgroup:
             if not optional:
                 raise
 
+    def _key(self, controller: str, name: str, key: str) -> int | None:
+        """The value of ``key`` in a flat-keyed file (``key value`` lines), or None."""
+        for line in self._read(controller, name).splitlines():
+            found, _, value = line.partition(" ")
+            if found == key:
+                return int(value)
+        return None
+
     def _read(self, controller: str, name: str) -> str:
         try:
             fd = os.open(f"{self.paths[controller]}/{name}", os.O_RDONLY)
@@ -168,10 +185,9 @@ class JobCgroup:
 
     def oom_kills(self) -> int:
         """OOM kills inside the group so far (v1 ``memory.oom_control``: oom_kill N)."""
-        for line in self._read("memory", "memory.oom_control").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
+        kills = self._key("memory", "memory.oom_control", "oom_kill")
+        if kills is not None:
+            return kills
         text = self._read("memory", "memory.failcnt").strip()
         return int(text) if text else 0
 
@@ -260,16 +276,8 @@ def prepare_v2(folder: Path, want: tuple[str, ...] = V2_CONTROLLERS,
             _try_write(leaf / "cgroup.procs", str(os.getpid()))
     for controller in missing:
         _try_write(folder / "cgroup.subtree_control", f"+{controller}")
-    probe = folder / f"{PREFIX}probe-{uuid.uuid4().hex[:8]}"
-    try:
-        probe.mkdir()
-    except OSError:
-        return None
-    try:
-        got = tuple(c for c in want if c in _words(probe / "cgroup.controllers"))
-    finally:
-        probe.rmdir()
-    return folder, got
+    got = _probe(folder)
+    return None if got is None else (folder, tuple(c for c in want if c in got))
 
 
 @dataclass
@@ -333,18 +341,11 @@ class JobCgroupV2(JobCgroup):
         return int(text) / 2**20 if text else None
 
     def cpu_time_s(self) -> float | None:
-        for line in self._read("v2", "cpu.stat").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "usage_usec":
-                return int(value) / 1e6
-        return None
+        usec = self._key("v2", "cpu.stat", "usage_usec")
+        return None if usec is None else usec / 1e6
 
     def oom_kills(self) -> int:
-        for line in self._read("v2", "memory.events").splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
+        return self._key("v2", "memory.events", "oom_kill") or 0
 
     def kill_all(self) -> None:
         if "v2" in self.paths and not _try_write(self.paths["v2"] / "cgroup.kill", "1"):

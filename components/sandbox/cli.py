@@ -63,11 +63,8 @@ def handle_run(args: argparse.Namespace) -> int:
     argv = [PYTHON, "-I", "-S", name] if lang == "python" else ["bash", name]
     stdin = Path(args.stdin_file).read_text() if args.stdin_file else ""
     job = Job(job_id=path.name, files={name: path.read_text()}, argv=argv, stdin=stdin, timeout_s=args.timeout)
-    executor = get_executor(_config(args))
-    try:
+    with get_executor(_config(args)) as executor:
         result = executor.run(job)
-    finally:
-        executor.close()
     out = dataclasses.asdict(result)
     out.pop("result", None)
     out["signal"] = int(out["signal"])

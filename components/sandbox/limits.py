@@ -135,23 +135,13 @@ class UidPool:
 UIDS = UidPool()
 
 
-class Lease:
-    """One sandbox's host resources: a uid from ``UIDS``, a cgroup (``cgroups.create_group``;
-    None where there is no writable cgroup) and fds. ``ours`` are the host's ends, closed
-    on ``release``; ``theirs`` go to the sandbox and are closed by ``started()`` once it
-    has them. ``release`` gives everything back exactly once; by default the group is
-    removed (and only then the uid freed) off the job's critical path."""
+class Fds:
+    """fds held for one sandbox: ``ours`` are the host's ends, closed by ``close_all``;
+    ``theirs`` go to the sandbox and are closed by ``started()`` once it has them."""
 
-    def __init__(self, cgroup_v1, cgroup_v2: bool, memory_bytes: int, pids_max: int, cpus: float) -> None:
-        self.uid = UIDS.lease()
+    def __init__(self) -> None:
         self.ours: list[int] = []
         self.theirs: list[int] = []
-        self.released = False
-        try:
-            self.group = cgroups.create_group(cgroup_v1, cgroup_v2, memory_bytes, pids_max, cpus)
-        except BaseException:
-            UIDS.release(self.uid)
-            raise
 
     def keep(self, fd: int) -> int:
         self.ours.append(fd)
@@ -166,9 +156,6 @@ class Lease:
         r, w = os.pipe()
         return self.keep(r), self.give(w)
 
-    def procs_files(self) -> list[str]:
-        return self.group.procs_files() if self.group else []
-
     def close(self, fd: int) -> None:
         """Close one of ``ours`` early (e.g. to send EOF)."""
         self.ours.remove(fd)
@@ -179,18 +166,42 @@ class Lease:
             os.close(fd)
         self.theirs.clear()
 
-    def release(self, wait: bool = False) -> None:
-        """Close every fd, kill what is left in the group and remove it, free the uid;
-        ``wait``: do it now instead of on the cgroup reaper's thread."""
-        if self.released:
-            return
-        self.released = True
+    def close_all(self) -> None:
         for fd in self.ours + self.theirs:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.ours, self.theirs = [], []
+
+
+class Lease(Fds):
+    """One sandbox's host resources: a uid from ``UIDS``, a cgroup (``cgroups.create_group``;
+    None where there is no writable cgroup) and its fds. ``release`` gives everything
+    back, once; by default the group is removed (and only then the uid freed) on the
+    cgroup reaper's thread, off the job's critical path: the result is returned while the
+    kernel is still tearing down the job's namespaces."""
+
+    def __init__(self, cgroup_v1, cgroup_v2: bool, memory_bytes: int, pids_max: int, cpus: float) -> None:
+        super().__init__()
+        self.uid = UIDS.lease()
+        self.released = False
+        try:
+            self.group = cgroups.create_group(cgroup_v1, cgroup_v2, memory_bytes, pids_max, cpus)
+        except BaseException:
+            UIDS.release(self.uid)
+            raise
+
+    def procs_files(self) -> list[str]:
+        return self.group.procs_files() if self.group else []
+
+    def release(self, wait: bool = False) -> None:
+        """Close every fd, kill what is left in the group and remove it, free the uid;
+        ``wait``: do it now instead of on the cgroup reaper's thread."""
+        if self.released:
+            return
+        self.released = True
+        self.close_all()
         group, self.group = self.group, None
         if group and not wait:
             cgroups.REAPER.submit(self._give_back, group, self.uid)

@@ -35,6 +35,11 @@ class Observed:
         return cap_text(bytes(self.seen.data[name]), self.seen.total[name])
 
 
+def exit_of(returncode: int) -> tuple[int, int]:
+    """(exit code as a shell reports it, signal) from a ``Popen.returncode`` (-N: signal N)."""
+    return (128 - returncode, -returncode) if returncode < 0 else (returncode, 0)
+
+
 def cap_text(data: bytes, total: int) -> str:
     text = data.decode("utf-8", errors="replace")
     return text + f"\n...[{total - len(data)} bytes cut]" if total > len(data) else text

@@ -29,6 +29,7 @@ import subprocess
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,8 +38,8 @@ from components.sandbox import seccomp
 from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, host_argv, memfd_with
 from components.sandbox.detect import Support, check_paths
-from components.sandbox.limits import Lease, Limits
-from components.sandbox.outcome import Observed, infra_error, to_result
+from components.sandbox.limits import Fds, Lease, Limits
+from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
@@ -91,31 +92,25 @@ class Worker:
         memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
         self.lease = Lease(self.support.cgroup_v1, self.support.cgroup_v2, memory, lim.pids_max + 8, lim.cpus)
         self.uid, self.group = self.lease.uid, self.lease.group
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        fds = [child.fileno()]
+        lease = self.lease
+        self.ctl, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        child_fd = lease.give(child.detach())
+        zygote_fd = lease.give(memfd_with(ZYGOTE_SOURCE.read_bytes(), "posttrain-zygote"))
+        bpf_fd = lease.give(memfd_with(seccomp.bpf("job-on-zygote"), "posttrain-job-bpf"))  # stacks on "zygote"
+        cmd = [self.python, "-I", "-S", "/sandbox/zygote.py", str(child_fd), "/sandbox/job.bpf", self.python]
+        spec = SandboxSpec(uid=self.uid, limits=worker_limits, cmd=cmd + (["session"] if self.session else []),
+                           cgroup_procs=lease.procs_files(), seccomp_fd=lease.give(seccomp.memfd("zygote")),
+                           system_files=[(zygote_fd, "/sandbox/zygote.py"), (bpf_fd, "/sandbox/job.bpf")],
+                           worker=True, pdeathsig=False)
+        argv, env = host_argv(spec, self.support.bwrap, self.support.setpriv)
         try:
-            zygote_fd = memfd_with(ZYGOTE_SOURCE.read_bytes(), "posttrain-zygote")
-            bpf_fd = memfd_with(seccomp.bpf("job-on-zygote"), "posttrain-job-bpf")  # stacks on "zygote"
-            filter_fd = seccomp.memfd("zygote")
-            fds += [zygote_fd, bpf_fd, filter_fd]
-            cmd = [self.python, "-I", "-S", "/sandbox/zygote.py", str(child.fileno()), "/sandbox/job.bpf", self.python]
-            if self.session:
-                cmd.append("session")
-            spec = SandboxSpec(uid=self.uid, limits=worker_limits, cmd=cmd,
-                               cgroup_procs=self.lease.procs_files(), seccomp_fd=filter_fd,
-                               system_files=[(zygote_fd, "/sandbox/zygote.py"), (bpf_fd, "/sandbox/job.bpf")],
-                               worker=True, pdeathsig=False)
-            argv, env = host_argv(spec, self.support.bwrap, self.support.setpriv)
             self.proc = SPAWNER.call(subprocess.Popen, argv, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=fds,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=lease.theirs,
                                      start_new_session=True, cwd="/")
         finally:
-            for fd in fds[1:]:
-                os.close(fd)
-            child.close()
-        self.ctl = parent
-        ready, _, _ = select.select([parent], [], [], START_TIMEOUT_S)
-        msg = parent.recv(65536) if ready else b""
+            lease.started()
+        ready, _, _ = select.select([self.ctl], [], [], START_TIMEOUT_S)
+        msg = self.ctl.recv(65536) if ready else b""
         if not msg:
             self.proc.kill()
             err = self.proc.stderr.read(4000).decode(errors="replace") if self.proc.stderr else ""
@@ -130,19 +125,12 @@ class Worker:
         wire_limits = plain_limits(limits.as_dict())
         spec = {"argv": [plain_str(a) for a in job.argv], "stdin": plain_str(job.stdin), "limits": wire_limits,
                 "files": {plain_str(rel): plain_str(text) for rel, text in job.files.items()}}
-        ours: list[int] = []
-        theirs: list[int] = []
+        fds = Fds()
         try:
-            theirs.append(memfd_with(marshal.dumps(spec, WIRE_VERSION), "posttrain-spec"))
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            ours += [out_r, err_r]
-            theirs += [out_w, err_w]
-            result_r = None
-            if job.uses_result_fd:
-                result_r, result_w = os.pipe()
-                ours.append(result_r)
-                theirs.append(result_w)
+            fds.give(memfd_with(marshal.dumps(spec, WIRE_VERSION), "posttrain-spec"))
+            out_r, _ = fds.pipe()
+            err_r, _ = fds.pipe()
+            result_r = fds.pipe()[0] if job.uses_result_fd else None
             job_key = uuid.uuid4().hex
             header = {"op": "run", "id": job_key, "limits": wire_limits}
             if self.group:
@@ -151,13 +139,11 @@ class Worker:
             cpu_before = self.group.cpu_time_s() if self.group else None
             start = time.monotonic()
             try:
-                socket.send_fds(self.ctl, [marshal.dumps(header, WIRE_VERSION)], theirs)
+                socket.send_fds(self.ctl, [marshal.dumps(header, WIRE_VERSION)], fds.theirs)
             except OSError as exc:
                 self._die()
                 return infra_error(f"warm worker gone: {exc}", backend, self.isolation)
-            for fd in theirs:
-                os.close(fd)
-            theirs.clear()
+            fds.started()
             report: dict = {}
 
             def on_message() -> bool:
@@ -187,13 +173,7 @@ class Worker:
                 self._die()
             status = report.get("status")
             timed_out = bool(report.get("timed_out")) or seen.timed_out
-            if status is None:
-                code, sig = (137, signal.SIGKILL)
-            elif os.WIFSIGNALED(status):
-                sig = os.WTERMSIG(status)
-                code = 128 + sig
-            else:
-                code, sig = os.WEXITSTATUS(status), 0
+            code, sig = (137, signal.SIGKILL) if status is None else exit_of(os.waitstatus_to_exitcode(status))
             if report.get("setup_failed") and not timed_out:  # the worker's word (J's "ready" byte), not the job's
                 stderr = bytes(seen.data["stderr"]).decode(errors="replace")
                 return infra_error(stderr[-2000:] or "job setup failed", backend, self.isolation)
@@ -214,11 +194,7 @@ class Worker:
                            peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024, extra=extra)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
-            for fd in ours + theirs:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            fds.close_all()
 
     def _oom_delta(self, before: int, code: int) -> int:
         """OOM kills during this job; only read when the job died by a signal (saves a sysfs read)."""
@@ -269,18 +245,16 @@ class WarmPool:
         self._closed = False
         atexit.register(self.close)  # workers also exit on their own when our socket closes
         if prestart:
-            threads = [threading.Thread(target=self._prestart) for _ in range(size)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            with ThreadPoolExecutor(size) as starting:
+                for worker in starting.map(self._prestart, range(size)):
+                    if worker is not None:
+                        self._idle.put(worker)
 
-    def _prestart(self) -> None:
+    def _prestart(self, _: int) -> Worker | None:
         try:
-            worker = self._new()
+            return self._new()
         except WorkerDied:
-            return
-        self._idle.put(worker)
+            return None
 
     def _new(self) -> Worker:
         worker = Worker(self.support, self.python, self.limits, self.isolation)

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from components.core.jobs import Job, JobResult, SessionJob
 from components.sandbox.detect import probe, require, resolve_python
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
+from components.sandbox.outcome import infra_error
 from components.sandbox.pool import Worker
 
 DEFAULT_SESSION_TIMEOUT_S = 600.0
@@ -65,9 +67,8 @@ class SandboxSession(Closing):
             if self._worker is None or left <= 0:
                 if self._worker is not None:
                     self._close_locked()
-                return JobResult(status="timeout", exit_code=-1, signal=0, stdout="",
-                                 stderr="sandbox session is closed (ended or ran out of time)", duration_s=0.0,
-                                 cpu_time_s=0.0, peak_memory_mb=0.0, backend=self.name, isolation=self.isolation)
+                closed = infra_error("sandbox session is closed (ended or ran out of time)", self.name, self.isolation)
+                return replace(closed, status="timeout")
             self.commands += 1
             argv = ["bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
             timeout = min(timeout_s if timeout_s is not None else float(self.config.timeout_s), left)

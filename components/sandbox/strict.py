@@ -21,7 +21,7 @@ import os
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult
 from components.sandbox import seccomp
@@ -29,7 +29,7 @@ from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with, write_all
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Lease, Limits
-from components.sandbox.outcome import Observed, infra_error, to_result
+from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -37,18 +37,18 @@ from components.sandbox.supervise import job_streams, kill_tree, watch_process
 class Launch:
     """A launch started ahead of its job: in its cgroup, rlimits set, uid dropped, bwrap
     exec'd and blocked reading its options from ``args_w``. Its lease holds empty memfds
-    for the files and stdin (filled in by the job before the options go) and pipes."""
+    for the files and stdin (filled in by the job before the options go) and pipes;
+    ``spec`` is the sandbox's, less the job's files."""
 
     key: tuple
     lease: Lease
     proc: subprocess.Popen
+    spec: SandboxSpec
     args_w: int
     file_fds: list[int]
     stdin_fd: int
     status_r: int
     result_r: int | None
-    status_w: int  # fd numbers in the launched process only
-    seccomp_fd: int | None
 
     def discard(self) -> None:
         kill_tree(self.proc.pid)
@@ -63,18 +63,16 @@ class Launch:
 
 
 class StrictRunner:
-    """A fresh sandbox per job (see the module docstring)."""
+    """A fresh sandbox per job; at most one launch parked, for the last job shape seen."""
 
-    def __init__(self, support: Support, python: str, limits: Limits, use_seccomp: bool, isolation: str,
-                 park: int = 1) -> None:
+    def __init__(self, support: Support, python: str, limits: Limits, use_seccomp: bool, isolation: str) -> None:
         self.support = support
         self.python = python
         self.limits = limits
         self.use_seccomp = use_seccomp
         self.isolation = isolation
-        self.park_max = park
-        self._parked: list[Launch] = []
-        self._pending = 0
+        self._parked: Launch | None = None
+        self._parking = False  # a launch is being parked
         self._lock = threading.Lock()
         self._closed = False
         self._atexit = False
@@ -83,43 +81,38 @@ class StrictRunner:
 
     def _take(self, key: tuple) -> Launch | None:
         with self._lock:
-            for i, parked in enumerate(self._parked):
-                if parked.key == key:
-                    return self._parked.pop(i)
-        return None
+            if self._parked is None or self._parked.key != key:
+                return None
+            launch, self._parked = self._parked, None
+            return launch
 
     def _request(self, key: tuple) -> None:
-        """Ask for one more launch of this shape to be parked (drops other shapes)."""
-        if self.park_max <= 0:
-            return
+        """Ask for a launch of this shape to be parked (drops one of another shape)."""
         with self._lock:
-            if self._closed or len([p for p in self._parked if p.key == key]) + self._pending >= self.park_max:
+            if self._closed or self._parking or (self._parked is not None and self._parked.key == key):
                 return
-            stale = [p for p in self._parked if p.key != key]
-            self._parked = [p for p in self._parked if p.key == key]
-            self._pending += 1
+            stale, self._parked, self._parking = self._parked, None, True
             if not self._atexit:
                 self._atexit = True
-                atexit.register(self.close)  # remove parked launches' cgroups on a normal exit
-        for parked in stale:
-            parked.discard()
+                atexit.register(self.close)  # remove a parked launch's cgroup on a normal exit
+        if stale is not None:
+            stale.discard()
         # on SPAWNER's long-lived thread: setpriv's --pdeathsig fires when the thread that forked exits
         SPAWNER.submit(self._park, key)
 
     def _park(self, key: tuple) -> None:
-        parked = None
+        launch = None
         if not self._closed:
             try:
-                parked = self._launch(key)
+                launch = self._launch(key)
             except Exception:  # noqa: BLE001 - parking is an optimisation; the job launches on the spot
-                parked = None
+                launch = None
         with self._lock:
-            self._pending -= 1
-            if parked is not None and not self._closed:
-                self._parked.append(parked)
-                parked = None
-        if parked is not None:
-            parked.discard()
+            self._parking = False
+            if launch is not None and not self._closed:
+                launch, self._parked = self._parked, launch
+        if launch is not None:
+            launch.discard()
 
     def _launch(self, key: tuple) -> Launch:
         """Start the chain up to bwrap, which then waits for its options; the lease is
@@ -135,17 +128,18 @@ class StrictRunner:
                 result_r, result_w = lease.pipe()
                 argv = [str(result_w) if a == RESULT_FD else a for a in argv]
             status_r, status_w = lease.pipe()
-            seccomp_fd = lease.give(seccomp.memfd("job")) if self.use_seccomp else None
+            spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[], status_fd=status_w,
+                               seccomp_fd=lease.give(seccomp.memfd("job")) if self.use_seccomp else None)
             args_r, args_w = os.pipe()
             lease.give(args_r)
             lease.keep(args_w)
             stdin_fd = lease.keep(memfd_with(b"", "posttrain-stdin"))
-            spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=argv, cgroup_procs=lease.procs_files())
-            host, env = host_argv(spec, self.support.bwrap, self.support.setpriv, args_fd=args_r)
+            launcher = SandboxSpec(uid=lease.uid, limits=limits, cmd=argv, cgroup_procs=lease.procs_files())
+            host, env = host_argv(launcher, self.support.bwrap, self.support.setpriv, args_fd=args_r)
             proc = subprocess.Popen(host, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     pass_fds=lease.theirs + file_fds, start_new_session=True, cwd="/")
             lease.started()
-            return Launch(key, lease, proc, args_w, file_fds, stdin_fd, status_r, result_r, status_w, seccomp_fd)
+            return Launch(key, lease, proc, spec, args_w, file_fds, stdin_fd, status_r, result_r)
         except BaseException:
             lease.release()
             raise
@@ -154,9 +148,9 @@ class StrictRunner:
         atexit.unregister(self.close)
         with self._lock:
             self._closed = True
-            parked, self._parked = self._parked, []
-        for p in parked:
-            p.discard()
+            parked, self._parked = self._parked, None
+        if parked is not None:
+            parked.discard()
 
     # -- one job -------------------------------------------------------------------
 
@@ -193,9 +187,7 @@ class StrictRunner:
                 files.append((fd, rel))
             write_all(launch.stdin_fd, job.stdin.encode())
             os.lseek(launch.stdin_fd, 0, os.SEEK_SET)
-            spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[], seccomp_fd=launch.seccomp_fd,
-                               status_fd=launch.status_w, files=files)
-            options = bwrap_options(spec)
+            options = bwrap_options(replace(launch.spec, files=files))
             start = time.monotonic() if start is None else start
             write_all(launch.args_w, options)
             lease.close(launch.args_w)  # EOF: bwrap reads its options to the end
@@ -214,7 +206,7 @@ class StrictRunner:
             duration = time.monotonic() - start
             if group:
                 group.kill_all()  # anything still there outlived bwrap's pid namespace: kill it
-            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+            code, sig = exit_of(proc.returncode)
             if b"child-pid" not in seen.data["status"] and not seen.timed_out and not seen.flooded:
                 why = bytes(seen.data["stderr"]).decode(errors="replace").strip()[-2000:]
                 return infra_error(f"sandbox did not start (exit {code}): {why}", backend, self.isolation)
@@ -228,7 +220,7 @@ class StrictRunner:
                 peak = group.peak_memory_mb()
                 if peak is not None:
                     extra["cgroup_peak_memory_mb"] = round(peak, 1)
-            obs = Observed(seen=seen, exit_code=code, duration_s=duration, cpu_time_s=cpu,
+            obs = Observed(seen=seen, exit_code=code, signaled=sig, duration_s=duration, cpu_time_s=cpu,
                            peak_memory_mb=usage.ru_maxrss / 1024, oom_kills=oom, extra=extra)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:

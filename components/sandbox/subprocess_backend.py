@@ -26,7 +26,7 @@ from components.sandbox.command import memfd_with
 from components.sandbox.detect import DEFAULT_PYTHON, check_paths
 from components.sandbox.executor import Closing, register_backend
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import Observed, infra_error, to_result
+from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -97,8 +97,8 @@ class SubprocessExecutor(Closing):
                 if result_r is not None:
                     os.close(result_r)
             kill()  # what the job left behind in its session
-            code = proc.returncode
-            obs = Observed(seen=seen, exit_code=code if code >= 0 else 128 - code, signaled=max(0, -code),
+            code, sig = exit_of(proc.returncode)
+            obs = Observed(seen=seen, exit_code=code, signaled=sig,
                            duration_s=time.monotonic() - start, cpu_time_s=usage.ru_utime + usage.ru_stime,
                            peak_memory_mb=usage.ru_maxrss / 1024)
             return to_result(obs, self.name, self.isolation, limits.result_cap)

@@ -1,12 +1,13 @@
 """Warm worker that runs INSIDE a bwrap sandbox and forks a fresh child per job.
 
-Started by pool.py as ``python3 -I -S /sandbox/zygote.py CTL_FD BPF_PATH [session]``.
+Started by pool.py as ``python3 -I -S /sandbox/zygote.py CTL_FD BPF_PATH PYTHON [session]``.
 Stdlib only (it runs on the sandbox's /usr/bin/python3, not the project's venv); the
 host never imports it.
 
 Per job the host sends one SEQPACKET message on CTL_FD: a header plus fds (spec memfd,
-stdout, stderr, and the result pipe when the job has a ``{result_fd}``). Header and spec are ``marshal`` data (format 4:
-dicts, lists, strings and numbers only) written by the trusted host; decoding them
+stdout, stderr, the result pipe if the job has a ``{result_fd}``). Header and spec are
+``marshal`` data (format 4: dicts, lists, strings and numbers only) written by the
+trusted host; decoding them
 touches far fewer objects than ``json`` (every object a forked job touches costs it a
 copy-on-write page fault). The report goes back as JSON: the host parses what comes
 out of a sandbox only with a parser that is safe on hostile input, and the worker
