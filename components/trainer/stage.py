@@ -61,6 +61,7 @@ def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sa
 
 def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.trainer
+    temperature = ctx.recipe.rollout.temperature  # the rollouts' sampling distribution, for the ratio
     start = ctx.facts_of("taskgen", StartingPolicy)
     run_id = ctx.mlflow_run_id
     seed_everything(ctx.seed())
@@ -88,7 +89,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     with bar("trainer", len(batches)) as advance:
         for step, batch in enumerate(batches):
             stats = grpo_step(model, optimizer, batch, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                              temperature=ctx.recipe.rollout.temperature, micro_batch_size=cfg.micro_batch_size,
+                              temperature=temperature, micro_batch_size=cfg.micro_batch_size,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
                               loss_aggregation=cfg.loss_aggregation, scheduler=scheduler)
             tokens += stats.tokens
