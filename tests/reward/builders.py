@@ -4,6 +4,7 @@ straight into a real store, then run the reward stage on them the way the runner
 
 from __future__ import annotations
 
+from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, OutputFile, Shard, stage_prefix
 from components.core.records import Execution, Rollout, Task, to_table
 from components.core.storage import Store
@@ -21,7 +22,8 @@ def rollout(task: Task, i: int, completion: str) -> Rollout:
                    completion_tokens=1)
 
 
-def write_stage(store: Store, pipeline: str, k: int, stage: str, shard: Shard | None, outputs: dict) -> None:
+def write_stage(store: Store, pipeline: str, k: int, stage: str, shard: Shard | None, outputs: dict,
+                facts: object | None = None) -> None:
     prefix = stage_prefix(pipeline, k, stage, shard)
     files = {}
     for name, (records, cls) in outputs.items():
@@ -29,12 +31,14 @@ def write_stage(store: Store, pipeline: str, k: int, stage: str, shard: Shard | 
         _, digest = store.write_table(rel, to_table(records, cls))
         files[name] = OutputFile(path=rel, rows=len(records), sha256=digest)
     m = Manifest(stage=stage, pipeline=pipeline, iteration=k, shard=str(shard) if shard else None, inputs={},
-                 config_digest="fake", code_version="test", outputs=files, info={})
+                 config_digest="fake", code_version="test", outputs=files,
+                 info=to_json(facts) if facts is not None else {})
     store.write_json(f"{prefix}/{MANIFEST}", m.to_json())
 
 
 def write_iteration(store: Store, pipeline: str, k: int, shards: list[list[Rollout]], tasks: list[Task]) -> None:
-    write_stage(store, pipeline, k, "taskgen", None, {"tasks": (tasks, Task)})
+    write_stage(store, pipeline, k, "taskgen", None, {"tasks": (tasks, Task)},
+                StartingPolicy(policy_version="1", policy_uri="file:///no/checkpoint"))
     n = len(shards)
     for i, rollouts in enumerate(shards):
         write_stage(store, pipeline, k, "rollout", Shard(i, n), {"rollouts": (rollouts, Rollout)})
@@ -43,7 +47,6 @@ def write_iteration(store: Store, pipeline: str, k: int, shards: list[list[Rollo
 
 def run_reward(recipe, store: Store, k: int, shard: str):
     """One reward shard, as ``run_stage`` would run it minus tracking; returns its context."""
-    from components.core.facts import to_json
     from components.core.runner import config_digest, make_context
     from components.reward import stage
 

@@ -1,0 +1,101 @@
+"""The data-quality gate: each expectation catches its broken row, and a failed gate
+stops the stage with exit status 3, a report, and no manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from components.cli import main
+from components.core.facts import StartingPolicy
+from components.core.manifest import MANIFEST, Shard
+from components.core.recipe import parse_recipe
+from components.core.records import Reward, Rollout
+from components.core.storage import Store
+from components.validation.suite import check
+from tests.reward.builders import math_task, rollout, write_stage
+
+RECIPE = parse_recipe({"pipeline": "gate", "domains": ["math"], "rollout": {"shards": 1, "max_new_tokens": 4},
+                       "validation": {"min_ok_fraction": 0.5}})
+TASK = math_task("What is 3 + 4?", "7")
+
+
+def reward(ro: Rollout, raw: float = 1.0, **changes) -> Reward:
+    base = Reward(rollout_id=ro.rollout_id, task_id=ro.task_id, domain=ro.domain, group_index=ro.group_index,
+                  raw_reward=raw, components={"correct": raw}, normalized_reward=raw, weight=1.0, advantage=0.5,
+                  status="ok")
+    return dataclasses.replace(base, **changes)
+
+
+def clean() -> tuple[list[Rollout], list[Reward]]:
+    rollouts = [rollout(TASK, i, "7") for i in range(4)]
+    return rollouts, [reward(r, raw=float(i % 2)) for i, r in enumerate(rollouts)]
+
+
+def test_clean_batch_passes_every_expectation() -> None:
+    report = check(*clean(), RECIPE)
+    assert (report.success, report.failures, report.checked) == (True, [], 13)
+
+
+def _bad_rollout(i: int, **changes):
+    def edit(rollouts, rewards):
+        rollouts[i] = dataclasses.replace(rollouts[i], **changes)
+        return rollouts, rewards
+    return edit
+
+
+def _bad_reward(i: int, **changes):
+    def edit(rollouts, rewards):
+        rewards[i] = dataclasses.replace(rewards[i], **changes)
+        return rollouts, rewards
+    return edit
+
+
+@pytest.mark.parametrize(("breakage", "expected"), [
+    (_bad_rollout(1, logprobs=[0.3]), "rollouts: expect_column_values_to_be_between {'column': 'logprob_max'"),
+    (_bad_rollout(2, logprobs=[-0.1, -0.2]), "rollouts: expect_column_values_to_be_in_set {'column': 'logprobs_match_tokens'"),
+    (_bad_rollout(0, completion_tokens=0, completion_token_ids=[], logprobs=[]),
+     "rollouts: expect_column_values_to_be_between {'column': 'completion_tokens'"),
+    (_bad_rollout(3, domain="poetry"), "rollouts: expect_column_values_to_be_in_set {'column': 'domain'"),
+    (_bad_reward(0, raw_reward=1.5), "rewards: expect_column_values_to_be_between {'column': 'raw_reward'"),
+    (_bad_reward(1, advantage=float("nan")), "rewards: expect_column_values_to_be_in_set {'column': 'advantage_finite'"),
+    (_bad_reward(2, rollout_id=clean()[0][0].rollout_id), "rewards: expect_column_values_to_be_unique {'column': 'rollout_id'"),
+    (_bad_reward(2, weight=-1.0), "rewards: expect_column_values_to_be_between {'column': 'weight'"),
+])
+def test_each_expectation_catches_its_broken_row(breakage, expected: str) -> None:
+    report = check(*breakage(*clean()), RECIPE)
+    assert report.success is False
+    assert [f[: len(expected)] for f in report.failures] == [expected]
+
+
+def test_too_many_infra_failures_and_missing_rewards_fail() -> None:
+    rollouts, rewards = clean()
+    excluded = [dataclasses.replace(r, status="excluded", weight=0.0) for r in rewards[:3]] + rewards[3:]
+    report = check(rollouts, excluded, RECIPE)
+    assert report.failures == ["rewards: expect_column_mean_to_be_between {'column': 'is_ok', 'min_value': 0.5, "
+                               "'max_value': 1.0} failed (observed 0.25)"]
+    report = check(rollouts, rewards[:3], RECIPE)
+    assert report.failures == ["rewards has 3 rows but rollouts has 4: every rollout needs a reward"]
+    assert check([], [], RECIPE).failures == ["rollouts: no rows to train on", "rewards: no rows to train on"]
+
+
+def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_home, capsys) -> None:
+    rollouts, rewards = clean()
+    rewards[0] = dataclasses.replace(rewards[0], raw_reward=7.0)
+    store = Store(str(tmp_path / "store"))
+    recipe_file = tmp_path / "gate.yaml"
+    recipe_file.write_text("pipeline: gate\ndomains: [math]\nrollout: {shards: 1, max_new_tokens: 4}\n")
+    write_stage(store, "gate", 1, "taskgen", None, {"tasks": ([TASK], type(TASK))},
+                StartingPolicy("1", "file:///x"))
+    write_stage(store, "gate", 1, "rollout", Shard(0, 1), {"rollouts": (rollouts, Rollout)})
+    write_stage(store, "gate", 1, "reward", Shard(0, 1), {"rewards": (rewards, Reward)})
+
+    code = main(["stage", "validation", "--recipe", str(recipe_file), "--run-root", store.uri, "--iteration", "1"])
+
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain")]
+    assert code == 3
+    assert len(err) == 1 and err[0].startswith(f"posttrain: validation failed for iteration 1 ({store.url('gate/iter-000001/validation/report.json')}): rewards: expect_column_values_to_be_between {{'column': 'raw_reward'")
+    assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
+    report = store.read_json("gate/iter-000001/validation/report.json")
+    assert report["success"] is False and report["checked"] == 13 and len(report["failures"]) == 1
