@@ -27,6 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
 # The real pretrained model for the slow tests: the GGUF file only (its llama-cpp

@@ -17,8 +17,8 @@ SANDBOX_POOL = "posttrain_sandbox"
 
 
 def _run(stage: str, shard: str | None = None) -> dict:
-    from airflow.sdk.exceptions import AirflowFailException
     from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowFailException
 
     from components.core.errors import DataQualityError, UserError
     from components.core.runner import run_stage
@@ -54,8 +54,9 @@ def post_training_iteration():
 
     @task
     def taskgen(_: dict) -> list[str]:
-        from components.core.recipe import load_recipe
         from airflow.sdk import get_current_context
+
+        from components.core.recipe import load_recipe
 
         _run("taskgen")
         n = load_recipe(get_current_context()["params"]["recipe"]).rollout.shards

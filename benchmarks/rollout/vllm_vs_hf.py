@@ -57,13 +57,13 @@ def main() -> None:
     import torch
     import transformers
     import vllm
-
     from bench import mixed_prompts
+
     from components.core.policy import build_model, build_tokenizer, load_policy, save_policy
     from components.core.recipe import ModelConfig
     from components.core.storage import Store
     from components.rollout.engines import get_engine
-from components.rollout.hf_engine import HFEngine
+    from components.rollout.hf_engine import HFEngine
     from components.rollout.vllm_engine import on_cpu
     from tests.rollout.test_hf_engine import recomputed
 

@@ -74,10 +74,9 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
     """SFT on arithmetic reference completions until the check accuracy is in [0.2, 0.5]; cached."""
     import torch
 
-    from components.core.policy import EOS, Policy, build_model, build_tokenizer, save_policy
+    from components.core.policy import EOS, Policy, build_model, build_tokenizer, pad_batch, save_policy, token_logprobs
     from components.core.storage import Store
     from components.domains import registry
-    from components.core.policy import pad_batch, token_logprobs
 
     cfg = model_config()
     folder = cache / f"sft-h{cfg.hidden_size}-l{cfg.num_layers}-i{cfg.intermediate_size}-s{seed}-e{len(eval_ids)}"

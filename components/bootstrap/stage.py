@@ -29,7 +29,14 @@ from components.core import tracking
 from components.core.context import StageContext
 from components.core.facts import Scored
 from components.core.policy import (
-    EOS, Policy, build_model, build_tokenizer, load_policy, pad_batch, save_policy, token_logprobs,
+    EOS,
+    Policy,
+    build_model,
+    build_tokenizer,
+    load_policy,
+    pad_batch,
+    save_policy,
+    token_logprobs,
 )
 from components.core.progress import say
 from components.core.records import Task

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from components.core import settings
 

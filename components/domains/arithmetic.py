@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import random
 
+from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.core.jobs import Outcome
 
 
 class Arithmetic(Domain):

@@ -19,9 +19,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from components.core.records import Task
 from components.core.jobs import Job, Outcome
-
+from components.core.records import Task
 
 VerdictStatus = Literal["ok", "infra_error"]
 """``infra_error``: the score says nothing about the policy; the reward stage excludes it."""

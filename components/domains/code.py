@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import random
 
+from components.core.jobs import Job, Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
 from components.sandbox.harness import python_tests_job
-from components.core.jobs import Job, Outcome
 
 EXAMPLE_INPUTS = (1, 2)
 TRAP_INPUTS = (2, 3)

@@ -6,11 +6,11 @@ recipe's concurrency and shows progress. Pairs whose domain runs nothing get no 
 
 from __future__ import annotations
 
+from components.core.jobs import JobResult
 from components.core.progress import bar
 from components.core.records import Task
 from components.domains import registry
 from components.sandbox.executor import Executor, run_many
-from components.core.jobs import JobResult
 
 
 def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency: int, label: str = "sandbox") -> dict[str, JobResult]:

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import random
 
+from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.core.jobs import Outcome
 
 FIELDS = ("rev", "cost", "tax", "net", "cash", "debt", "capex", "opex", "div")
 MAX_PROMPT_CHARS = 224  # 256 positions - BOS - EOS - a 24-token completion cap, rounded down

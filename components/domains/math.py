@@ -25,9 +25,9 @@ import random
 import re
 from fractions import Fraction
 
+from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.core.jobs import Outcome
 
 _INT = re.compile(r"^[+-]?\d{1,12}$")
 _FRAC = re.compile(r"^([+-]?\d{1,12})/(\d{1,12})$")

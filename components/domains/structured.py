@@ -29,9 +29,9 @@ from typing import Any
 
 import jsonschema
 
+from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task
-from components.core.jobs import Outcome
 
 MAX_SIDE = 1000  # the bound when a prompt names none
 _SIDE = {"type": "integer", "minimum": 1, "maximum": MAX_SIDE}

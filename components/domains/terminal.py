@@ -38,9 +38,9 @@ from __future__ import annotations
 import json
 import random
 
+from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, make_task
-from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 
 NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")

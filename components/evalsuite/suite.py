@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 from components.core.policy import Policy
-from components.core.records import EvalResult, Task
 from components.core.recipe import Recipe
+from components.core.records import EvalResult, Task
 from components.core.seeds import derive_seed
 from components.domains import registry
-from components.rollout.engines import get_engine
 from components.domains.execute import execute
+from components.rollout.engines import get_engine
 from components.sandbox.executor import Executor
 
 

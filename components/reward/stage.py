@@ -21,7 +21,14 @@ from components.core.records import Execution, Reward, Rollout, Task
 from components.domains import registry
 from components.reward.advantages import group_advantages
 from components.reward.normalize import (
-    STATS_OUTPUT, RunningStats, Stats, cumulative_after, from_json, merge_all, to_json, zscore,
+    STATS_OUTPUT,
+    RunningStats,
+    Stats,
+    cumulative_after,
+    from_json,
+    merge_all,
+    to_json,
+    zscore,
 )
 
 SECTIONS = ("reward",)

@@ -45,7 +45,7 @@ class TokenPromptPolicy:
         return list(ids)
 
 
-def get_engine(name: str) -> "Engine":
+def get_engine(name: str) -> Engine:
     """A new engine of the kind registered as ``name`` (``components.core.plugins.ENGINES``)."""
     return ENGINES.load(name)()
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import Counter
 
 from components.core.context import StageContext
-from components.core.records import Execution, Rollout, Task
 from components.core.jobs import to_execution
+from components.core.records import Execution, Rollout, Task
 from components.domains.execute import execute
 from components.sandbox.executor import get_executor
 

@@ -14,11 +14,10 @@ fixed eval suite.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
-
-import dataclasses
 
 from components.core.context import StageContext, read_manifest
 from components.core.errors import UserError

@@ -18,9 +18,9 @@ import yaml
 from components.core import tracking
 from components.core.context import read_manifest
 from components.core.errors import UserError
+from components.core.facts import Scored, StartingPolicy
 from components.core.manifest import MANIFEST, InputRef, Manifest
 from components.core.recipe import load_recipe
-from components.core.facts import Scored, StartingPolicy
 from components.core.runner import code_version, config_digest, run_stage
 from components.core.storage import Store
 from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home

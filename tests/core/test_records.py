@@ -10,7 +10,16 @@ import pyarrow as pa
 import pytest
 
 from components.core.records import (
-    RECORD_TYPES, EvalResult, Execution, Reward, Rollout, Task, Turn, from_table, schema_of, to_table,
+    RECORD_TYPES,
+    EvalResult,
+    Execution,
+    Reward,
+    Rollout,
+    Task,
+    Turn,
+    from_table,
+    schema_of,
+    to_table,
 )
 from components.core.storage import Store
 

@@ -31,7 +31,7 @@ def test_known_values(args: tuple, expected: int) -> None:
 
 
 def test_derivation_is_the_documented_hash() -> None:
-    key = "3|tiny|1|rollout|0".encode()
+    key = b"3|tiny|1|rollout|0"
     assert derive_seed(3, "tiny", 1, "rollout", 0) == int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1
 
 

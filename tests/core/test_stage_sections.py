@@ -25,7 +25,7 @@ def test_reading_an_undeclared_section_fails_and_names_the_fix() -> None:
     assert view.trainer.learning_rate == 1e-4 and view.pipeline == "t" and view.domains == ["arithmetic", "code"]
     with pytest.raises(UndeclaredSection, match=r"stage trainer read recipe section 'rollout' but declares only "
                                                 r"\['trainer'\]; add 'rollout' to SECTIONS in components/trainer/stage.py"):
-        view.rollout
+        _ = view.rollout
     assert view.read == {"trainer"}
 
 

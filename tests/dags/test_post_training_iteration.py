@@ -12,10 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import pytest
 
 from components import STAGES
 

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+from components.core.jobs import JobResult
 from components.core.recipe import SandboxConfig
 from components.domains import registry
 from components.domains.base import make_task
 from components.sandbox.executor import get_executor
-from components.core.jobs import JobResult
 
 TERMINAL = registry.get("terminal")
 

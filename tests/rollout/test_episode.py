@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from components.core.policy import pad_batch
 from components.core.records import Rollout, Turn, from_table, to_table
 from components.rollout.episode import format_observation, parse_action, run_episodes
-from components.core.policy import pad_batch
 from components.trainer.grpo import Sample, apply_sample_masks, token_weights
 from tests.rollout.helpers import tiny_policy
 from tests.rollout.test_hf_engine import TOLERANCE, recomputed

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from components.core.policy import pad_batch, token_logprobs
 from components.rollout.engines import get_engine
 from components.rollout.hf_engine import HFEngine
-from components.core.policy import pad_batch, token_logprobs
-
 from tests.rollout.helpers import PROMPTS
 
 TOLERANCE = 1e-4  # max abs difference of float32 logprobs (observed: < 1e-6)

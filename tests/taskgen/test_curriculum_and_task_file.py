@@ -10,8 +10,8 @@ import pytest
 from components.core.context import StageContext
 from components.core.errors import UserError
 from components.core.manifest import Shard
-from components.core.records import Task, from_table
 from components.core.recipe import parse_recipe
+from components.core.records import Task, from_table
 from components.core.storage import Store
 from components.taskgen import stage as taskgen
 

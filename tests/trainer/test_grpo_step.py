@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from components.core.policy import pad_batch, token_logprobs
 from components.core.recipe import TrainerConfig
 from components.rollout.hf_engine import HFEngine
-from components.core.policy import pad_batch, token_logprobs
 from components.trainer.grpo import Sample, grpo_step, micro_batches, token_weights
 from components.trainer.state import build_optimizer
 from tests.rollout.helpers import PROMPTS, tiny_policy

@@ -15,7 +15,13 @@ from components.core.recipe import TrainerConfig
 from components.core.storage import Store
 from components.trainer.grpo import grpo_step, step_batches
 from components.trainer.state import (
-    STATE_FILE, DataPosition, build_optimizer, build_scheduler, load_trainer_state, lr_factor, save_trainer_state,
+    STATE_FILE,
+    DataPosition,
+    build_optimizer,
+    build_scheduler,
+    load_trainer_state,
+    lr_factor,
+    save_trainer_state,
 )
 from tests.rollout.helpers import tiny_policy
 from tests.trainer.test_grpo_step import rollout_batch

@@ -95,7 +95,9 @@ def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_h
 
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain")]
     assert code == 3
-    assert len(err) == 1 and err[0].startswith(f"posttrain: validation failed for iteration 1 ({store.url('gate/iter-000001/validation/report.json')}): rewards: expect_column_values_to_be_between {{'column': 'raw_reward'")
+    report_uri = store.url("gate/iter-000001/validation/report.json")
+    assert len(err) == 1 and err[0].startswith(f"posttrain: validation failed for iteration 1 ({report_uri}): rewards: "
+                                               "expect_column_values_to_be_between {'column': 'raw_reward'")
     assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     report = store.read_json("gate/iter-000001/validation/report.json")
     assert report["success"] is False and report["checked"] == 13 and len(report["failures"]) == 1
