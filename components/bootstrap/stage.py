@@ -136,18 +136,15 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
 def run(ctx: StageContext) -> dict[str, float]:
     recipe = ctx.recipe
     seed_everything(ctx.seed())
-    executor = get_executor(recipe.sandbox)
     metrics: dict[str, float] = {}
-    try:
-        if recipe.model.source == "scratch":
-            tokenizer = build_tokenizer()
-            policy = Policy(model=build_model(recipe.model, len(tokenizer)), tokenizer=tokenizer, uri="", version="1")
+    if recipe.model.source == "scratch":
+        tokenizer = build_tokenizer()
+        policy = Policy(model=build_model(recipe.model, len(tokenizer)), tokenizer=tokenizer, uri="", version="1")
+        with get_executor(recipe.sandbox) as executor:
             metrics.update(sft(ctx, policy, executor))
-        else:
-            policy = load_policy(tracking.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source")
-        metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
-    finally:
-        executor.close()
+    else:
+        policy = load_policy(tracking.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source")
+    metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
     rel = f"{ctx.prefix}/checkpoint"
     digests = save_policy(policy.model, policy.tokenizer, ctx.store, rel)
     ctx.add_output("checkpoint", rel, rows=int(metrics["parameters"]), digest=digests["model.safetensors"])

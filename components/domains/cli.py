@@ -74,11 +74,8 @@ def verdict_json(domain, task, completion: str, sandbox_config) -> dict:
     job = domain.execution_plan(task, completion)
     result = None
     if job is not None:
-        executor = get_executor(sandbox_config)
-        try:
+        with get_executor(sandbox_config) as executor:
             result = executor.run(job)
-        finally:
-            executor.close()
     v = domain.verify(task, completion, result)
     return {
         "domain": task.domain, "task_id": task.task_id, "score": v.score, "passed": v.passed, "status": v.status,

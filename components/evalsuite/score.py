@@ -35,11 +35,8 @@ def tagged_rates(tags: dict[str, str]) -> dict[str, float]:
 
 
 def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[str, float], Slice | None]:
-    executor = get_executor(ctx.recipe.sandbox)
-    try:
+    with get_executor(ctx.recipe.sandbox) as executor:
         results = run_suite(policy, eval_tasks(ctx.recipe), ctx.recipe, executor, label=f"{ctx.stage} eval")
-    finally:
-        executor.close()
     ctx.write_records("eval_results", results, EvalResult)
     worst = log_layered(ctx, results)  # domain x difficulty x context bucket: store, MLflow table + plot
     samples: dict[str, list[dict]] = {}

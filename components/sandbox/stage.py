@@ -30,12 +30,9 @@ def inputs(ctx: StageContext) -> None:
 def run(ctx: StageContext) -> dict[str, float]:
     tasks = {t.task_id: t for t in ctx.read_records("taskgen", "tasks", Task)}
     rollouts = ctx.read_records("rollout", "rollouts", Rollout, shard_only=True)
-    executor = get_executor(ctx.recipe.sandbox)
-    try:
+    with get_executor(ctx.recipe.sandbox) as executor:
         results = execute([(r.rollout_id, tasks[r.task_id], r.completion) for r in rollouts], executor,
                           ctx.recipe.sandbox.concurrency, f"sandbox[{ctx.shard}]")
-    finally:
-        executor.close()
     executions = [to_execution(r, results[r.rollout_id]) for r in rollouts if r.rollout_id in results]
     ctx.write_records("executions", executions, Execution)
     status = Counter(e.status for e in executions)
