@@ -20,13 +20,12 @@ from __future__ import annotations
 from components.core.jobs import Job, JobResult, SessionJob
 from components.sandbox import cgroups
 from components.sandbox.detect import probe, require, resolve_python
-from components.sandbox.executor import Closing, register_backend
+from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.strict import StrictRunner
 from components.sandbox.subprocess_backend import SubprocessExecutor
 
 
-@register_backend("bwrap")
 class BwrapExecutor(Closing):
     """Executor protocol: ``name``, ``isolation``, ``run(job)``, ``close()``; a context manager."""
 

@@ -1,8 +1,8 @@
 """Executors run ``Job``s; backends are picked by name from a small registry.
 
-``get_executor(config)`` returns the backend the recipe names (``sandbox.backend``):
-``bwrap`` (bwrap.py, the hardened sandbox) or ``subprocess`` (subprocess_backend.py,
-trusted code only). Every executor is a context manager (``with get_executor(cfg) as
+``get_executor(config)`` returns the backend the recipe names (``sandbox.backend``,
+looked up in ``components.core.plugins.BACKENDS``): ``bwrap`` (bwrap.py, the hardened
+sandbox) or ``subprocess`` (subprocess_backend.py, trusted code only). Every executor is a context manager (``with get_executor(cfg) as
 ex:`` closes it). ``run_many`` fans jobs out over a thread pool capped at
 ``sandbox.concurrency`` and retries infrastructure errors only, never the program's own
 failure.
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from components.core.jobs import Job, JobResult, SessionJob
+from components.core.plugins import BACKENDS
 from components.sandbox.outcome import infra_error
 
 
@@ -46,43 +47,31 @@ class Closing:
         self.close()
 
 
-_BACKENDS: dict[str, Callable[..., Executor]] = {}
-# Imported on first lookup; they register themselves.
-_BUILTIN_MODULES = ("components.sandbox.bwrap", "components.sandbox.subprocess_backend")
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        from importlib import import_module
-
-        for module in _BUILTIN_MODULES:
-            import_module(module)
+_IN_CODE: dict[str, Callable[..., Executor]] = {}  # backends registered by register_backend
 
 
 def register_backend(name: str):
+    """Register a backend defined in code (built-ins and plug-ins are listed in
+    ``components.core.plugins.BACKENDS``); a name registered twice is refused."""
     def wrap(factory: Callable[..., Executor]) -> Callable[..., Executor]:
-        _BACKENDS[name] = factory
+        if name in _IN_CODE or name in BACKENDS.names():
+            raise ValueError(f"sandbox backend {name!r} is already registered; pick another name")
+        _IN_CODE[name] = factory
         return factory
 
     return wrap
 
 
 def backend_names() -> list[str]:
-    _load_builtins()
-    return sorted(_BACKENDS)
+    return sorted({*BACKENDS.names(), *_IN_CODE})
 
 
 def get_executor(config) -> Executor:
-    """The executor named by ``config.backend`` (a ``SandboxConfig``)."""
-    from components.core.errors import UserError
-
-    _load_builtins()
-    if config.backend not in _BACKENDS:
-        raise UserError("sandbox.backend", config.backend, "unknown sandbox backend", f"use one of {backend_names()}")
-    return _BACKENDS[config.backend](config)
+    """The executor named by ``config.backend`` (a ``SandboxConfig``); unknown names are a
+    ``UserError`` listing the registered ones."""
+    if config.backend in _IN_CODE:
+        return _IN_CODE[config.backend](config)
+    return BACKENDS.load(config.backend)(config)
 
 
 def run_many(executor: Executor, jobs: Iterable[Job], concurrency: int, retries: int = 2,

@@ -24,7 +24,7 @@ from pathlib import Path
 from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult, SessionJob, flatten
 from components.sandbox.command import memfd_with
 from components.sandbox.detect import DEFAULT_PYTHON, check_paths
-from components.sandbox.executor import Closing, register_backend
+from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
@@ -34,7 +34,6 @@ def python_for(config) -> str:
     return config.python or (DEFAULT_PYTHON if os.path.exists(DEFAULT_PYTHON) else shutil.which("python3") or "python3")
 
 
-@register_backend("subprocess")
 class SubprocessExecutor(Closing):
     name = "subprocess"
     isolation = "process+rlimits"
