@@ -1,13 +1,13 @@
-"""Run iterations of the DAG on the embedded defaults: Airflow's in-process test runner.
+"""Run the DAG on the embedded defaults: Airflow's in-process test runner.
 
-``run_iterations`` prepares a SQLite Airflow home under ``POSTTRAIN_HOME`` (migrated
-once), creates the sandbox pool, then calls ``dag.test()`` once per iteration with the
-recipe, run root and iteration as the run's params. Finished iterations (an evaluation
-manifest with the same inputs) are skipped; a half-done one resumes, because every
-stage with a matching manifest is a cache hit.
+``prepare`` points Airflow at a SQLite home under ``POSTTRAIN_HOME`` (migrated once) and
+sizes the sandbox pool; ``run_iteration`` calls ``dag.test()`` once with the recipe,
+run root and iteration as the run's params and returns the DAG run's state. Which
+iterations to run (and skipping finished ones) is ``orchestrate.run_local``'s job; a
+half-done iteration resumes because every stage with a matching manifest is a cache hit.
 
 Not covered: a scheduler or web server; for those run ``airflow standalone`` with this
-folder as the DAGs folder.
+folder as the DAGs folder (``.airflowignore`` keeps this module out of DAG parsing).
 """
 
 from __future__ import annotations

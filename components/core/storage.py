@@ -95,9 +95,6 @@ class Store:
     def _path(self, rel: str) -> str:
         return posixpath.join(self.root, rel.strip("/")) if rel else self.root
 
-    def child(self, rel: str) -> Store:
-        return Store(self.url(rel), self.field)
-
     # -- checks --------------------------------------------------------------------------
     def check_reachable(self) -> None:
         """Raise a UserError if the store cannot be listed or written."""
