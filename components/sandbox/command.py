@@ -13,9 +13,9 @@ Chain (each step ``exec``s the next, so the job's tree is one process lineage):
    CAP_SYS_ADMIN/CAP_SETPCAP inside its own user namespace only, to build per-job
    namespaces); the seccomp filter; ``--die-with-parent`` and ``--new-session``.
 
-A strict launch may be *parked* ahead of its job (bwrap.py): the chain runs up to bwrap,
-which is started as ``bwrap --args FD -- cmd`` and blocks reading its options from that
-pipe before it creates any namespace; the job then sends ``bwrap_options``.
+A strict launch runs the chain up to ``bwrap --args FD -- cmd``, which blocks reading
+its options from that pipe before it creates any namespace; the job then sends
+``bwrap_options`` (strict.py parks such launches ahead of their jobs).
 
 Not covered: bind-mounting host data folders (jobs get only their own files);
 Landlock (mounts already hide the host tree); devices beyond null/zero/random/tty.

@@ -55,12 +55,12 @@ class SubprocessExecutor(Closing):
         check_paths(job)
         limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
 
+        rlimits = ((resource.RLIMIT_AS, limits.memory_mb << 20), (resource.RLIMIT_CPU, limits.cpu_s),
+                   (resource.RLIMIT_FSIZE, limits.fsize_mb << 20), (resource.RLIMIT_NOFILE, limits.nofile))
+
         def set_limits() -> None:  # in the child, before exec
-            mem = limits.memory_mb << 20
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-            resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limits.fsize_mb << 20,) * 2)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limits.nofile, limits.nofile))
+            for which, value in rlimits:
+                resource.setrlimit(which, (value, value))
 
         with tempfile.TemporaryDirectory(prefix="posttrain-job-") as work:
             for rel, text in job.files.items():
