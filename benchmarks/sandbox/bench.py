@@ -40,10 +40,10 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from components.core.jobs import PYTHON, RESULT_FD, Job  # noqa: E402
 from components.core.recipe import SandboxConfig  # noqa: E402
 from components.sandbox.executor import get_executor, run_many  # noqa: E402
 from components.sandbox.harness import python_tests_job  # noqa: E402
-from components.core.jobs import PYTHON, RESULT_FD, Job  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BARE_PYTHON = "/usr/bin/python3"

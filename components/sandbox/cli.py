@@ -50,8 +50,8 @@ def _config(args: argparse.Namespace) -> SimpleNamespace:
 
 def handle_run(args: argparse.Namespace) -> int:
     from components.core.errors import UserError
-    from components.sandbox.executor import get_executor
     from components.core.jobs import PYTHON, Job
+    from components.sandbox.executor import get_executor
 
     path = Path(args.file)
     if not path.is_file():

@@ -29,9 +29,9 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components.core.jobs import Job
 from components.sandbox import cgroups, seccomp
 from components.sandbox.command import SandboxSpec, host_argv, tool
-from components.core.jobs import Job
 from components.sandbox.limits import Lease, Limits
 
 PROBE_TIMEOUT_S = 20.0

@@ -80,7 +80,7 @@ def run_many(executor: Executor, jobs: Iterable[Job], concurrency: int, retries:
     jobs = list(jobs)
 
     def one(job: Job) -> JobResult:
-        for attempt in range(retries + 1):
+        for _ in range(retries + 1):
             try:
                 result = executor.run(job)
             except Exception as exc:  # a backend crash is an infrastructure error, not a verdict

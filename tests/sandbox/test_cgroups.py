@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from components.core.jobs import Job
 from components.sandbox import bwrap, cgroups
 from components.sandbox.detect import probe
-from components.core.jobs import Job
 from tests.sandbox.helpers import bwrap_unavailable, sandbox_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from components.core.errors import UserError
+from components.core.jobs import Job
 from components.sandbox import bwrap, detect
 from components.sandbox.detect import probe
-from components.core.jobs import Job
 from tests.sandbox.helpers import sandbox_config
 
 

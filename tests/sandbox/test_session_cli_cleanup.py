@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from components.core.jobs import Job
 from components.sandbox import cgroups
 from components.sandbox.cli import add_parser
 from components.sandbox.executor import get_executor
-from components.core.jobs import Job
 from components.sandbox.session import SandboxSession
 from tests.sandbox.helpers import bwrap_unavailable, sandbox_config, sandbox_pids_after
 
