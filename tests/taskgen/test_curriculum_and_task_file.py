@@ -7,8 +7,9 @@ from collections import Counter
 
 import pytest
 
-from components.core.context import StageContext
+from components.core.context import RecipeView, StageContext
 from components.core.errors import UserError
+from components.core.facts import StartingPolicy
 from components.core.manifest import Shard
 from components.core.recipe import parse_recipe
 from components.core.records import Task, from_table
@@ -39,8 +40,9 @@ def test_weights_follow_the_curriculum(iteration, expected):
 
 
 def run_taskgen(tmp_path, r, iteration: int) -> list[Task]:
-    ctx = StageContext(stage="taskgen", recipe=r, store=Store(str(tmp_path / "store")), iteration=iteration,
-                       shard=Shard(0, 1))
+    ctx = StageContext(stage="taskgen", recipe=RecipeView(r, "taskgen", taskgen.SECTIONS),
+                       store=Store(str(tmp_path / "store")), iteration=iteration, shard=Shard(0, 1),
+                       facts=StartingPolicy(policy_version="1", policy_uri="file:///unused"))  # what inputs() resolves
     metrics = taskgen.run(ctx)
     tasks = from_table(Task, ctx.store.read_table(ctx.outputs["tasks"].path))
     assert metrics["tasks"] == 20
