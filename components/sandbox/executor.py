@@ -1,9 +1,10 @@
-"""Executors run ``Job``s; backends are picked by name from a small registry.
+"""Executors run ``Job``s; backends are picked by name from ``core.plugins.BACKENDS``.
 
-``get_executor(config)`` returns the backend the recipe names (``sandbox.backend``,
-looked up in ``components.core.plugins.BACKENDS``): ``bwrap`` (bwrap.py, the hardened
-sandbox) or ``subprocess`` (subprocess_backend.py, trusted code only). Every executor is a context manager (``with get_executor(cfg) as
-ex:`` closes it). ``run_many`` fans jobs out over a thread pool capped at
+``get_executor(config)`` returns the backend the recipe names (``sandbox.backend``):
+``bwrap`` (bwrap.py, the hardened sandbox) or ``subprocess`` (subprocess_backend.py,
+trusted code only); plug-ins add theirs through the ``posttrain.sandbox_backends``
+entry points. Every executor is a context manager (``with get_executor(cfg) as ex:``
+closes it). ``run_many`` fans jobs out over a thread pool capped at
 ``sandbox.concurrency`` and retries infrastructure errors only, never the program's own
 failure.
 
@@ -47,30 +48,9 @@ class Closing:
         self.close()
 
 
-_IN_CODE: dict[str, Callable[..., Executor]] = {}  # backends registered by register_backend
-
-
-def register_backend(name: str):
-    """Register a backend defined in code (built-ins and plug-ins are listed in
-    ``components.core.plugins.BACKENDS``); a name registered twice is refused."""
-    def wrap(factory: Callable[..., Executor]) -> Callable[..., Executor]:
-        if name in _IN_CODE or name in BACKENDS.names():
-            raise ValueError(f"sandbox backend {name!r} is already registered; pick another name")
-        _IN_CODE[name] = factory
-        return factory
-
-    return wrap
-
-
-def backend_names() -> list[str]:
-    return sorted({*BACKENDS.names(), *_IN_CODE})
-
-
 def get_executor(config) -> Executor:
     """The executor named by ``config.backend`` (a ``SandboxConfig``); unknown names are a
     ``UserError`` listing the registered ones."""
-    if config.backend in _IN_CODE:
-        return _IN_CODE[config.backend](config)
     return BACKENDS.load(config.backend)(config)
 
 
