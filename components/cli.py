@@ -8,7 +8,9 @@
     posttrain replay --iteration K --recipe OTHER.yaml [--run-root URI]
 
 A user's mistake ends with one line on stderr naming the field, the value and the fix,
-and exit status 2; a failed data-quality gate exits 3.
+and exit status 2; an unreachable store, tracking server or inference endpoint (or an
+iteration another run holds) exits 1 and is worth retrying; a failed data-quality gate
+exits 3.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import argparse
 import sys
 
 from components import STAGES
-from components.core.errors import EXIT_USER_ERROR, DataQualityError, UserError
-from components.core.settings import DEFAULT_RECIPE, default_run_root
+from components.core import settings
+from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError
+from components.core.lease import LeaseHeld
 from components.domains.cli import add_parser as add_verify
 from components.reward.replay import add_parser as add_replay
 from components.rollout.cli import add_parser as add_serve
@@ -26,8 +29,9 @@ from components.sandbox.cli import add_parser as add_sandbox
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe YAML (default: %(default)s)")
-    p.add_argument("--run-root", default=None, help="store URI, file://... or s3://... (default: $POSTTRAIN_RUN_ROOT or .posttrain/store)")
+    p.add_argument("--recipe", default=None, help="recipe YAML (default: $POSTTRAIN_RECIPE or recipes/demo.yaml)")
+    p.add_argument("--run-root", default=None,
+                   help="store URI, file://... or s3://... (default: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,14 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _stage(args: argparse.Namespace) -> int:
     from components.core.runner import run_stage
 
-    run_stage(args.stage_id, args.recipe, args.run_root or default_run_root(), args.iteration, args.shard)
+    conf = settings.resolve(args.recipe, args.run_root)
+    run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard)
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
     from dags.orchestrate import run_local
 
-    return run_local(args.recipe, args.run_root or default_run_root(), args.iterations)
+    return run_local(args.recipe, args.run_root, args.iterations)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     except DataQualityError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)
         return exc.exit_code
+    except InfraError as exc:  # an outage, not the user's mistake: the same command works once it is back
+        print(f"posttrain: unreachable: {exc.line()}", file=sys.stderr)
+        return EXIT_INFRA_ERROR
+    except LeaseHeld as exc:
+        print(f"posttrain: busy: {exc}", file=sys.stderr)
+        return EXIT_INFRA_ERROR
 
 
 if __name__ == "__main__":

@@ -44,9 +44,10 @@ def prepare(home: Path, sandbox_slots: int) -> None:
                    env=env, check=True, capture_output=True)
 
 
-def run_iteration(recipe_path: str, run_root: str, iteration: int) -> str:
-    """One ``dag.test()`` run; returns the DAG run's final state."""
+def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
+    """One ``dag.test()`` run for the iteration ``holder`` has leased (its plan task finds
+    it); returns the DAG run's final state."""
     from dags.post_training_iteration import iteration_dag
 
-    dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "iteration": iteration})
+    dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "holder": holder})
     return str(getattr(dr, "state", "unknown"))

@@ -1,97 +1,49 @@
-"""One post-training iteration as an Airflow 3 DAG: wiring only.
+"""
+### post_training_iteration
 
-Every task calls the same stage function as ``posttrain stage <id>``; the logic lives in
-``components/``. Rollout, sandbox and reward fan out over shards by dynamic task
-mapping; sandbox tasks run in the ``posttrain_sandbox`` pool, which caps how many
-sandboxes run at once. ``max_active_runs=1`` because iteration k+1 needs checkpoint k.
+One reinforcement-learning post-training iteration of the policy, as Airflow 3 wiring.
+
+**plan** picks the iteration (last finished + 1, or the half-done one) and leases it to
+this run; then **bootstrap** (once per pipeline) → **taskgen** → **rollout**[shards] →
+**sandbox**[shards] → **reward**[shards] → **validation** → **trainer** →
+**evaluation** → **announce_champion** (emits the `posttrain-policy-champion` asset
+when the candidate was promoted). Each task calls the stage function behind
+`posttrain stage <id>`; its log links to the iteration's MLflow run.
+
+- Settings: `POSTTRAIN_RECIPE`, `POSTTRAIN_RUN_ROOT`, `POSTTRAIN_HOME` (params
+  `recipe` / `run_root` override them for one run).
+- Schedule: `POSTTRAIN_SCHEDULE` (cron, a preset such as `@daily` or `@continuous`,
+  `asset:champion`, `asset:task-file`; manual when unset).
+- Sandbox tasks run in the `posttrain_sandbox` pool; outages are retried with backoff;
+  a bad recipe or a failed data-quality gate fails at once.
+
+The stages and their order come from `components/core/stages.py`; the glue is in
+`dags/wiring.py`.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from airflow.sdk import Param, dag
 
-from airflow.sdk import Asset, Param, dag, task
-
-POLICY = Asset(name="posttrain-policy-candidate", uri="posttrain://policy/candidate")
-SANDBOX_POOL = "posttrain_sandbox"
+from components.core.stages import registered
+from dags.wiring import RETRY, announce_champion, plan, run_failed, schedule, shard_list_task, stage_task
 
 
-def _run(stage: str, shard: str | None = None) -> dict:
-    from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowFailException
-
-    from components.core.errors import DataQualityError, UserError
-    from components.core.runner import run_stage
-
-    ctx = get_current_context()
-    p = ctx["params"]
-    try:
-        m = run_stage(stage, p["recipe"], p["run_root"], int(p["iteration"]), shard, orchestrator_run_id=ctx["run_id"])
-    except UserError as exc:  # a user's mistake: retrying cannot help
-        raise AirflowFailException(exc.line()) from None
-    except DataQualityError as exc:  # the data will be just as bad on a retry
-        raise AirflowFailException(str(exc)) from None
-    return {"stage": stage, "shard": m.shard, "digest": m.content_digest}
-
-
-@dag(
-    dag_id="post_training_iteration",
-    schedule=None,
-    max_active_runs=1,
-    catchup=False,
-    tags=["posttrain"],
-    default_args={"retries": 2, "retry_delay": timedelta(seconds=5), "retry_exponential_backoff": True},
-    params={
-        "recipe": Param("recipes/demo.yaml", type="string", description="recipe YAML"),
-        "run_root": Param(".posttrain/store", type="string", description="store URI: file://... or s3://..."),
-        "iteration": Param(1, type="integer", minimum=1, description="iteration number k"),
-    },
-)
+@dag(dag_id="post_training_iteration", schedule=schedule(), max_active_runs=1, catchup=False, doc_md=__doc__,
+     tags=["posttrain"], default_args=RETRY, on_failure_callback=run_failed,
+     params={"recipe": Param("", type="string", description="recipe YAML; empty: $POSTTRAIN_RECIPE or the demo recipe"),
+             "run_root": Param("", type="string", description="store URI; empty: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store"),
+             "holder": Param("", type="string", description="lease holder; empty: this run (set by 'posttrain run')")})
 def post_training_iteration():
-    @task
-    def bootstrap() -> dict:
-        return _run("bootstrap")
-
-    @task
-    def taskgen(_: dict) -> list[str]:
-        from airflow.sdk import get_current_context
-
-        from components.core.recipe import load_recipe
-
-        _run("taskgen")
-        n = load_recipe(get_current_context()["params"]["recipe"]).rollout.shards
-        return [f"{i}/{n}" for i in range(n)]
-
-    @task(map_index_template="{{ task.op_kwargs['shard'] }}")
-    def rollout(shard: str) -> str:
-        _run("rollout", shard)
-        return shard
-
-    @task(pool=SANDBOX_POOL, map_index_template="{{ task.op_kwargs['shard'] }}")
-    def sandbox(shard: str) -> str:
-        _run("sandbox", shard)
-        return shard
-
-    @task(map_index_template="{{ task.op_kwargs['shard'] }}")
-    def reward(shard: str) -> str:
-        _run("reward", shard)
-        return shard
-
-    @task
-    def validation(_: list[str]) -> dict:
-        return _run("validation")
-
-    @task(outlets=[POLICY])
-    def trainer(_: dict) -> dict:
-        return _run("trainer")
-
-    @task
-    def evaluation(_: dict) -> dict:
-        return _run("evaluation")
-
-    shards = taskgen(bootstrap())
-    rewarded = reward.expand(shard=sandbox.expand(shard=rollout.expand(shard=shards)))
-    evaluation(trainer(validation(rewarded)))
+    planned = plan()
+    tasks = {}
+    for spec in registered():  # one task per registered stage, after its upstream stages
+        run = stage_task(spec)
+        tasks[spec.id] = run.partial(plan=planned).expand(shard=shard_list_task(spec)(planned)) if spec.sharded \
+            else run(plan=planned)
+        for up in spec.upstream:
+            tasks[up] >> tasks[spec.id]
+    announce_champion(tasks["evaluation"])
 
 
 iteration_dag = post_training_iteration()

@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from components import SHARDED_STAGES
 from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Manifest, OutputFile, Shard, stage_prefix
 from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
+from components.core.stages import spec
 from components.core.storage import Store
 
 R = TypeVar("R")
@@ -74,7 +74,7 @@ class StageContext:
 
     @property
     def sharded(self) -> bool:
-        return self.stage in SHARDED_STAGES
+        return spec(self.stage).sharded
 
     @property
     def prefix(self) -> str:
@@ -108,6 +108,12 @@ class StageContext:
     def upstream(self, stage: str, iteration: int | None = None) -> list[Manifest]:
         """Manifests of an earlier stage (all shards), or a UserError saying what to run first."""
         return read_manifests(self.store, self.pipeline, self.iteration if iteration is None else iteration, stage)
+
+    def aligned(self, stage: str) -> bool:
+        """True when ``stage`` is sharded exactly like this stage, so this shard needs only
+        the same-numbered upstream shard; otherwise it reads every upstream shard and takes
+        its own part (re-sharding through the manifests)."""
+        return len(self.upstream(stage)) == self.shard.count
 
     def facts_of(self, stage: str, cls: type[F]) -> F:
         """The typed facts of an earlier (unsharded) stage of this iteration."""

@@ -1,4 +1,4 @@
-"""The project's error types: a user's mistake, and a failed data-quality gate.
+"""The project's error types: a user's mistake, an outage, and a failed data-quality gate.
 
 A ``UserError`` names the field (or thing), the value that was wrong, and the fix. The
 CLI prints it as one line and exits with status 2; no traceback. Internal invariants use
@@ -38,3 +38,46 @@ class DataQualityError(Exception):
     help (the data would be just as bad); the CLI exits with status 3."""
 
     exit_code = EXIT_DATA_QUALITY
+
+
+EXIT_INFRA_ERROR = 1
+
+_OUTAGE_TYPES = {
+    # botocore / s3fs
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    # urllib3 / requests (MLflow's HTTP client, the OpenAI-compatible engine)
+    "NewConnectionError", "MaxRetryError", "ProtocolError", "RemoteDisconnected",
+    # aiohttp (s3fs)
+    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
+}
+_OUTAGE_WORDS = ("Max retries exceeded", "Connection refused", "Connection reset", "Service Unavailable",
+                 "ServiceUnavailable", "SlowDown", "503 Server Error", "502 Server Error", "504 Server Error",
+                 "temporarily unavailable")
+
+
+class InfraError(Exception):
+    """Something we depend on (the store, the tracking server, an inference endpoint) is
+    unreachable. Not the user's mistake: orchestrators retry it with backoff, and the CLI
+    says what was unreachable and exits with status 1."""
+
+    def __init__(self, what: str, where: str, reason: str) -> None:
+        self.what, self.where, self.reason = what, where, reason
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        return f"{self.what} unreachable at {value_text(self.where)!r}: {value_text(self.reason)}; retry once it is back"
+
+
+def outage(exc: BaseException) -> str | None:
+    """A short reason if ``exc`` (or anything in its cause chain) means a service could
+    not be reached or answered 5xx; None for anything else (a bug, a user's mistake)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (ConnectionError, TimeoutError)) or type(cur).__name__ in _OUTAGE_TYPES:
+            return f"{type(cur).__name__}: {str(cur).splitlines()[0] if str(cur) else ''}"
+        if any(word in str(cur) for word in _OUTAGE_WORDS):
+            return f"{type(cur).__name__}: {str(cur).splitlines()[0]}"
+        cur = cur.__cause__ or cur.__context__
+    return None

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from components.core.errors import UserError
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
+from components.core.stages import stage_ids
 
 
 class _Section(BaseModel):
@@ -99,6 +100,8 @@ class SandboxConfig(_Section):
     allow_weak_isolation: bool = Field(False, description="run untrusted code even when the host cannot give full isolation (or with backend 'subprocess')")
     timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per job")
     concurrency: int = Field(2, ge=1, description="jobs at once; mirrored by the Airflow pool")
+    shards: int = Field(0, ge=0, description="fan-out of the sandbox stage; 0 = as wide as rollout.shards (re-sharded "
+                                             "through the manifests when it differs)")
     memory_mb: int = Field(512, ge=16, description="address-space limit per job")
     output_cap_bytes: int = Field(8192, ge=256, description="stdout/stderr kept per job")
     python: str = Field("", description="interpreter for jobs; empty means /usr/bin/python3, else this one")
@@ -155,12 +158,13 @@ class Recipe(_Section):
     validation: ValidationConfig = ValidationConfig()
     trainer: TrainerConfig = TrainerConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
+    timeouts: dict[str, int] = Field(default_factory=dict, description="time limit in seconds per stage task, overriding "
+                                                                      "the stage registry's (components/core/stages.py)")
 
     def section(self, sections: Iterable[str]) -> dict[str, Any]:
         """The resolved config a stage depends on: the common fields plus ``sections``
         (the stage module's ``SECTIONS``). What a stage's cache key covers."""
-        common: dict[str, Any] = {name: getattr(self, name) for name in COMMON_FIELDS}
-        common["domains"] = list(self.domains)
+        common: dict[str, Any] = {"pipeline": self.pipeline, "seed": self.seed, "domains": list(self.domains)}
         for name in sections:
             common[name] = getattr(self, name).model_dump()
         return common
@@ -170,8 +174,9 @@ class Recipe(_Section):
         return hashlib.sha256(blob).hexdigest()
 
 
-COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains")
-"""Recipe fields every stage may read; every other field is a section a stage declares."""
+COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains", "timeouts")
+"""Recipe fields every stage may read (``timeouts`` is the orchestrator's, in no cache
+key); every other field is a section a stage declares."""
 
 
 def _fix_for(loc: str, msg: str) -> str:
@@ -210,6 +215,11 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
                 raise UserError(f"{where}.weights.{name}", w, "negative weight", "use a weight >= 0")
         if not any(w > 0 for w in step.weights.values()):
             raise UserError(f"{where}.weights", step.weights or "{}", "no domain has a positive weight", "give at least one domain a weight > 0")
+    for name, seconds in recipe.timeouts.items():
+        if name not in stage_ids():
+            raise UserError(f"{source}: timeouts", name, "not a stage", f"use one of {list(stage_ids())}")
+        if seconds < 1:
+            raise UserError(f"{source}: timeouts.{name}", seconds, "not a positive number of seconds", "use e.g. 3600")
     if recipe.bootstrap.target_low > recipe.bootstrap.target_high:
         raise UserError(f"{source}: bootstrap.target_low", recipe.bootstrap.target_low, "above bootstrap.target_high", "make target_low <= target_high")
     return recipe

@@ -23,14 +23,15 @@ from importlib import import_module
 from pathlib import Path
 from types import ModuleType
 
-from components import SHARDED_STAGES, STAGES, __version__
+from components import __version__
 from components.core import tracking
 from components.core.context import RecipeView, StageContext, read_manifest
-from components.core.errors import UserError
+from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, Shard
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
+from components.core.stages import shard_count, spec
 from components.core.storage import Store
 
 
@@ -40,7 +41,7 @@ def code_version() -> str:
 
 def stage_module(stage: str) -> ModuleType:
     """The ``components.<stage>.stage`` module (``inputs``, ``run``, ``SECTIONS``)."""
-    return import_module(f"components.{stage}.stage")
+    return import_module(spec(stage).module)
 
 
 def config_digest(recipe: Recipe, stage: str) -> str:
@@ -49,8 +50,7 @@ def config_digest(recipe: Recipe, stage: str) -> str:
 
 
 def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None) -> StageContext:
-    if stage not in STAGES:
-        raise UserError("stage", stage, "unknown stage", f"use one of {list(STAGES)}")
+    sharded = spec(stage).sharded  # UserError for an unknown stage
     if isinstance(recipe, (str, Path)):
         recipe = load_recipe(recipe)
     if iteration < 0 or (stage != "bootstrap" and iteration < 1):
@@ -58,9 +58,8 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
     store = Store(run_root, "--run-root")
     store.check_reachable()
     parsed = Shard.parse(shard)
-    if stage in SHARDED_STAGES and parsed.count != recipe.rollout.shards:
-        raise UserError("--shard", str(parsed), f"recipe shards this stage {recipe.rollout.shards} ways",
-                        f"pass --shard i/{recipe.rollout.shards}")
+    if sharded and parsed.count != (n := shard_count(recipe, stage)):
+        raise UserError("--shard", str(parsed), f"recipe shards this stage {n} ways", f"pass --shard i/{n}")
     view = RecipeView(recipe, stage, stage_module(stage).SECTIONS)
     return StageContext(stage=stage, recipe=view, store=store, iteration=0 if stage == "bootstrap" else iteration, shard=parsed)
 
@@ -84,6 +83,42 @@ def _failpoint(label: str) -> None:
 
 def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None,
               orchestrator_run_id: str = "") -> Manifest:
+    """Run one stage (or find it cached). An outage anywhere inside (the store, the
+    tracking server, an inference endpoint) surfaces as ``InfraError``, which callers
+    retry; a user's mistake stays a ``UserError``."""
+    try:
+        return _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id)
+    except (UserError, InfraError, DataQualityError):
+        raise
+    except Exception as exc:
+        if (down := outage(exc)) is None:
+            raise
+        raise InfraError(_service(exc), _where(exc, run_root), down) from exc
+
+
+def _service(exc: BaseException) -> str:
+    """Which dependency an outage came from, judged by the modules in its cause chain."""
+    modules = []
+    cur: BaseException | None = exc
+    while cur is not None and len(modules) < 20:
+        modules.append(type(cur).__module__)
+        cur = cur.__cause__ or cur.__context__
+    if any(m.startswith("mlflow") for m in modules):
+        return "tracking server"
+    if any(m.startswith(("botocore", "s3fs", "aiobotocore", "aiohttp", "fsspec")) for m in modules):
+        return "store"
+    return "a service"
+
+
+def _where(exc: BaseException, run_root: str) -> str:
+    service = _service(exc)
+    if service == "tracking server":
+        return tracking.tracking_uri()
+    return str(run_root) if service == "store" else type(exc).__name__
+
+
+def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,
+               orchestrator_run_id: str) -> Manifest:
     ctx = make_context(stage, recipe, run_root, iteration, shard)
     module = stage_module(stage)
     module.inputs(ctx)

@@ -28,7 +28,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError, outage
 
 SUPPORTED_SCHEMES = ("file", "s3")
 
@@ -97,14 +97,17 @@ class Store:
 
     # -- checks --------------------------------------------------------------------------
     def check_reachable(self) -> None:
-        """Raise a UserError if the store cannot be listed or written."""
+        """Raise an InfraError if the store's server cannot be reached, a UserError if the
+        store can be reached but not written (no bucket, no permission, not a folder)."""
         probe = f"_probe-{uuid.uuid4().hex}"  # a file, not a folder: leaves nothing behind on any backend
         try:
             if self.uri.startswith("file://"):
                 self.fs.makedirs(self.root, exist_ok=True)
             self.write_bytes(probe, b"ok")
             self.delete(probe)
-        except Exception as exc:  # any backend error means the same thing to the user
+        except Exception as exc:
+            if (down := outage(exc)) is not None:  # the server is not there right now: retry, not a mistake
+                raise InfraError("store", self.uri, down) from None
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             fix = (
                 "start the S3 server or set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
@@ -128,6 +131,30 @@ class Store:
             os.replace(tmp, path)
         else:
             self.fs.pipe_file(path, data)
+
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write ``rel`` only if it does not exist yet, atomically: True if this call
+        created it, False if it was already there (another writer won). On ``file://`` the
+        bytes are written beside the target and hard-linked into place (``link`` fails on
+        an existing name); on S3 a conditional PUT (``If-None-Match: *``)."""
+        path = self._path(rel)
+        if self.uri.startswith("file://"):
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            return True
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
 
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self._path(rel))

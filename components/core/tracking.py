@@ -91,6 +91,13 @@ def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run
     return run.info.run_id
 
 
+def run_url(pipeline: str, run_id: str) -> str:
+    """Where a run opens in the MLflow UI: the tracking server's, or a local ``mlflow ui``'s."""
+    uri = tracking_uri()
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://localhost:5000"
+    return f"{base}/#/experiments/{experiment_id(pipeline)}/runs/{run_id}"
+
+
 def _flatten(prefix: str, obj: Any, out: dict[str, str]) -> dict[str, str]:
     if isinstance(obj, dict):
         for k, v in obj.items():

@@ -116,14 +116,14 @@ def _stats(rewards: list[Reward], domain: str) -> dict[str, float]:
 
 
 def handle_replay(args: argparse.Namespace) -> int:
+    from components.core import settings
     from components.core.errors import UserError
     from components.core.recipe import load_recipe
-    from components.core.settings import default_run_root
 
     if args.iteration < 1:
         raise UserError("--iteration", args.iteration, "iterations count from 1", "pass --iteration 1 or higher")
     recipe = load_recipe(args.recipe)
-    store = Store(args.run_root or default_run_root(), "--run-root")
+    store = Store(settings.resolve(run_root=args.run_root).run_root, "--run-root")
     report = replay(recipe, store, args.iteration)
     print_report(report)
     return 0

@@ -38,7 +38,7 @@ SECTIONS = ("reward",)
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("taskgen")
     ctx.depend_on("rollout", shard_only=True)
-    ctx.depend_on("sandbox", shard_only=True)
+    ctx.depend_on("sandbox", shard_only=ctx.aligned("sandbox"))  # else re-sharded: read every sandbox shard
     prior_iteration, prior = cumulative_after(ctx, ctx.iteration - 1)
     ctx.facts = NormPrior(norm_prior_iteration=prior_iteration, norm_prior=to_json(prior))
 
@@ -108,7 +108,8 @@ def summarize(rewards: list[Reward]) -> dict[str, float]:
 def run(ctx: StageContext) -> dict[str, float]:
     tasks = {t.task_id: t for t in ctx.read_records("taskgen", "tasks", Task)}
     rollouts = ctx.read_records("rollout", "rollouts", Rollout, shard_only=True)
-    executions = {e.rollout_id: e for e in ctx.read_records("sandbox", "executions", Execution, shard_only=True)}
+    executions = {e.rollout_id: e for e in ctx.read_records("sandbox", "executions", Execution,
+                                                             shard_only=ctx.aligned("sandbox"))}
     facts: NormPrior = ctx.facts
     prior = from_json(facts.norm_prior)
     rewards = score(tasks, rollouts, executions, ctx.recipe.reward, prior)

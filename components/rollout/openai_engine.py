@@ -14,8 +14,10 @@ strings are mapped back through the policy's tokenizer). ``greedy`` is sent as
 ``temperature: 0``. The server must use the same checkpoint as ``policy``: the trainer
 treats the returned logprobs as the sampling policy's.
 
-Not covered: chat completions, streaming, ``n > 1`` per request, retries with backoff
-(a failed request is a UserError naming the URL), and servers that drop the EOS token
+A server that cannot be reached, or answers 5xx, is an ``InfraError`` (the orchestrator
+retries the stage); a 4xx answer is a ``UserError`` naming the URL (a wrong model name or
+an unsupported option will not fix itself). Not covered: chat completions, streaming,
+``n > 1`` per request, retries inside one request, and servers that drop the EOS token
 from ``logprobs.tokens`` (then ``completion_ids`` ends without EOS and EOS is not trained).
 """
 
@@ -27,7 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError
 from components.rollout.engines import Engine, Generation
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
@@ -41,7 +43,7 @@ def completions_url(base: str) -> str:
 
 
 def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0) -> dict[str, Any]:
-    """POST ``body`` as JSON; any transport or HTTP failure is a UserError naming the URL."""
+    """POST ``body`` as JSON: an unreachable server or a 5xx is an InfraError, a 4xx a UserError."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -51,11 +53,13 @@ def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: floa
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:200]
+        if exc.code >= 500:
+            raise InfraError("inference endpoint", url, f"HTTP {exc.code}: {detail}") from None
         raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {exc.code}: {detail}",
                         f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise UserError(ENV_BASE_URL, url, f"cannot reach the completions server ({exc})",
-                        "start the server (e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
+        raise InfraError("inference endpoint", url, f"cannot reach the completions server ({exc}); start it "
+                         "(e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
 
 
 def _token_id(token: str, tokenizer) -> int:

@@ -6,6 +6,11 @@ keeps the serialised result the job wrote (``result``), and nothing is judged he
 reward stage verifies every rollout once, from that record, and ``posttrain replay`` can
 re-score without executing again. Rollouts of domains that run nothing get no Execution
 record.
+
+Shard i of m executes the rollouts of taskgen's tasks i, i+m, i+2m, ...: with as many
+shards as rollout (the default) that is exactly rollout shard i; with
+``sandbox.shards`` set wider or narrower, every sandbox shard reads all rollout shards
+and takes its part, so the sandbox can fan out wider than generation.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ SECTIONS = ("sandbox",)
 
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("taskgen")
-    ctx.depend_on("rollout", shard_only=True)
+    ctx.depend_on("rollout", shard_only=ctx.aligned("rollout"))
 
 
 def run(ctx: StageContext) -> dict[str, float]:
-    tasks = {t.task_id: t for t in ctx.read_records("taskgen", "tasks", Task)}
-    rollouts = ctx.read_records("rollout", "rollouts", Rollout, shard_only=True)
+    ordered = ctx.read_records("taskgen", "tasks", Task)
+    tasks = {t.task_id: t for t in ordered}
+    mine = {t.task_id for t in ordered[ctx.shard.index::ctx.shard.count]}
+    rollouts = [r for r in ctx.read_records("rollout", "rollouts", Rollout, shard_only=ctx.aligned("rollout"))
+                if r.task_id in mine]
     with get_executor(ctx.recipe.sandbox) as executor:
         results = execute([(r.rollout_id, tasks[r.task_id], r.completion) for r in rollouts], executor,
                           ctx.recipe.sandbox.concurrency, f"sandbox[{ctx.shard}]")

@@ -11,6 +11,7 @@ import pytest
 
 from components.core.errors import UserError
 from components.core.storage import Store, normalize_uri, sha256_bytes
+from tests.fixtures.home import TINY_RECIPE
 from tests.fixtures.s3 import closed_port
 
 
@@ -102,19 +103,26 @@ def test_check_reachable_passes_and_leaves_no_probe(store_uri: str) -> None:
     assert store.listdir("") == ["kept.txt"]
 
 
-def test_check_reachable_on_closed_endpoint_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_closed_endpoint_is_an_outage_and_exits_1(monkeypatch: pytest.MonkeyPatch, capsys, tmp_path: Path) -> None:
+    """Nothing listens: the store is down (retry later), not a user's mistake."""
+    from components.cli import main
+    from components.core.errors import InfraError
+
+    port = closed_port()
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "nothing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path))
     store = Store("s3://bucket/x", field="--run-root")
-    with pytest.raises(UserError) as info:
+    with pytest.raises(InfraError) as info:
         store.check_reachable()
-    line = info.value.line()
-    assert line.startswith("--run-root='s3://bucket/x': store is not reachable")
-    assert "AWS_ENDPOINT_URL" in info.value.fix
-    assert "fix: " in line and "AWS_ENDPOINT_URL" in line
+    assert info.value.line().startswith("store unreachable at 's3://bucket/x': EndpointConnectionError: Could not connect")
+    assert f"127.0.0.1:{port}" in info.value.line()
+    assert main(["stage", "taskgen", "--run-root", "s3://bucket/x", "--recipe", str(TINY_RECIPE)]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("posttrain")]
+    assert len(err) == 1 and err[0].startswith("posttrain: unreachable: store unreachable at 's3://bucket/x'")
 
 
 def test_file_writes_leave_no_temporary_files(tmp_path: Path) -> None:

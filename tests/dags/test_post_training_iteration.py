@@ -58,12 +58,13 @@ def test_dagbag_imports_without_errors(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     shape = json.loads(proc.stdout.strip().splitlines()[-1])
     assert shape["errors"] == {}
-    assert shape["tasks"] == sorted(STAGES)
+    assert shape["tasks"] == sorted([*STAGES, "plan", "rollout_shards", "sandbox_shards", "reward_shards",
+                                     "announce_champion"])
     assert shape["max_active_runs"] == 1
     assert shape["sandbox_pool"] == "posttrain_sandbox"
-    assert shape["trainer_retries"] == 2
+    assert shape["trainer_retries"] == 3
     assert shape["trainer_outlets"] == ["posttrain-policy-candidate"]
-    assert shape["params"] == ["iteration", "recipe", "run_root"]
+    assert shape["params"] == ["holder", "recipe", "run_root"]
     assert shape["after_taskgen"] == ["rollout"]
     assert shape["after_reward"] == ["validation"]
 
@@ -93,7 +94,9 @@ def test_posttrain_run_executes_the_dag_end_to_end(tmp_path):
     assert states == [("success",)]
     tis = dict(db.execute("select task_id || coalesce('#' || nullif(map_index, -1), ''), state from task_instance").fetchall())
     assert tis["trainer"] == "success" and tis["rollout#0"] == "success" and tis["rollout#1"] == "success"
-    assert len(tis) == len(STAGES) + 2 * 3 - 3  # three mapped stages with two shards each
+    # plan, three shard lists, announce_champion, and three mapped stages with two shards each
+    assert len(tis) == 1 + 3 + 1 + len(STAGES) + 2 * 3 - 3
+    assert tis["announce_champion"] == "success"  # the candidate was promoted: the champion asset was emitted
 
 
 def test_killed_run_resumes_without_redoing_finished_stages(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError
 from components.core.policy import load_policy, save_policy
 from components.core.storage import Store
 from components.rollout.engines import get_engine
@@ -109,13 +109,13 @@ def test_plain_openai_request_shape(served) -> None:
         post_json(completions_url(base), {"model": "other", "prompt": "1"})
 
 
-def test_missing_settings_and_unreachable_server_are_user_errors(monkeypatch) -> None:
+def test_missing_settings_are_user_errors_and_an_unreachable_server_an_outage(monkeypatch) -> None:
     policy = tiny_policy()
     monkeypatch.delenv(ENV_BASE_URL, raising=False)
     monkeypatch.setenv(ENV_MODEL, MODEL)
     with pytest.raises(UserError, match=f"{ENV_BASE_URL}='': .*export {ENV_BASE_URL}="):
         get_engine("openai").generate(policy, ["1"], 2, 1.0, 0, 1)
     dead = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(UserError, match=r"cannot reach the completions server.*posttrain serve"):
+    with pytest.raises(InfraError, match=r"inference endpoint unreachable at .*cannot reach the completions server.*posttrain serve"):
         OpenAIEngine(base_url=dead, model=MODEL).generate(policy, ["1"], 2, 1.0, 0, 1)
     assert os.environ.get(ENV_BASE_URL) is None

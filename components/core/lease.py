@@ -1,0 +1,103 @@
+"""Leases on iterations: one writer per iteration, kept in the store itself.
+
+A lease says "holder H works on iteration k until time T". It is a chain of small JSON
+objects, ``<pipeline>/_leases/iter-<k:06d>/<gen:06d>.json``; the one with the highest
+generation is current. Every change (take, renew, release) creates the *next*
+generation with a create-if-absent write (``Store.create``: a hard link on ``file://``,
+a conditional PUT on S3), so of two writers racing for the same generation exactly one
+wins, on any backend, without locks or deletes. The loser re-reads the chain and finds
+the lease held.
+
+A lease expires at ``expires_at`` unless renewed, so a holder that died (a killed
+worker, a lost machine) does not block the iteration for ever; a released lease (a
+failed DAG run hands it back) can be taken at once. Not covered: clock skew between
+machines larger than the lease's time to live, and compaction of old generations (a few
+hundred bytes per change).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from components.core.storage import Store
+
+DEFAULT_TTL_S = 6 * 3600.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    iteration: int
+    holder: str  # "" once released
+    generation: int
+    acquired_at: float
+    expires_at: float
+
+    def live(self, now: float | None = None) -> bool:
+        return bool(self.holder) and (time.time() if now is None else now) < self.expires_at
+
+
+class LeaseHeld(Exception):
+    """Another holder has a live lease on the iteration. Not the user's mistake, and not an
+    outage: wait for it to finish (or its lease to expire), or stop that run."""
+
+    def __init__(self, lease: Lease, pipeline: str) -> None:
+        self.lease = lease
+        left = max(0.0, lease.expires_at - time.time())
+        super().__init__(f"iteration {lease.iteration} of pipeline {pipeline!r} is held by {lease.holder!r} "
+                         f"(lease expires in {left:.0f} s); wait for that run to finish, or stop it and release "
+                         f"its lease")
+
+
+def _folder(pipeline: str, iteration: int) -> str:
+    return f"{pipeline}/_leases/iter-{iteration:06d}"
+
+
+def current(store: Store, pipeline: str, iteration: int) -> Lease | None:
+    names = [n for n in store.listdir(_folder(pipeline, iteration)) if n.endswith(".json") and n[:-5].isdigit()]
+    if not names:
+        return None
+    latest = max(names, key=lambda n: int(n[:-5]))
+    return Lease(**store.read_json(f"{_folder(pipeline, iteration)}/{latest}"))
+
+
+def _write_next(store: Store, pipeline: str, iteration: int, after: Lease | None, holder: str, ttl_s: float) -> Lease | None:
+    now = time.time()
+    lease = Lease(iteration=iteration, holder=holder, generation=0 if after is None else after.generation + 1,
+                  acquired_at=now, expires_at=now + ttl_s if holder else now)
+    data = json.dumps(asdict(lease), sort_keys=True).encode()
+    return lease if store.create(f"{_folder(pipeline, iteration)}/{lease.generation:06d}.json", data) else None
+
+
+def acquire(store: Store, pipeline: str, iteration: int, holder: str, ttl_s: float = DEFAULT_TTL_S) -> Lease:
+    """Take (or renew) the lease on ``iteration`` for ``holder``; ``LeaseHeld`` when another
+    holder's lease is live."""
+    assert holder, "a lease needs a holder"
+    for _ in range(20):  # each round either wins a generation or sees who did
+        cur = current(store, pipeline, iteration)
+        if cur is not None and cur.live() and cur.holder != holder:
+            raise LeaseHeld(cur, pipeline)
+        won = _write_next(store, pipeline, iteration, cur, holder, ttl_s)
+        if won is not None:
+            return won
+    raise RuntimeError(f"lease on iteration {iteration}: 20 generations lost in a row; the store is not consistent")
+
+
+def release(store: Store, pipeline: str, iteration: int, holder: str) -> bool:
+    """Hand the lease back if ``holder`` has it; True if it did."""
+    cur = current(store, pipeline, iteration)
+    if cur is None or cur.holder != holder:
+        return False
+    return _write_next(store, pipeline, iteration, cur, "", 0.0) is not None
+
+
+def held_by(store: Store, pipeline: str, holder: str) -> list[int]:
+    """Iterations whose current lease (live or expired, not released) is ``holder``'s, newest first."""
+    out = []
+    for name in store.listdir(f"{pipeline}/_leases"):
+        if name.startswith("iter-") and name[5:].isdigit():
+            cur = current(store, pipeline, int(name[5:]))
+            if cur is not None and cur.holder == holder:
+                out.append(cur.iteration)
+    return sorted(out, reverse=True)

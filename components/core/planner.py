@@ -1,0 +1,50 @@
+"""Which iteration to run next: the first task of every DAG run, and ``posttrain run``.
+
+``plan(store, recipe, holder)`` returns the iteration k this run works on and holds a
+lease on it (``components.core.lease``), so two runs never work on the same k:
+
+1. an iteration ``holder`` already holds and has not finished is resumed (a killed
+   ``posttrain run`` started again, a retried plan task);
+2. with ``replay=True`` (one DAG run = one iteration), the newest iteration ``holder``
+   holds is returned even when finished, so clearing a finished DAG run replays the same
+   k, and every stage is a cache hit;
+3. otherwise k = the last iteration with an evaluation manifest + 1 (a half-done k
+   resumes: its finished stages are cache hits), claimed for ``holder``. A live lease of
+   another holder on k raises ``LeaseHeld``.
+
+It also writes the resolved recipe to ``<pipeline>/iter-<k>/recipe.json``, so an
+iteration describes itself even if the recipe file changes later (rewritten on every
+resume, as the stages read the file as it is then). Not covered: running two iterations
+at once (k+1 needs checkpoint k).
+"""
+
+from __future__ import annotations
+
+from components.core import lease
+from components.core.manifest import MANIFEST, iteration_prefix, stage_prefix
+from components.core.recipe import Recipe
+from components.core.storage import Store
+
+RECIPE_SNAPSHOT = "recipe.json"
+
+
+def finished(store: Store, pipeline: str) -> list[int]:
+    """Iterations whose evaluation manifest exists, ascending."""
+    done = []
+    for name in store.listdir(pipeline):
+        if name.startswith("iter-") and name[5:].isdigit():
+            k = int(name[5:])
+            if store.exists(f"{stage_prefix(pipeline, k, 'evaluation')}/{MANIFEST}"):
+                done.append(k)
+    return sorted(done)
+
+
+def plan(store: Store, recipe: Recipe, holder: str, replay: bool = False, ttl_s: float = lease.DEFAULT_TTL_S) -> int:
+    pipeline = recipe.pipeline
+    done = set(finished(store, pipeline))
+    k = next((k for k in lease.held_by(store, pipeline, holder) if replay or k not in done), None)
+    if k is None:
+        k = max(done, default=0) + 1
+    lease.acquire(store, pipeline, k, holder, ttl_s)
+    store.write_json(f"{iteration_prefix(pipeline, k)}/{RECIPE_SNAPSHOT}", recipe.model_dump(mode="json"))
+    return k

@@ -1,0 +1,114 @@
+"""The stage registry: the one list the DAG, the Kubeflow pipeline and the images derive from.
+
+A ``StageSpec`` says where a stage's code lives (``module``, with ``SECTIONS``,
+``inputs`` and ``run``), which stages must finish before it (``upstream``), whether it
+fans out over shards and how wide (``fanout``: the recipe field holding the shard
+count), which orchestrator pool caps it, and its default time limit. The DAG builds
+one task per spec, mapped over ``shard_list(recipe, id)`` for sharded stages; the
+Kubeflow pipeline and ``containers/build.sh`` are checked against the same list by
+tests.
+
+Adding a stage is one module plus one ``StageSpec`` here (or, from another package, an
+entry point in the ``posttrain.stages`` group that names a ``StageSpec``, whose
+``before`` splices it in front of existing stages). Time limits come from here unless
+the recipe's ``orchestration.timeouts`` overrides them.
+
+Not covered: conditional stages (every registered stage runs every iteration) and
+stages that fan out over something other than shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cache
+from importlib.metadata import entry_points
+
+from components.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    id: str
+    module: str  # "package.module" with SECTIONS, inputs(ctx) and run(ctx)
+    upstream: tuple[str, ...]  # stages that must finish first
+    fanout: str = ""  # recipe field with this stage's shard count ("rollout.shards"); "" = one task
+    pool: str = ""  # orchestrator pool ("" = the default pool)
+    timeout_s: int = 3600  # default time limit of one task of this stage
+    before: tuple[str, ...] = field(default=())  # plug-ins: stages that must now wait for this one
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.fanout)
+
+
+SANDBOX_POOL = "posttrain_sandbox"
+
+BUILTIN: tuple[StageSpec, ...] = (
+    StageSpec("bootstrap", "components.bootstrap.stage", (), timeout_s=4 * 3600),
+    StageSpec("taskgen", "components.taskgen.stage", ("bootstrap",), timeout_s=1800),
+    StageSpec("rollout", "components.rollout.stage", ("taskgen",), fanout="rollout.shards", timeout_s=4 * 3600),
+    StageSpec("sandbox", "components.sandbox.stage", ("rollout",), fanout="sandbox.shards", pool=SANDBOX_POOL,
+              timeout_s=2 * 3600),
+    StageSpec("reward", "components.reward.stage", ("sandbox",), fanout="rollout.shards", timeout_s=1800),
+    StageSpec("validation", "components.validation.stage", ("reward",), timeout_s=1800),
+    StageSpec("trainer", "components.trainer.stage", ("validation",), timeout_s=6 * 3600),
+    StageSpec("evaluation", "components.evaluation.stage", ("trainer",), timeout_s=4 * 3600),
+)
+
+
+def _splice(specs: list[StageSpec], extra: StageSpec) -> list[StageSpec]:
+    """Insert a plug-in stage: after its upstream, and in front of its ``before`` stages."""
+    known = {s.id for s in specs}
+    if extra.id in known:
+        raise UserError("entry point posttrain.stages", extra.id, "stage id already registered",
+                        "give the plug-in stage another id")
+    for name in (*extra.upstream, *extra.before):
+        if name not in known:
+            raise UserError(f"stage {extra.id}", name, "names an unknown stage", f"use one of {sorted(known)}")
+    out = []
+    for s in specs:
+        if s.id in extra.before:  # s now waits for the plug-in instead of the plug-in's own upstream
+            s = replace(s, upstream=tuple(u for u in s.upstream if u not in extra.upstream) + (extra.id,))
+        out.append(s)
+    at = max(i for i, s in enumerate(out) if s.id in extra.upstream) + 1 if extra.upstream else 0
+    return out[:at] + [extra] + out[at:]
+
+
+@cache
+def registered() -> tuple[StageSpec, ...]:
+    """Every stage in run order: the built-ins plus plug-ins from ``posttrain.stages``."""
+    specs = list(BUILTIN)
+    for ep in sorted(entry_points(group="posttrain.stages"), key=lambda e: e.name):
+        extra = ep.load()
+        if not isinstance(extra, StageSpec) or extra.id != ep.name:
+            raise UserError("entry point posttrain.stages", ep.name, f"{ep.value} is not a StageSpec with id {ep.name!r}",
+                            "point the entry point at a StageSpec whose id is the entry point's name")
+        specs = _splice(specs, extra)
+    return tuple(specs)
+
+
+def stage_ids() -> tuple[str, ...]:
+    return tuple(s.id for s in registered())
+
+
+def spec(stage: str) -> StageSpec:
+    for s in registered():
+        if s.id == stage:
+            return s
+    raise UserError("stage", stage, "unknown stage", f"use one of {list(stage_ids())}")
+
+
+def shard_count(recipe, stage: str) -> int:
+    """How many shards ``stage`` runs in for ``recipe`` (1 for an unsharded stage)."""
+    fanout = spec(stage).fanout
+    if not fanout:
+        return 1
+    section, name = fanout.split(".")
+    count = getattr(getattr(recipe, section), name)
+    return count or recipe.rollout.shards  # 0: as wide as rollout
+
+
+def shard_list(recipe, stage: str) -> list[str]:
+    """``["0/n", ..., "n-1/n"]`` for a sharded stage, ``[""]`` for one task."""
+    n = shard_count(recipe, stage)
+    return [f"{i}/{n}" for i in range(n)] if spec(stage).sharded else [""]

@@ -1,0 +1,217 @@
+"""Airflow glue for ``post_training_iteration``: the schedule, the plan task, one task per
+registered stage, and the failure callbacks. The DAG file itself stays a few lines.
+
+Schedule (``POSTTRAIN_SCHEDULE``, else the Airflow Variable of that name, else manual):
+
+| value | the DAG runs |
+|---|---|
+| empty, ``manual`` or ``none`` | only when triggered (the default) |
+| a cron expression, e.g. ``0 2 * * *`` | at those times (no catch-up) |
+| a preset: ``@hourly``, ``@daily``, ``@weekly``, ``@monthly``, ``@continuous``, ... | per the preset; ``@continuous`` starts the next run as soon as one ends |
+| ``asset:champion`` | whenever an iteration promotes a new champion |
+| ``asset:candidate`` | whenever the trainer registers a new candidate |
+| ``asset:task-file`` | whenever a producer updates the asset ``posttrain-task-file`` (e.g. a new task file landed) |
+
+Each run's first task plans the iteration (``components.core.planner``): k is the last
+finished iteration + 1 (or the half-done one), leased to the run (``airflow:<run_id>``),
+and handed to every task through XCom. Clearing a run replays its k. An outage
+(``InfraError``, or another run holding the lease) is retried with backoff; a user's
+mistake and a failed data-quality gate fail at once (``AirflowFailException``).
+Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import Asset, task
+
+from components.core.stages import StageSpec
+
+log = logging.getLogger("posttrain")
+
+CANDIDATE = Asset(name="posttrain-policy-candidate", uri="posttrain://policy/candidate")
+CHAMPION = Asset(name="posttrain-policy-champion", uri="posttrain://policy/champion")
+TASK_FILE = Asset(name="posttrain-task-file", uri="posttrain://tasks/new")
+ASSETS = {"asset:champion": CHAMPION, "asset:candidate": CANDIDATE, "asset:task-file": TASK_FILE}
+PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+SCHEDULE_VAR = "POSTTRAIN_SCHEDULE"
+RETRY = {"retries": 3, "retry_delay": timedelta(seconds=10), "retry_exponential_backoff": True,
+         "max_retry_delay": timedelta(minutes=10)}
+
+
+def parse_schedule(value: str) -> str | Asset | None:
+    """The DAG's ``schedule`` for a ``POSTTRAIN_SCHEDULE`` value; ValueError naming the fix."""
+    value = (value or "").strip()
+    if value.lower() in ("", "manual", "none"):
+        return None
+    if value in ASSETS:
+        return ASSETS[value]
+    if value.startswith("@"):
+        if value not in PRESETS:
+            raise ValueError(f"{SCHEDULE_VAR}={value!r}: unknown preset; use one of {list(PRESETS)}")
+        return value
+    from croniter import croniter
+
+    if not croniter.is_valid(value):
+        raise ValueError(f"{SCHEDULE_VAR}={value!r}: neither a cron expression, a preset nor one of "
+                         f"{sorted(ASSETS)}; e.g. '0 2 * * *', '@daily' or 'asset:champion'")
+    return value
+
+
+def schedule() -> str | Asset | None:
+    value = os.environ.get(SCHEDULE_VAR)
+    if value is None:
+        try:  # an Airflow Variable (or AIRFLOW_VAR_POSTTRAIN_SCHEDULE); absent or unreadable: manual
+            from airflow.sdk import Variable
+
+            value = Variable.get(SCHEDULE_VAR, default=None)
+        except Exception:
+            value = None
+    return parse_schedule(value or "")
+
+
+def _fail_now(exc: BaseException) -> BaseException:
+    """Retrying cannot fix a user's mistake or bad data: fail the task at once."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from components.core.errors import DataQualityError, UserError
+
+    if isinstance(exc, UserError):
+        return AirflowFailException(exc.line())
+    if isinstance(exc, DataQualityError):
+        return AirflowFailException(str(exc))
+    return exc
+
+
+def _settings(params: dict[str, Any]):
+    from components.core import settings
+
+    return settings.resolve(params.get("recipe") or None, params.get("run_root") or None)
+
+
+@task(task_id="plan", multiple_outputs=True, **RETRY)
+def plan() -> dict[str, Any]:
+    """Pick and lease this run's iteration; hand it, the settings and the shard lists on."""
+    from airflow.sdk import get_current_context
+
+    from components.core import planner, tracking
+    from components.core.recipe import load_recipe
+    from components.core.stages import registered, shard_list
+    from components.core.storage import Store
+
+    ctx = get_current_context()
+    params = ctx["params"]
+    try:
+        conf = _settings(params)
+        recipe = load_recipe(conf.recipe)
+        store = Store(conf.run_root, "run_root")
+        store.check_reachable()
+        holder = params.get("holder") or f"airflow:{ctx['run_id']}"
+        k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
+        parent = tracking.iteration_run(recipe.pipeline, k, store.uri, ctx["run_id"])
+    except Exception as exc:
+        raise _fail_now(exc) from exc
+    log.info("iteration %d of %s | holder %s | MLflow iteration run: %s", k, recipe.pipeline, holder,
+             tracking.run_url(recipe.pipeline, parent))
+    return {"iteration": k, "recipe": conf.recipe, "run_root": store.uri, "holder": holder, "pipeline": recipe.pipeline,
+            "mlflow_run_id": parent, "mlflow_url": tracking.run_url(recipe.pipeline, parent),
+            **{f"shards_{s.id}": shard_list(recipe, s.id) for s in registered() if s.sharded}}
+
+
+def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[str, Any]:
+    from airflow.sdk import get_current_context
+
+    from components.core.runner import run_stage
+
+    try:
+        m = run_stage(stage, plan["recipe"], plan["run_root"], int(plan["iteration"]), shard or None,
+                      orchestrator_run_id=get_current_context()["run_id"])
+    except Exception as exc:
+        raise _fail_now(exc) from exc
+    return {"stage": stage, "shard": m.shard, "digest": m.content_digest, "promoted": m.info.get("promoted")}
+
+
+def stage_failed(context: dict[str, Any]) -> None:
+    """Task failure: the reason to the task log, and to the iteration's MLflow run as a tag."""
+    ti = context["ti"]
+    reason = f"{type(context.get('exception')).__name__}: {context.get('exception')}"[:4000]
+    log.error("posttrain task %s failed: %s", ti.task_id, reason)
+    try:
+        from components.core import tracking
+
+        planned = ti.xcom_pull(task_ids="plan") or {}
+        if planned.get("mlflow_run_id"):
+            tracking.client().set_tag(planned["mlflow_run_id"], f"posttrain.failed.{ti.task_id}", reason)
+    except Exception as exc:  # the tracking server may be what failed; the task log has the reason
+        log.warning("could not record the failure in MLflow: %s", exc)
+
+
+def run_failed(context: dict[str, Any]) -> None:
+    """DAG run failure: hand the run's iteration lease back, so the next run resumes it at
+    once (a run driven by ``posttrain run`` keeps its lease: that command resumes it)."""
+    from components.core import lease
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+
+    params = context.get("params") or {}
+    if params.get("holder"):
+        return
+    holder = f"airflow:{context['dag_run'].run_id}"
+    conf = _settings(params)
+    pipeline = load_recipe(conf.recipe).pipeline
+    store = Store(conf.run_root, "run_root")
+    for k in lease.held_by(store, pipeline, holder):
+        log.info("run failed: released the lease on iteration %d of %s: %s", k, pipeline,
+                 lease.release(store, pipeline, k, holder))
+
+
+def timeout_for(spec: StageSpec) -> timedelta:
+    """The stage's time limit: the recipe named by POSTTRAIN_RECIPE may override the registry's."""
+    seconds = spec.timeout_s
+    try:
+        from components.core import settings
+        from components.core.recipe import load_recipe
+
+        seconds = load_recipe(settings.default_recipe()).timeouts.get(spec.id, seconds)
+    except Exception:  # an unreadable recipe fails the plan task with a clear message instead
+        pass
+    return timedelta(seconds=seconds)
+
+
+def stage_task(spec: StageSpec):
+    """The TaskFlow task of one registered stage (mapped over shards when it fans out)."""
+    extra: dict[str, Any] = {"map_index_template": "{{ task.op_kwargs['shard'] }}"} if spec.sharded else {}
+    if spec.pool:
+        extra["pool"] = spec.pool
+    if spec.id == "trainer":
+        extra["outlets"] = [CANDIDATE]
+
+    @task(task_id=spec.id, execution_timeout=timeout_for(spec), on_failure_callback=stage_failed, **RETRY, **extra)
+    def run(plan: dict[str, Any], shard: str = "") -> dict[str, Any]:
+        return run_stage_task(spec.id, plan, shard)
+
+    return run
+
+
+def shard_list_task(spec: StageSpec):
+    """A stage's shard list as its own XCom (Airflow maps only over a task's return value).
+    It depends on the plan alone, so it runs beside bootstrap, off the critical path."""
+
+    @task(task_id=f"{spec.id}_shards")
+    def shards(plan: dict[str, Any]) -> list[str]:
+        return plan[f"shards_{spec.id}"]
+
+    return shards
+
+
+@task(task_id="announce_champion", outlets=[CHAMPION])
+def announce_champion(evaluation: dict[str, Any]) -> None:
+    """Emits the champion asset only when this iteration promoted its candidate."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    if not evaluation.get("promoted"):
+        raise AirflowSkipException("the candidate was held; no new champion")
