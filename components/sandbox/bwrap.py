@@ -1,15 +1,15 @@
 """The ``bwrap`` backend: each job in a bubblewrap sandbox, refusing weak isolation.
 
 ``sandbox.mode``: "strict" starts a fresh sandbox per job (strict.py; the launch for
-the next job of the same shape is parked ahead of time); "warm" keeps one pre-started sandboxed worker per concurrency slot that forks a child
-per job in fresh per-job namespaces (pool.py); a ``SessionJob`` runs in a sandbox
-session (session.py). All record the isolation string from
-detect.py in every ``JobResult.isolation``.
+the next job of the same shape is parked ahead of time); "warm" keeps one pre-started
+sandboxed worker per concurrency slot that forks a child per job in fresh per-job
+namespaces (pool.py); a ``SessionJob`` runs in a sandbox session (session.py). All
+record the isolation string from detect.py in every ``JobResult.isolation``.
 
-On start the executor probes the host. If a required layer is missing it raises a
-``UserError`` naming ``sandbox.allow_weak_isolation``; with that flag set it runs with
-what there is (no seccomp, or the subprocess backend when there are no namespaces) and
-says "WEAK" in the isolation string.
+On start the executor, like a session, probes the host (``host_support``). If a required
+layer is missing it raises a ``UserError`` naming ``sandbox.allow_weak_isolation``; with
+that flag set it runs with what there is (no seccomp, or the subprocess backend when
+there are no namespaces) and says "WEAK" in the isolation string.
 
 Not covered: jobs that need the network, host folders, GPUs or a different root image;
 interpreters outside /usr (the sandbox sees only /usr and a few /etc files).
@@ -19,11 +19,30 @@ from __future__ import annotations
 
 from components.core.jobs import Job, JobResult, SessionJob
 from components.sandbox import cgroups
-from components.sandbox.detect import probe, require, resolve_python
+from components.sandbox.detect import Support, probe, resolve_python
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.strict import StrictRunner
 from components.sandbox.subprocess_backend import SubprocessExecutor
+
+
+def host_support(config) -> tuple[str, Support]:
+    """The job interpreter and what this host gives it, for the executor and for sessions
+    (session.py): a ``UserError`` naming ``sandbox.allow_weak_isolation`` when a required
+    layer is missing, unless the recipe allows weak isolation."""
+    from components.core.errors import UserError
+
+    python = resolve_python(config)
+    support = probe(python)
+    if support.missing and not getattr(config, "allow_weak_isolation", False):
+        detail = "; ".join(support.problems)
+        raise UserError(
+            "sandbox.allow_weak_isolation", False,
+            f"this host lacks {', '.join(support.missing)} for the bwrap sandbox" + (f" ({detail})" if detail else ""),
+            "install what is missing (see 'Threat model' in components/sandbox/README.md), or set "
+            "sandbox.allow_weak_isolation: true to run untrusted code with weaker isolation",
+        )
+    return python, support
 
 
 class BwrapExecutor(Closing):
@@ -33,13 +52,11 @@ class BwrapExecutor(Closing):
 
     def __init__(self, config) -> None:
         self.config = config
-        self.python = resolve_python(config)
+        self.python, self.support = host_support(config)
         self.mode = getattr(config, "mode", "strict")
-        self.support = probe(self.python)
-        require(self.support, bool(getattr(config, "allow_weak_isolation", False)))
         cgroups.sweep_stale()
         self.limits = Limits.from_config(config)
-        self._fallback = self._pool = self._strict = None
+        self._fallback = self._runner = None
         if not self.support.bwrap or not self.support.namespaces_ok:
             self._fallback = SubprocessExecutor(config)
             self.isolation = self._fallback.isolation = self.support.isolation
@@ -48,8 +65,9 @@ class BwrapExecutor(Closing):
         if self.mode == "warm":
             from components.sandbox.pool import WarmPool
 
-            self._pool = WarmPool(self.support, self.python, self.limits, int(config.concurrency), self.isolation)
-        self._strict = StrictRunner(self.support, self.python, self.limits, self.support.seccomp, self.isolation)
+            self._runner = WarmPool(self.support, self.python, self.limits, int(config.concurrency), self.isolation)
+        else:
+            self._runner = StrictRunner(self.support, self.python, self.limits, self.isolation)
 
     def run(self, job: Job | SessionJob) -> JobResult:
         if self._fallback is not None:
@@ -58,15 +76,10 @@ class BwrapExecutor(Closing):
             from components.sandbox.session import run_session_job
 
             return run_session_job(self.config, job)
-        if self._pool is not None:
-            return self._pool.run(job, self.name)
-        return self._strict.run(job, self.name)
+        return self._runner.run(job, self.name)
 
     def close(self) -> None:
-        if self._strict is not None:
-            self._strict.close()
-        cgroups.REAPER.drain()
-        if self._pool is not None:
-            self._pool.close()
-        if self._fallback is not None:
-            self._fallback.close()
+        for part in (self._runner, self._fallback):
+            if part is not None:
+                part.close()
+        cgroups.REAPER.drain()  # strict: a parked launch's group is removed on the reaper's thread

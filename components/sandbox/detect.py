@@ -1,23 +1,24 @@
 """What isolation this host can give, found by trying it, and the string that names it.
 
 ``probe(python)`` checks each layer (bubblewrap binary, unprivileged uid drop, user/pid/
-net namespaces, seccomp, cgroup v1 controllers or a v2 subtree, Landlock) and finally starts one real
-sandbox running ``python -I -S`` through the same launch chain jobs use (in a job cgroup,
-v1 where writable, else v2), so "supported"
-means "worked here", not "is installed". ``Support.isolation`` is the string recorded
-in every ``JobResult.isolation``; ``Support.missing`` lists required layers that are
-absent, which makes the bwrap executor refuse unless ``sandbox.allow_weak_isolation``.
+net namespaces, seccomp, cgroup v1 controllers or a v2 subtree, Landlock) and finally
+starts one real sandbox running ``python -I -S`` through the same launch chain jobs use
+(in a job cgroup, v1 where writable, else v2), so "supported" means "worked here", not
+"is installed". ``Support.isolation`` is the string recorded in every
+``JobResult.isolation``; ``Support.missing`` lists required layers that are absent,
+which makes the bwrap executor refuse (``bwrap.host_support``) unless
+``sandbox.allow_weak_isolation``.
 
 Required: bwrap with user+pid+net+mount namespaces, an unprivileged uid, seccomp,
 rlimits. Reported but optional: cgroup limits (rlimits, the pid namespace and sized
 tmpfs still bound the job), Landlock (not used; mounts hide the host tree).
 
-``require`` turns missing layers into that refusal, ``resolve_python`` picks the job
-interpreter (it must live under /usr, the only host tree a sandbox sees) and
-``check_paths`` refuses job files that would land outside the work folder.
+``resolve_python`` picks the job interpreter (it must live under /usr, the only host
+tree a sandbox sees) and ``check_paths`` refuses job files that would land outside the
+work folder.
 
-Not covered: AppArmor/SELinux profiles, gVisor detection
-(a gVisor sandbox shows up as its own kernel and passes the probe as usual).
+Not covered: AppArmor/SELinux profiles, gVisor detection (a gVisor sandbox shows up as
+its own kernel and passes the probe as usual).
 """
 
 from __future__ import annotations
@@ -151,20 +152,6 @@ def probe(python: str = "/usr/bin/python3") -> Support:
         landlock_abi=landlock_abi(), drops_uid=os.geteuid() == 0, namespaces_ok=namespaces_ok,
         problems=tuple(problems),
     )
-
-
-def require(support: Support, allow_weak: bool) -> None:
-    """Refuse weak isolation unless the recipe allows it."""
-    from components.core.errors import UserError
-
-    if support.missing and not allow_weak:
-        detail = "; ".join(support.problems)
-        raise UserError(
-            "sandbox.allow_weak_isolation", False,
-            f"this host lacks {', '.join(support.missing)} for the bwrap sandbox" + (f" ({detail})" if detail else ""),
-            "install what is missing (see 'Threat model' in components/sandbox/README.md), or set "
-            "sandbox.allow_weak_isolation: true to run untrusted code with weaker isolation",
-        )
 
 
 def resolve_python(config) -> str:

@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 
 from components.core.jobs import Job, JobResult, SessionJob
-from components.sandbox.detect import probe, require, resolve_python
+from components.sandbox.bwrap import host_support
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.outcome import infra_error
@@ -38,9 +38,7 @@ class SandboxSession(Closing):
     def __init__(self, config, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S) -> None:
         from components.core.errors import UserError
 
-        python = resolve_python(config)
-        support = probe(python)
-        require(support, bool(getattr(config, "allow_weak_isolation", False)))
+        python, support = host_support(config)
         if not support.bwrap or not support.namespaces_ok:
             raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
                             "install bubblewrap and allow unprivileged user namespaces (see components/sandbox/README.md)")
@@ -107,9 +105,5 @@ def run_session_job(config, job: SessionJob, session_timeout_s: float | None = N
     steps = [{"exit": r.exit_code, "status": r.status} for r in done]
     result = {**final.result, "steps": steps} if isinstance(final.result, dict) else final.result
     done.append(final)
-    return JobResult(
-        status=final.status, exit_code=final.exit_code, signal=final.signal, stdout=final.stdout, stderr=final.stderr,
-        duration_s=sum(r.duration_s for r in done), cpu_time_s=sum(r.cpu_time_s for r in done),
-        peak_memory_mb=max(r.peak_memory_mb for r in done), result=result, backend=final.backend,
-        isolation=session.isolation, extra=final.extra,
-    )
+    return replace(final, duration_s=sum(r.duration_s for r in done), cpu_time_s=sum(r.cpu_time_s for r in done),
+                   peak_memory_mb=max(r.peak_memory_mb for r in done), result=result, isolation=session.isolation)

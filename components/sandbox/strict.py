@@ -65,11 +65,10 @@ class Launch:
 class StrictRunner:
     """A fresh sandbox per job; at most one launch parked, for the last job shape seen."""
 
-    def __init__(self, support: Support, python: str, limits: Limits, use_seccomp: bool, isolation: str) -> None:
+    def __init__(self, support: Support, python: str, limits: Limits, isolation: str) -> None:
         self.support = support
         self.python = python
         self.limits = limits
-        self.use_seccomp = use_seccomp
         self.isolation = isolation
         self._parked: Launch | None = None
         self._parking = False  # a launch is being parked
@@ -129,7 +128,7 @@ class StrictRunner:
                 argv = [str(result_w) if a == RESULT_FD else a for a in argv]
             status_r, status_w = lease.pipe()
             spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[], status_fd=status_w,
-                               seccomp_fd=lease.give(seccomp.memfd("job")) if self.use_seccomp else None)
+                               seccomp_fd=lease.give(seccomp.memfd("job")) if self.support.seccomp else None)
             args_r, args_w = os.pipe()
             lease.give(args_r)
             lease.keep(args_w)
