@@ -1,20 +1,29 @@
 """One post-training iteration as a Kubeflow pipeline: wiring only.
 
-The same iteration as ``dags/post_training_iteration.py``: one lightweight Python
+The same iteration as ``dags/post_training_iteration.py``: a ``plan`` component picks the
+iteration (``components.core.planner``: the last finished one + 1, leased to this run,
+``kfp:<job id>``, so a resubmitted run replays its k), then one lightweight Python
 component per stage (component name = stage id), each calling
 ``components.core.runner.run_stage`` -- the function behind ``posttrain stage <id>``.
-Rollout -> sandbox -> reward fan out with ``dsl.ParallelFor`` over the shard list that
-taskgen returns (``["0/n", ..., "n-1/n"]``, n = ``recipe.rollout.shards``), and
-validation fans back in through ``dsl.Collected`` of the reward digests. Nothing passes
-between components but the manifests' content digests (and the shard strings); the data
-is in the store under ``run_root``.
+Rollout, sandbox and reward each fan out with ``dsl.ParallelFor`` over the shard list a
+small ``shards`` component returns for that stage (``components.core.stages.shard_list``;
+the sandbox may be wider than rollout); the next stage waits for the whole loop. Every
+stage task finds its iteration again through the lease its job holds, so nothing passes
+between components but shard strings and manifest digests (kfp.local replaces a loop
+task's task-output inputs with the loop item, so the iteration cannot be an input there);
+the data is in the store under the run root. The stage order is checked against the
+stage registry (``components/core/stages.py``) by ``tests/pipelines/test_kfp_pipeline.py``.
+
+Settings come from ``components.core.settings``: empty ``recipe`` / ``run_root``
+parameters mean ``POSTTRAIN_RECIPE`` / ``POSTTRAIN_RUN_ROOT`` in the task's environment
+(on a cluster, the ``posttrain-stage-env`` config map), else the absolute defaults.
 
 Run it locally (each task is a subprocess of this interpreter, no containers)::
 
     import kfp.local
     from pipelines.post_training_iteration import post_training_iteration
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False))
-    post_training_iteration(recipe="recipes/tiny.yaml", run_root=".posttrain/store", iteration=1)
+    post_training_iteration(recipe="recipes/tiny.yaml", run_root="/tmp/store")
 
 On a cluster, compile with ``python pipelines/compile.py [--image-prefix REGISTRY/]``
 and submit ``pipelines/post_training_iteration.yaml``; each task then runs in its stage
@@ -41,8 +50,8 @@ Choices, and what this does not do:
   from ``infra/terraform/``; add them with ``kfp-kubernetes``
   (``use_config_map_as_env``, ``add_toleration``) or submit the run with that service
   account. kfp.local ignores such platform settings, so they are left out of the wiring.
-- One iteration per run, like the DAG; a recurring run (KFP "recurring run") supplies
-  the next ``iteration``.
+- One iteration per run, like the DAG; a KFP recurring run plans the next iteration
+  itself (``max_concurrency=1`` on the recurring run: iteration k+1 needs checkpoint k).
 """
 
 # No ``from __future__ import annotations``: KFP reads the component signatures' real types.
@@ -54,47 +63,72 @@ RETRIES = 2
 BACKOFF = "10s"
 
 
-def _run(stage: str, recipe: str, run_root: str, iteration: int, shard: str, run_id: str) -> str:
-    """Shared component body (copied into each component's source by KFP)."""
-    from components.core.runner import run_stage
-
-    return run_stage(stage, recipe, run_root, iteration, shard or None, orchestrator_run_id=run_id).content_digest
-
-
-def bootstrap(recipe: str, run_root: str, iteration: int, run_id: str) -> str:
-    return _run("bootstrap", recipe, run_root, iteration, "", run_id)
-
-
-def taskgen(recipe: str, run_root: str, iteration: int, run_id: str) -> list:
+def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str) -> str:
+    """Shared component body (copied into each component's source by KFP). The iteration is
+    the one the ``plan`` task leased to this job (found again by its holder), so no task
+    takes it as an input."""
+    from components.core import planner, settings
     from components.core.recipe import load_recipe
+    from components.core.runner import run_stage
+    from components.core.storage import Store
 
-    _run("taskgen", recipe, run_root, iteration, "", run_id)
-    n = load_recipe(recipe).rollout.shards
-    return [f"{i}/{n}" for i in range(n)]
-
-
-def rollout(recipe: str, run_root: str, iteration: int, shard: str, run_id: str) -> str:
-    return _run("rollout", recipe, run_root, iteration, shard, run_id)
-
-
-def sandbox(recipe: str, run_root: str, iteration: int, shard: str, run_id: str) -> str:
-    return _run("sandbox", recipe, run_root, iteration, shard, run_id)
+    conf = settings.resolve(recipe or None, run_root or None)
+    k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
+                                                    f"kfp:{run_id}", replay=True)
+    return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
 
 
-def reward(recipe: str, run_root: str, iteration: int, shard: str, run_id: str) -> str:
-    return _run("reward", recipe, run_root, iteration, shard, run_id)
+def plan(recipe: str, run_root: str, run_id: str) -> int:
+    """Pick and lease this job's iteration (``kfp:<job id>`` holds it)."""
+    from components.core import planner, settings
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+
+    conf = settings.resolve(recipe or None, run_root or None)
+    store = Store(conf.run_root, "run_root")
+    store.check_reachable()
+    return planner.plan(store, load_recipe(conf.recipe), f"kfp:{run_id}", replay=True)
 
 
-def validation(recipe: str, run_root: str, iteration: int, rewards: list, run_id: str) -> str:
-    return _run("validation", recipe, run_root, iteration, "", run_id)
+def shards(recipe: str, stage: str) -> list:
+    """The shard list of one sharded stage (a loop iterates over one task's output)."""
+    from components.core import settings
+    from components.core.recipe import load_recipe
+    from components.core.stages import shard_list
+
+    return shard_list(load_recipe(settings.resolve(recipe or None).recipe), stage)
 
 
-def trainer(recipe: str, run_root: str, iteration: int, run_id: str) -> str:
-    return _run("trainer", recipe, run_root, iteration, "", run_id)
+def bootstrap(recipe: str, run_root: str, run_id: str) -> str:
+    return _run("bootstrap", recipe, run_root, "", run_id)
 
 
-def evaluation(recipe: str, run_root: str, iteration: int, run_id: str) -> str:
-    return _run("evaluation", recipe, run_root, iteration, "", run_id)
+def taskgen(recipe: str, run_root: str, run_id: str) -> str:
+    return _run("taskgen", recipe, run_root, "", run_id)
+
+
+def rollout(recipe: str, run_root: str, shard: str, run_id: str) -> str:
+    return _run("rollout", recipe, run_root, shard, run_id)
+
+
+def sandbox(recipe: str, run_root: str, shard: str, run_id: str) -> str:
+    return _run("sandbox", recipe, run_root, shard, run_id)
+
+
+def reward(recipe: str, run_root: str, shard: str, run_id: str) -> str:
+    return _run("reward", recipe, run_root, shard, run_id)
+
+
+def validation(recipe: str, run_root: str, run_id: str) -> str:
+    return _run("validation", recipe, run_root, "", run_id)
+
+
+def trainer(recipe: str, run_root: str, run_id: str) -> str:
+    return _run("trainer", recipe, run_root, "", run_id)
+
+
+def evaluation(recipe: str, run_root: str, run_id: str) -> str:
+    return _run("evaluation", recipe, run_root, "", run_id)
 
 
 def stage_image(stage: str, image_prefix: str = "") -> str:
@@ -109,24 +143,30 @@ def make_pipeline(image_prefix: str = ""):
     comp = {name: dsl.component(f, base_image=stage_image(name, image_prefix), install_kfp_package=False,
                                 additional_funcs=[_run])
             for name, f in bodies.items()}
+    planner = dsl.component(plan, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False)
+    lister = dsl.component(shards, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False)
 
     def step(task: dsl.PipelineTask) -> dsl.PipelineTask:
         task.set_caching_options(False)
         return task.set_retry(num_retries=RETRIES, backoff_duration=BACKOFF, backoff_factor=2.0)
 
     @dsl.pipeline(name="post-training-iteration",
-                  description="One RL post-training iteration: bootstrap, taskgen, sharded rollout/sandbox/reward, "
+                  description="One RL post-training iteration: plan, bootstrap, taskgen, sharded rollout/sandbox/reward, "
                               "validation, trainer, evaluation.")
-    def post_training_iteration(recipe: str = "recipes/demo.yaml", run_root: str = ".posttrain/store",
-                                iteration: int = 1) -> str:
-        common = dict(recipe=recipe, run_root=run_root, iteration=iteration, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        boot = step(comp["bootstrap"](**common))
-        shards = step(comp["taskgen"](**common).after(boot))
-        with dsl.ParallelFor(shards.output) as shard:
-            rolled = step(comp["rollout"](shard=shard, **common))
+    def post_training_iteration(recipe: str = "", run_root: str = "") -> str:
+        planned = step(planner(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER))
+        common = dict(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+        fanout = {s: step(lister(recipe=recipe, stage=s).set_display_name(f"{s}-shards"))
+                  for s in ("rollout", "sandbox", "reward")}
+        boot = step(comp["bootstrap"](**common).after(planned))
+        tasks = step(comp["taskgen"](**common).after(boot))
+        with dsl.ParallelFor(fanout["rollout"].output) as shard:
+            rolled = step(comp["rollout"](shard=shard, **common).after(tasks))
+        with dsl.ParallelFor(fanout["sandbox"].output) as shard:
             executed = step(comp["sandbox"](shard=shard, **common).after(rolled))
+        with dsl.ParallelFor(fanout["reward"].output) as shard:
             rewarded = step(comp["reward"](shard=shard, **common).after(executed))
-        validated = step(comp["validation"](rewards=dsl.Collected(rewarded.output), **common))
+        validated = step(comp["validation"](**common).after(rewarded))
         trained = step(comp["trainer"](**common).after(validated))
         return step(comp["evaluation"](**common).after(trained)).output
 

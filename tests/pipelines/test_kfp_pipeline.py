@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from components import SHARDED_STAGES, STAGES, __version__
+from components.core.stages import registered
 from pipelines.compile import COMPILED, compile_pipeline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ def test_checked_in_yaml_matches_a_fresh_compile(compiled):
 
 def test_one_component_per_stage_in_its_stage_image(compiled):
     executors = compiled["deploymentSpec"]["executors"]
-    assert sorted(executors) == sorted(f"exec-{s}" for s in STAGES)
+    assert sorted(executors) == sorted(["exec-plan", "exec-shards", "exec-shards-2", "exec-shards-3", *(f"exec-{s}" for s in STAGES)])
     for stage in STAGES:
         container = executors[f"exec-{stage}"]["container"]
         assert container["image"] == f"posttrain-{stage}:{__version__}"
@@ -56,45 +57,53 @@ def test_one_component_per_stage_in_its_stage_image(compiled):
         assert "pip install" not in " ".join(container["command"])
 
 
-def test_shards_fan_out_in_a_parallel_for_and_fan_in_at_validation(compiled):
+def _tasks(compiled) -> dict[str, tuple[dict, str]]:
+    """Every stage task: (its spec, the loop it runs in or '')."""
+    out = {name: (task, "") for name, task in compiled["root"]["dag"]["tasks"].items() if not name.startswith("for-loop")}
+    for name, comp in compiled["components"].items():
+        if name.startswith("comp-for-loop"):
+            for inner, task in comp["dag"]["tasks"].items():
+                out[inner] = (task, name[len("comp-"):])
+    return out
+
+
+def test_the_wiring_follows_the_stage_registry(compiled):
+    """Each stage waits for exactly its registry upstream (bootstrap for the plan); sharded
+    stages run in a loop over the shard list of that stage."""
+    tasks = _tasks(compiled)
     root = compiled["root"]["dag"]["tasks"]
-    assert sorted(root) == sorted(["bootstrap", "taskgen", "for-loop-1", "validation", "trainer", "evaluation"])
-    loop = root["for-loop-1"]
-    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--taskgen-Output"}
-    assert loop["dependentTasks"] == ["taskgen"]
-    body = compiled["components"]["comp-for-loop-1"]["dag"]["tasks"]
-    assert sorted(body) == sorted(SHARDED_STAGES)
-    assert body["sandbox"]["dependentTasks"] == ["rollout"]
-    assert body["reward"]["dependentTasks"] == ["sandbox"]
-    for stage in SHARDED_STAGES:
-        assert body[stage]["inputs"]["parameters"]["shard"] == {
-            "componentInputParameter": "pipelinechannel--taskgen-Output-loop-item"}
-    collected = root["validation"]["inputs"]["parameters"]["rewards"]["taskOutputParameter"]
-    assert collected == {"outputParameterKey": "pipelinechannel--reward-Output", "producerTask": "for-loop-1"}
-    assert root["taskgen"]["dependentTasks"] == ["bootstrap"]
-    assert root["trainer"]["dependentTasks"] == ["validation"]
-    assert root["evaluation"]["dependentTasks"] == ["trainer"]
+    loop_of = {loop: name for name, (_, loop) in tasks.items() if loop}
+    lister = {t["inputs"]["parameters"]["stage"]["runtimeValue"]["constant"]: name
+              for name, (t, _) in tasks.items() if name.startswith("shards")}
+    assert sorted(tasks) == sorted(["plan", "shards", "shards-2", "shards-3", *STAGES])
+    assert sorted(lister) == sorted(SHARDED_STAGES)
+    for spec in registered():
+        task, loop = tasks[spec.id]
+        outer = root[loop] if loop else task
+        waits = {loop_of.get(d, d) for d in outer.get("dependentTasks", [])} - set(lister.values())
+        assert waits == (set(spec.upstream) or {"plan"}), spec.id
+        assert bool(loop) == spec.sharded, spec.id
+        if loop:
+            channel = f"pipelinechannel--{lister[spec.id]}-Output"
+            assert root[loop]["parameterIterator"]["items"] == {"inputParameter": channel}
+            assert task["inputs"]["parameters"]["shard"] == {"componentInputParameter": f"{channel}-loop-item"}
 
 
 def test_every_task_retries_and_skips_the_kfp_cache(compiled):
-    tasks = dict(compiled["root"]["dag"]["tasks"])
-    tasks.update(compiled["components"]["comp-for-loop-1"]["dag"]["tasks"])
-    tasks.pop("for-loop-1")
-    assert sorted(tasks) == sorted(STAGES)
+    tasks = {name: task for name, (task, _) in _tasks(compiled).items()}
+    assert sorted(tasks) == sorted(["plan", "shards", "shards-2", "shards-3", *STAGES])
     for name, task in tasks.items():
         assert task["retryPolicy"]["maxRetryCount"] == 2, name
         assert task["retryPolicy"]["backoffDuration"] == "10s", name
         assert task["cachingOptions"] == {}, name  # enableCache absent = false: manifests are the cache
-        assert task["inputs"]["parameters"]["run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+        if not name.startswith("shards"):
+            assert task["inputs"]["parameters"]["run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
 
 
-def test_pipeline_parameters_and_defaults(compiled):
+def test_pipeline_parameters_default_to_the_environment(compiled):
     params = compiled["root"]["inputDefinitions"]["parameters"]
     assert {k: (v["parameterType"], v["defaultValue"]) for k, v in params.items()} == {
-        "recipe": ("STRING", "recipes/demo.yaml"),
-        "run_root": ("STRING", ".posttrain/store"),
-        "iteration": ("NUMBER_INTEGER", 1.0),
-    }
+        "recipe": ("STRING", ""), "run_root": ("STRING", "")}  # empty: POSTTRAIN_RECIPE / POSTTRAIN_RUN_ROOT
 
 
 def test_image_prefix_names_a_registry(tmp_path):
@@ -119,7 +128,7 @@ def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch):
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp-root"),
                    raise_on_error=True)
 
-    task = post_training_iteration(recipe=str(TINY), run_root=str(store), iteration=1)
+    task = post_training_iteration(recipe=str(TINY), run_root=str(store))
 
     iteration = store / "tiny" / "iter-000001"
     evaluation = json.loads((iteration / "evaluation" / "_MANIFEST.json").read_text())
@@ -136,5 +145,6 @@ def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch):
     versions = sorted(int(v.version) for v in mlflow.search_model_versions("name='tiny-policy'"))
     assert versions == [1, 2]  # v1 from bootstrap, v2 from this iteration's trainer
     parent = mlflow.get_run(json.loads((iteration / "taskgen" / "_MANIFEST.json").read_text())["info"]["parent_run_id"])
+    assert [p.name for p in (store / "tiny" / "_leases").iterdir()] == ["iter-000001"]  # planned and leased
     assert parent.data.tags["posttrain.iteration"] == "1"
     assert parent.data.tags["posttrain.orchestrator_run_id"] != ""  # the KFP job id reached MLflow
