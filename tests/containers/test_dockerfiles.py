@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from components import STAGES, __version__
+from components.core.stages import stage_ids
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERS = REPO / "containers"
@@ -42,6 +43,12 @@ def _hadolint_run(path: Path) -> subprocess.CompletedProcess:
 
 def test_one_dockerfile_per_stage_plus_the_base():
     assert sorted(p.parent.name for p in DOCKERFILES) == sorted([*STAGES, "base"])
+
+
+def test_build_script_builds_every_registered_stage():
+    """containers/build.sh lists the stages in the registry's order (components/core/stages.py)."""
+    line = re.search(r"^STAGES=\((.*)\)$", (CONTAINERS / "build.sh").read_text(), flags=re.M)
+    assert line is not None and tuple(line.group(1).split()) == stage_ids() == STAGES
 
 
 @pytest.mark.parametrize("stage", STAGES)

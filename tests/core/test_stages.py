@@ -1,0 +1,44 @@
+"""The stage registry: the built-in order, fan-out widths, and a plug-in stage spliced in."""
+
+from __future__ import annotations
+
+import pytest
+
+from components import SHARDED_STAGES, STAGES
+from components.core.errors import UserError
+from components.core.recipe import parse_recipe
+from components.core.stages import BUILTIN, StageSpec, _splice, shard_count, shard_list, spec, stage_ids
+
+
+def test_builtins_are_the_design_stages_in_run_order() -> None:
+    assert stage_ids() == STAGES
+    assert tuple(s.id for s in BUILTIN if s.sharded) == SHARDED_STAGES
+    assert [s.upstream for s in BUILTIN] == [(), *[(a,) for a in STAGES[:-1]]]  # a chain
+    assert spec("sandbox").pool == "posttrain_sandbox" and spec("trainer").timeout_s == 6 * 3600
+
+
+def test_shard_lists_follow_the_recipe_and_sandbox_may_differ() -> None:
+    same = parse_recipe({"pipeline": "t", "rollout": {"shards": 2}})
+    wide = parse_recipe({"pipeline": "t", "rollout": {"shards": 2}, "sandbox": {"shards": 5}})
+    assert shard_list(same, "sandbox") == ["0/2", "1/2"] == shard_list(same, "reward")
+    assert shard_list(wide, "sandbox") == [f"{i}/5" for i in range(5)]
+    assert shard_list(wide, "reward") == ["0/2", "1/2"] and shard_count(wide, "trainer") == 1
+    assert shard_list(wide, "trainer") == [""]
+
+
+def test_unknown_stage_lists_the_registered_ones() -> None:
+    with pytest.raises(UserError) as info:
+        spec("dedupe")
+    assert info.value.line() == f"stage='dedupe': unknown stage; fix: use one of {list(STAGES)}"
+
+
+def test_a_plugin_stage_is_spliced_between_reward_and_validation() -> None:
+    dedup = StageSpec("dedup", "mypkg.dedup", ("reward",), before=("validation",))
+    specs = _splice(list(BUILTIN), dedup)
+    assert [s.id for s in specs] == ["bootstrap", "taskgen", "rollout", "sandbox", "reward", "dedup", "validation",
+                                     "trainer", "evaluation"]
+    assert next(s for s in specs if s.id == "validation").upstream == ("dedup",)
+    with pytest.raises(UserError, match="stage id already registered"):
+        _splice(specs, dedup)
+    with pytest.raises(UserError, match=r"stage dedup2='rewards': names an unknown stage"):
+        _splice(list(BUILTIN), StageSpec("dedup2", "mypkg.dedup", ("rewards",)))
