@@ -81,14 +81,7 @@ def base(controller: str) -> Path | None:
 
 def v1_writable() -> list[str]:
     """Controllers among CONTROLLERS where we can create and remove a group."""
-    ok = []
-    for controller in CONTROLLERS:
-        parent = base(controller)
-        if parent is None:
-            continue
-        if _probe(parent) is not None:
-            ok.append(controller)
-    return ok
+    return [c for c in CONTROLLERS if (parent := base(c)) is not None and _probe(parent) is not None]
 
 
 def _probe(parent: Path) -> list[str] | None:
@@ -324,9 +317,7 @@ class JobCgroupV2(JobCgroup):
         if "memory" not in self.controllers:
             return
         try:
-            if self.peak_fd < 0:
-                raise OSError("memory.peak is not writable")
-            os.pwrite(self.peak_fd, b"reset", 0)
+            os.pwrite(self.peak_fd, b"reset", 0)  # EBADF when memory.peak could not be opened
             self.peak_stale = False
         except OSError:
             self.peak_stale = True
@@ -373,25 +364,22 @@ def create_group(v1_controllers: tuple[str, ...] | list[str], use_v2: bool, memo
 REAPER = Background("sandbox-cgroup-reaper")  # closes groups off the job's critical path (Lease.release)
 
 
-def sweep_stale(min_age_s: float = 300.0) -> int:
+def sweep_stale(min_age_s: float = 300.0) -> None:
     """Remove empty job groups older than ``min_age_s`` (left by a crashed host process)."""
-    removed = 0
     now = time.time()
     for path in leftovers():
         try:
             if now - path.stat().st_mtime > min_age_s and not (path / "cgroup.procs").read_text().split():
                 path.rmdir()
-                removed += 1
         except OSError:
             continue
-    return removed
 
 
 def leftovers(mine_only: bool = False) -> list[Path]:
     """Job groups that still exist (for tests and ``posttrain sandbox doctor``); with
     ``mine_only``, only those this process created (other runs may share the host)."""
     parents = [base(controller) for controller in CONTROLLERS]
-    if "base" in _V2 and _V2["base"] is not None:
+    if _V2.get("base"):  # only once prepared: listing must not move this process
         parents.append(_V2["base"][0])
     found = []
     for parent in parents:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,7 +66,6 @@ def handle_run(args: argparse.Namespace) -> int:
         result = executor.run(job)
     out = dataclasses.asdict(result)
     out.pop("result", None)
-    out["signal"] = int(out["signal"])
     print(json.dumps({"file": str(path), "lang": lang, **out}, indent=2))
     return 0 if result.status == "ok" else 1
 
@@ -78,6 +76,5 @@ def handle_doctor(args: argparse.Namespace) -> int:
     support = probe()
     report = dataclasses.asdict(support)
     report.update(isolation=support.isolation, missing=support.missing, refuses_without_flag=bool(support.missing))
-    json.dump(report, sys.stdout, indent=2)
-    print()
+    print(json.dumps(report, indent=2))
     return 1 if support.missing else 0

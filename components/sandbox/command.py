@@ -57,7 +57,6 @@ class SandboxSpec:
     files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, relative path in /work)
     system_files: list[tuple[int, str]] = field(default_factory=list)  # (memfd, absolute path), read-only
     worker: bool = False  # the warm worker: keeps namespace-building caps inside its user namespace
-    pdeathsig: bool = True  # kill the sandbox if the spawning thread dies (strict jobs only)
 
 
 def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
@@ -79,26 +78,18 @@ def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
     args += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
              "--perms", "0755", "--size", str(lim.work_mb << 20), "--tmpfs", WORK]
-    made: set[str] = set()
-    for fd, rel in spec.files:
-        parts = rel.split("/")[:-1]
-        for i in range(len(parts)):
-            sub = "/".join(parts[: i + 1])
-            if sub not in made:
-                made.add(sub)
-                args += ["--dir", f"{WORK}/{sub}"]
-        args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{rel}"]
-    for folder in sorted({os.path.dirname(path) for _, path in spec.system_files}):
+    # The folders the files go in, before the files (sorted: parents first).
+    folders = {f"{WORK}/{rel.rsplit('/', n)[0]}" for _, rel in spec.files for n in range(1, rel.count("/") + 1)}
+    for folder in sorted(folders | {os.path.dirname(path) for _, path in spec.system_files}):
         args += ["--dir", folder]
+    for fd, rel in spec.files:
+        args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{rel}"]
     for fd, path in spec.system_files:
         args += ["--perms", "0444", "--file", str(fd), path]
     args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
-             "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8"]
+             "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--cap-drop", "ALL"]
     if spec.worker:
-        args += ["--uid", "0", "--gid", "0", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN",
-                 "--cap-add", "CAP_SETPCAP"]
-    else:
-        args += ["--cap-drop", "ALL"]
+        args += ["--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
     if spec.seccomp_fd is not None:
         args += ["--seccomp", str(spec.seccomp_fd)]
     if spec.status_fd is not None:
@@ -117,7 +108,7 @@ def host_argv(spec: SandboxSpec, bwrap: str, setpriv: str | None,
     if os.geteuid() == 0:
         assert setpriv, "running as root needs setpriv to drop to the sandbox uid"
         chain += [setpriv, f"--reuid={spec.uid}", f"--regid={spec.uid}", "--clear-groups"]
-        if spec.pdeathsig:
+        if not spec.worker:  # killed when the spawning thread exits; a warm worker ends when its socket closes
             chain += ["--pdeathsig", "KILL"]
         chain += ["--"]
     env = {"PATH": "/usr/bin:/bin", "PT_CG": " ".join(spec.cgroup_procs)}

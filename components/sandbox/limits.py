@@ -44,19 +44,11 @@ class Limits:
     flood: int = 16 * MIB  # output beyond this kills the job
 
     @classmethod
-    def from_config(cls, config, timeout_s: float | None = None, memory_mb: int | None = None) -> Limits:
-        timeout = float(timeout_s if timeout_s is not None else config.timeout_s)
-        memory = int(memory_mb if memory_mb is not None else config.memory_mb)
-        cap = int(config.output_cap_bytes)
-        return cls(
-            timeout_s=timeout,
-            memory_mb=memory,
-            output_cap=cap,
-            cpu_s=math.ceil(timeout) + 1,
-            work_mb=min(64, memory),
-            tmp_mb=min(64, memory),
-            flood=max(16 * MIB, 64 * cap),
-        )
+    def from_config(cls, config) -> Limits:
+        """From a ``SandboxConfig``: its timeout, memory and output cap; the rest derived."""
+        timeout, memory, cap = float(config.timeout_s), int(config.memory_mb), int(config.output_cap_bytes)
+        return cls(timeout_s=timeout, memory_mb=memory, output_cap=cap, cpu_s=math.ceil(timeout) + 1,
+                   work_mb=min(64, memory), tmp_mb=min(64, memory), flood=max(16 * MIB, 64 * cap))
 
     def with_timeout(self, timeout_s: float) -> Limits:
         from dataclasses import replace

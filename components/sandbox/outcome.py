@@ -32,17 +32,15 @@ class Observed:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def text(self, name: str) -> str:
-        return cap_text(bytes(self.seen.data[name]), self.seen.total[name])
+        """The stream as text, saying how many bytes the cap cut."""
+        data, total = bytes(self.seen.data[name]), self.seen.total[name]
+        text = data.decode("utf-8", errors="replace")
+        return text + f"\n...[{total - len(data)} bytes cut]" if total > len(data) else text
 
 
 def exit_of(returncode: int) -> tuple[int, int]:
     """(exit code as a shell reports it, signal) from a ``Popen.returncode`` (-N: signal N)."""
     return (128 - returncode, -returncode) if returncode < 0 else (returncode, 0)
-
-
-def cap_text(data: bytes, total: int) -> str:
-    text = data.decode("utf-8", errors="replace")
-    return text + f"\n...[{total - len(data)} bytes cut]" if total > len(data) else text
 
 
 def parse_result(raw: bytes, total: int, cap: int) -> tuple[Any, str]:

@@ -90,9 +90,8 @@ class Worker:
         worker_limits = replace(lim, cpu_s=7 * 86400, memory_mb=lim.memory_mb + WORKER_OVERHEAD_MB,
                                 nproc=lim.nproc + 8)
         memory = (lim.memory_mb + lim.work_mb + lim.tmp_mb + WORKER_OVERHEAD_MB) << 20
-        self.lease = Lease(self.support.cgroup_v1, self.support.cgroup_v2, memory, lim.pids_max + 8, lim.cpus)
-        self.uid, self.group = self.lease.uid, self.lease.group
-        lease = self.lease
+        self.lease = lease = Lease(self.support.cgroup_v1, self.support.cgroup_v2, memory, lim.pids_max + 8, lim.cpus)
+        self.uid, self.group = lease.uid, lease.group
         self.ctl, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         child_fd = lease.give(child.detach())
         zygote_fd = lease.give(memfd_with(ZYGOTE_SOURCE.read_bytes(), "posttrain-zygote"))
@@ -101,7 +100,7 @@ class Worker:
         spec = SandboxSpec(uid=self.uid, limits=worker_limits, cmd=cmd + (["session"] if self.session else []),
                            cgroup_procs=lease.procs_files(), seccomp_fd=lease.give(seccomp.memfd("zygote")),
                            system_files=[(zygote_fd, "/sandbox/zygote.py"), (bpf_fd, "/sandbox/job.bpf")],
-                           worker=True, pdeathsig=False)
+                           worker=True)
         argv, env = host_argv(spec, self.support.bwrap, self.support.setpriv)
         try:
             self.proc = SPAWNER.call(subprocess.Popen, argv, env=env, stdin=subprocess.DEVNULL,
@@ -235,8 +234,7 @@ class Worker:
 class WarmPool:
     """``size`` workers, each serving one job at a time; dead ones are replaced."""
 
-    def __init__(self, support: Support, python: str, limits: Limits, size: int, isolation: str,
-                 prestart: bool = True) -> None:
+    def __init__(self, support: Support, python: str, limits: Limits, size: int, isolation: str) -> None:
         self.support, self.python, self.limits, self.isolation = support, python, limits, isolation
         self.size = size
         self._idle: queue.Queue[Worker] = queue.Queue()
@@ -244,11 +242,10 @@ class WarmPool:
         self._live: set[Worker] = set()
         self._closed = False
         atexit.register(self.close)  # workers also exit on their own when our socket closes
-        if prestart:
-            with ThreadPoolExecutor(size) as starting:
-                for worker in starting.map(self._prestart, range(size)):
-                    if worker is not None:
-                        self._idle.put(worker)
+        with ThreadPoolExecutor(size) as starting:
+            for worker in starting.map(self._prestart, range(size)):
+                if worker is not None:
+                    self._idle.put(worker)
 
     def _prestart(self, _: int) -> Worker | None:
         try:

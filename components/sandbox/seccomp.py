@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import errno
 import functools
-import os
 import tempfile
+
+from components.sandbox.command import memfd_with
 
 # Kernel attack surface and host-visible state a test program never needs.
 DENIED: tuple[str, ...] = (
@@ -99,7 +100,4 @@ def _export(filt) -> bytes:
 
 def memfd(kind: str = "job") -> int:
     """A readable fd positioned at the start of the filter, for ``bwrap --seccomp FD``."""
-    fd = os.memfd_create(f"posttrain-seccomp-{kind}", 0)
-    os.write(fd, bpf(kind))
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
+    return memfd_with(bpf(kind), f"posttrain-seccomp-{kind}")

@@ -63,8 +63,7 @@ class SandboxSession(Closing):
         left = self._expires - time.monotonic()
         with self._lock:
             if self._worker is None or left <= 0:
-                if self._worker is not None:
-                    self._close_locked()
+                self._close_locked()
                 closed = infra_error("sandbox session is closed (ended or ran out of time)", self.name, self.isolation)
                 return replace(closed, status="timeout")
             self.commands += 1

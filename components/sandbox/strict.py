@@ -74,7 +74,7 @@ class StrictRunner:
         self._parking = False  # a launch is being parked
         self._lock = threading.Lock()
         self._closed = False
-        self._atexit = False
+        atexit.register(self.close)  # remove a parked launch's cgroup on a normal exit
 
     # -- parking -------------------------------------------------------------------
 
@@ -91,9 +91,6 @@ class StrictRunner:
             if self._closed or self._parking or (self._parked is not None and self._parked.key == key):
                 return
             stale, self._parked, self._parking = self._parked, None, True
-            if not self._atexit:
-                self._atexit = True
-                atexit.register(self.close)  # remove a parked launch's cgroup on a normal exit
         if stale is not None:
             stale.discard()
         # on SPAWNER's long-lived thread: setpriv's --pdeathsig fires when the thread that forked exits

@@ -30,10 +30,6 @@ from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
-def python_for(config) -> str:
-    return config.python or (DEFAULT_PYTHON if os.path.exists(DEFAULT_PYTHON) else shutil.which("python3") or "python3")
-
-
 class SubprocessExecutor(Closing):
     name = "subprocess"
     isolation = "process+rlimits"
@@ -46,7 +42,7 @@ class SubprocessExecutor(Closing):
             raise UserError("sandbox.allow_weak_isolation", False,
                             "backend 'subprocess' gives no namespace isolation (weaker than the 'bwrap' backend)",
                             "use sandbox.backend: bwrap, or set sandbox.allow_weak_isolation: true for trusted code")
-        self.python = python_for(config)
+        self.python = config.python or (DEFAULT_PYTHON if os.path.exists(DEFAULT_PYTHON) else shutil.which("python3") or "python3")
         self.limits = Limits.from_config(config)
 
     def run(self, job: Job | SessionJob) -> JobResult:

@@ -60,14 +60,8 @@ def job_streams(stdout: int, stderr: int, result: int | None, limits) -> dict[st
     return streams
 
 
-def watch(
-    streams: dict[str, tuple[int, int]],
-    finished_fd: int,
-    on_finished: Callable[[], bool],
-    deadline: float,
-    kill: Callable[[], None],
-    flood: int,
-) -> Watched:
+def watch(streams: dict[str, tuple[int, int]], finished_fd: int, on_finished: Callable[[], bool], deadline: float,
+          kill: Callable[[], None], flood: int) -> Watched:
     """Drain ``streams`` (name -> (fd, bytes kept)) until ``on_finished()`` says done and
     the pipes closed (or time ran out).
 

@@ -69,16 +69,13 @@ SECBITS_LOCKED_NOROOT = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 RESULT_FD_IN_JOB = 3
-WIRE_VERSION = 4  # marshal format of the host's header and spec: plain dicts, lists, str, numbers
+SETUP_FAILED = 125
+SETUP_FAILED_MARK = b"sandbox worker: job setup failed:\n"
 try:
     with open("/proc/sys/kernel/cap_last_cap") as _fh:
         CAP_LAST = int(_fh.read())
 except (OSError, ValueError):
     CAP_LAST = 63
-
-
-SETUP_FAILED = 125
-SETUP_FAILED_MARK = b"sandbox worker: job setup failed:\n"
 
 
 def fail_setup(fd=2):
@@ -531,9 +528,7 @@ def main():
     ctl = socket.socket(fileno=int(sys.argv[1]))
     with open(sys.argv[2], "rb") as fh:
         bpf = fh.read()
-    python = sys.argv[3]
-    fresh = not (len(sys.argv) > 4 and sys.argv[4] == "session")
-    serve(ctl, bpf, python, fresh)
+    serve(ctl, bpf, python=sys.argv[3], fresh=sys.argv[4:5] != ["session"])
 
 
 if __name__ == "__main__":
