@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from components import STAGES
 from components.core import settings
 from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError
 from components.core.lease import LeaseHeld
+from components.core.stages import stage_ids
 from components.domains.cli import add_parser as add_verify
 from components.reward.replay import add_parser as add_replay
 from components.rollout.cli import add_parser as add_serve
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     stage = sub.add_parser("stage", help="run one stage of one iteration")
-    stage.add_argument("stage_id", choices=STAGES, metavar="stage", help=f"one of {', '.join(STAGES)}")
+    stage.add_argument("stage_id", choices=stage_ids(), metavar="stage", help=f"one of {', '.join(stage_ids())}")
     _common(stage)
     stage.add_argument("--iteration", type=int, default=1, help="iteration k (bootstrap ignores it)")
     stage.add_argument("--shard", default=None, help="i/n for rollout, sandbox and reward")
