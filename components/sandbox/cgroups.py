@@ -31,6 +31,7 @@ import os
 import signal
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,10 +196,8 @@ class JobCgroup:
 
     def kill_all(self) -> None:
         for pid in self.pids():
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def close(self, wait_s: float = 2.0) -> None:
         """Kill what is left, wait for it to go, remove the folders."""
@@ -295,10 +294,8 @@ class JobCgroupV2(JobCgroup):
             if "memory" in controllers:
                 group._write("v2", "memory.max", memory_bytes)
                 group._write("v2", "memory.swap.max", 0, optional=True)
-                try:
+                with suppress(OSError):  # else peak_fd stays -1
                     group.peak_fd = os.open(f"{path}/memory.peak", os.O_RDWR)
-                except OSError:
-                    group.peak_fd = -1
             if "pids" in controllers:
                 group._write("v2", "pids.max", pids_max)
             if "cpu" in controllers and cpus > 0:

@@ -129,28 +129,20 @@ def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool
 
 
 @functools.cache
-def probe(python: str = "/usr/bin/python3") -> Support:
+def probe(python: str = DEFAULT_PYTHON) -> Support:
     """What this host supports, once per process and interpreter."""
-    problems = []
-    bwrap = tool("bwrap")
-    setpriv = tool("setpriv")
+    bwrap, setpriv = tool("bwrap"), tool("setpriv")
     why_not_seccomp = seccomp.available()
-    if why_not_seccomp:
-        problems.append(why_not_seccomp)
     controllers = cgroups.v1_writable()
     v2 = None if controllers else cgroups.base_v2()  # v2 only where v1 is not writable (preparing it may move us)
-    namespaces_ok = False
-    if bwrap:
-        failed = _try_sandbox(bwrap, setpriv, python, not why_not_seccomp, controllers, v2 is not None)
-        namespaces_ok = not failed
-        if failed:
-            problems.append(failed)
+    # '' when the probe sandbox worked, else what failed; None without bwrap (nothing to try)
+    failed = _try_sandbox(bwrap, setpriv, python, not why_not_seccomp, controllers, v2 is not None) if bwrap else None
     return Support(
         bwrap=bwrap, bwrap_version=_bwrap_version(bwrap) if bwrap else "", setpriv=setpriv, python=python,
         seccomp=not why_not_seccomp, cgroup_v1=tuple(controllers), cgroup_v2=v2 is not None,
         cgroup_v2_controllers=v2[1] if v2 else (),
-        landlock_abi=landlock_abi(), drops_uid=os.geteuid() == 0, namespaces_ok=namespaces_ok,
-        problems=tuple(problems),
+        landlock_abi=landlock_abi(), drops_uid=os.geteuid() == 0, namespaces_ok=failed == "",
+        problems=tuple(problem for problem in (why_not_seccomp, failed) if problem),
     )
 
 

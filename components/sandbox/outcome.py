@@ -30,6 +30,7 @@ class Observed:
     oom_kills: int = 0
     timed_out: bool = False  # the job's own clock ran out (the warm worker's), besides the host's
     extra: dict[str, Any] = field(default_factory=dict)
+    cgroup_peak_mb: float | None = None  # the job's cgroup memory peak, where one was measured
 
     def text(self, name: str) -> str:
         """The stream as text, saying how many bytes the cap cut."""
@@ -74,6 +75,8 @@ def to_result(obs: Observed, backend: str, isolation: str, result_cap: int) -> J
     result channel is parsed when the job had one (a ``result`` stream)."""
     status, sig = status_of(obs)
     extra = dict(obs.extra)
+    if obs.cgroup_peak_mb is not None:
+        extra["cgroup_peak_memory_mb"] = round(obs.cgroup_peak_mb, 1)
     result = None
     if "result" in obs.seen.data:
         result, problem = parse_result(bytes(obs.seen.data["result"]), obs.seen.total["result"], result_cap)

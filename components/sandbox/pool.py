@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -184,13 +185,10 @@ class Worker:
             extra = {"mode": "session" if self.session else "warm", "uid": self.uid, "worker_jobs": self.jobs}
             if died and not seen.timed_out:
                 extra["worker_died"] = True
-            if self.group:
-                peak = self.group.peak_memory_mb()
-                if peak is not None:
-                    extra["cgroup_peak_memory_mb"] = round(peak, 1)
             obs = Observed(seen=seen, exit_code=code, signaled=sig, timed_out=timed_out,
                            oom_kills=self._oom_delta(oom_before, code), duration_s=duration, cpu_time_s=cpu,
-                           peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024, extra=extra)
+                           peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024, extra=extra,
+                           cgroup_peak_mb=self.group.peak_memory_mb() if self.group else None)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             fds.close_all()
@@ -212,10 +210,8 @@ class Worker:
 
     def close(self) -> None:
         if self.ctl is not None:
-            try:
+            with suppress(OSError):
                 self.ctl.send(marshal.dumps({"op": "exit"}, WIRE_VERSION))
-            except OSError:
-                pass
             self.ctl.close()
             self.ctl = None
         if self.proc is not None:

@@ -52,13 +52,8 @@ class Launch:
 
     def discard(self) -> None:
         kill_tree(self.proc.pid)
-        try:
-            self.proc.wait()
-        except ChildProcessError:
+        with self.proc:  # leaving it closes its pipes and reaps it
             pass
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream:
-                stream.close()
         self.lease.release()
 
 
@@ -207,17 +202,15 @@ class StrictRunner:
                 why = bytes(seen.data["stderr"]).decode(errors="replace").strip()[-2000:]
                 return infra_error(f"sandbox did not start (exit {code}): {why}", backend, self.isolation)
             extra = {"mode": "strict", "uid": lease.uid}
-            cpu, oom = usage.ru_utime + usage.ru_stime, 0
+            cpu, oom, peak = usage.ru_utime + usage.ru_stime, 0, None
             if group:
                 oom = group.oom_kills()
                 group_cpu = group.cpu_time_s()
                 if group_cpu is not None:
                     cpu = group_cpu  # includes processes killed before anyone reaped them
                 peak = group.peak_memory_mb()
-                if peak is not None:
-                    extra["cgroup_peak_memory_mb"] = round(peak, 1)
             obs = Observed(seen=seen, exit_code=code, signaled=sig, duration_s=duration, cpu_time_s=cpu,
-                           peak_memory_mb=usage.ru_maxrss / 1024, oom_kills=oom, extra=extra)
+                           peak_memory_mb=usage.ru_maxrss / 1024, oom_kills=oom, extra=extra, cgroup_peak_mb=peak)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             lease.release()  # kill stragglers, remove the group, then free the uid: off the critical path

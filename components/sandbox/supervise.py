@@ -23,6 +23,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 READ_CHUNK = 1 << 16
@@ -44,10 +45,8 @@ class Watched:
 def kill_tree(pid: int, group=None) -> None:
     """SIGKILL the process group ``pid`` leads (we start every sandbox in its own session)
     and everything in its cgroup ``group``, if any."""
-    try:
+    with suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     if group:
         group.kill_all()
 
