@@ -80,6 +80,33 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+CONDITIONAL_CONFLICT_TRIES = 5
+
+
+def _conditional_refusal(exc: BaseException) -> str | None:
+    """Why S3 refused a conditional PUT (``If-None-Match: *``): "exists" (412
+    PreconditionFailed: the object is there), "conflict" (409 ConditionalRequestConflict:
+    AWS saw another conditional write to the key in flight; ask again), or None (another
+    error). s3fs turns a 412 into FileExistsError only when the reply names the
+    ``If-None-Match`` condition, as AWS's does; SeaweedFS (and MinIO) send a plain 412,
+    which s3fs raises as ``OSError(EINVAL)`` with the botocore error as its cause."""
+    cur: BaseException | None = exc
+    for _ in range(5):
+        if cur is None:
+            break
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return "exists"
+            if code == "ConditionalRequestConflict":
+                return "conflict"
+            return None
+        cur = cur.__cause__
+    return None
+
+
 class Store:
     """An fsspec filesystem rooted at ``uri``; paths passed to methods are relative to it."""
 
@@ -117,9 +144,22 @@ class Store:
             )
             raise UserError(self.field, self.uri, f"store is not reachable or not writable ({reason})", fix) from None
 
+    def _fresh(self, path: str) -> str:
+        """``path``, with the filesystem's cached listings of it, its folders and everything
+        under it dropped. s3fs caches every listing for the life of the (shared) filesystem
+        object and refreshes it only on its own writes, so without this a process would not
+        see objects other processes wrote since it last listed (a lease generation, a
+        finished stage), and ``exists`` could answer from a stale listing."""
+        if not self.uri.startswith("file://"):
+            stripped = path.rstrip("/")
+            for key in [k for k in list(self.fs.dircache) if k == stripped or k.startswith(stripped + "/")]:
+                self.fs.dircache.pop(key, None)
+            self.fs.invalidate_cache(stripped)
+        return path
+
     # -- bytes ---------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._path(rel)))
+        return bool(self.fs.exists(self._fresh(self._path(rel))))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         path = self._path(rel)
@@ -136,7 +176,8 @@ class Store:
         """Write ``rel`` only if it does not exist yet, atomically: True if this call
         created it, False if it was already there (another writer won). On ``file://`` the
         bytes are written beside the target and hard-linked into place (``link`` fails on
-        an existing name); on S3 a conditional PUT (``If-None-Match: *``)."""
+        an existing name); on S3 a conditional PUT (``If-None-Match: *``), refused with 412
+        when the object exists (AWS S3; SeaweedFS, tested in tests/core/test_lease.py)."""
         path = self._path(rel)
         if self.uri.startswith("file://"):
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -150,11 +191,20 @@ class Store:
             finally:
                 os.unlink(tmp)
             return True
-        try:
-            self.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return False
-        return True
+        for _ in range(CONDITIONAL_CONFLICT_TRIES):
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                refused = _conditional_refusal(exc)
+                if refused == "exists":
+                    return False
+                if refused != "conflict":
+                    raise
+                continue  # another conditional write to this key is in flight: ask again
+            return True
+        raise OSError(f"conditional PUT of {self.url(rel)}: {CONDITIONAL_CONFLICT_TRIES} conflicts in a row")
 
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self._path(rel))
@@ -168,18 +218,20 @@ class Store:
         return json.loads(self.read_bytes(rel))
 
     def delete(self, rel: str, recursive: bool = False) -> None:
-        path = self._path(rel)
+        path = self._fresh(self._path(rel))
         if self.fs.exists(path):
             self.fs.rm(path, recursive=recursive)
 
     def listdir(self, rel: str = "") -> list[str]:
-        path = self._path(rel)
+        path = self._fresh(self._path(rel))
         if not self.fs.exists(path):
             return []
         return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False) if p.rstrip("/") != path.rstrip("/"))
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths under the root matching ``pattern``."""
+        fixed = pattern.split("*", 1)[0].split("?", 1)[0].split("[", 1)[0]  # the part before any wildcard
+        self._fresh(self._path(posixpath.dirname(fixed)))
         hits = self.fs.glob(self._path(pattern))
         root = self.root.rstrip("/") + "/"
         return sorted(h[len(root):] if h.startswith(root) else h for h in hits)
@@ -211,7 +263,7 @@ class Store:
     def download_dir(self, rel: str, local_dir: Path) -> None:
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
-        base = self._path(rel).rstrip("/")
+        base = self._fresh(self._path(rel)).rstrip("/")
         for path in self.fs.find(base):
             name = path[len(base) + 1:]
             target = local_dir / name

@@ -1,0 +1,126 @@
+"""Iteration leases in the store, on file:// and on a real S3 server (SeaweedFS on loopback).
+
+Everything rests on ``Store.create`` being exclusive: of writers racing for one key exactly
+one creates it. On S3 that is a conditional PUT (``If-None-Match: *``); SeaweedFS honours
+it, but answers a plain 412 that s3fs does not recognise as "exists" (it does only for
+AWS's reply, which names the condition), so ``Store.create`` reads the 412 itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from components.core import lease
+from components.core.storage import Store
+from tests.fixtures import race
+
+PIPE = "p"
+RACERS = 5
+
+
+def test_seaweedfs_refuses_a_second_put_if_none_match(s3_env) -> None:
+    """The server itself, without s3fs: a second conditional PUT is refused with 412 and
+    the first body stays. (Its reply has no ``Condition`` field, unlike AWS's.)"""
+    import botocore.exceptions
+
+    client = s3_env.client()
+    key = "if-none-match/probe.json"
+    client.put_object(Bucket=s3_env.bucket, Key=key, Body=b"first", IfNoneMatch="*")
+    with pytest.raises(botocore.exceptions.ClientError) as info:
+        client.put_object(Bucket=s3_env.bucket, Key=key, Body=b"second", IfNoneMatch="*")
+    assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert info.value.response["Error"]["Code"] == "PreconditionFailed"
+    assert client.get_object(Bucket=s3_env.bucket, Key=key)["Body"].read() == b"first"
+
+
+def test_create_writes_once_and_never_overwrites(store_uri: str) -> None:
+    store = Store(store_uri)
+    assert store.create("l/000000.json", b"first") is True
+    assert store.create("l/000000.json", b"second") is False
+    assert store.read_bytes("l/000000.json") == b"first"
+    assert store.create("l/000001.json", b"next") is True
+    assert store.listdir("l") == ["000000.json", "000001.json"]  # no temporary file left beside them
+
+
+def test_create_race_between_processes_has_one_winner(store_uri: str) -> None:
+    store = Store(store_uri)
+    store.write_bytes("race/seen.txt", b"folder exists, and each racer has listed it")
+    results = race.race(race.create, [(store_uri, "race/key.json", f"racer-{i}".encode()) for i in range(RACERS)])
+    assert sorted(results) == [("created", False)] * (RACERS - 1) + [("created", True)], race.describe(results)
+    winner = [i for i, r in enumerate(results) if r == ("created", True)][0]
+    assert store.read_bytes("race/key.json") == f"racer-{winner}".encode()
+    assert store.listdir("race") == ["key.json", "seen.txt"]
+
+
+def test_acquire_is_exclusive_and_names_the_holder(store_uri: str) -> None:
+    store = Store(store_uri)
+    mine = lease.acquire(store, PIPE, 3, "alice", ttl_s=600)
+    assert (mine.iteration, mine.holder, mine.generation) == (3, "alice", 0)
+    assert 599 < mine.expires_at - mine.acquired_at <= 600
+    with pytest.raises(lease.LeaseHeld) as info:
+        lease.acquire(store, PIPE, 3, "bob", ttl_s=600)
+    assert info.value.lease == mine
+    text = str(info.value)
+    assert text.startswith("iteration 3 of pipeline 'p' is held by 'alice' (lease expires in ")
+    assert text.endswith("wait for that run to finish, or stop it and release its lease")
+    assert 590 <= float(text.split("expires in ")[1].split(" s)")[0]) <= 600
+    assert lease.current(store, PIPE, 3) == mine  # bob's attempt wrote nothing
+    assert store.listdir(f"{PIPE}/_leases/iter-000003") == ["000000.json"]
+    stored = json.loads(store.read_bytes(f"{PIPE}/_leases/iter-000003/000000.json"))
+    assert stored == {"iteration": 3, "holder": "alice", "generation": 0, "acquired_at": mine.acquired_at,
+                      "expires_at": mine.expires_at}
+
+
+def test_holder_renews_its_own_lease(store_uri: str) -> None:
+    store = Store(store_uri)
+    first = lease.acquire(store, PIPE, 1, "alice", ttl_s=60)
+    again = lease.acquire(store, PIPE, 1, "alice", ttl_s=120)
+    assert (again.holder, again.generation) == ("alice", 1)
+    assert again.expires_at > first.expires_at
+    assert lease.current(store, PIPE, 1) == again
+
+
+def test_expired_lease_is_taken_over(store_uri: str) -> None:
+    store = Store(store_uri)
+    old = lease.acquire(store, PIPE, 2, "alice", ttl_s=2.0)
+    with pytest.raises(lease.LeaseHeld):
+        lease.acquire(store, PIPE, 2, "bob")
+    time.sleep(max(0.0, old.expires_at - time.time()) + 0.1)
+    assert not lease.current(store, PIPE, 2).live()
+    taken = lease.acquire(store, PIPE, 2, "bob", ttl_s=600)
+    assert (taken.holder, taken.generation) == ("bob", 1)
+    assert lease.release(store, PIPE, 2, "alice") is False  # alice's lease is gone: she cannot release bob's
+    assert lease.current(store, PIPE, 2) == taken
+    with pytest.raises(lease.LeaseHeld, match="is held by 'bob'"):
+        lease.acquire(store, PIPE, 2, "alice")
+
+
+def test_released_lease_can_be_taken_at_once(store_uri: str) -> None:
+    store = Store(store_uri)
+    lease.acquire(store, PIPE, 4, "alice", ttl_s=3600)
+    assert lease.release(store, PIPE, 4, "bob") is False  # only the holder releases
+    assert lease.release(store, PIPE, 4, "alice") is True
+    released = lease.current(store, PIPE, 4)
+    assert (released.holder, released.generation, released.live()) == ("", 1, False)
+    assert lease.release(store, PIPE, 4, "alice") is False  # released once
+    taken = lease.acquire(store, PIPE, 4, "bob", ttl_s=3600)
+    assert (taken.holder, taken.generation) == ("bob", 2)
+    assert store.listdir(f"{PIPE}/_leases/iter-000004") == ["000000.json", "000001.json", "000002.json"]
+
+
+def test_held_by_lists_a_holders_iterations_newest_first(store_uri: str) -> None:
+    store = Store(store_uri)
+    assert lease.held_by(store, PIPE, "alice") == []
+    for k, holder in ((1, "alice"), (2, "bob"), (3, "alice"), (12, "alice")):
+        lease.acquire(store, PIPE, k, holder, ttl_s=3600)
+    lease.acquire(store, PIPE, 5, "alice", ttl_s=0.0)  # expired at once: still alice's until someone takes it
+    assert lease.held_by(store, PIPE, "alice") == [12, 5, 3, 1]
+    assert lease.held_by(store, PIPE, "bob") == [2]
+    lease.release(store, PIPE, 3, "alice")
+    lease.acquire(store, PIPE, 5, "bob", ttl_s=3600)
+    assert lease.held_by(store, PIPE, "alice") == [12, 1]
+    assert lease.held_by(store, PIPE, "bob") == [5, 2]
+    assert lease.held_by(store, "other-pipeline", "alice") == []

@@ -1,0 +1,123 @@
+"""The planner picks iteration k and leases it, on file:// and on a real S3 server.
+
+A finished iteration is one with an evaluation manifest; the tests write that file
+directly (its content is not read by the planner), so no stage runs here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from components.core import lease, planner
+from components.core.manifest import MANIFEST, stage_prefix
+from components.core.recipe import load_recipe
+from components.core.storage import Store
+from tests.fixtures import race
+from tests.fixtures.home import TINY_RECIPE
+
+RACERS = 5
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe(TINY_RECIPE)
+
+
+def finish(store: Store, k: int) -> None:
+    store.write_json(f"{stage_prefix('tiny', k, 'evaluation')}/{MANIFEST}", {"stage": "evaluation", "iteration": k})
+
+
+def test_first_plan_is_iteration_1_leased_with_its_recipe(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "alice") == 1
+    cur = lease.current(store, "tiny", 1)
+    assert (cur.holder, cur.generation, cur.live()) == ("alice", 0, True)
+    assert store.read_json("tiny/iter-000001/recipe.json") == recipe.model_dump(mode="json")
+    assert planner.finished(store, "tiny") == []
+
+
+def test_next_iteration_follows_the_last_finished(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    for k in (1, 2, 3):
+        finish(store, k)
+    store.write_bytes("tiny/iter-000004/taskgen/tasks.parquet", b"half done: no evaluation manifest")
+    assert planner.finished(store, "tiny") == [1, 2, 3]
+    assert planner.plan(store, recipe, "alice") == 4
+
+
+def test_holder_resumes_its_own_unfinished_iteration(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "alice") == 1
+    assert planner.plan(store, recipe, "alice") == 1  # a killed 'posttrain run' started again
+    assert lease.current(store, "tiny", 1).generation == 1  # renewed, not taken anew
+    finish(store, 1)
+    assert planner.plan(store, recipe, "alice") == 2
+
+
+def test_another_holder_gets_lease_held_naming_the_holder(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:manual__1") == 1
+    with pytest.raises(lease.LeaseHeld) as info:
+        planner.plan(store, recipe, "local:/home/x/.posttrain")
+    assert str(info.value).startswith("iteration 1 of pipeline 'tiny' is held by 'airflow:manual__1' (lease expires in ")
+    assert info.value.lease.holder == "airflow:manual__1"
+    assert lease.held_by(store, "tiny", "local:/home/x/.posttrain") == []
+
+
+def test_replay_returns_the_same_finished_iteration(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 1
+    finish(store, 1)
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 1  # a cleared, finished DAG run
+    assert planner.plan(store, recipe, "airflow:run-a", replay=False) == 2  # without replay: the next one
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 2  # the newest it holds
+    with pytest.raises(lease.LeaseHeld, match="iteration 2 of pipeline 'tiny' is held by 'airflow:run-a'"):
+        planner.plan(store, recipe, "airflow:run-b", replay=True)  # another run neither replays 1 nor takes 2
+
+
+def test_expired_lease_is_taken_over_on_the_same_iteration(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "dead-worker", ttl_s=1.0) == 1
+    time.sleep(1.2)
+    assert planner.plan(store, recipe, "alice") == 1  # the half-done k, not k+1
+    cur = lease.current(store, "tiny", 1)
+    assert (cur.holder, cur.generation) == ("alice", 1)
+    assert lease.held_by(store, "tiny", "dead-worker") == []
+
+
+def test_released_lease_is_planned_at_once(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:failed-run") == 1
+    assert lease.release(store, "tiny", 1, "airflow:failed-run") is True
+    assert planner.plan(store, recipe, "airflow:next-run") == 1
+    assert lease.current(store, "tiny", 1).holder == "airflow:next-run"
+
+
+@pytest.mark.parametrize("before", ["fresh", "expired", "released"])
+def test_racing_planners_one_wins_the_others_are_told_who(store_uri: str, recipe, before: str) -> None:
+    """Processes with different holders plan the same pipeline at the same moment: exactly
+    one gets iteration 1, every other gets LeaseHeld naming it. ``expired``/``released``:
+    an earlier holder's lease on 1 is there and dead, and every racer has listed it."""
+    store = Store(store_uri)
+    if before == "expired":
+        planner.plan(store, recipe, "dead-worker", ttl_s=0.0)
+    elif before == "released":
+        planner.plan(store, recipe, "failed-run")
+        lease.release(store, "tiny", 1, "failed-run")
+    holders = [f"racer-{i}" for i in range(RACERS)]
+    results = race.race(race.plan, [(store_uri, str(TINY_RECIPE), h, 3600.0) for h in holders])
+    won = [h for h, r in zip(holders, results) if r[0] == "won"]
+    assert len(won) == 1, race.describe(results)
+    winner = won[0]
+    for h, r in zip(holders, results):
+        if h == winner:
+            assert r == ("won", 1)
+        else:
+            assert r[:3] == ("held", 1, winner), race.describe(results)
+            assert r[3].startswith(f"iteration 1 of pipeline 'tiny' is held by '{winner}' (lease expires in ")
+    cur = lease.current(store, "tiny", 1)
+    assert cur.holder == winner and cur.live()
+    assert cur.generation == {"fresh": 0, "expired": 1, "released": 2}[before]
+    assert [h for h in holders if lease.held_by(store, "tiny", h)] == [winner]
