@@ -1,0 +1,75 @@
+"""A DAG run that fails: the reason reaches the task log and the iteration's MLflow run,
+the run hands its iteration lease back, and the next run resumes the same iteration.
+
+The runs are real ``dag.test()`` runs in a subprocess with no conf, as a scheduled run
+has: the plan task leases the iteration to ``airflow:<run_id>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "recipes" / "tiny.yaml"
+
+ONE_RUN = """
+import json
+from components.core import settings
+from dags.local import prepare
+prepare(settings.home(), 2)
+from dags.post_training_iteration import iteration_dag
+dr = iteration_dag.test()
+print(json.dumps({"state": str(dr.state), "run_id": dr.run_id}))
+"""
+
+
+def dag_run(home: Path, recipe: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
+    env.update(POSTTRAIN_HOME=str(home), POSTTRAIN_RECIPE=str(recipe), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+               AIRFLOW_HOME=str(home / "airflow"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"))
+    proc = subprocess.run([sys.executable, "-c", ONE_RUN], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=home.parent)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"log": proc.stdout + proc.stderr}
+
+
+def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from components.core import lease
+    from components.core.storage import Store
+
+    home = tmp_path / ".posttrain"
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["taskgen"]["task_file"] = str(tmp_path / "missing.jsonl")  # taskgen fails: the user's mistake
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(recipe))
+
+    first = dag_run(home, bad)
+    assert first["state"] == "failed"
+    reason = "AirflowFailException: task file='" + str(tmp_path / "missing.jsonl") + "': cannot be read (FileNotFoundError)"
+    assert f"posttrain task taskgen failed: {reason}" in first["log"]  # the task log says why; no retry for it
+    assert first["log"].count("[DAG TEST] starting task_id=taskgen") == 1
+    store = Store(str(home / "store"))
+    released = lease.current(store, "tiny", 1)
+    assert released is not None and released.holder == "" and released.generation == 1  # taken, then handed back
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    [parent] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                                  "tags.`posttrain.stage` = 'iteration'")
+    assert parent.data.tags["posttrain.iteration"] == "1"
+    assert parent.data.tags["posttrain.failed.taskgen"].startswith(reason)
+    assert json.loads(store.read_bytes("tiny/iter-000001/recipe.json"))["taskgen"]["task_file"].endswith("missing.jsonl")
+
+    second = dag_run(home, TINY)  # the recipe fixed: the next run takes iteration 1 again
+    assert second["state"] == "success" and second["run_id"] != first["run_id"]
+    now = lease.current(store, "tiny", 1)
+    assert now is not None and now.holder == f"airflow:{second['run_id']}" and now.generation == 2
+    assert store.exists("tiny/iter-000001/evaluation/_MANIFEST.json")
+    assert json.loads(store.read_bytes("tiny/iter-000001/recipe.json"))["taskgen"]["task_file"] == ""
