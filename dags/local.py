@@ -1,4 +1,5 @@
-"""Run the DAG on the embedded defaults: Airflow's in-process test runner.
+"""Run the DAG on the embedded defaults: Airflow's in-process test runner, or a real
+scheduler on this machine.
 
 ``prepare`` points Airflow at a SQLite home under ``POSTTRAIN_HOME`` (migrated once) and
 sizes the sandbox pool; ``run_iteration`` calls ``dag.test()`` once with the recipe,
@@ -6,34 +7,74 @@ run root and iteration as the run's params and returns the DAG run's state. Whic
 iterations to run (and skipping finished ones) is ``orchestrate.run_local``'s job; a
 half-done iteration resumes because every stage with a matching manifest is a cache hit.
 
-Not covered: a scheduler or web server; for those run ``airflow standalone`` with this
-folder as the DAGs folder (``.airflowignore`` keeps this module out of DAG parsing).
+``LocalAirflow`` starts the real thing on the same SQLite home: ``airflow scheduler``
+(LocalExecutor), ``airflow dag-processor`` and ``airflow api-server`` as separate
+processes, each in its own session, with this folder as the DAGs folder, and stops every
+process they started (tasks included). The tests (``tests/fixtures/airflow.py``) and
+``benchmarks/iteration.py`` use it:
+
+    with LocalAirflow.start(home, env) as af:
+        af.api("PATCH", "/dags/post_training_iteration", {"is_paused": False})
+
+Its scheduler runs ``PreloadingLocalExecutor``: the LocalExecutor forks one process per
+task from its workers, so the libraries every stage imports (torch, transformers,
+MLflow, Great Expectations, the stage modules) are imported once, in the scheduler,
+before the workers fork, instead of again in every task. Not covered: a deployment
+(use Airflow's Helm chart; see infra/terraform), authentication (the API server lets
+everyone in as admin: it listens on this machine only for tests and benchmarks), and
+Postgres.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
+import logging
 import os
+import secrets
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+DAG_ID = "post_training_iteration"
+DAGS_FOLDER = Path(__file__).resolve().parent
+PRELOAD = ("torch", "transformers", "mlflow", "great_expectations", "pyarrow.parquet", "pandas", "dags.wiring")
+"""Imported by the scheduler before its workers fork (and then by every stage module)."""
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 20.0
+
+log = logging.getLogger("posttrain")
 
 
-def airflow_env(home: Path) -> dict[str, str]:
-    env = {
+def airflow_settings(home: Path) -> dict[str, str]:
+    """The Airflow configuration of the embedded home (no environment is changed)."""
+    return {
         "AIRFLOW_HOME": str(home / "airflow"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(Path(__file__).resolve().parent),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("AIRFLOW__LOGGING__LOGGING_LEVEL", "WARNING"),
     }
-    for key, value in env.items():
+
+
+def airflow_env(home: Path) -> dict[str, str]:
+    """``airflow_settings`` into this process's environment (set values win), for dag.test()."""
+    for key, value in airflow_settings(home).items():
         os.environ.setdefault(key, value)
-    return {k: os.environ[k] for k in env}
+    return {k: os.environ[k] for k in airflow_settings(home)}
 
 
-def prepare(home: Path, sandbox_slots: int) -> None:
-    """Migrate the SQLite metadata DB (once) and size the sandbox pool."""
-    env = {**os.environ, **airflow_env(home)}
+def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -> None:
+    """Migrate the SQLite metadata DB (once) and size the sandbox pool. Without ``env``
+    the settings go into this process's environment (dag.test() reads them there)."""
+    env = env if env is not None else {**os.environ, **airflow_env(home)}
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     marker = Path(env["AIRFLOW_HOME"]) / ".migrated"
     airflow = [sys.executable, "-m", "airflow"]
@@ -51,3 +92,175 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
 
     dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "holder": holder})
     return str(getattr(dr, "state", "unknown"))
+
+
+def preload() -> list[str]:
+    """Import ``PRELOAD`` and every registered stage module; the names that imported."""
+    from components.core.stages import registered
+
+    done = []
+    for name in (*PRELOAD, *(s.module for s in registered())):
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as exc:  # a missing optional library costs start-up time, not correctness
+            log.warning("preload: cannot import %s (%s); tasks will import it themselves", name, exc)
+    return done
+
+
+def _preloading_executor() -> type:
+    from airflow.executors.local_executor import LocalExecutor
+
+    class PreloadingLocalExecutor(LocalExecutor):
+        """The LocalExecutor, with ``preload()`` run before its workers fork: a task process
+        starts with the stage libraries already imported (seconds less per task)."""
+
+        def start(self) -> None:
+            started = time.perf_counter()
+            names = preload()
+            self.log.info("preloaded %d modules in %.1f s", len(names), time.perf_counter() - started)
+            super().start()
+
+    PreloadingLocalExecutor.__module__, PreloadingLocalExecutor.__qualname__ = __name__, "PreloadingLocalExecutor"
+    return PreloadingLocalExecutor
+
+
+def __getattr__(name: str) -> Any:
+    """``dags.local.PreloadingLocalExecutor`` (the scheduler's ``[core] executor``), built on
+    first use: importing Airflow at this module's top would fix its configuration before
+    ``airflow_env`` sets AIRFLOW_HOME for dag.test()."""
+    if name == "PreloadingLocalExecutor":
+        globals()[name] = cls = _preloading_executor()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalAirflow:
+    """A scheduler, a DAG processor and an API server on one SQLite home (see the module
+    docstring). ``api()`` calls the REST API (``/api/v2``); ``stop()`` ends them all."""
+
+    def __init__(self, home: Path, env: dict[str, str], port: int) -> None:
+        self.home, self.env, self.port = home, env, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.airflow_home = Path(env["AIRFLOW_HOME"])
+        self.db_path = self.airflow_home / "airflow.db"
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @classmethod
+    def start(cls, home: Path, env: dict[str, str], sandbox_slots: int = 2, preload: bool = True,
+              parallelism: int = 8, overrides: dict[str, str] | None = None) -> LocalAirflow:
+        """Migrate, create the pool, start the three processes and wait until the API
+        answers, the scheduler and DAG processor are healthy and the DAG is parsed."""
+        port = free_port()
+        executor = f"{__name__}.PreloadingLocalExecutor" if preload else "LocalExecutor"
+        env = {**env, **airflow_settings(home), "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+               "AIRFLOW__CORE__EXECUTOR": executor, "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+               "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+               "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(64), "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
+               "AIRFLOW__API__HOST": "127.0.0.1", "AIRFLOW__API__PORT": str(port),
+               "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+               "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(DAGS_FOLDER.parent), env.get("PYTHONPATH", "")) if p),
+               **(overrides or {})}
+        prepare(home, sandbox_slots, env)
+        af = cls(home, env, port)
+        logs = af.airflow_home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        try:
+            for name, args in (("api-server", ["api-server", "--port", str(port)]), ("dag-processor", ["dag-processor"]),
+                               ("scheduler", ["scheduler"])):
+                with open(logs / f"{name}.log", "ab") as out:
+                    af.procs[name] = subprocess.Popen([sys.executable, "-m", "airflow", *args], env=env, stdout=out,
+                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                      cwd=af.airflow_home, start_new_session=True)
+            af.wait_ready()
+        except BaseException:
+            af.stop()
+            raise
+        return af
+
+    def __enter__(self) -> LocalAirflow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.airflow_home / "logs" / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
+        """One REST call (``/api/v2`` + path); the decoded JSON answer, HTTPError on 4xx/5xx."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.url}/api/v2{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else None
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline, last = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"airflow {name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            try:
+                health = self.api("GET", "/monitor/health", timeout=5)
+                if all(health.get(c, {}).get("status") == "healthy" for c in ("metadatabase", "scheduler", "dag_processor")):
+                    self.api("GET", f"/dags/{DAG_ID}", timeout=5)  # 404 until the DAG processor has parsed it
+                    return
+                last = json.dumps(health)
+            except (OSError, urllib.error.HTTPError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.5)
+        raise RuntimeError(f"Airflow was not ready within {timeout:.0f} s (last: {last}):\n{self.log_tail('scheduler')}")
+
+    def leftovers(self) -> list[int]:
+        """Live processes this instance started: the three, everything below them (tasks
+        move to process groups and sandboxes to sessions of their own), and anything that
+        carries its AIRFLOW_HOME (in case its parent died first)."""
+        marker = f"AIRFLOW_HOME={self.env['AIRFLOW_HOME']}".encode()
+        children: dict[int, list[int]] = {}
+        ours: set[int] = set()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            pid = int(entry.name)
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] == "Z":  # dead, waiting for its parent
+                    continue
+                children.setdefault(int(fields[1]), []).append(pid)
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    ours.add(pid)
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+        todo = [p.pid for p in self.procs.values() if p.poll() is None] + list(ours)
+        while todo:
+            pid = todo.pop()
+            ours.add(pid)
+            todo.extend(c for c in children.get(pid, ()) if c not in ours)
+        return sorted(ours)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> list[int]:
+        """SIGTERM every process it started, SIGKILL what is still alive after ``timeout``;
+        returns the pids that needed SIGKILL."""
+        for pid in self.leftovers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        return left

@@ -23,13 +23,18 @@ The stages and their order come from `components/core/stages.py`; the glue is in
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from airflow.sdk import Param, dag
 
 from components.core.stages import registered
 from dags.wiring import RETRY, announce_champion, plan, run_failed, schedule, shard_list_task, stage_task
 
 
-@dag(dag_id="post_training_iteration", schedule=schedule(), max_active_runs=1, catchup=False, doc_md=__doc__,
+# A fixed start date in the past: without one, Airflow 3.3's @continuous timetable gives the
+# second run the first run's logical date, and the scheduler never creates it.
+@dag(dag_id="post_training_iteration", schedule=schedule(), start_date=datetime(2025, 1, 1, tzinfo=UTC),
+     max_active_runs=1, catchup=False, doc_md=__doc__,
      tags=["posttrain"], default_args=RETRY, on_failure_callback=run_failed,
      params={"recipe": Param("", type="string", description="recipe YAML; empty: $POSTTRAIN_RECIPE or the demo recipe"),
              "run_root": Param("", type="string", description="store URI; empty: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store"),
