@@ -180,7 +180,19 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
     for mv in existing:  # idempotent: a retried trainer does not register twice
         if mv.source == checkpoint_uri:
             return str(mv.version)
-    mv = c.create_model_version(name, source=checkpoint_uri, run_id=run_id, tags=tags)
+    try:
+        mv = c.create_model_version(name, source=checkpoint_uri, run_id=run_id, tags=tags)
+    except MlflowException as exc:
+        if exc.error_code != "INVALID_PARAMETER_VALUE" or "model version source" not in exc.message:
+            raise
+        from components.core.errors import UserError
+
+        # A tracking server accepts no local path as a source (a security rule of MLflow's):
+        # a file:// run root only works with the embedded SQLite tracking.
+        raise UserError("run_root", checkpoint_uri, f"the tracking server at {tracking_uri()} refuses this checkpoint "
+                        "as a registry version source (it accepts no local paths)",
+                        "put the run root where the server can read it (s3://bucket/prefix), or unset "
+                        "MLFLOW_TRACKING_URI to use the embedded SQLite tracking") from None
     return str(mv.version)
 
 
