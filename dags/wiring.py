@@ -39,8 +39,9 @@ TASK_FILE = Asset(name="posttrain-task-file", uri="posttrain://tasks/new")
 ASSETS = {"asset:champion": CHAMPION, "asset:candidate": CANDIDATE, "asset:task-file": TASK_FILE}
 PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
 SCHEDULE_VAR = "POSTTRAIN_SCHEDULE"
-RETRY = {"retries": 3, "retry_delay": timedelta(seconds=10), "retry_exponential_backoff": True,
-         "max_retry_delay": timedelta(minutes=10)}
+RETRY_DELAY_VAR = "POSTTRAIN_RETRY_DELAY_S"  # the first retry's delay in seconds (default 10; tests shorten it)
+RETRY = {"retries": 3, "retry_delay": timedelta(seconds=float(os.environ.get(RETRY_DELAY_VAR) or 10)),
+         "retry_exponential_backoff": True, "max_retry_delay": timedelta(minutes=10)}
 
 
 def parse_schedule(value: str) -> str | Asset | None:

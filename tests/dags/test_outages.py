@@ -7,7 +7,8 @@ manifest not yet written) so the test can cut the service off at that point: the
 SeaweedFS server is SIGKILLed (clients get "connection refused") and started again on the
 same ports and data; the MLflow server is SIGSTOPped (clients connect and hear nothing)
 and SIGCONTed. The first attempt fails as an outage (InfraError), Airflow retries the task
-(``RETRY`` in dags/wiring.py: 10 s later), and the second attempt finishes the iteration.
+(``RETRY`` in dags/wiring.py, its delay shortened through POSTTRAIN_RETRY_DELAY_S), and the
+second attempt finishes the iteration.
 """
 
 from __future__ import annotations
@@ -38,15 +39,18 @@ from tests.fixtures.runs import (
 from tests.fixtures.s3 import RestartableS3, S3Server, apply_env, unique_prefix
 
 FAILED_STATE_TIMEOUT_S = 180.0
+STORE_RETRY_DELAY_S = 5.0  # longer than SeaweedFS takes to start again (about 1 s)
+TRACKING_RETRY_DELAY_S = 2.0  # SIGCONT brings the tracking server back at once
 
 
-def paused_run(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path, Path]:
+def paused_run(tmp_path: Path, env: dict[str, str], retry_delay_s: float) -> tuple[subprocess.Popen, Path, Path]:
     """Start ``posttrain run --iterations 1`` with the trainer's first attempt paused;
     returns the process, the pause folder and the log (stdout and stderr)."""
     pause = tmp_path / "pause"
     pause.mkdir()
     log = tmp_path / "run.log"
-    env = {**env, "PYTHONPATH": str(REPO), "POSTTRAIN_TEST_PAUSE": "trainer", "POSTTRAIN_TEST_PAUSE_DIR": str(pause)}
+    env = {**env, "PYTHONPATH": str(REPO), "POSTTRAIN_TEST_PAUSE": "trainer", "POSTTRAIN_TEST_PAUSE_DIR": str(pause),
+           "POSTTRAIN_RETRY_DELAY_S": str(retry_delay_s)}
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tests.fixtures.pausing", "run", "--recipe", str(TINY),
                                  "--iterations", "1"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -93,9 +97,9 @@ def test_store_outage_mid_stage_is_retried_and_the_run_succeeds(restartable_s3: 
     root = f"s3://{server.bucket}/outage"
     env = {k: v for k, v in cli_env(home).items() if not k.startswith("AWS_")} | server.env() | \
         {"POSTTRAIN_RUN_ROOT": root}
-    proc, pause, log = paused_run(tmp_path, env)
+    proc, pause, log = paused_run(tmp_path, env, STORE_RETRY_DELAY_S)
     try:
-        wait_for(pause / "paused", proc)
+        wait_for(pause / "paused", proc, log)
         first = json.loads((pause / "paused").read_text())["outputs"]
         store = Store(root)
         assert store.exists("tiny/iter-000001/trainer/checkpoint/model.safetensors")
@@ -112,7 +116,8 @@ def test_store_outage_mid_stage_is_retried_and_the_run_succeeds(restartable_s3: 
         if proc.poll() is None:
             proc.kill()
 
-    assert 1.0 < outage_s < 60.0, f"the store was down {outage_s:.1f} s (restart took {back_after:.1f} s)"
+    assert 1.0 < outage_s < 60.0, f"the store was down {outage_s:.1f} s"
+    assert back_after < STORE_RETRY_DELAY_S, f"SeaweedFS took {back_after:.1f} s to start: the retry may have come first"
     assert f"InfraError: store unreachable at '{root}'" in text
     assert_only_the_trainer_retried(home)
     trainer = json.loads(store.read_bytes("tiny/iter-000001/trainer/_MANIFEST.json"))
@@ -135,9 +140,9 @@ def test_tracking_server_outage_mid_stage_is_retried_and_the_run_succeeds(mlflow
     root = f"s3://{s3_env.bucket}/{unique_prefix('tracking-outage')}"
     env = cli_env(home, MLFLOW_TRACKING_URI=mlflow_server.uri, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
                   MLFLOW_HTTP_REQUEST_TIMEOUT="5", POSTTRAIN_RUN_ROOT=root)
-    proc, pause, log = paused_run(tmp_path, env)
+    proc, pause, log = paused_run(tmp_path, env, TRACKING_RETRY_DELAY_S)
     try:
-        wait_for(pause / "paused", proc)
+        wait_for(pause / "paused", proc, log)
         first = json.loads((pause / "paused").read_text())["outputs"]
         mlflow_server.pause()
         down = time.monotonic()
@@ -147,6 +152,8 @@ def test_tracking_server_outage_mid_stage_is_retried_and_the_run_succeeds(mlflow
         outage_s = time.monotonic() - down
         text = finish(proc, log)
     finally:
+        if mlflow_server.paused:
+            mlflow_server.resume()
         if proc.poll() is None:
             proc.kill()
 
@@ -177,16 +184,18 @@ def test_tracking_server_with_a_local_run_root_is_refused_in_one_line(mlflow_ser
     (exit 2, nothing retried), named with the fix, not a bootstrap that fails four times."""
     home = tmp_path / ".posttrain"
     root = f"file://{tmp_path / 'store'}"
-    proc = subprocess.run(posttrain("stage", "bootstrap", "--recipe", str(TINY), "--run-root", root), cwd=tmp_path,
+    recipe = tmp_path / "local.yaml"  # its own pipeline: the server is shared with the other tests here
+    recipe.write_text(TINY.read_text().replace("pipeline: tiny\n", "pipeline: tiny-local\n"))
+    proc = subprocess.run(posttrain("stage", "bootstrap", "--recipe", str(recipe), "--run-root", root), cwd=tmp_path,
                           env=cli_env(home, MLFLOW_TRACKING_URI=mlflow_server.uri), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("posttrain")]
-    assert lines == [f"posttrain: error: run_root='{root}/tiny/bootstrap/checkpoint': the tracking server at "
+    assert lines == [f"posttrain: error: run_root='{root}/tiny-local/bootstrap/checkpoint': the tracking server at "
                      f"{mlflow_server.uri} refuses this checkpoint as a registry version source (it accepts no local "
                      "paths); fix: put the run root where the server can read it (s3://bucket/prefix), or unset "
                      "MLFLOW_TRACKING_URI to use the embedded SQLite tracking"]
-    assert registry_versions_at(mlflow_server.uri) == {}
+    assert registry_versions_at(mlflow_server.uri, "tiny-local") == {}
 
 
 def test_stopped_store_at_stage_start_exits_1_naming_the_store(restartable_s3: RestartableS3, tmp_path: Path) -> None:
