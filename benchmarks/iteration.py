@@ -1,16 +1,36 @@
-"""Iteration wall time by stage, and Airflow's overhead against calling stages directly.
+"""Iteration wall time by stage: a real Airflow scheduler, Airflow's in-process test
+runner and direct stage calls, side by side, with each task's start-up overhead.
 
-Bootstraps a pipeline once (not timed), copies that state twice, then runs iteration 1
-two ways in the same run of this script, each in its own subprocess:
+Bootstraps a pipeline once (not timed), copies that state, then runs iteration 1 four
+ways in the same run of this script, one after the other:
 
-- ``airflow``: ``posttrain run --iterations 1`` (the DAG through Airflow's in-process
-  test runner on SQLite), as users run it;
-- ``direct``: every stage called through ``run_stage`` in one Python process.
+- ``direct``: every stage called through ``run_stage`` in one Python process, shards one
+  after the other (no orchestrator at all);
+- ``dag.test``: ``posttrain run --iterations 1`` (the DAG through Airflow's in-process
+  test runner on SQLite), as users run it: one process, tasks one after the other;
+- ``scheduler``: a real ``airflow scheduler`` (LocalExecutor, one forked process per task,
+  mapped shards in parallel), DAG processor and API server (``dags.local.LocalAirflow``),
+  one run triggered through the REST API, with the stage libraries preloaded in the
+  scheduler before its workers fork (``PreloadingLocalExecutor``, the default);
+- ``scheduler, no preload``: the same with Airflow's plain LocalExecutor, so every task
+  process imports torch, MLflow, transformers, ... itself.
 
-It prints per-stage seconds (from the manifests' timings) for both and the ratio of
-total wall times, and writes ``benchmarks/results/iteration.json`` and ``.md``.
+Wall times: ``direct`` and ``dag.test`` are their processes' (``dag.test`` also gives its
+DAG run's own span, without interpreter start, migration check and pool set-up); a
+scheduler iteration is its DAG run's span, from queued to finished (the servers are
+started before and their start-up is given apart: a deployment pays it once).
+
+A task's start-up overhead is the time from its task instance's ``start_date`` (Airflow
+DB) to its stage's ``timings.start`` (manifest): process start, DAG parse, imports, the
+stage context and its MLflow run. The scheduling gap is the time from the end of a
+task's last upstream task instance to its own start. Before the scheduler runs, it
+times the imports a task process pays when nothing is preloaded, one module after the
+other in a fresh interpreter.
 
     python benchmarks/iteration.py [--recipe recipes/demo.yaml] [--sft-steps 50]
+
+Writes ``benchmarks/results/iteration.json`` and ``.md``. Not covered: Postgres, Celery or
+Kubernetes executors, and more than one iteration per server start.
 """
 
 from __future__ import annotations
@@ -20,17 +40,28 @@ import json
 import os
 import platform
 import shutil
+import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from components.core.stages import registered  # noqa: E402
+from dags.local import DAG_ID, PRELOAD, LocalAirflow  # noqa: E402
+
 STAGES = ["taskgen", "rollout", "sandbox", "reward", "validation", "trainer", "evaluation"]
 SHARDED = {"rollout", "sandbox", "reward"}
+COLUMNS = ["direct", "dag.test", "scheduler", "scheduler, no preload"]
+IMPORTS = ["airflow.sdk", "dags.wiring", "components.core.runner", *[m for m in PRELOAD if m != "dags.wiring"],
+           *[s.module for s in registered()]]
 
 DIRECT = """
 import sys
@@ -44,6 +75,16 @@ for stage in {stages!r}:
             run_stage(stage, recipe, root, 1, f"{{i}}/{{shards}}")
     else:
         run_stage(stage, recipe, root, 1)
+"""
+
+IMPORT_TIMES = """
+import importlib, json, sys, time
+out = {}
+for name in sys.argv[1:]:
+    t = time.perf_counter()
+    importlib.import_module(name)
+    out[name] = time.perf_counter() - t
+print(json.dumps(out))
 """
 
 
@@ -68,6 +109,105 @@ def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
+def stamp(value: str | None) -> float | None:
+    if not value:
+        return None
+    t = datetime.fromisoformat(value)
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+
+
+def upstream_of(task_id: str) -> list[str]:
+    """The task ids a task waits for in the DAG (see dags/post_training_iteration.py)."""
+    if task_id in ("bootstrap",) or task_id.endswith("_shards"):
+        return ["plan"]
+    spec = next(s for s in registered() if s.id == task_id)
+    return [*spec.upstream, *([f"{task_id}_shards"] if spec.sharded else [])] or ["plan"]
+
+
+def task_timings(db_path: Path, run_root: Path, pipeline: str) -> dict:
+    """The one DAG run's span and, per stage task instance, its start-up overhead and
+    scheduling gap (seconds); cache hits (bootstrap) have no overhead."""
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    (run_start, run_end, queued), = db.execute(
+        "select start_date, end_date, queued_at from dag_run where dag_id = ?", (DAG_ID,)).fetchall()
+    rows = db.execute("select task_id, map_index, start_date, end_date from task_instance where dag_id = ?",
+                      (DAG_ID,)).fetchall()
+    ends: dict[str, float] = {}
+    for task_id, _, _, end in rows:
+        ends[task_id] = max(ends.get(task_id, 0.0), stamp(end) or 0.0)
+    tasks = {}
+    for task_id, map_index, start, end in rows:
+        if task_id not in STAGES:
+            continue
+        folder = run_root / pipeline / "iter-000001" / task_id
+        if map_index >= 0:
+            folder = sorted(folder.glob("shard-*"))[map_index]
+        timings = json.loads((folder / "_MANIFEST.json").read_text())["timings"]
+        t0 = stamp(start)
+        tasks[f"{task_id}[{map_index}]" if map_index >= 0 else task_id] = {
+            "overhead_s": timings["start"] - t0, "stage_s": timings["duration_s"], "task_s": stamp(end) - t0,
+            "gap_s": t0 - max(ends[u] for u in upstream_of(task_id)),
+        }
+    return {"run_s": stamp(run_end) - stamp(run_start), "queued_to_end_s": stamp(run_end) - stamp(queued or run_start),
+            "tasks": tasks}
+
+
+def run_scheduler(home: Path, recipe: Path, preload: bool) -> dict:
+    """Start a real Airflow on ``home``, trigger one run through the REST API, wait for it."""
+    env = {**env_for(home), "POSTTRAIN_RECIPE": str(recipe), "POSTTRAIN_RUN_ROOT": str(home / "store")}
+    started = time.perf_counter()
+    with LocalAirflow.start(home, env, preload=preload) as af:
+        startup = time.perf_counter() - started
+        af.api("PATCH", f"/dags/{DAG_ID}", {"is_paused": False})  # manual schedule: unpausing starts nothing
+        t0 = time.perf_counter()
+        run_id = af.api("POST", f"/dags/{DAG_ID}/dagRuns", {"logical_date": None})["dag_run_id"]
+        while (state := af.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"]) not in ("success", "failed"):
+            time.sleep(0.5)
+        seen = time.perf_counter() - t0
+        if state != "success":
+            sys.exit(f"the scheduler's run ended {state}; logs in {af.airflow_home / 'logs'}")
+        preload_log = [line for line in (af.airflow_home / "logs" / "scheduler.log").read_text().splitlines()
+                       if "preloaded" in line]
+    stopped = time.perf_counter() - started - startup - seen
+    return {"startup_s": startup, "stop_s": stopped, "observed_s": seen, "preload_log": preload_log[-1:],
+            **task_timings(af.db_path, home / "store", yaml.safe_load(recipe.read_text())["pipeline"])}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(result: dict) -> str:
+    cols, wall, timing = COLUMNS, result["wall_s"], result["tasks"]
+    lines = ["| stage | " + " | ".join(f"{c} (s)" for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for stage in STAGES:
+        lines.append(f"| {stage} | " + " | ".join(f"{result['stage_s'][c].get(stage, 0):.2f}" for c in cols) + " |")
+    lines.append("| **iteration wall time** | " + " | ".join(f"**{wall[c]:.1f}**" for c in cols) + " |")
+    lines.append("| DAG run span (queued -> end) | - | " + " | ".join(
+        f"{timing[c]['queued_to_end_s']:.1f}" for c in cols if c in timing) + " |")
+    out = ["\n".join(lines), ""]
+    tcols = [c for c in cols if c in timing]
+    task_ids = sorted({t for c in tcols for t in timing[c]["tasks"]}, key=lambda t: (STAGES.index(t.split("[")[0]), t))
+    lines = ["| task | " + " | ".join(f"{c}: overhead / gap (s)" for c in tcols) + " |", "|---|" + "---:|" * len(tcols)]
+    for t in task_ids:
+        cells = []
+        for c in tcols:
+            row = timing[c]["tasks"].get(t)
+            cells.append(f"{row['overhead_s']:.2f} / {row['gap_s']:.2f}" if row else "-")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines.append("| **median** | " + " | ".join(
+        f"**{median([r['overhead_s'] for r in timing[c]['tasks'].values()]):.2f}** / "
+        f"{median([r['gap_s'] for r in timing[c]['tasks'].values()]):.2f}" for c in tcols) + " |")
+    out += ["Per task: start-up overhead (task instance start -> stage start) / scheduling gap "
+            "(last upstream task's end -> task start).", "", "\n".join(lines), ""]
+    lines = ["| import (fresh interpreter, in this order) | s |", "|---|---:|"]
+    lines += [f"| `{name}` | {s:.2f} |" for name, s in result["imports_s"].items()]
+    lines.append(f"| **all** | **{sum(result['imports_s'].values()):.2f}** |")
+    out += ["What a task process imports when nothing is preloaded (each stage needs a part of it):", "",
+            "\n".join(lines)]
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "demo.yaml"))
@@ -82,42 +222,64 @@ def main() -> None:
     recipe.write_text(yaml.safe_dump(data))
     pipeline = data["pipeline"]
     posttrain = [sys.executable, "-m", "components.cli"]
+    load = os.getloadavg()
 
     base = work / "base"
     print(f"bootstrapping {pipeline} once (not timed) in {work}", flush=True)
     timed([*posttrain, "stage", "bootstrap", "--recipe", str(recipe), "--run-root", str(base / "store")], work, env_for(base))
-    homes = {name: work / name for name in ("airflow", "direct")}
+    homes = {name: work / name.replace(", ", "-").replace(" ", "-").replace(".", "-") for name in COLUMNS}
     for home in homes.values():
         shutil.copytree(base, home)
 
-    wall = {}
-    print("iteration 1 through Airflow (posttrain run) ...", flush=True)
-    wall["airflow"] = timed([*posttrain, "run", "--recipe", str(recipe), "--run-root", str(homes["airflow"] / "store"),
-                             "--iterations", "1"], work, env_for(homes["airflow"]))
+    print("imports a task process pays without preloading ...", flush=True)
+    proc = subprocess.run([sys.executable, "-c", IMPORT_TIMES, *IMPORTS], cwd=REPO, env=env_for(work / "imports"),
+                          capture_output=True, text=True, check=True)
+    imports = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    wall, timing = {}, {}
     print("iteration 1 with stages called directly ...", flush=True)
     script = DIRECT.format(stages=STAGES, sharded=sorted(SHARDED))
     wall["direct"] = timed([sys.executable, "-c", script, str(recipe), str(homes["direct"] / "store")], work,
                            env_for(homes["direct"]))
+    print("iteration 1 through dag.test() (posttrain run) ...", flush=True)
+    process_s = timed([*posttrain, "run", "--recipe", str(recipe), "--run-root", str(homes["dag.test"] / "store"),
+                       "--iterations", "1"], work, env_for(homes["dag.test"]))
+    timing["dag.test"] = {"process_s": process_s, **task_timings(homes["dag.test"] / "airflow" / "airflow.db",
+                                                                  homes["dag.test"] / "store", pipeline)}
+    wall["dag.test"] = process_s
+    for name, preload in (("scheduler", True), ("scheduler, no preload", False)):
+        print(f"iteration 1 through a real scheduler ({'preloading' if preload else 'plain'} LocalExecutor) ...", flush=True)
+        timing[name] = run_scheduler(homes[name], recipe, preload)
+        wall[name] = timing[name]["queued_to_end_s"]
 
-    per_stage = {name: stage_seconds(home / "store", pipeline) for name, home in homes.items()}
     result = {
         "recipe": args.recipe, "sft_steps": args.sft_steps, "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "date": time.strftime("%Y-%m-%d"), "wall_s": wall, "stage_s": per_stage,
-        "airflow_over_direct": wall["airflow"] / wall["direct"],
+        "date": time.strftime("%Y-%m-%d"), "load_avg_before": load, "load_avg_after": os.getloadavg(),
+        "wall_s": wall, "stage_s": {name: stage_seconds(home / "store", pipeline) for name, home in homes.items()},
+        "tasks": timing, "imports_s": imports,
+        "scheduler_over_dag_test": wall["scheduler"] / wall["dag.test"],
+        "scheduler_over_dag_test_run": wall["scheduler"] / timing["dag.test"]["run_s"],
+        "dag_test_over_direct": wall["dag.test"] / wall["direct"],
+        "median_overhead_s": {c: median([r["overhead_s"] for r in timing[c]["tasks"].values()]) for c in timing},
     }
-    lines = ["| stage | direct (s) | airflow (s) |", "|---|---:|---:|"]
-    for stage in STAGES:
-        lines.append(f"| {stage} | {per_stage['direct'].get(stage, 0):.2f} | {per_stage['airflow'].get(stage, 0):.2f} |")
-    lines.append(f"| **iteration wall time** | **{wall['direct']:.1f}** | **{wall['airflow']:.1f}** |")
-    table = "\n".join(lines)
-    summary = f"Airflow / direct wall-time ratio: {result['airflow_over_direct']:.2f}x"
+    table = report(result)
+    summary = (f"real scheduler / dag.test(): {result['scheduler_over_dag_test']:.2f}x of the `posttrain run` process, "
+               f"{result['scheduler_over_dag_test_run']:.2f}x of its DAG run ({timing['dag.test']['run_s']:.1f} s); "
+               f"median task start-up overhead {result['median_overhead_s']['scheduler']:.2f} s "
+               f"(no preload: {result['median_overhead_s']['scheduler, no preload']:.2f} s, "
+               f"dag.test: {result['median_overhead_s']['dag.test']:.2f} s); "
+               f"dag.test / direct: {result['dag_test_over_direct']:.2f}x. Scheduler start-up (not in its wall time): "
+               f"{timing['scheduler']['startup_s']:.1f} s ({timing['scheduler, no preload']['startup_s']:.1f} s without preload)")
     print(table)
     print(summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(f"# Iteration benchmark ({result['date']}, {result['machine']})\n\n"
-                                      f"Recipe `{Path(args.recipe).name}` with {args.sft_steps} SFT steps.\n\n{table}\n\n{summary}\n")
+    out.with_suffix(".md").write_text(
+        f"# Iteration benchmark ({result['date']}, {result['machine']})\n\n"
+        f"Recipe `{Path(args.recipe).name}` with {args.sft_steps} SFT steps; load average "
+        f"{load[0]:.2f} before, {result['load_avg_after'][0]:.2f} after. `python benchmarks/iteration.py`; "
+        f"what each column means is in the script's docstring.\n\n{table}\n\n{summary}\n")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -45,8 +45,13 @@ from typing import Any
 
 DAG_ID = "post_training_iteration"
 DAGS_FOLDER = Path(__file__).resolve().parent
-PRELOAD = ("torch", "transformers", "mlflow", "great_expectations", "pyarrow.parquet", "pandas", "dags.wiring")
-"""Imported by the scheduler before its workers fork (and then by every stage module)."""
+PRELOAD = ("torch", "transformers:AutoModelForCausalLM", "transformers:AutoTokenizer",
+           "transformers.models.llama.modeling_llama", "mlflow.tracking:MlflowClient",
+           "mlflow.store.tracking.sqlalchemy_store", "mlflow.store.model_registry.sqlalchemy_store",
+           "great_expectations", "pyarrow.parquet", "pyarrow.dataset", "pandas", "matplotlib.pyplot", "dags.wiring")
+"""Imported by the scheduler before its workers fork, then every stage module and the
+domains, engine and sandbox backend of ``POSTTRAIN_RECIPE``; ``module:name`` also gets
+``name`` from it (transformers and MLflow load most of their code lazily)."""
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
 
@@ -94,17 +99,40 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     return str(getattr(dr, "state", "unknown"))
 
 
+def _recipe_plugins() -> list[tuple[Any, str]]:
+    """(registry, name) of the domains, engine and sandbox backend the deployment's recipe names."""
+    from components.core import settings
+    from components.core.plugins import BACKENDS, DOMAINS, ENGINES
+    from components.core.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(settings.default_recipe())
+    except Exception:  # the plan task reports a bad recipe; preloading just does less
+        return []
+    return [(DOMAINS, d) for d in recipe.domains] + [(ENGINES, recipe.rollout.engine), (BACKENDS, recipe.sandbox.backend)]
+
+
 def preload() -> list[str]:
-    """Import ``PRELOAD`` and every registered stage module; the names that imported."""
+    """Import ``PRELOAD``, every registered stage module and the recipe's plug-ins; the
+    names that imported."""
     from components.core.stages import registered
 
     done = []
     for name in (*PRELOAD, *(s.module for s in registered())):
+        module, _, attr = name.partition(":")
         try:
-            importlib.import_module(name)
+            loaded = importlib.import_module(module)
+            if attr:
+                getattr(loaded, attr)
             done.append(name)
         except Exception as exc:  # a missing optional library costs start-up time, not correctness
             log.warning("preload: cannot import %s (%s); tasks will import it themselves", name, exc)
+    for registry, name in _recipe_plugins():
+        try:
+            registry.load(name)
+            done.append(f"{registry.kind} {name}")
+        except Exception as exc:
+            log.warning("preload: cannot load %s %s (%s)", registry.kind, name, exc)
     return done
 
 
@@ -214,7 +242,9 @@ class LocalAirflow:
                 health = self.api("GET", "/monitor/health", timeout=5)
                 if all(health.get(c, {}).get("status") == "healthy" for c in ("metadatabase", "scheduler", "dag_processor")):
                     self.api("GET", f"/dags/{DAG_ID}", timeout=5)  # 404 until the DAG processor has parsed it
-                    return
+                    if "Worker starting up" in self.log_tail("scheduler", 200):  # the executor (after preload) is up
+                        return
+                    last = "the scheduler's executor has not started its workers yet"
                 last = json.dumps(health)
             except (OSError, urllib.error.HTTPError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
