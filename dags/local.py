@@ -233,6 +233,7 @@ class LocalAirflow:
         return json.loads(raw) if raw else None
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until the three are healthy, the DAG is parsed and the executor's workers run."""
         deadline, last = time.monotonic() + timeout, ""
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -245,7 +246,8 @@ class LocalAirflow:
                     if "Worker starting up" in self.log_tail("scheduler", 200):  # the executor (after preload) is up
                         return
                     last = "the scheduler's executor has not started its workers yet"
-                last = json.dumps(health)
+                else:
+                    last = json.dumps(health)
             except (OSError, urllib.error.HTTPError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.5)
