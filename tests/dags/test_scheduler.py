@@ -60,22 +60,30 @@ def test_scheduled_runs_then_a_failed_run_cleared_and_rerun(local_airflow):
         assert _evaluated(af.run_root, k)
         assert lease.current(store, PIPELINE, k).holder == f"airflow:{run['dag_run_id']}"
         # Mapped shards ran side by side: their task instances overlap in the Airflow DB.
+        # (Every try counts: two shards logging the same MLflow input at once can lose
+        # MLflow's check-then-insert race, and Airflow retries the loser.)
         rows = af.task_rows(run["dag_run_id"])
         assert {r.state for r in rows.values()} == {"success"}, rows
         for stage in ("rollout", "sandbox"):
-            a, b = rows[(stage, 0)], rows[(stage, 1)]
-            assert _overlap(a, b) > 0, f"{stage} shards of run {k} ran one after the other: {a} {b}"
+            a, b = (af.attempts(run["dag_run_id"], stage, i) for i in (0, 1))
+            assert max(_overlap(x, y) for x in a for y in b) > 0, f"{stage} shards of run {k} ran one after the other: {a} {b}"
 
-    # 2. The third run (already started: @continuous) meets a truncated optimizer state
-    #    in the checkpoint it starts from; only its trainer reads that file.
-    af.wait("the third run's taskgen", lambda: read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")) is not None,
-            timeout=RUN_TIMEOUT_S, every=0.2)
-    third_id = af.runs()[2]["dag_run_id"]
-    start = read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")).facts(StartingPolicy)
-    state_file = Path(start.policy_uri.removeprefix("file://")) / "trainer_state.pt"
-    assert af.task_rows(third_id)[("trainer", -1)].state is None, "the trainer was scheduled before the fault was in place"
+    # 2. The third run (started by @continuous as the second ended) starts from the champion,
+    #    whose optimizer state we now truncate; only the trainer reads that file.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=af.mlflow_uri)
+    champion = client.get_model_version_by_alias(f"{PIPELINE}-policy", "champion")
+    state_file = Path(champion.source.removeprefix("file://")) / "trainer_state.pt"
     good = state_file.read_bytes()
     state_file.write_bytes(good[: len(good) // 2])
+    runs = af.runs()
+    assert len(runs) == 2 or af.task_rows(runs[2]["dag_run_id"])[("trainer", -1)].state is None, \
+        "the third run's trainer was scheduled before the fault was in place"
+    af.wait("the third run's taskgen", lambda: read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")) is not None,
+            timeout=RUN_TIMEOUT_S)
+    third_id = af.runs()[2]["dag_run_id"]
+    assert read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")).facts(StartingPolicy).policy_uri == champion.source
 
     failed = af.wait("the third run to fail", lambda: (r := af.runs()[2])["state"] == "failed" and r, timeout=RUN_TIMEOUT_S)
     rows = af.task_rows(third_id)
@@ -85,12 +93,10 @@ def test_scheduled_runs_then_a_failed_run_cleared_and_rerun(local_airflow):
     assert af.api("GET", f"/dags/{DAG_ID}")["is_paused"], "the DAG did not pause after a failed run"
     assert len(af.runs()) == 3
     af.wait("the failed run to hand its lease back", lambda: lease.current(store, PIPELINE, 3).holder == "", timeout=60)
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=af.mlflow_uri)
     parent = af.xcom(third_id, "plan", "mlflow_run_id")
     assert "trainer_state" in client.get_run(parent).data.tags["posttrain.failed.trainer"]
     manifests = {p: p.read_bytes() for p in af.run_root.rglob("_MANIFEST.json")}
+    tries = {key: row.try_number for key, row in rows.items()}
 
     # 3. Restore the file, clear the failed tasks through the REST API, unpause: the same run finishes.
     state_file.write_bytes(good)
@@ -104,7 +110,9 @@ def test_scheduled_runs_then_a_failed_run_cleared_and_rerun(local_airflow):
     assert failed["dag_run_id"] == third_id
     rows = af.task_rows(third_id)
     assert (rows[("trainer", -1)].state, rows[("trainer", -1)].try_number) == ("success", 2)
-    assert rows[("rollout", 0)].try_number == rows[("rollout", 1)].try_number == 1
+    rerun = {("trainer", -1), ("evaluation", -1), ("announce_champion", -1)}
+    assert {key: row.try_number for key, row in rows.items() if key not in rerun} == \
+        {key: n for key, n in tries.items() if key not in rerun}, "the clear re-ran tasks that had succeeded"
     assert int(af.xcom(third_id, "plan", "iteration")) == 3 and _evaluated(af.run_root, 3)
     for path, data in manifests.items():
         assert path.read_bytes() == data, f"{path} was rewritten by the re-run"
