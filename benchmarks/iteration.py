@@ -130,13 +130,13 @@ def task_timings(db_path: Path, run_root: Path, pipeline: str) -> dict:
     db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     (run_start, run_end, queued), = db.execute(
         "select start_date, end_date, queued_at from dag_run where dag_id = ?", (DAG_ID,)).fetchall()
-    rows = db.execute("select task_id, map_index, start_date, end_date from task_instance where dag_id = ?",
+    rows = db.execute("select task_id, map_index, start_date, end_date, try_number from task_instance where dag_id = ?",
                       (DAG_ID,)).fetchall()
     ends: dict[str, float] = {}
-    for task_id, _, _, end in rows:
+    for task_id, _, _, end, _ in rows:
         ends[task_id] = max(ends.get(task_id, 0.0), stamp(end) or 0.0)
     tasks = {}
-    for task_id, map_index, start, end in rows:
+    for task_id, map_index, start, end, tries in rows:
         if task_id not in STAGES:
             continue
         folder = run_root / pipeline / "iter-000001" / task_id
@@ -146,7 +146,7 @@ def task_timings(db_path: Path, run_root: Path, pipeline: str) -> dict:
         t0 = stamp(start)
         tasks[f"{task_id}[{map_index}]" if map_index >= 0 else task_id] = {
             "overhead_s": timings["start"] - t0, "stage_s": timings["duration_s"], "task_s": stamp(end) - t0,
-            "gap_s": t0 - max(ends[u] for u in upstream_of(task_id)),
+            "gap_s": t0 - max(ends[u] for u in upstream_of(task_id)), "tries": tries,
         }
     return {"run_s": stamp(run_end) - stamp(run_start), "queued_to_end_s": stamp(run_end) - stamp(queued or run_start),
             "tasks": tasks}
@@ -193,7 +193,8 @@ def report(result: dict) -> str:
         cells = []
         for c in tcols:
             row = timing[c]["tasks"].get(t)
-            cells.append(f"{row['overhead_s']:.2f} / {row['gap_s']:.2f}" if row else "-")
+            retried = f" (try {row['tries']})" if row and row["tries"] > 1 else ""
+            cells.append(f"{row['overhead_s']:.2f} / {row['gap_s']:.2f}{retried}" if row else "-")
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
     lines.append("| **median** | " + " | ".join(
         f"**{median([r['overhead_s'] for r in timing[c]['tasks'].values()]):.2f}** / "
