@@ -15,4 +15,4 @@ _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow"]
+pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server"]

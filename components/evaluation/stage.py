@@ -9,6 +9,9 @@ one. The candidate becomes ``champion`` only if no domain dropped by more than
 ``evaluation.regression_tolerance``; the decision and the reason are written to the
 report, the manifest and the registry version's tags.
 
+The baseline is fixed (as a tag on the candidate's registry version) before any alias
+moves, so a retried evaluation gives the same report and aliases as the first attempt.
+
 Not covered: statistical significance tests on the difference (the suite is fixed and
 greedy, so the same policy always gets the same score).
 """
@@ -40,6 +43,21 @@ def baseline_for(pipeline: str, parent_version: str) -> tuple[str, dict[str, flo
     return version, baseline_rates(pipeline, version)
 
 
+BASELINE_TAG = "posttrain.baseline_version"
+
+
+def fixed_baseline(pipeline: str, candidate: str, parent_version: str) -> tuple[str, dict[str, float]]:
+    """``baseline_for``, fixed on the candidate's registry version before any alias moves:
+    a retry after the first attempt promoted the candidate (a kill, an outage) reads the
+    tag back instead of comparing the candidate with itself."""
+    tags = tracking.client().get_model_version(tracking.model_name(pipeline), candidate).tags
+    if BASELINE_TAG in tags:
+        return tags[BASELINE_TAG], baseline_rates(pipeline, tags[BASELINE_TAG])
+    version, rates = baseline_for(pipeline, parent_version)
+    tracking.set_version_tags(pipeline, candidate, {BASELINE_TAG: version})
+    return version, rates
+
+
 def decide(candidate: dict[str, float], baseline: dict[str, float], tolerance: float) -> tuple[bool, str]:
     drops = {d: baseline[d] - candidate.get(d, 0.0) for d in baseline}
     worst = [f"{d} {baseline[d]:.3f}->{candidate.get(d, 0.0):.3f}" for d, drop in sorted(drops.items()) if drop > tolerance]
@@ -56,7 +74,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     trainer = ctx.facts_of("trainer", Checkpoint)
     candidate = load_policy(trainer.checkpoint_uri, trainer.version)
     _, rates, worst = evaluate_and_log(ctx, candidate)
-    baseline_version, baseline = baseline_for(ctx.pipeline, trainer.parent_version)
+    baseline_version, baseline = fixed_baseline(ctx.pipeline, trainer.version, trainer.parent_version)
     promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
     tracking.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
     if promoted:

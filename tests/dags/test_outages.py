@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from components.core.storage import Store
-from tests.fixtures.mlflow_server import MlflowServer, mlflow_server  # noqa: F401  (a fixture)
+from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.pausing import wait_for
 from tests.fixtures.runs import (
     REPO,
@@ -177,7 +177,7 @@ def tracking_outage_during(stage: str, server: MlflowServer, s3: S3Server, tmp_p
     return TrackingOutage(home, store, pipeline, text, first, first_files, outage_s)
 
 
-def test_tracking_server_outage_mid_stage_is_retried_and_the_run_succeeds(mlflow_server: MlflowServer,  # noqa: F811
+def test_tracking_server_outage_mid_stage_is_retried_and_the_run_succeeds(mlflow_server: MlflowServer,
                                                                           s3_env: S3Server, tmp_path: Path) -> None:
     """MLflow's client would retry a refused connection for minutes on its own; with its
     retries off and a 5 s timeout, a hung server fails the trainer, and Airflow retries it."""
@@ -205,11 +205,7 @@ def test_tracking_server_outage_mid_stage_is_retried_and_the_run_succeeds(mlflow
     assert done[0].data.metrics["trainer/steps"] == trainer["metrics"]["trainer/steps"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "components/evaluation/stage.py: baseline_for() reads the champion alias, which the first attempt already "
-    "moved to the candidate, so the retry judges the candidate against itself (report baseline '2', was '1'); "
-    "DESIGN.md: 'Promotion is idempotent: the baseline is fixed before any alias moves'. Drop this mark once fixed."))
-def test_evaluation_retried_after_it_promoted_keeps_its_baseline(mlflow_server: MlflowServer,  # noqa: F811
+def test_evaluation_retried_after_it_promoted_keeps_its_baseline(mlflow_server: MlflowServer,
                                                                  s3_env: S3Server, tmp_path: Path) -> None:
     """The server hangs in the middle of evaluation, after the first attempt has moved the
     champion alias to the candidate: the retry must write the same report (same baseline)."""
@@ -228,7 +224,7 @@ def test_evaluation_retried_after_it_promoted_keeps_its_baseline(mlflow_server: 
     assert {k: v["sha256"] for k, v in manifest["outputs"].items()} == run.first["outputs"]
 
 
-def test_tracking_server_with_a_local_run_root_is_refused_in_one_line(mlflow_server: MlflowServer,  # noqa: F811
+def test_tracking_server_with_a_local_run_root_is_refused_in_one_line(mlflow_server: MlflowServer,
                                                                       tmp_path: Path) -> None:
     """A tracking server accepts no local path as a registry source: a user's mistake
     (exit 2, nothing retried), named with the fix, not a bootstrap that fails four times."""
