@@ -81,8 +81,11 @@ IMPORT_TIMES = """
 import importlib, json, sys, time
 out = {}
 for name in sys.argv[1:]:
+    module, _, attr = name.partition(":")
     t = time.perf_counter()
-    importlib.import_module(name)
+    loaded = importlib.import_module(module)
+    if attr:
+        getattr(loaded, attr)
     out[name] = time.perf_counter() - t
 print(json.dumps(out))
 """
