@@ -46,7 +46,9 @@ def _rollout_ids(run_root: Path, k: int) -> list[str]:
 
 
 def test_scheduled_runs_then_a_failed_run_cleared_and_rerun(local_airflow):
-    af = local_airflow(schedule="@continuous", AIRFLOW__CORE__MAX_CONSECUTIVE_FAILED_DAG_RUNS_PER_DAG="1")
+    # One failed run pauses the DAG (else @continuous would start the next at once); a retry waits 1 s, not 10.
+    af = local_airflow(schedule="@continuous", AIRFLOW__CORE__MAX_CONSECUTIVE_FAILED_DAG_RUNS_PER_DAG="1",
+                       POSTTRAIN_RETRY_DELAY_S="1")
     store = Store(str(af.run_root), "run_root")
     af.set_paused(False)
 
