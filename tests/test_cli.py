@@ -76,11 +76,18 @@ def test_unknown_domain_through_the_console_script(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("command", [["stage", "taskgen"], ["run", "--iterations", "1"]], ids=["stage", "run"])
 def test_unreachable_store(command: list[str], tmp_path: Path) -> None:
+    """Nothing listens at the endpoint: an outage, not a mistake (exit 1, one line naming it)."""
     env = base_env(tmp_path / "home")
-    env.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port()}", AWS_ACCESS_KEY_ID="nobody",
+    port = closed_port()
+    env.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="nobody",
                AWS_SECRET_ACCESS_KEY="nothing", AWS_DEFAULT_REGION="us-east-1")
     proc = posttrain([*command, "--recipe", str(TINY_RECIPE), "--run-root", "s3://bucket/x"], env)
-    assert_user_error(proc, "--run-root='s3://bucket/x'", "not reachable", "AWS_ENDPOINT_URL")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("posttrain")]
+    assert len(lines) == 1 and lines[0].startswith("posttrain: unreachable: store unreachable at 's3://bucket/x': "
+                                                   "EndpointConnectionError: Could not connect to the endpoint URL")
+    assert f"127.0.0.1:{port}" in lines[0] and lines[0].endswith("retry once it is back")
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "home").exists()  # failed before any tracking was opened
 
 
