@@ -21,6 +21,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+from components.core.errors import UserError
 from components.core.storage import Store
 
 DEFAULT_TTL_S = 6 * 3600.0
@@ -58,8 +59,12 @@ def current(store: Store, pipeline: str, iteration: int) -> Lease | None:
     names = [n for n in store.listdir(_folder(pipeline, iteration)) if n.endswith(".json") and n[:-5].isdigit()]
     if not names:
         return None
-    latest = max(names, key=lambda n: int(n[:-5]))
-    return Lease(**store.read_json(f"{_folder(pipeline, iteration)}/{latest}"))
+    rel = f"{_folder(pipeline, iteration)}/{max(names, key=lambda n: int(n[:-5]))}"
+    try:
+        return Lease(**store.read_json(rel))
+    except (ValueError, TypeError):  # not JSON, or not a lease's fields: written by something else
+        raise UserError("lease", store.url(rel), "is not a lease record (corrupted or written by another tool)",
+                        "stop any run of this pipeline, then delete that object; the next run takes the lease anew") from None
 
 
 def _write_next(store: Store, pipeline: str, iteration: int, after: Lease | None, holder: str, ttl_s: float) -> Lease | None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from components.core import lease
+from components.core.errors import UserError
 from components.core.storage import Store
 from tests.fixtures import race
 
@@ -124,3 +126,14 @@ def test_held_by_lists_a_holders_iterations_newest_first(store_uri: str) -> None
     assert lease.held_by(store, PIPE, "alice") == [12, 1]
     assert lease.held_by(store, PIPE, "bob") == [5, 2]
     assert lease.held_by(store, "other-pipeline", "alice") == []
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe not json", b"[1, 2]", b'{"holder": "x"}', b"{" * 5000])
+def test_a_corrupted_lease_is_one_line_naming_the_object(garbage: bytes, tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "store"))
+    store.write_bytes("p/_leases/iter-000001/000000.json", garbage)
+    with pytest.raises(UserError) as info:
+        lease.acquire(store, "p", 1, "me")
+    assert info.value.line() == (
+        f"lease={store.url('p/_leases/iter-000001/000000.json')!r}: is not a lease record (corrupted or written by "
+        "another tool); fix: stop any run of this pipeline, then delete that object; the next run takes the lease anew")
