@@ -39,6 +39,7 @@ resource "helm_release" "airflow" {
       { name = "POSTTRAIN_STAGE_SERVICE_ACCOUNT", value = var.stage_service_account },
       { name = "POSTTRAIN_IMAGE_PREFIX", value = var.image_prefix },
       { name = "POSTTRAIN_IMAGE_VERSION", value = var.image_version },
+      { name = "POSTTRAIN_SCHEDULE", value = var.schedule },
     ]
   })]
 

@@ -97,6 +97,12 @@ variable "image_version" {
   default     = "0.1.0"
 }
 
+variable "schedule" {
+  description = "POSTTRAIN_SCHEDULE for the DAG: a cron expression, a preset (@daily, @continuous), asset:champion, or empty for manual runs."
+  type        = string
+  default     = "0 2 * * *"
+}
+
 variable "mlflow_database" {
   description = "MLflow backend store: \"sqlite\" (a file on a persistent volume, one replica) or \"postgres\" (an RDS instance created here)."
   type        = string
