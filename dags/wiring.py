@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from functools import cache
 from typing import Any
 
 from airflow.sdk import Asset, task
@@ -170,17 +171,22 @@ def run_failed(context: dict[str, Any]) -> None:
                  lease.release(store, pipeline, k, holder))
 
 
+@cache
+def _recipe_timeouts() -> dict[str, int]:
+    """``timeouts`` of the recipe named by POSTTRAIN_RECIPE, read once per DAG parse."""
+    from components.core import settings
+    from components.core.errors import UserError
+    from components.core.recipe import load_recipe
+
+    try:
+        return dict(load_recipe(settings.default_recipe()).timeouts)
+    except UserError:  # an unreadable recipe fails the plan task with its one-line message instead
+        return {}
+
+
 def timeout_for(spec: StageSpec) -> timedelta:
     """The stage's time limit: the recipe named by POSTTRAIN_RECIPE may override the registry's."""
-    seconds = spec.timeout_s
-    try:
-        from components.core import settings
-        from components.core.recipe import load_recipe
-
-        seconds = load_recipe(settings.default_recipe()).timeouts.get(spec.id, seconds)
-    except Exception:  # an unreadable recipe fails the plan task with a clear message instead
-        pass
-    return timedelta(seconds=seconds)
+    return timedelta(seconds=_recipe_timeouts().get(spec.id, spec.timeout_s))
 
 
 def stage_task(spec: StageSpec):

@@ -133,7 +133,8 @@ schedule = None if dag is None else dag.schedule
 print(json.dumps({"errors": [str(v) for v in bag.import_errors.values()],
                   "schedule": schedule if schedule is None or isinstance(schedule, str) else type(schedule).__name__,
                   "timetable": None if dag is None else type(dag.timetable).__name__,
-                  "assets": [schedule.name] if type(schedule).__name__ == "Asset" else []}))
+                  "assets": [schedule.name] if type(schedule).__name__ == "Asset" else [],
+                  "trainer_timeout_s": None if dag is None else dag.get_task("trainer").execution_timeout.total_seconds()}))
 """
 
 
@@ -158,9 +159,16 @@ def test_a_bad_schedule_is_an_import_error_that_names_the_fix(tmp_path: Path) ->
     assert "e.g. '0 2 * * *', '@daily' or 'asset:champion'" in shape["errors"][0]
 
 
-def _parse(tmp_path: Path, schedule: str) -> dict:
+def test_the_recipe_sets_a_stage_time_limit(tmp_path: Path) -> None:
+    assert _parse(tmp_path, "")["trainer_timeout_s"] == 6 * 3600  # the registry's
+    recipe = tmp_path / "timed.yaml"
+    recipe.write_text(TINY.read_text() + "timeouts: {trainer: 123}\n")
+    assert _parse(tmp_path, "", POSTTRAIN_RECIPE=str(recipe))["trainer_timeout_s"] == 123
+
+
+def _parse(tmp_path: Path, schedule: str, **more: str) -> dict:
     env = env_for(tmp_path / ".posttrain", AIRFLOW_HOME=str(tmp_path / "airflow"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-                  POSTTRAIN_SCHEDULE=schedule)
+                  POSTTRAIN_SCHEDULE=schedule, **more)
     proc = subprocess.run([sys.executable, "-c", DAG_SHAPE % str(REPO / "dags")], env=env, capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
