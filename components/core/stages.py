@@ -3,7 +3,10 @@
 A ``StageSpec`` says where a stage's code lives (``module``, with ``SECTIONS``,
 ``inputs`` and ``run``), which stages must finish before it (``upstream``), whether it
 fans out over shards and how wide (``fanout``: the recipe field holding the shard
-count), which orchestrator pool caps it, and its default time limit. The DAG builds
+count), which orchestrator pool caps it, its default time limit, and what one task
+asks of a cluster in the container modes (``gpus``, ``cpu``, ``memory``, and
+``sandboxed``: it runs policy-written code, so its container gets the sandbox's
+security settings). The DAG builds
 one task per spec, mapped over ``shard_list(recipe, id)`` for sharded stages; the
 Kubeflow pipeline and ``containers/build.sh`` are checked against the same list by
 tests.
@@ -35,6 +38,10 @@ class StageSpec:
     pool: str = ""  # orchestrator pool ("" = the default pool)
     timeout_s: int = 3600  # default time limit of one task of this stage
     before: tuple[str, ...] = field(default=())  # plug-ins: stages that must now wait for this one
+    gpus: int = 0  # accelerators one task asks for on a cluster (container modes); 0 = CPU only
+    sandboxed: bool = False  # runs policy-written code through the sandbox: its container needs the sandbox's security settings
+    cpu: str = "2"  # CPU request of one task on a cluster (Kubernetes quantity)
+    memory: str = "8Gi"  # memory request and limit of one task on a cluster
 
     @property
     def sharded(self) -> bool:
@@ -44,15 +51,17 @@ class StageSpec:
 SANDBOX_POOL = "posttrain_sandbox"
 
 BUILTIN: tuple[StageSpec, ...] = (
-    StageSpec("bootstrap", "components.bootstrap.stage", (), timeout_s=4 * 3600),
+    StageSpec("bootstrap", "components.bootstrap.stage", (), timeout_s=4 * 3600, sandboxed=True, gpus=1, memory="16Gi"),
     StageSpec("taskgen", "components.taskgen.stage", ("bootstrap",), timeout_s=1800),
-    StageSpec("rollout", "components.rollout.stage", ("taskgen",), fanout="rollout.shards", timeout_s=4 * 3600),
+    StageSpec("rollout", "components.rollout.stage", ("taskgen",), fanout="rollout.shards", timeout_s=4 * 3600,
+              gpus=1, memory="16Gi"),
     StageSpec("sandbox", "components.sandbox.stage", ("rollout",), fanout="sandbox.shards", pool=SANDBOX_POOL,
-              timeout_s=2 * 3600),
+              timeout_s=2 * 3600, sandboxed=True, cpu="4"),
     StageSpec("reward", "components.reward.stage", ("sandbox",), fanout="rollout.shards", timeout_s=1800),
     StageSpec("validation", "components.validation.stage", ("reward",), timeout_s=1800),
-    StageSpec("trainer", "components.trainer.stage", ("validation",), timeout_s=6 * 3600),
-    StageSpec("evaluation", "components.evaluation.stage", ("trainer",), timeout_s=4 * 3600),
+    StageSpec("trainer", "components.trainer.stage", ("validation",), timeout_s=6 * 3600, gpus=1, memory="32Gi"),
+    StageSpec("evaluation", "components.evaluation.stage", ("trainer",), timeout_s=4 * 3600, sandboxed=True, gpus=1,
+              memory="16Gi"),
 )
 
 
