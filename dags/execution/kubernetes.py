@@ -1,0 +1,217 @@
+"""The ``kubernetes`` execution mode: every stage task is a pod in the stage's image, started
+and watched by the cncf-kubernetes provider's ``KubernetesPodOperator``.
+
+What a stage pod gets (``operator(spec, res)``):
+
+- every stage: the image ``<POSTTRAIN_IMAGE_PREFIX>posttrain-<stage>:<POSTTRAIN_IMAGE_TAG>``
+  (its entrypoint ``posttrain stage <id>``; the seam passes the arguments), namespace
+  ``POSTTRAIN_NAMESPACE``, service account ``POSTTRAIN_STAGE_SERVICE_ACCOUNT``, the config
+  map ``POSTTRAIN_STAGE_CONFIGMAP`` as environment (``envFrom``), requests ``cpu`` and
+  ``memory`` and a ``memory`` limit from ``res``, and the Pod Security Standards'
+  *restricted* profile: uid/gid 10001, non-root, no privilege escalation, every capability
+  dropped, seccomp ``RuntimeDefault``;
+- GPU stages (``res.gpus`` > 0; the registry's ``gpus`` unless the recipe's ``resources``
+  overrides it): a ``nvidia.com/gpu`` limit, a toleration for the ``nvidia.com/gpu``
+  NoSchedule taint, the node selector ``POSTTRAIN_GPU_NODE_SELECTOR``, and ``/dev/shm`` in
+  memory (torch and vLLM share tensors between processes there);
+- sandboxed stages (``spec.sandboxed``): the sandbox's security context instead (below),
+  ``hostUsers: false``, and ``runtimeClassName`` ``POSTTRAIN_SANDBOX_RUNTIME_CLASS`` when set.
+
+Settings, read at DAG parse (a bad value is a DAG import error: one line naming the
+variable and the fix):
+
+| variable | default | meaning |
+|---|---|---|
+| ``POSTTRAIN_NAMESPACE`` | ``posttrain`` | namespace of the stage pods |
+| ``POSTTRAIN_STAGE_SERVICE_ACCOUNT`` | ``posttrain-stage`` | their service account (IRSA on EKS grants the store) |
+| ``POSTTRAIN_STAGE_CONFIGMAP`` | ``posttrain-stage-env`` | the stages' environment: store, tracking server, region |
+| ``POSTTRAIN_SANDBOX_RUNTIME_CLASS`` | unset | RuntimeClass of sandboxed pods, e.g. ``gvisor`` |
+| ``POSTTRAIN_GPU_NODE_SELECTOR`` | ``posttrain.io/pool=gpu`` | ``key=value[,key=value]`` for GPU pods; empty: none |
+| ``POSTTRAIN_POD_STARTUP_TIMEOUT_S`` | ``600`` | seconds a pod may stay Pending (image pull, GPU node scale-up) |
+| ``POSTTRAIN_IMAGE_PREFIX``, ``POSTTRAIN_IMAGE_TAG`` | ``""``, the package version | the stage images |
+
+Why the sandboxed stages' pods look as they do: the sandbox runs policy-written code
+under bubblewrap, which needs unprivileged user namespaces (blocked by the runtime's
+default seccomp and AppArmor profiles) and must mount a fresh ``/proc`` in its own PID
+namespace (refused by the kernel while the container's ``/proc`` has masked paths). The
+container stays non-root with every capability dropped; what it gets instead is
+``seccompProfile``/``appArmorProfile`` ``Unconfined`` and ``procMount: Unmasked``, the
+same as the docker mode's ``--security-opt`` flags (``containers/podman-run-flags``).
+The API server accepts ``procMount: Unmasked`` only in a pod with its own user namespace,
+``hostUsers: false``: that needs Kubernetes 1.30+ with the ``UserNamespacesSupport`` and
+``ProcMountType`` feature gates (on by default from 1.33) and a runtime and kernel that
+support idmapped mounts (containerd 2.0+ or CRI-O 1.25+, Linux 6.3+). Where they are
+missing, the API server either ignores these fields (the sandbox then finds weaker
+isolation at start and refuses to run untrusted code unless the recipe allows it) or
+rejects the pod, which fails the task with the API server's reason. A gVisor
+RuntimeClass isolates the whole pod in a user-space kernel on top of that.
+
+Pods are deleted when they succeed and kept when they fail (``kubectl logs`` /
+``describe`` them); their logs stream into the Airflow task log. Labels:
+``app.kubernetes.io/part-of=posttrain``, ``posttrain.io/stage=<id>`` and, on sharded
+stages, ``posttrain.io/shard=<map index>``.
+
+Not covered: multi-node stages (a PyTorchJob per trainer task), deferrable mode (the
+deployment runs no triggerer), image pull secrets (use node IAM / ECR, or the service
+account's ``imagePullSecrets``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+from kubernetes.client import models as k8s
+
+from components import __version__
+from components.core.stages import Resources, StageSpec
+
+ARGS_FIELD = "arguments"
+
+NAMESPACE_VAR = "POSTTRAIN_NAMESPACE"
+SERVICE_ACCOUNT_VAR = "POSTTRAIN_STAGE_SERVICE_ACCOUNT"
+CONFIGMAP_VAR = "POSTTRAIN_STAGE_CONFIGMAP"
+RUNTIME_CLASS_VAR = "POSTTRAIN_SANDBOX_RUNTIME_CLASS"
+GPU_NODE_SELECTOR_VAR = "POSTTRAIN_GPU_NODE_SELECTOR"
+STARTUP_TIMEOUT_VAR = "POSTTRAIN_POD_STARTUP_TIMEOUT_S"
+
+DEFAULTS = {NAMESPACE_VAR: "posttrain", SERVICE_ACCOUNT_VAR: "posttrain-stage", CONFIGMAP_VAR: "posttrain-stage-env",
+            RUNTIME_CLASS_VAR: "", GPU_NODE_SELECTOR_VAR: "posttrain.io/pool=gpu", STARTUP_TIMEOUT_VAR: "600"}
+
+GPU_RESOURCE = "nvidia.com/gpu"
+STAGE_UID = 10001  # the images' user "posttrain" (containers/base/Dockerfile)
+
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+DNS_LABEL = re.compile(rf"^{_LABEL}$")  # namespaces
+DNS_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")  # service accounts, config maps, runtime classes
+_QUALIFIED = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+LABEL_KEY = re.compile(rf"^({_LABEL}(\.{_LABEL})*/)?{_QUALIFIED}$")
+LABEL_VALUE = re.compile(rf"^({_QUALIFIED})?$")
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    namespace: str
+    service_account: str
+    config_map: str
+    runtime_class: str  # "" = the cluster's default runtime
+    gpu_node_selector: dict[str, str]
+    startup_timeout_s: int
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    return DEFAULTS[name] if value is None else value.strip()
+
+
+def _name(var: str, pattern: re.Pattern, max_len: int, example: str, allow_empty: bool = False) -> str:
+    value = _env(var)
+    if allow_empty and not value:
+        return ""
+    if len(value) > max_len or not pattern.match(value):
+        raise ValueError(f"{var}={value!r}: not a Kubernetes name (at most {max_len} lowercase letters, digits, '-'"
+                         f"{'' if pattern is DNS_LABEL else ' and .'}); set it to e.g. {example!r}"
+                         f"{' or leave it unset' if allow_empty else ''}")
+    return value
+
+
+def _node_selector(var: str) -> dict[str, str]:
+    value = _env(var)
+    selector: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in value.split(","))):
+        key, sep, label = pair.partition("=")
+        key, label = key.strip(), label.strip()
+        if not sep or len(key.split("/")[-1]) > 63 or len(label) > 63 or not LABEL_KEY.match(key) \
+                or not LABEL_VALUE.match(label):
+            raise ValueError(f"{var}={value!r}: {pair!r} is not a node label 'key=value'; "
+                             f"set it to e.g. 'posttrain.io/pool=gpu' (comma-separated for several), or '' for none")
+        selector[key] = label
+    return selector
+
+
+def _positive_int(var: str, example: int) -> int:
+    value = _env(var)
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{var}={value!r}: not a positive whole number of seconds; set it to e.g. '{example}'")
+    return number
+
+
+def cluster_settings() -> ClusterSettings:
+    """The deployment's cluster settings from the environment; ValueError naming the variable and the fix."""
+    return ClusterSettings(
+        namespace=_name(NAMESPACE_VAR, DNS_LABEL, 63, "posttrain"),
+        service_account=_name(SERVICE_ACCOUNT_VAR, DNS_SUBDOMAIN, 253, "posttrain-stage"),
+        config_map=_name(CONFIGMAP_VAR, DNS_SUBDOMAIN, 253, "posttrain-stage-env"),
+        runtime_class=_name(RUNTIME_CLASS_VAR, DNS_SUBDOMAIN, 253, "gvisor", allow_empty=True),
+        gpu_node_selector=_node_selector(GPU_NODE_SELECTOR_VAR),
+        startup_timeout_s=_positive_int(STARTUP_TIMEOUT_VAR, 600),
+    )
+
+
+def _image_for(stage: str) -> str:
+    """The stage's image (the seam's naming rule: ``<prefix>posttrain-<stage>:<tag>``)."""
+    return f"{os.environ.get('POSTTRAIN_IMAGE_PREFIX', '')}posttrain-{stage}:{os.environ.get('POSTTRAIN_IMAGE_TAG') or __version__}"
+
+
+def security_contexts(sandboxed: bool) -> tuple[k8s.V1PodSecurityContext, k8s.V1SecurityContext]:
+    """(pod, container) security contexts: the Pod Security Standards' *restricted* profile,
+    or the sandbox's (see the module docstring)."""
+    seccomp = k8s.V1SeccompProfile(type="Unconfined" if sandboxed else "RuntimeDefault")
+    pod = k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=STAGE_UID, run_as_group=STAGE_UID,
+                                   fs_group=STAGE_UID, seccomp_profile=seccomp)
+    container = k8s.V1SecurityContext(run_as_non_root=True, run_as_user=STAGE_UID, run_as_group=STAGE_UID,
+                                      allow_privilege_escalation=False, privileged=False,
+                                      capabilities=k8s.V1Capabilities(drop=["ALL"]), seccomp_profile=seccomp)
+    if sandboxed:
+        container.app_armor_profile = k8s.V1AppArmorProfile(type="Unconfined")
+        container.proc_mount = "Unmasked"
+    return pod, container
+
+
+def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
+    """(KubernetesPodOperator, its keyword arguments for this stage): everything but the
+    task id, the arguments (``ARGS_FIELD``) and the Airflow retry/timeout/callback/pool ones."""
+    conf = cluster_settings()
+    gpu = res.gpus > 0
+    pod_security, container_security = security_contexts(spec.sandboxed)
+    limits = {"memory": res.memory, **({GPU_RESOURCE: str(res.gpus)} if gpu else {})}
+    labels = {"app.kubernetes.io/part-of": "posttrain", "app.kubernetes.io/component": spec.id, "posttrain.io/stage": spec.id}
+    if spec.sharded:
+        labels["posttrain.io/shard"] = "{{ ti.map_index }}"
+    # What KubernetesPodOperator has no argument for goes in a base pod it merges under its own.
+    base = k8s.V1PodSpec(containers=[], host_users=False if spec.sandboxed else None,
+                         runtime_class_name=(conf.runtime_class or None) if spec.sandboxed else None)
+    kwargs: dict[str, Any] = {
+        "name": f"posttrain-{spec.id}",
+        "namespace": conf.namespace,
+        "image": _image_for(spec.id),
+        "image_pull_policy": "IfNotPresent",
+        "service_account_name": conf.service_account,
+        "automount_service_account_token": False,  # stages never call the Kubernetes API (IRSA mounts its own token)
+        "env_from": [k8s.V1EnvFromSource(config_map_ref=k8s.V1ConfigMapEnvSource(name=conf.config_map))],
+        "container_resources": k8s.V1ResourceRequirements(requests={"cpu": res.cpu, "memory": res.memory}, limits=limits),
+        "security_context": pod_security,
+        "container_security_context": container_security,
+        "labels": labels,
+        "get_logs": True,
+        "log_events_on_failure": True,
+        "on_finish_action": "delete_succeeded_pod",
+        "startup_timeout_seconds": conf.startup_timeout_s,
+        "deferrable": False,
+    }
+    if base.host_users is not None or base.runtime_class_name:
+        kwargs["full_pod_spec"] = k8s.V1Pod(spec=base)
+    if gpu:
+        kwargs["tolerations"] = [k8s.V1Toleration(key=GPU_RESOURCE, operator="Exists", effect="NoSchedule")]
+        kwargs["node_selector"] = dict(conf.gpu_node_selector)
+        # torch and vLLM share tensors between processes through /dev/shm (64 MiB by default)
+        kwargs["volumes"] = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory"))]
+        kwargs["volume_mounts"] = [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
+    return KubernetesPodOperator, kwargs

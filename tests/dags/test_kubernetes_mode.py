@@ -1,0 +1,205 @@
+"""POSTTRAIN_EXECUTION=kubernetes: the pod of every stage, rendered offline and checked.
+
+    pytest tests/dags/test_kubernetes_mode.py
+
+Each stage's ``KubernetesPodOperator`` (``dags/execution/kubernetes.py``) renders its pod
+through the operator's own ``build_pod_request_obj`` (no cluster: the hook is told it is
+not in one), and the pod is validated against the Kubernetes 1.30 API schema (the
+kubernetes client 30's) by ``kubernetes_validate`` in strict mode (no unknown fields),
+then checked field by field against the stage registry. Not covered: admission (Pod
+Security, the feature gates ``hostUsers``/``procMount`` need) and a real scheduler; the
+cluster part is in ``infra/terraform/README.md``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import kubernetes_validate
+import pytest
+from kubernetes.client import ApiClient
+
+from components import __version__
+from components.core.stages import Resources, StageSpec, registered, resources
+from dags.execution import kubernetes as mode
+
+K8S_VERSION = "1.30"  # the API the kubernetes client 30 speaks
+ENV_VARS = (mode.NAMESPACE_VAR, mode.SERVICE_ACCOUNT_VAR, mode.CONFIGMAP_VAR, mode.RUNTIME_CLASS_VAR,
+            mode.GPU_NODE_SELECTOR_VAR, mode.STARTUP_TIMEOUT_VAR, "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG")
+SANDBOX_CONTAINER = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "allowPrivilegeEscalation": False,
+                     "privileged": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "Unconfined"},
+                     "appArmorProfile": {"type": "Unconfined"}, "procMount": "Unmasked"}
+RESTRICTED_CONTAINER = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "allowPrivilegeEscalation": False,
+                        "privileged": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _args(spec: StageSpec, shard: str = "0/2") -> list[str]:
+    args = ["--recipe", "s3://bucket/store/recipes/abc.yaml", "--run-root", "s3://bucket/store", "--iteration", "3",
+            "--orchestrator-run-id", "manual__2026-01-01"]
+    return [*args, "--shard", shard] if spec.sharded else args
+
+
+def render(op, map_index: int = -1) -> dict:
+    """The pod ``op`` would create, as the API server receives it (camelCase JSON)."""
+    op.hook._is_in_cluster = False  # offline: no kubeconfig, no service-account token to look for
+    ti = SimpleNamespace(dag_id="post_training_iteration", task_id=op.task_id, map_index=map_index, try_number=1)
+    context = {"ti": ti, "run_id": "manual__2026-01-01", "dag": SimpleNamespace(), "task": op}
+    op.render_template_fields(context)
+    return ApiClient().sanitize_for_serialization(op.build_pod_request_obj(context))
+
+
+def stage_pod(spec: StageSpec, res: Resources | None = None) -> dict:
+    cls, kwargs = mode.operator(spec, res or resources(spec.id))
+    return render(cls(task_id=spec.id, arguments=_args(spec), **kwargs), map_index=0 if spec.sharded else -1)
+
+
+STAGES = [pytest.param(s, id=s.id) for s in registered()]
+
+
+@pytest.mark.parametrize("runtime_class", ["", "gvisor"])
+@pytest.mark.parametrize("spec", STAGES)
+def test_every_stage_pod_is_valid_for_the_api(spec, runtime_class, monkeypatch):
+    monkeypatch.setenv(mode.RUNTIME_CLASS_VAR, runtime_class)
+    pod = stage_pod(spec)
+    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == K8S_VERSION
+
+
+def test_the_schema_check_is_real():
+    pod = stage_pod(registered()[0])
+    pod["spec"]["containers"][0]["securityContext"]["procMounts"] = "Unmasked"  # a typo the API would reject
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("spec", STAGES)
+def test_pod_fields_follow_the_registry(spec):
+    pod = stage_pod(spec)
+    meta, podspec = pod["metadata"], pod["spec"]
+    (container,) = podspec["containers"]
+    res = resources(spec.id)
+    assert meta["namespace"] == "posttrain"
+    assert meta["name"].startswith(f"posttrain-{spec.id}-")
+    assert meta["labels"]["posttrain.io/stage"] == spec.id
+    assert meta["labels"]["app.kubernetes.io/part-of"] == "posttrain"
+    assert meta["labels"].get("posttrain.io/shard") == ("0" if spec.sharded else None)
+    assert container["image"] == f"posttrain-{spec.id}:{__version__}"
+    assert container["command"] == []  # the image's entrypoint, posttrain stage <id>, runs
+    assert container["args"] == _args(spec)
+    assert podspec["serviceAccountName"] == "posttrain-stage"
+    assert podspec["automountServiceAccountToken"] is False
+    assert container["envFrom"] == [{"configMapRef": {"name": "posttrain-stage-env"}}]
+    assert podspec["restartPolicy"] == "Never"
+
+    gpu = spec.gpus > 0
+    assert container["resources"]["requests"] == {"cpu": res.cpu, "memory": res.memory}
+    assert container["resources"]["limits"] == {"memory": res.memory, **({"nvidia.com/gpu": str(spec.gpus)} if gpu else {})}
+    tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if gpu else []
+    assert podspec.get("tolerations") == tolerations
+    assert podspec.get("nodeSelector") == ({"posttrain.io/pool": "gpu"} if gpu else {})
+    assert ({"mountPath": "/dev/shm", "name": "dshm"} in container["volumeMounts"]) == gpu
+
+    assert container["securityContext"] == (SANDBOX_CONTAINER if spec.sandboxed else RESTRICTED_CONTAINER)
+    assert podspec["securityContext"]["runAsNonRoot"] is True
+    assert podspec["securityContext"]["seccompProfile"] == {"type": "Unconfined" if spec.sandboxed else "RuntimeDefault"}
+    assert podspec.get("hostUsers") == (False if spec.sandboxed else None)  # procMount Unmasked needs a user namespace
+    assert "runtimeClassName" not in podspec
+
+
+def test_gpu_stages_are_the_registrys():
+    """The registry, not this module, says which stages want a GPU or the sandbox's settings."""
+    assert {s.id for s in registered() if s.gpus} == {"bootstrap", "rollout", "trainer", "evaluation"}
+    assert {s.id for s in registered() if s.sandboxed} == {"bootstrap", "sandbox", "evaluation"}
+
+
+def test_runtime_class_goes_on_sandboxed_pods_only(monkeypatch):
+    monkeypatch.setenv(mode.RUNTIME_CLASS_VAR, "gvisor")
+    for spec in registered():
+        assert stage_pod(spec)["spec"].get("runtimeClassName") == ("gvisor" if spec.sandboxed else None), spec.id
+
+
+def test_deployment_settings_reach_the_pod(monkeypatch):
+    monkeypatch.setenv(mode.NAMESPACE_VAR, "ml-train")
+    monkeypatch.setenv(mode.SERVICE_ACCOUNT_VAR, "trainer-sa")
+    monkeypatch.setenv(mode.CONFIGMAP_VAR, "stage-env.v2")
+    monkeypatch.setenv(mode.GPU_NODE_SELECTOR_VAR, "node.kubernetes.io/instance-type=p5.48xlarge, accel=h100")
+    monkeypatch.setenv("POSTTRAIN_IMAGE_PREFIX", "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/")
+    monkeypatch.setenv("POSTTRAIN_IMAGE_TAG", "2026.1")
+    pod = stage_pod(next(s for s in registered() if s.id == "trainer"))
+    (container,) = pod["spec"]["containers"]
+    assert pod["metadata"]["namespace"] == "ml-train"
+    assert pod["spec"]["serviceAccountName"] == "trainer-sa"
+    assert container["envFrom"] == [{"configMapRef": {"name": "stage-env.v2"}}]
+    assert pod["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge", "accel": "h100"}
+    assert container["image"] == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/posttrain-trainer:2026.1"
+
+
+def test_an_empty_gpu_node_selector_means_none(monkeypatch):
+    monkeypatch.setenv(mode.GPU_NODE_SELECTOR_VAR, "")
+    pod = stage_pod(next(s for s in registered() if s.id == "rollout"))
+    assert pod["spec"]["nodeSelector"] == {}
+    assert pod["spec"]["tolerations"]  # still tolerates the GPU taint
+
+
+def test_the_recipes_resources_override_the_registrys():
+    """``resources(stage, recipe)`` is what the seam passes: a recipe may take the GPU away."""
+    trainer = next(s for s in registered() if s.id == "trainer")
+    pod = stage_pod(trainer, Resources(cpu="500m", memory="3Gi", gpus=0))
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    assert pod["spec"]["tolerations"] == [] and pod["spec"]["nodeSelector"] == {}
+    pod = stage_pod(trainer, Resources(cpu="8", memory="64Gi", gpus=4))
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+def test_pod_lifecycle_settings():
+    cls, kwargs = mode.operator(registered()[1], resources(registered()[1].id))
+    assert mode.ARGS_FIELD == "arguments" and mode.ARGS_FIELD not in kwargs
+    op = cls(task_id="taskgen", arguments=["--iteration", "1"], **kwargs)
+    assert op.get_logs is True
+    assert op.on_finish_action.value == "delete_succeeded_pod"  # a failed pod stays for kubectl describe/logs
+    assert op.startup_timeout_seconds == 600
+    assert op.deferrable is False
+
+
+def test_mapped_shards_render_one_pod_each():
+    """The seam maps ``arguments`` over shards; each expanded task is one pod with its shard."""
+    from airflow.sdk import DAG
+
+    spec = next(s for s in registered() if s.id == "sandbox")
+    cls, kwargs = mode.operator(spec, resources(spec.id))
+    shards = [_args(spec, f"{i}/3") for i in range(3)]
+    with DAG("k8s_mapping_check", schedule=None):
+        mapped = cls.partial(task_id=spec.id, pool="posttrain_sandbox", **kwargs).expand(arguments=shards)
+    for i, args in enumerate(shards):
+        pod = render(mapped.unmap({"arguments": args}), map_index=i)
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        assert pod["spec"]["containers"][0]["args"][-2:] == ["--shard", f"{i}/3"]
+        assert pod["metadata"]["labels"]["posttrain.io/shard"] == str(i)
+        assert pod["metadata"]["labels"]["map_index"] == str(i)
+
+
+@pytest.mark.parametrize(("var", "value", "hint"), [
+    (mode.STARTUP_TIMEOUT_VAR, "ten", "set it to e.g. '600'"),
+    (mode.STARTUP_TIMEOUT_VAR, "0", "positive whole number"),
+    (mode.NAMESPACE_VAR, "Post_Train", "set it to e.g. 'posttrain'"),
+    (mode.NAMESPACE_VAR, "a.b", "not a Kubernetes name"),
+    (mode.SERVICE_ACCOUNT_VAR, "stage sa", "set it to e.g. 'posttrain-stage'"),
+    (mode.CONFIGMAP_VAR, "-env", "set it to e.g. 'posttrain-stage-env'"),
+    (mode.RUNTIME_CLASS_VAR, "gVisor", "set it to e.g. 'gvisor' or leave it unset"),
+    (mode.GPU_NODE_SELECTOR_VAR, "gpu", "not a node label 'key=value'"),
+    (mode.GPU_NODE_SELECTOR_VAR, "pool=a/b", "not a node label 'key=value'"),
+])
+def test_a_bad_setting_is_one_line_naming_the_variable_and_the_fix(var, value, hint, monkeypatch):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as err:
+        mode.operator(registered()[0], resources(registered()[0].id))
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith(f"{var}={value!r}: ")
+    assert hint in line
