@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(stage)
     stage.add_argument("--iteration", type=int, default=1, help="iteration k (bootstrap ignores it)")
     stage.add_argument("--shard", default=None, help="i/n for rollout, sandbox and reward")
+    stage.add_argument("--orchestrator-run-id", default="",
+                       help="the orchestrator's run id (an Airflow run id): the stage's MLflow run nests under that run's iteration run")
 
     run = sub.add_parser("run", help="run iterations of the Airflow DAG on the embedded defaults")
     _common(run)
@@ -57,7 +59,8 @@ def _stage(args: argparse.Namespace) -> int:
     from components.core.runner import run_stage
 
     conf = settings.resolve(args.recipe, args.run_root)
-    run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard)
+    run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
+              orchestrator_run_id=args.orchestrator_run_id)
     return 0
 
 

@@ -10,6 +10,10 @@ this run; then **bootstrap** (once per pipeline) → **taskgen** → **rollout**
 when the candidate was promoted). Each task calls the stage function behind
 `posttrain stage <id>`; its log links to the iteration's MLflow run.
 
+- Where tasks run: `POSTTRAIN_EXECUTION` = `inprocess` (default, on the worker),
+  `docker` (each stage in its image through a Docker-compatible API) or `kubernetes`
+  (each stage a pod); see `dags/execution/`.
+
 - Settings: `POSTTRAIN_RECIPE`, `POSTTRAIN_RUN_ROOT`, `POSTTRAIN_HOME` (params
   `recipe` / `run_root` override them for one run).
 - Schedule: `POSTTRAIN_SCHEDULE` (cron, a preset such as `@daily` or `@continuous`,
@@ -28,7 +32,7 @@ from datetime import UTC, datetime
 from airflow.sdk import Param, dag
 
 from components.core.stages import registered
-from dags.wiring import RETRY, announce_champion, plan, run_failed, schedule, shard_list_task, stage_task
+from dags.wiring import RETRY, announce_champion, plan, run_failed, schedule, stage_node
 
 
 # A fixed start date in the past: without one, Airflow 3.3's @continuous timetable gives the
@@ -43,12 +47,10 @@ def post_training_iteration():
     planned = plan()
     tasks = {}
     for spec in registered():  # one task per registered stage, after its upstream stages
-        run = stage_task(spec)
-        tasks[spec.id] = run.partial(plan=planned).expand(shard=shard_list_task(spec)(planned)) if spec.sharded \
-            else run(plan=planned)
+        tasks[spec.id] = stage_node(spec, planned)
         for up in spec.upstream:
             tasks[up] >> tasks[spec.id]
-    announce_champion(tasks["evaluation"])
+    tasks["evaluation"] >> announce_champion(planned)
 
 
 iteration_dag = post_training_iteration()

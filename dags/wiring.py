@@ -31,6 +31,7 @@ from typing import Any
 from airflow.sdk import Asset, task
 
 from components.core.stages import StageSpec
+from dags.execution import container_task, mode
 
 log = logging.getLogger("posttrain")
 
@@ -101,7 +102,7 @@ def plan() -> dict[str, Any]:
     from airflow.sdk import get_current_context
 
     from components.core import planner, tracking
-    from components.core.recipe import load_recipe
+    from components.core.recipe import load_recipe, publish_recipe
     from components.core.stages import registered, shard_list
     from components.core.storage import Store
 
@@ -115,11 +116,13 @@ def plan() -> dict[str, Any]:
         holder = params.get("holder") or f"airflow:{ctx['run_id']}"
         k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
         parent = tracking.iteration_run(recipe.pipeline, k, store.uri, ctx["run_id"])
+        # A stage in a container or pod cannot see this worker's files: it reads the recipe from the store.
+        recipe_uri = conf.recipe if mode() == "inprocess" else publish_recipe(conf.recipe, store.uri)
     except Exception as exc:
         raise _fail_now(exc) from exc
     log.info("iteration %d of %s | holder %s | MLflow iteration run: %s", k, recipe.pipeline, holder,
              tracking.run_url(recipe.pipeline, parent))
-    return {"iteration": k, "recipe": conf.recipe, "run_root": store.uri, "holder": holder, "pipeline": recipe.pipeline,
+    return {"iteration": k, "recipe": conf.recipe, "recipe_uri": recipe_uri, "run_root": store.uri, "holder": holder, "pipeline": recipe.pipeline,
             "mlflow_run_id": parent, "mlflow_url": tracking.run_url(recipe.pipeline, parent),
             **{f"shards_{s.id}": shard_list(recipe, s.id) for s in registered() if s.sharded}}
 
@@ -172,36 +175,53 @@ def run_failed(context: dict[str, Any]) -> None:
 
 
 @cache
-def _recipe_timeouts() -> dict[str, int]:
-    """``timeouts`` of the recipe named by POSTTRAIN_RECIPE, read once per DAG parse."""
+def parse_recipe():
+    """The recipe named by POSTTRAIN_RECIPE, read once per DAG parse for what the DAG's shape
+    takes from it (time limits, cluster resources); None when it cannot be read (the plan
+    task then fails with its one-line message)."""
     from components.core import settings
-    from components.core.errors import UserError
+    from components.core.errors import InfraError, UserError
     from components.core.recipe import load_recipe
 
     try:
-        return dict(load_recipe(settings.default_recipe()).timeouts)
-    except UserError:  # an unreadable recipe fails the plan task with its one-line message instead
-        return {}
+        return load_recipe(settings.default_recipe())
+    except (UserError, InfraError):
+        return None
 
 
 def timeout_for(spec: StageSpec) -> timedelta:
     """The stage's time limit: the recipe named by POSTTRAIN_RECIPE may override the registry's."""
-    return timedelta(seconds=_recipe_timeouts().get(spec.id, spec.timeout_s))
+    recipe = parse_recipe()
+    return timedelta(seconds=(recipe.timeouts if recipe else {}).get(spec.id, spec.timeout_s))
 
 
-def stage_task(spec: StageSpec):
-    """The TaskFlow task of one registered stage (mapped over shards when it fans out)."""
-    extra: dict[str, Any] = {"map_index_template": "{{ task.op_kwargs['shard'] }}"} if spec.sharded else {}
+def _airflow_kwargs(spec: StageSpec) -> dict[str, Any]:
+    """What every mode's task of ``spec`` shares: time limit, retries, pool, callbacks, outlets."""
+    extra: dict[str, Any] = {"execution_timeout": timeout_for(spec), "on_failure_callback": stage_failed, **RETRY}
     if spec.pool:
         extra["pool"] = spec.pool
     if spec.id == "trainer":
         extra["outlets"] = [CANDIDATE]
+    return extra
 
-    @task(task_id=spec.id, execution_timeout=timeout_for(spec), on_failure_callback=stage_failed, **RETRY, **extra)
+
+def stage_task(spec: StageSpec):
+    """The TaskFlow task of one registered stage, in-process (mapped over shards when it fans out)."""
+    extra = {"map_index_template": "{{ task.op_kwargs['shard'] }}"} if spec.sharded else {}
+
+    @task(task_id=spec.id, **_airflow_kwargs(spec), **extra)
     def run(plan: dict[str, Any], shard: str = "") -> dict[str, Any]:
         return run_stage_task(spec.id, plan, shard)
 
     return run
+
+
+def stage_node(spec: StageSpec, planned):
+    """One registered stage's task (or mapped tasks) in the deployment's execution mode."""
+    if mode() != "inprocess":
+        return container_task(spec, planned, _airflow_kwargs(spec), parse_recipe())
+    run = stage_task(spec)
+    return run.partial(plan=planned).expand(shard=shard_list_task(spec)(planned)) if spec.sharded else run(plan=planned)
 
 
 def shard_list_task(spec: StageSpec):
@@ -215,10 +235,21 @@ def shard_list_task(spec: StageSpec):
     return shards
 
 
-@task(task_id="announce_champion", outlets=[CHAMPION])
-def announce_champion(evaluation: dict[str, Any]) -> None:
-    """Emits the champion asset only when this iteration promoted its candidate."""
+@task(task_id="announce_champion", outlets=[CHAMPION], **RETRY)
+def announce_champion(plan: dict[str, Any]) -> None:
+    """Emits the champion asset only when this iteration promoted its candidate (read from
+    the evaluation's manifest in the store, whichever mode ran the stage)."""
     from airflow.sdk.exceptions import AirflowSkipException
 
-    if not evaluation.get("promoted"):
+    from components.core.context import read_manifest
+    from components.core.facts import Decision
+    from components.core.manifest import stage_prefix
+    from components.core.storage import Store
+
+    try:
+        manifest = read_manifest(Store(plan["run_root"], "run_root"), stage_prefix(plan["pipeline"], int(plan["iteration"]), "evaluation"))
+        promoted = manifest is not None and manifest.facts(Decision).promoted
+    except Exception as exc:
+        raise _fail_now(exc) from exc
+    if not promoted:
         raise AirflowSkipException("the candidate was held; no new champion")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError, outage
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
 from components.core.stages import stage_ids
 
@@ -143,6 +143,14 @@ class EvaluationConfig(_Section):
     max_new_tokens: int = Field(24, ge=1, description="completion cap for greedy eval")
 
 
+class StageResources(_Section):
+    """A stage's cluster request (``resources: {trainer: {gpus: 2, memory: 64Gi}}``); unset fields keep the registry's."""
+
+    cpu: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. '4' or '500m'")
+    memory: str | None = Field(default=None, pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$", description="memory request and limit, e.g. '16Gi'")
+    gpus: int | None = Field(default=None, ge=0, le=64, description="accelerators per task (0: CPU only)")
+
+
 class Recipe(_Section):
     """A whole post-training recipe. Only ``pipeline`` is required."""
 
@@ -160,6 +168,8 @@ class Recipe(_Section):
     evaluation: EvaluationConfig = EvaluationConfig()
     timeouts: dict[str, int] = Field(default_factory=dict, description="time limit in seconds per stage task, overriding "
                                                                       "the stage registry's (components/core/stages.py)")
+    resources: dict[str, StageResources] = Field(default_factory=dict, description="what one task of a stage asks of a "
+                                                 "cluster in the container modes, overriding the stage registry's")
 
     def section(self, sections: Iterable[str]) -> dict[str, Any]:
         """The resolved config a stage depends on: the common fields plus ``sections``
@@ -174,9 +184,9 @@ class Recipe(_Section):
         return hashlib.sha256(blob).hexdigest()
 
 
-COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains", "timeouts")
-"""Recipe fields every stage may read (``timeouts`` is the orchestrator's, in no cache
-key); every other field is a section a stage declares."""
+COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains", "timeouts", "resources")
+"""Recipe fields every stage may read (``timeouts`` and ``resources`` are the
+orchestrator's, in no cache key); every other field is a section a stage declares."""
 
 
 def _fix_for(loc: str, msg: str) -> str:
@@ -220,18 +230,65 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
             raise UserError(f"{source}: timeouts", name, "not a stage", f"use one of {list(stage_ids())}")
         if seconds < 1:
             raise UserError(f"{source}: timeouts.{name}", seconds, "not a positive number of seconds", "use e.g. 3600")
+    for name in recipe.resources:
+        if name not in stage_ids():
+            raise UserError(f"{source}: resources", name, "not a stage", f"use one of {list(stage_ids())}")
     if recipe.bootstrap.target_low > recipe.bootstrap.target_high:
         raise UserError(f"{source}: bootstrap.target_low", recipe.bootstrap.target_low, "above bootstrap.target_high", "make target_low <= target_high")
     return recipe
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe file; every failure is one UserError."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError("--recipe", str(path), "no such recipe file", "pass a YAML file such as recipes/demo.yaml")
+RECIPES_DIR = "recipes"  # under the run root: recipes published for stages that run elsewhere (containers, pods)
+
+
+def is_uri(path: str | Path) -> bool:
+    return "://" in str(path)
+
+
+def _read_text(path: str | Path) -> str:
+    """The recipe's text from a local file or a store URI (``s3://``, ``file://``)."""
+    if not is_uri(path):
+        if not Path(path).is_file():
+            raise UserError("--recipe", str(path), "no such recipe file", "pass a YAML file such as recipes/demo.yaml")
+        return Path(path).read_text()
+    from components.core.storage import Store
+
+    folder, name = str(path).rsplit("/", 1)
+    store = Store(folder, "--recipe")
     try:
-        data = yaml.safe_load(path.read_text())
+        if not store.exists(name):
+            raise UserError("--recipe", str(path), "no such recipe in the store", "publish it first (the DAG's plan task does)")
+        return store.read_bytes(name).decode()
+    except UserError:
+        raise
+    except Exception as exc:
+        if (down := outage(exc)) is not None:
+            raise InfraError("--recipe", str(path), down) from None
+        raise UserError("--recipe", str(path), f"cannot read it ({type(exc).__name__})", "check the URI and the credentials") from None
+
+
+def publish_recipe(path: str | Path, run_root: str) -> str:
+    """Copy a local recipe into the store (``<run_root>/recipes/<sha256>.yaml``, content-
+    addressed, so publishing the same text twice writes once) and return its URI: what a
+    stage in a container or pod reads, since the scheduler's files are not there. A URI
+    is returned unchanged."""
+    if is_uri(path):
+        return str(path)
+    from components.core.storage import Store
+
+    text = _read_text(path)
+    store = Store(run_root, "run_root")
+    name = f"{RECIPES_DIR}/{hashlib.sha256(text.encode()).hexdigest()[:32]}.yaml"
+    store.create(name, text.encode())
+    return store.url(name)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file or a recipe URI; every failure is one UserError
+    (an unreachable store is an InfraError)."""
+    text = _read_text(path)
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"

@@ -7,6 +7,8 @@ the Airflow DAG and the Kubeflow pipeline.
 | ``POSTTRAIN_RUN_ROOT`` | store URI every stage reads and writes | ``<home>/store`` |
 | ``POSTTRAIN_RECIPE`` | recipe YAML | ``recipes/demo.yaml`` of this checkout |
 | ``POSTTRAIN_SCHEDULE`` | when the DAG runs (see ``dags/wiring.py``) | manual |
+| ``POSTTRAIN_EXECUTION`` | where the DAG's stage tasks run (see ``dags/execution/``) | ``inprocess`` |
+| ``POSTTRAIN_IMAGE`` | set by the images: refuse a local default run root | unset |
 
 An explicit value (a CLI flag, a DAG run param) overrides the environment; empty means
 "not given". Every default is absolute, so a worker whose working directory differs
@@ -20,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.core.errors import UserError
 from components.core.storage import normalize_uri
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -40,12 +43,32 @@ def default_recipe() -> str:
 
 @dataclass(frozen=True)
 class RunSettings:
-    recipe: str  # absolute path of the recipe file
+    recipe: str  # absolute path of the recipe file, or its store URI
     run_root: str  # normalised store URI
 
 
+def in_image() -> bool:
+    return bool(os.environ.get("POSTTRAIN_IMAGE"))
+
+
+def _check_image_run_root(run_root: str | None) -> None:
+    """Inside an image the working directory is the read-only install and a container's
+    files vanish with it: the run root must be named, and be a store URI or an absolute
+    (mounted) folder."""
+    given = run_root or os.environ.get("POSTTRAIN_RUN_ROOT")
+    if not given:
+        raise UserError("--run-root", "(unset)", "inside an image the run root must be given, not defaulted to a local folder",
+                        "pass --run-root s3://bucket/prefix (or set POSTTRAIN_RUN_ROOT), or an absolute path to a mounted volume")
+    if "://" not in given and not Path(given).expanduser().is_absolute():
+        raise UserError("--run-root", given, "a relative run root inside an image lands in the image's read-only install",
+                        "pass an s3:// URI or an absolute path to a mounted volume")
+
+
 def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettings:
-    """Explicit values win, then the environment, then the absolute defaults."""
-    recipe_path = Path(recipe or default_recipe()).expanduser()
-    return RunSettings(recipe=str(recipe_path.resolve()),
-                       run_root=normalize_uri(run_root or default_run_root(), "--run-root"))
+    """Explicit values win, then the environment, then the absolute defaults. A recipe
+    may be a store URI (``s3://.../recipes/<digest>.yaml``), kept as it is."""
+    if in_image():
+        _check_image_run_root(run_root)
+    chosen = recipe or default_recipe()
+    recipe_path = chosen if "://" in chosen else str(Path(chosen).expanduser().resolve())
+    return RunSettings(recipe=recipe_path, run_root=normalize_uri(run_root or default_run_root(), "--run-root"))

@@ -121,3 +121,19 @@ def shard_list(recipe, stage: str) -> list[str]:
     """``["0/n", ..., "n-1/n"]`` for a sharded stage, ``[""]`` for one task."""
     n = shard_count(recipe, stage)
     return [f"{i}/{n}" for i in range(n)] if spec(stage).sharded else [""]
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpu: str
+    memory: str
+    gpus: int
+
+
+def resources(stage: str, recipe=None) -> Resources:
+    """What one task of ``stage`` asks of a cluster: the registry's, with the recipe's
+    ``resources.<stage>`` fields over it."""
+    s = spec(stage)
+    override = (getattr(recipe, "resources", None) or {}).get(stage)
+    pick = lambda name, default: default if override is None or getattr(override, name) is None else getattr(override, name)
+    return Resources(cpu=pick("cpu", s.cpu), memory=pick("memory", s.memory), gpus=pick("gpus", s.gpus))

@@ -1,0 +1,193 @@
+"""The ``docker`` execution mode: every stage runs in its image through a Docker-compatible
+API (a Docker engine, or podman's ``podman system service`` socket), with the Airflow
+Docker provider's ``DockerOperator``.
+
+What a stage container gets:
+
+- the image ``image_for(stage)``, its entrypoint ``posttrain stage <id>``, and the
+  arguments the seam hands it (``command``);
+- the worker's store, tracking and cloud settings: every ``POSTTRAIN_*`` (but the
+  DAG-side ones), ``MLFLOW_*`` and ``AWS_*`` variable; secrets (``*SECRET*``,
+  ``*TOKEN*``, ``*PASSWORD*``) go as private environment, never rendered in the UI;
+- the network ``POSTTRAIN_DOCKER_NETWORK`` (default ``host``: the store and tracking
+  server the worker reaches on loopback are reachable the same way);
+- a local run root (``file://``) bind-mounted at the same path;
+- the flags in ``POSTTRAIN_CONTAINER_FLAGS`` (default ``containers/podman-run-flags`` of
+  this checkout when present), the same file the Makefile and tests pass to ``podman
+  run``: ``--ulimit`` and ``--runtime`` on every container, ``--security-opt`` only on
+  stages that run policy-written code (``StageSpec.sandboxed``), which need them for
+  bubblewrap's namespaces.
+
+The engine is ``DOCKER_HOST`` (default ``unix:///var/run/docker.sock``). Not covered:
+GPUs in this mode (``device_requests`` is left to a deployment that has them), and
+registries with credentials (the images must already be on the engine: ``make images``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from components.core.stages import Resources, StageSpec
+
+ARGS_FIELD = "command"
+FLAGS_VAR = "POSTTRAIN_CONTAINER_FLAGS"
+NETWORK_VAR = "POSTTRAIN_DOCKER_NETWORK"
+DEFAULT_FLAGS = Path(__file__).resolve().parents[2] / "containers" / "podman-run-flags"
+PASSED_PREFIXES = ("POSTTRAIN_", "MLFLOW_", "AWS_")
+KEPT_ON_WORKER = ("POSTTRAIN_EXECUTION", "POSTTRAIN_HOME", "POSTTRAIN_RECIPE", "POSTTRAIN_SCHEDULE", "POSTTRAIN_IMAGE_PREFIX",
+                  "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_CONTAINER_FLAGS", "POSTTRAIN_DOCKER_NETWORK", "POSTTRAIN_RETRY_DELAY_S")
+SECRET = re.compile(r"SECRET|TOKEN|PASSWORD", re.I)
+
+
+class ContainerFlags:
+    """The podman/docker run flags a stage container needs, parsed from one line of a file:
+    ``--security-opt X``, ``--ulimit name=soft:hard``, ``--runtime R`` (anything else is a
+    ValueError naming the flag, so the file cannot silently drift from what is applied)."""
+
+    def __init__(self, text: str, source: str = "<flags>") -> None:
+        self.security_opt: list[str] = []
+        self.ulimits: list[tuple[str, int, int]] = []
+        self.runtime: str | None = None
+        words = shlex.split(text, comments=True)
+        pairs = [w.split("=", 1) if w.startswith("--") and "=" in w else [w] for w in words]
+        flat = [p for pair in pairs for p in pair]
+        for flag, value in zip(flat[::2], flat[1::2]):
+            if flag == "--security-opt":
+                self.security_opt.append(value)
+            elif flag == "--runtime":
+                self.runtime = value
+            elif flag == "--ulimit":
+                name, _, limits = value.partition("=")
+                soft, _, hard = limits.partition(":")
+                self.ulimits.append((name, int(soft), int(hard or soft)))
+            else:
+                raise ValueError(f"{source}: flag {flag!r} is not one the docker mode applies; "
+                                 "use only --security-opt, --ulimit and --runtime there")
+        if len(flat) % 2:
+            raise ValueError(f"{source}: flag {flat[-1]!r} has no value")
+
+
+@cache
+def container_flags() -> ContainerFlags:
+    path = os.environ.get(FLAGS_VAR) or (str(DEFAULT_FLAGS) if DEFAULT_FLAGS.is_file() else "")
+    if not path:
+        return ContainerFlags("")
+    if not Path(path).is_file():
+        raise ValueError(f"{FLAGS_VAR}={path!r}: no such file; point it at a file of podman run flags "
+                         "such as containers/podman-run-flags")
+    return ContainerFlags(Path(path).read_text(), path)
+
+
+def passed_environment() -> tuple[dict[str, str], dict[str, str]]:
+    """(environment, private environment) handed from the worker to a stage container."""
+    env, private = {}, {}
+    for name, value in os.environ.items():
+        if name.startswith(PASSED_PREFIXES) and name not in KEPT_ON_WORKER:
+            (private if SECRET.search(name) else env)[name] = value
+    return env, private
+
+
+def _operator_class():
+    from airflow.providers.docker.exceptions import DockerContainerFailedException
+    from airflow.providers.docker.operators.docker import DockerOperator
+    from airflow.sdk.exceptions import AirflowFailException
+
+    class _Engine:
+        """docker-py's client with the stage's security options and runtime added to each
+        container's host config, and the container's exit status kept."""
+
+        def __init__(self, client, security_opt: list[str], runtime: str | None) -> None:
+            self._client, self._security_opt, self._runtime = client, security_opt, runtime
+            self.status: int | None = None
+
+        def __getattr__(self, name: str):
+            return getattr(self._client, name)
+
+        def create_host_config(self, **kwargs):
+            if self._security_opt:
+                kwargs["security_opt"] = list(self._security_opt)
+            if self._runtime:
+                kwargs["runtime"] = self._runtime
+            return self._client.create_host_config(**kwargs)
+
+        def wait(self, *args, **kwargs):
+            result = self._client.wait(*args, **kwargs)
+            self.status = result.get("StatusCode")
+            return result
+
+    class StageContainer(DockerOperator):
+        """DockerOperator for a posttrain stage: security options and runtime from the
+        flags file, and exit 2/3 (user mistake, failed gate) fail at once, unretried."""
+
+        def __init__(self, *, security_opt: list[str] | None = None, runtime: str | None = None, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.security_opt = security_opt or []
+            self.runtime = runtime
+            self._engine = None
+
+        @property
+        def cli(self):
+            if self._engine is None:
+                self._engine = _Engine(self.hook.api_client, self.security_opt, self.runtime)
+            return self._engine
+
+        def execute(self, context):
+            from dags.execution import FAIL_NOW_EXIT_CODES
+
+            try:
+                return super().execute(context)
+            except DockerContainerFailedException as exc:
+                if self._engine is not None and self._engine.status in FAIL_NOW_EXIT_CODES:
+                    last = (exc.logs or ["(no output)"])[-1]
+                    raise AirflowFailException(f"stage container exited {self._engine.status}: {last}") from exc
+                raise
+
+    return StageContainer
+
+
+def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
+    """(the stage's DockerOperator class, its keyword arguments)."""
+    from docker.types import Mount, Ulimit
+
+    from components.core import settings
+    from dags.execution import image_for
+
+    flags = container_flags()
+    env, private = passed_environment()
+    mounts = []
+    run_root = settings.default_run_root()
+    if "://" not in run_root or run_root.startswith("file://"):
+        path = run_root.removeprefix("file://")
+        Path(path).mkdir(parents=True, exist_ok=True)
+        mounts.append(Mount(target=path, source=path, type="bind"))
+    kwargs: dict[str, Any] = {
+        "image": image_for(spec.id),
+        "docker_url": os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock",
+        "network_mode": os.environ.get(NETWORK_VAR) or "host",
+        "environment": env,
+        "private_environment": private,
+        "mounts": mounts,
+        "mount_tmp_dir": False,
+        "auto_remove": "success",
+        "force_pull": False,
+        "ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in flags.ulimits],
+        "runtime": flags.runtime,
+        "security_opt": flags.security_opt if spec.sandboxed else [],
+        "labels": {"posttrain.stage": spec.id},
+        "mem_limit": _bytes(res.memory),
+    }
+    return _operator_class(), kwargs
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``16Gi``) in bytes, for Docker's memory limit."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
