@@ -19,6 +19,7 @@ from collections import Counter
 
 from components.core.context import StageContext
 from components.core.jobs import to_execution
+from components.core.progress import say
 from components.core.records import Execution, Rollout, Task
 from components.domains.execute import execute
 from components.sandbox.executor import get_executor
@@ -39,6 +40,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     rollouts = [r for r in ctx.read_records("rollout", "rollouts", Rollout, shard_only=ctx.aligned("rollout"))
                 if r.task_id in mine]
     with get_executor(ctx.recipe.sandbox) as executor:
+        say(f"iter {ctx.iteration} | sandbox[{ctx.shard}] | isolation {executor.isolation}")
         results = execute([(r.rollout_id, tasks[r.task_id], r.completion) for r in rollouts], executor,
                           ctx.recipe.sandbox.concurrency, f"sandbox[{ctx.shard}]")
     executions = [to_execution(r, results[r.rollout_id]) for r in rollouts if r.rollout_id in results]
