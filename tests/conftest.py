@@ -7,6 +7,7 @@
 - ``local_airflow``: a real Airflow scheduler, DAG processor and API server (SQLite,
   LocalExecutor) on this machine, all stopped at teardown.
 - ``mlflow_server``: a real ``mlflow server`` on a loopback port.
+- ``podman_socket``: podman's Docker-compatible API on a private socket (``DOCKER_HOST``).
 """
 
 import sys
@@ -18,4 +19,5 @@ _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server"]
+pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server",
+                  "tests.fixtures.podman"]
