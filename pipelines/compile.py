@@ -2,10 +2,13 @@
 
     python pipelines/compile.py                                   # rewrite pipelines/post_training_iteration.yaml
     python pipelines/compile.py --image-prefix registry.example.com/ml/ --output /tmp/pti.yaml
+    python pipelines/compile.py --config-map stage-env --s3-secret '' --gpu-node-selector '' --output /tmp/pti.yaml
 
 The checked-in YAML uses unprefixed image names (``posttrain-<stage>:<version>``), as
-``containers/build.sh`` tags them; a cluster that pulls from a registry compiles its own
-copy with ``--image-prefix``. This writes a file and nothing else: it does not upload or
+``containers/build.sh`` tags them, and the names ``infra/terraform/`` creates (config map
+``posttrain-stage-env``, GPU nodes labelled ``posttrain.io/pool=gpu``) plus the optional
+secret ``posttrain-s3``; a cluster that differs compiles its own copy with the options
+below. This writes a file and nothing else: it does not upload or
 submit the pipeline (use the KFP UI or ``kfp.Client().create_run_from_pipeline_package``).
 """
 
@@ -16,13 +19,15 @@ from pathlib import Path
 
 from kfp import compiler
 
-from pipelines.post_training_iteration import make_pipeline
+from pipelines.post_training_iteration import CONFIG_MAP, GPU_NODE_SELECTOR, S3_SECRET, make_pipeline
 
 COMPILED = Path(__file__).resolve().parent / "post_training_iteration.yaml"
 
 
-def compile_pipeline(output: Path | str = COMPILED, image_prefix: str = "") -> Path:
-    compiler.Compiler().compile(pipeline_func=make_pipeline(image_prefix), package_path=str(output))
+def compile_pipeline(output: Path | str = COMPILED, image_prefix: str = "", config_map: str = CONFIG_MAP,
+                     s3_secret: str = S3_SECRET, gpu_node_selector: str = GPU_NODE_SELECTOR) -> Path:
+    pipeline = make_pipeline(image_prefix, config_map=config_map, s3_secret=s3_secret, gpu_node_selector=gpu_node_selector)
+    compiler.Compiler().compile(pipeline_func=pipeline, package_path=str(output))
     return Path(output)
 
 
@@ -30,8 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=str(COMPILED), help="YAML to write (default: %(default)s)")
     parser.add_argument("--image-prefix", default="", help="registry prefix for the stage images, ending in '/'")
+    parser.add_argument("--config-map", default=CONFIG_MAP, help="config map with the stages' environment (default: %(default)s)")
+    parser.add_argument("--s3-secret", default=S3_SECRET,
+                        help="optional secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; '' for none (default: %(default)s)")
+    parser.add_argument("--gpu-node-selector", default=GPU_NODE_SELECTOR,
+                        help="key=value[,key=value] of the GPU nodes; '' for none (default: %(default)s)")
     args = parser.parse_args(argv)
-    print(compile_pipeline(args.output, args.image_prefix))
+    try:
+        path = compile_pipeline(args.output, args.image_prefix, args.config_map, args.s3_secret, args.gpu_node_selector)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(path)
     return 0
 
 

@@ -44,23 +44,48 @@ Choices, and what this does not do:
 - The Airflow DAG's sandbox pool has no KFP equivalent; the loop's ``parallelism`` caps
   the whole rollout->sandbox->reward body instead (unlimited here; kfp.local itself
   runs at most two iterations at once).
-- No resource requests, node selectors, accelerators, service account or environment
-  are set here: on a cluster the pods need ``POSTTRAIN_RUN_ROOT``/``MLFLOW_TRACKING_URI``
-  (the ``posttrain-stage-env`` config map) and the ``posttrain-stage`` service account
-  from ``infra/terraform/``; add them with ``kfp-kubernetes``
-  (``use_config_map_as_env``, ``add_toleration``) or submit the run with that service
-  account. kfp.local ignores such platform settings, so they are left out of the wiring.
+- Cluster settings (``kfp-kubernetes``, in the compiled YAML's ``platforms.kubernetes``
+  part; ``kfp.local`` ignores them): every task takes ``POSTTRAIN_RUN_ROOT``,
+  ``MLFLOW_TRACKING_URI`` and ``AWS_REGION`` from the config map ``posttrain-stage-env``
+  (``AWS_ENDPOINT_URL`` too where it has one, for S3-compatible stores), and
+  ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` from the secret ``posttrain-s3`` when
+  it exists (optional: on EKS the service account's IRSA role grants the store
+  instead), and runs as uid/gid 10001, non-root. Each stage task asks for its registry
+  ``cpu``/``memory`` (``components/core/stages.py``; a recipe's ``resources`` cannot
+  reach a compiled pipeline), gets the registry's ``timeout_s`` as its pod's deadline and
+  the label ``posttrain.io/stage``; GPU stages add ``nvidia.com/gpu`` (accelerator limit),
+  a toleration for the ``nvidia.com/gpu`` NoSchedule taint and the node selector
+  ``posttrain.io/pool=gpu``. Names are compile-time options of ``pipelines/compile.py``.
+- What kfp-kubernetes cannot set: the service account (submit the run with
+  ``kfp.Client().create_run_from_pipeline_package(..., namespace="posttrain",
+  service_account="posttrain-stage")``: the stage IAM role trusts that account in that
+  namespace only), and the sandbox's
+  seccomp and ``procMount`` (its AppArmor profile goes as the ``unconfined`` annotation on
+  the ``main`` container of sandboxed stages). Pods without a seccomp profile run
+  unconfined unless the kubelet sets ``seccompDefault``; without ``procMount: Unmasked``
+  bubblewrap cannot mount its ``/proc`` and the sandbox refuses untrusted code unless the
+  recipe allows weaker isolation. For full sandbox isolation on a cluster, run the
+  iteration through the Airflow DAG's ``kubernetes`` mode (``dags/execution/kubernetes.py``).
 - One iteration per run, like the DAG; a KFP recurring run plans the next iteration
   itself (``max_concurrency=1`` on the recurring run: iteration k+1 needs checkpoint k).
 """
 
 # No ``from __future__ import annotations``: KFP reads the component signatures' real types.
-from kfp import dsl
+from kfp import dsl, kubernetes
 
 from components import STAGES, __version__
+from components.core.stages import spec as stage_spec
 
 RETRIES = 2
 BACKOFF = "10s"
+CONFIG_MAP = "posttrain-stage-env"  # infra/terraform/kubernetes.tf
+CONFIG_MAP_KEYS = ("POSTTRAIN_RUN_ROOT", "MLFLOW_TRACKING_URI", "AWS_REGION")  # required: a pod without them fails to start
+CONFIG_MAP_OPTIONAL_KEYS = ("AWS_ENDPOINT_URL",)  # S3-compatible stores (MinIO, SeaweedFS) only
+S3_SECRET = "posttrain-s3"
+S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_NODE_SELECTOR = "posttrain.io/pool=gpu"  # the GPU pool's node label (infra/terraform/node_pools.tf)
+STAGE_UID = 10001  # the images' user (containers/base/Dockerfile)
 
 
 def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str) -> str:
@@ -136,8 +161,52 @@ def stage_image(stage: str, image_prefix: str = "") -> str:
     return f"{image_prefix}posttrain-{stage}:{__version__}"
 
 
-def make_pipeline(image_prefix: str = ""):
-    """Build the pipeline with stage images under ``image_prefix`` (e.g. ``registry.example.com/ml/``)."""
+def parse_node_selector(value: str) -> dict[str, str]:
+    """``"key=value[,key=value]"`` (empty: none); ValueError naming the fix."""
+    out = {}
+    for pair in filter(None, (p.strip() for p in value.split(","))):
+        key, sep, label = (x.strip() for x in pair.partition("="))
+        if not sep or not key:
+            raise ValueError(f"GPU node selector {value!r}: {pair!r} is not 'key=value'; e.g. {GPU_NODE_SELECTOR!r}, or '' for none")
+        out[key] = label
+    return out
+
+
+GPU_NODE_SELECTOR_DEFAULT = parse_node_selector(GPU_NODE_SELECTOR)
+
+
+def on_cluster(task: dsl.PipelineTask, stage: str = "", config_map: str = CONFIG_MAP, s3_secret: str = S3_SECRET,
+               gpu_node_selector: dict[str, str] | None = None) -> dsl.PipelineTask:
+    """What a task's pod needs on a cluster (see the module docstring); ``stage`` adds the
+    stage's resources, GPU placement, sandbox annotation and deadline."""
+    kubernetes.use_config_map_as_env(task, config_map, {k: k for k in CONFIG_MAP_KEYS})
+    kubernetes.use_config_map_as_env(task, config_map, {k: k for k in CONFIG_MAP_OPTIONAL_KEYS}, optional=True)
+    if s3_secret:
+        kubernetes.use_secret_as_env(task, s3_secret, {k: k for k in S3_SECRET_KEYS}, optional=True)
+    kubernetes.set_security_context(task, run_as_user=STAGE_UID, run_as_group=STAGE_UID, run_as_non_root=True)
+    if not stage:
+        return task
+    spec = stage_spec(stage)
+    task.set_cpu_request(spec.cpu).set_memory_request(spec.memory).set_memory_limit(spec.memory)
+    kubernetes.add_pod_label(task, "posttrain.io/stage", stage)
+    kubernetes.set_timeout(task, spec.timeout_s)
+    if spec.gpus:
+        task.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(spec.gpus)
+        kubernetes.add_toleration(task, key=GPU_RESOURCE, operator="Exists", effect="NoSchedule")
+        for key, value in (GPU_NODE_SELECTOR_DEFAULT if gpu_node_selector is None else gpu_node_selector).items():
+            kubernetes.add_node_selector(task, key, value)
+    if spec.sandboxed:  # bubblewrap's user namespaces; kfp-kubernetes has no appArmorProfile field
+        kubernetes.add_pod_annotation(task, "container.apparmor.security.beta.kubernetes.io/main", "unconfined")
+    return task
+
+
+def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secret: str = S3_SECRET,
+                  gpu_node_selector: str = GPU_NODE_SELECTOR):
+    """Build the pipeline with stage images under ``image_prefix`` (e.g. ``registry.example.com/ml/``),
+    the stages' environment from the config map ``config_map``, S3 keys from the optional
+    secret ``s3_secret`` ("" for none) and GPU stages on nodes matching ``gpu_node_selector``."""
+    selector = parse_node_selector(gpu_node_selector)
+    cluster = dict(config_map=config_map, s3_secret=s3_secret, gpu_node_selector=selector)
     bodies = {f.__name__: f for f in (bootstrap, taskgen, rollout, sandbox, reward, validation, trainer, evaluation)}
     assert tuple(bodies) == STAGES, "one component per stage, in stage order"
     comp = {name: dsl.component(f, base_image=stage_image(name, image_prefix), install_kfp_package=False,
@@ -148,6 +217,8 @@ def make_pipeline(image_prefix: str = ""):
 
     def step(task: dsl.PipelineTask) -> dsl.PipelineTask:
         task.set_caching_options(False)
+        stage = task.component_spec.name if task.component_spec.name in STAGES else ""
+        on_cluster(task, stage, **cluster)
         return task.set_retry(num_retries=RETRIES, backoff_duration=BACKOFF, backoff_factor=2.0)
 
     @dsl.pipeline(name="post-training-iteration",

@@ -1,17 +1,21 @@
 """The Kubeflow pipeline: compiled YAML in sync, its shape, and a real ``kfp.local`` run.
 
-    pytest tests/pipelines/test_kfp_pipeline.py                 # fast: compile + shape
+    pytest tests/pipelines/test_kfp_pipeline.py                 # fast: compile + shape + cluster settings
     pytest tests/pipelines/test_kfp_pipeline.py -m slow         # the local run (~2 min)
 
 The local run executes every stage of one tiny iteration as a subprocess through
 ``kfp.local.SubprocessRunner(use_venv=False)``, with the store and MLflow inside
-``tmp_path``. Not covered here: running the stage images (``DockerRunner`` or a KFP
-cluster) -- ``tests/containers/`` checks the Dockerfiles only.
+``tmp_path``. The cluster settings (``kfp-kubernetes``) are checked in the compiled
+YAML's second document, ``platforms.kubernetes.deploymentSpec``, against the stage
+registry and against what ``infra/terraform/`` creates. Not covered here: running the
+stage images (``DockerRunner`` or a KFP cluster) -- ``tests/containers/`` checks the
+Dockerfiles only.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,8 @@ import yaml
 
 from components import SHARDED_STAGES, STAGES, __version__
 from components.core.stages import registered
-from pipelines.compile import COMPILED, compile_pipeline
+from pipelines.compile import COMPILED, compile_pipeline, main
+from pipelines.post_training_iteration import CONFIG_MAP_KEYS, CONFIG_MAP_OPTIONAL_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -28,7 +33,10 @@ VOLATILE = ("sdkVersion",)
 
 
 def _load(path: Path) -> dict:
-    spec = yaml.safe_load(path.read_text())
+    """The pipeline spec, with the platform spec (the file's second YAML document) under ``platforms``."""
+    spec, *platform = yaml.safe_load_all(path.read_text())
+    for doc in platform:
+        spec.update(doc)
     for key in VOLATILE:
         spec.pop(key, None)
     return spec
@@ -110,6 +118,80 @@ def test_image_prefix_names_a_registry(tmp_path):
     spec = _load(compile_pipeline(tmp_path / "p.yaml", image_prefix="registry.example.com/ml/"))
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
     assert images == {f"registry.example.com/ml/posttrain-{s}:{__version__}" for s in STAGES}
+
+
+def _platform(compiled: dict) -> dict[str, dict]:
+    return compiled["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def _env_from(executor: dict) -> tuple[dict[str, tuple[str, bool]], dict[str, tuple[str, bool]]]:
+    """({env var: (config map, optional)}, {env var: (secret, optional)}) of one executor."""
+    maps = {k["envVar"]: (c["configMapName"], c["optional"]) for c in executor.get("configMapAsEnv", []) for k in c["keyToEnv"]}
+    secrets = {k["envVar"]: (s["secretName"], s["optional"]) for s in executor.get("secretAsEnv", []) for k in s["keyToEnv"]}
+    return maps, secrets
+
+
+def test_every_task_gets_the_stage_environment_and_runs_as_the_image_user(compiled):
+    platform = _platform(compiled)
+    assert sorted(platform) == sorted(compiled["deploymentSpec"]["executors"])
+    for name, executor in platform.items():
+        maps, secrets = _env_from(executor)
+        assert maps == {"POSTTRAIN_RUN_ROOT": ("posttrain-stage-env", False), "MLFLOW_TRACKING_URI": ("posttrain-stage-env", False),
+                        "AWS_REGION": ("posttrain-stage-env", False), "AWS_ENDPOINT_URL": ("posttrain-stage-env", True)}, name
+        # optional: on EKS the service account's IRSA role grants the store and there is no such secret
+        assert secrets == {"AWS_ACCESS_KEY_ID": ("posttrain-s3", True), "AWS_SECRET_ACCESS_KEY": ("posttrain-s3", True)}, name
+        assert executor["securityContext"] == {"runAsUser": "10001", "runAsGroup": "10001", "runAsNonRoot": True}, name
+
+
+def test_stage_resources_gpus_and_placement_follow_the_registry(compiled):
+    platform, executors = _platform(compiled), compiled["deploymentSpec"]["executors"]
+    for spec in registered():
+        executor, resources = platform[f"exec-{spec.id}"], executors[f"exec-{spec.id}"]["container"]["resources"]
+        assert resources["resourceCpuRequest"] == spec.cpu, spec.id
+        assert resources["resourceMemoryRequest"] == resources["resourceMemoryLimit"] == spec.memory, spec.id
+        assert executor["podMetadata"]["labels"] == {"posttrain.io/stage": spec.id}
+        assert executor["activeDeadlineSeconds"] == str(spec.timeout_s), spec.id
+        if spec.gpus:
+            assert resources["accelerator"]["resourceType"] == "nvidia.com/gpu", spec.id
+            assert resources["accelerator"]["resourceCount"] == str(spec.gpus), spec.id
+            assert executor["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+            assert executor["nodeSelector"] == {"labels": {"posttrain.io/pool": "gpu"}}, spec.id
+        else:
+            assert "accelerator" not in resources, spec.id
+            assert "tolerations" not in executor and "nodeSelector" not in executor, spec.id
+        annotations = executor["podMetadata"].get("annotations", {})
+        assert annotations == ({"container.apparmor.security.beta.kubernetes.io/main": "unconfined"} if spec.sandboxed else {})
+    assert {s.id for s in registered() if s.gpus} == {"bootstrap", "rollout", "trainer", "evaluation"}
+    for helper in ("exec-plan", "exec-shards", "exec-shards-2", "exec-shards-3"):  # no GPU, no stage deadline
+        assert not {"tolerations", "nodeSelector", "activeDeadlineSeconds"} & set(platform[helper]), helper
+        assert "accelerator" not in executors[helper]["container"].get("resources", {}), helper
+
+
+def test_the_config_map_keys_are_the_ones_terraform_writes():
+    tf = (REPO / "infra" / "terraform" / "kubernetes.tf").read_text()
+    block = re.search(r'resource "kubernetes_config_map_v1" "stage_env" \{.*?\n  data = \{\n(.*?)\n  \}', tf, re.S)
+    assert block, "infra/terraform/kubernetes.tf: the stage_env config map is gone"
+    written = set(re.findall(r"^\s+(\w+)\s+=", block.group(1), re.M))
+    assert set(CONFIG_MAP_KEYS) <= written, f"the pipeline needs {sorted(set(CONFIG_MAP_KEYS) - written)} in posttrain-stage-env"
+    assert not set(CONFIG_MAP_OPTIONAL_KEYS) & set(CONFIG_MAP_KEYS)
+
+
+def test_cluster_names_are_compile_options(tmp_path):
+    spec = _load(compile_pipeline(tmp_path / "p.yaml", config_map="stage-env", s3_secret="", gpu_node_selector=""))
+    for name, executor in _platform(spec).items():
+        maps, secrets = _env_from(executor)
+        assert {m for m, _ in maps.values()} == {"stage-env"} and secrets == {}, name
+        assert "nodeSelector" not in executor, name
+    assert _platform(spec)["exec-trainer"]["tolerations"]  # the GPU taint is still tolerated
+    spec = _load(compile_pipeline(tmp_path / "q.yaml", gpu_node_selector="karpenter.sh/nodepool=gpu, accel=h100"))
+    assert _platform(spec)["exec-rollout"]["nodeSelector"] == {"labels": {"karpenter.sh/nodepool": "gpu", "accel": "h100"}}
+
+
+def test_a_bad_node_selector_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--output", "/dev/null", "--gpu-node-selector", "gpu"])
+    assert exit_.value.code == 2
+    assert "'gpu' is not 'key=value'; e.g. 'posttrain.io/pool=gpu'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
