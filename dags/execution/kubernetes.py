@@ -66,8 +66,8 @@ from typing import Any
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
 from kubernetes.client import models as k8s
 
-from components import __version__
 from components.core.stages import Resources, StageSpec
+from dags.execution import image_for
 
 ARGS_FIELD = "arguments"
 
@@ -155,11 +155,6 @@ def cluster_settings() -> ClusterSettings:
     )
 
 
-def _image_for(stage: str) -> str:
-    """The stage's image (the seam's naming rule: ``<prefix>posttrain-<stage>:<tag>``)."""
-    return f"{os.environ.get('POSTTRAIN_IMAGE_PREFIX', '')}posttrain-{stage}:{os.environ.get('POSTTRAIN_IMAGE_TAG') or __version__}"
-
-
 def security_contexts(sandboxed: bool) -> tuple[k8s.V1PodSecurityContext, k8s.V1SecurityContext]:
     """(pod, container) security contexts: the Pod Security Standards' *restricted* profile,
     or the sandbox's (see the module docstring)."""
@@ -191,7 +186,7 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
     kwargs: dict[str, Any] = {
         "name": f"posttrain-{spec.id}",
         "namespace": conf.namespace,
-        "image": _image_for(spec.id),
+        "image": image_for(spec.id),
         "image_pull_policy": "IfNotPresent",
         "service_account_name": conf.service_account,
         "automount_service_account_token": False,  # stages never call the Kubernetes API (IRSA mounts its own token)

@@ -6,13 +6,18 @@ Each stage's ``KubernetesPodOperator`` (``dags/execution/kubernetes.py``) render
 through the operator's own ``build_pod_request_obj`` (no cluster: the hook is told it is
 not in one), and the pod is validated against the Kubernetes 1.30 API schema (the
 kubernetes client 30's) by ``kubernetes_validate`` in strict mode (no unknown fields),
-then checked field by field against the stage registry. Not covered: admission (Pod
-Security, the feature gates ``hostUsers``/``procMount`` need) and a real scheduler; the
-cluster part is in ``infra/terraform/README.md``.
+then checked field by field against the stage registry. First ``operator()`` on its
+own, then the real DAG file parsed with ``POSTTRAIN_EXECUTION=kubernetes``: every stage
+task (mapped ones expanded per shard) renders a valid pod, and the DAG serializes as the
+DAG processor stores it. Not covered: admission (Pod Security, the feature gates
+``hostUsers``/``procMount`` need) and a real scheduler; the cluster part is in
+``infra/terraform/README.md``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import kubernetes_validate
@@ -23,6 +28,7 @@ from components import __version__
 from components.core.stages import Resources, StageSpec, registered, resources
 from dags.execution import kubernetes as mode
 
+REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30"  # the API the kubernetes client 30 speaks
 ENV_VARS = (mode.NAMESPACE_VAR, mode.SERVICE_ACCOUNT_VAR, mode.CONFIGMAP_VAR, mode.RUNTIME_CLASS_VAR,
             mode.GPU_NODE_SELECTOR_VAR, mode.STARTUP_TIMEOUT_VAR, "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG")
@@ -203,3 +209,63 @@ def test_a_bad_setting_is_one_line_naming_the_variable_and_the_fix(var, value, h
     assert "\n" not in line
     assert line.startswith(f"{var}={value!r}: ")
     assert hint in line
+
+
+@pytest.fixture(scope="module")
+def k8s_dag():
+    """The real DAG file, parsed as the DAG processor would in kubernetes mode."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ENV_VARS:
+            mp.delenv(name, raising=False)
+        mp.setenv("POSTTRAIN_EXECUTION", "kubernetes")
+        mp.setenv("POSTTRAIN_SCHEDULE", "")  # no Airflow Variable lookup
+        mp.setenv("POSTTRAIN_IMAGE_PREFIX", "registry.example.com/ml/")
+        mp.setenv(mode.RUNTIME_CLASS_VAR, "gvisor")
+        spec = importlib.util.spec_from_file_location("post_training_iteration_k8s", REPO / "dags" / "post_training_iteration.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module.iteration_dag
+
+
+def test_the_dag_in_kubernetes_mode_runs_every_stage_as_a_pod(k8s_dag):
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+
+    for spec in registered():
+        task = k8s_dag.get_task(spec.id)
+        if spec.sharded:
+            assert isinstance(task, MappedOperator) and task.operator_class is KubernetesPodOperator, spec.id
+            ops = [(task.unmap({"arguments": _args(spec, f"{i}/2")}), i) for i in range(2)]
+        else:
+            assert isinstance(task, KubernetesPodOperator), spec.id
+            task.arguments = _args(spec)  # at run time: the <stage>_args task's XCom
+            ops = [(task, -1)]
+        assert k8s_dag.get_task(f"{spec.id}_args").task_id in task.upstream_task_ids
+        for op, map_index in ops:
+            pod = render(op, map_index)
+            assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == K8S_VERSION
+            podspec = pod["spec"]
+            (container,) = podspec["containers"]
+            assert container["image"] == f"registry.example.com/ml/posttrain-{spec.id}:{__version__}"
+            assert container["args"] == (_args(spec, f"{map_index}/2") if spec.sharded else _args(spec))
+            assert ("nvidia.com/gpu" in container["resources"]["limits"]) == (spec.gpus > 0), spec.id
+            assert bool(podspec.get("tolerations")) == (spec.gpus > 0), spec.id
+            assert container["securityContext"] == (SANDBOX_CONTAINER if spec.sandboxed else RESTRICTED_CONTAINER)
+            assert podspec.get("runtimeClassName") == ("gvisor" if spec.sandboxed else None), spec.id
+            assert op.pool == (spec.pool or "default_pool"), spec.id
+            assert op.retries == 3 and op.execution_timeout.total_seconds() == spec.timeout_s, spec.id
+            assert op.on_failure_callback, spec.id
+            if spec.sharded:
+                assert pod["metadata"]["labels"]["posttrain.io/shard"] == str(map_index)
+
+
+def test_the_kubernetes_dag_serializes_for_the_scheduler(k8s_dag):
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    back = DagSerialization.from_dict(DagSerialization.to_dict(k8s_dag))
+    assert sorted(back.task_ids) == sorted(k8s_dag.task_ids)
+    for spec in registered():
+        task = back.get_task(spec.id)
+        assert task.task_type == "KubernetesPodOperator", spec.id
+        kwargs = task.partial_kwargs if spec.sharded else vars(task)
+        assert kwargs["image"] == f"registry.example.com/ml/posttrain-{spec.id}:{__version__}", spec.id
