@@ -1,7 +1,9 @@
-# IRSA: each Kubernetes service account below assumes its own IAM role through the
-# cluster's OIDC provider, so pods get short-lived credentials and no static keys.
-#   stage  - the stage pods: read/write the run root, read MLflow's artifacts
-#   mlflow - the tracking server: read/write its artifacts, read checkpoints in the run root
+# IRSA: the Kubernetes service accounts below assume an IAM role through the cluster's
+# OIDC provider, so pods get short-lived credentials and no static keys.
+#   stage   - the stage pods: read/write the run root, read MLflow's artifacts
+#   airflow - Airflow's task workers and DAG processor: the plan task leases the iteration
+#             and publishes the recipe in the run root, a failed run hands its lease back
+#   mlflow  - the tracking server: read/write its artifacts, read checkpoints in the run root
 
 locals {
   oidc_issuer   = replace(data.aws_eks_cluster.this.identity[0].oidc[0].issuer, "https://", "")
@@ -9,14 +11,19 @@ locals {
 
   irsa = {
     stage = {
-      service_account = var.stage_service_account
-      write_prefixes  = [var.store_prefix]
-      read_prefixes   = [var.store_prefix, local.mlflow_artifacts]
+      service_accounts = [var.stage_service_account]
+      write_prefixes   = [var.store_prefix]
+      read_prefixes    = [var.store_prefix, local.mlflow_artifacts]
+    }
+    airflow = {
+      service_accounts = [local.airflow_worker_sa, local.airflow_dag_processor_sa]
+      write_prefixes   = [var.store_prefix]
+      read_prefixes    = [var.store_prefix]
     }
     mlflow = {
-      service_account = "mlflow"
-      write_prefixes  = [local.mlflow_artifacts]
-      read_prefixes   = [local.mlflow_artifacts, var.store_prefix]
+      service_accounts = ["mlflow"]
+      write_prefixes   = [local.mlflow_artifacts]
+      read_prefixes    = [local.mlflow_artifacts, var.store_prefix]
     }
   }
 }
@@ -33,7 +40,7 @@ data "aws_iam_policy_document" "irsa_trust" {
     condition {
       test     = "StringEquals"
       variable = "${local.oidc_issuer}:sub"
-      values   = ["system:serviceaccount:${var.namespace}:${each.value.service_account}"]
+      values   = [for sa in each.value.service_accounts : "system:serviceaccount:${var.namespace}:${sa}"]
     }
     condition {
       test     = "StringEquals"
@@ -77,7 +84,7 @@ resource "aws_iam_role" "irsa" {
   for_each = local.irsa
 
   name               = "${var.name}-${each.key}"
-  description        = "${var.name}: assumed by service account ${var.namespace}/${each.value.service_account}"
+  description        = "${var.name}: assumed by ${join(", ", [for sa in each.value.service_accounts : "${var.namespace}/${sa}"])}"
   assume_role_policy = data.aws_iam_policy_document.irsa_trust[each.key].json
 }
 

@@ -18,6 +18,16 @@ output "stage_role_arn" {
   value       = aws_iam_role.irsa["stage"].arn
 }
 
+output "airflow_role_arn" {
+  description = "IAM role Airflow's task workers and DAG processor assume (IRSA): the plan task's lease and recipe in the store."
+  value       = aws_iam_role.irsa["airflow"].arn
+}
+
+output "stage_configmap" {
+  description = "Config map with the stage pods' environment."
+  value       = kubernetes_config_map_v1.stage_env.metadata[0].name
+}
+
 output "mlflow_role_arn" {
   description = "IAM role the MLflow server assumes (IRSA)."
   value       = aws_iam_role.irsa["mlflow"].arn

@@ -51,7 +51,7 @@ variable "cpu_scaling" {
 }
 
 variable "gpu_instance_types" {
-  description = "Instance types of the GPU pool (rollout with vLLM, trainer, evaluation)."
+  description = "Instance types of the GPU pool (bootstrap, rollout with vLLM, trainer, evaluation: the stages with gpus > 0 in the stage registry)."
   type        = list(string)
   default     = ["g5.2xlarge"]
 }
@@ -66,6 +66,30 @@ variable "namespace" {
   description = "Kubernetes namespace for the stage pods, MLflow and Airflow."
   type        = string
   default     = "posttrain"
+}
+
+variable "stage_configmap" {
+  description = "Config map with the stage pods' environment (POSTTRAIN_RUN_ROOT, MLFLOW_TRACKING_URI, AWS_REGION): POSTTRAIN_STAGE_CONFIGMAP."
+  type        = string
+  default     = "posttrain-stage-env"
+}
+
+variable "sandbox_runtime_class" {
+  description = "RuntimeClass of the sandboxed stages' pods (bootstrap, sandbox, evaluation), e.g. \"gvisor\"; it must exist on the cluster. Empty: the default runtime."
+  type        = string
+  default     = ""
+}
+
+variable "gpu_node_selector" {
+  description = "Node selector of the GPU stages' pods, key=value[,key=value]; the default matches the gpu pool created here. Empty: none (the nvidia.com/gpu toleration and limit still apply)."
+  type        = string
+  default     = "posttrain.io/pool=gpu"
+}
+
+variable "recipe" {
+  description = "POSTTRAIN_RECIPE: the recipe every scheduled run uses, a path inside posttrain-base (/opt/posttrain/recipes/...) or an s3:// URI in the bucket."
+  type        = string
+  default     = "/opt/posttrain/recipes/demo.yaml"
 }
 
 variable "stage_service_account" {
@@ -92,7 +116,7 @@ variable "image_prefix" {
 }
 
 variable "image_version" {
-  description = "Tag of the posttrain images (project.version in pyproject.toml)."
+  description = "Tag of the posttrain images (project.version in pyproject.toml): POSTTRAIN_IMAGE_TAG for the stage pods, and the tag of the posttrain-base image Airflow and MLflow run."
   type        = string
   default     = "0.1.0"
 }
@@ -133,18 +157,7 @@ variable "airflow_chart_version" {
 }
 
 variable "airflow_image" {
-  description = "Airflow image repository and tag for the scheduler, API server and workers; the official image ships the cncf.kubernetes provider the cluster-mode DAG uses."
+  description = "The official Airflow image that runs the metadata-database migrations (the components run posttrain-base); its tag must be the Airflow version installed in posttrain-base."
   type        = object({ repository = string, tag = string })
   default     = { repository = "apache/airflow", tag = "3.3.2" }
-}
-
-variable "dags_git_repo" {
-  description = "Git URL git-sync pulls the DAGs from (this repository)."
-  type        = string
-}
-
-variable "dags_git_branch" {
-  description = "Branch git-sync follows."
-  type        = string
-  default     = "main"
 }

@@ -7,8 +7,11 @@ shared library), so no terraform binary is needed. Offline, ``terraform init`` c
 download providers, so ``validate``/``plan`` are out of reach; instead this checks
 ``fmt -check``, that ``terraform providers`` loads the whole configuration (syntax,
 block structure, duplicate names, provider requirements), that every ``var.*`` and
-``local.*`` reference is declared, and runs a checkov scan asserting no failed checks
-and exactly the skips the .tf files justify.
+``local.*`` reference is declared, that the settings Terraform gives Airflow and the
+stage pods are exactly the ones the code reads (every ``POSTTRAIN_*`` name in the .tf
+files is read in ``components/``, ``dags/`` or ``pipelines/``, and every setting the DAG's
+kubernetes mode needs is set), and runs a checkov scan asserting no failed checks and
+exactly the skips the .tf files justify.
 
 checkov cannot live in the project venv (it pins boto3/botocore, packaging, cachetools
 and termcolor below what s3fs and Airflow need), so the scan uses a checkov found on
@@ -19,6 +22,7 @@ Not covered: provider-schema validation and plans (need the registry and AWS).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -114,6 +118,102 @@ def test_every_checkov_skip_is_justified_and_expected():
     assert {s for s, _ in skips} == {s for s, _ in EXPECTED_SKIPS}
     for check, reason in skips:
         assert len(reason.strip()) >= 40, f"{check}: say why it is skipped"
+
+
+POSTTRAIN_NAME = re.compile(r"\bPOSTTRAIN_[A-Z0-9_]+\b")
+CODE_DIRS = ("components", "dags", "pipelines")
+# Read by the kubernetes mode with a default that fits this deployment, so not set here.
+DEFAULTED = {"POSTTRAIN_POD_STARTUP_TIMEOUT_S"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def names_read_by_the_code(root: Path = REPO) -> set[str]:
+    """``POSTTRAIN_*`` names that appear as a whole string literal (not in a docstring) in
+    the project's Python: ``os.environ.get("POSTTRAIN_X")`` or ``X_VAR = "POSTTRAIN_X"``."""
+    names = set()
+    for folder in CODE_DIRS:
+        for path in (root / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            skip = _docstrings(tree)
+            names |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                      and id(n) not in skip and POSTTRAIN_NAME.fullmatch(n.value)}
+    return names
+
+
+def airflow_env() -> dict[str, str]:
+    """The ``env`` list of the Airflow Helm release: {name: the HCL expression of its value}."""
+    block = re.search(r"^    env = \[\n(.*?)^    \]", (TF / "airflow.tf").read_text(), re.M | re.S)
+    assert block, "infra/terraform/airflow.tf: no env list in the Helm values"
+    return dict(re.findall(r'\{ name = "(\w+)", value = (.+?) \},', block.group(1)))
+
+
+def test_every_posttrain_setting_terraform_sets_is_read_by_the_code():
+    in_tf = set(POSTTRAIN_NAME.findall(_text()))
+    assert {"POSTTRAIN_EXECUTION", "POSTTRAIN_RUN_ROOT"} <= in_tf
+    unread = in_tf - names_read_by_the_code()
+    assert not unread, f"set by infra/terraform but read by no code in {CODE_DIRS}: {sorted(unread)}"
+
+
+def test_the_check_finds_an_unread_setting(tmp_path):
+    (tmp_path / "dags").mkdir()
+    (tmp_path / "dags" / "x.py").write_text('"""Reads POSTTRAIN_DOC."""\nimport os\nos.environ.get("POSTTRAIN_REAL")\n'
+                                            'MSG = "set POSTTRAIN_MSG"\n')
+    assert names_read_by_the_code(tmp_path) == {"POSTTRAIN_REAL"}
+
+
+def test_airflow_gets_every_setting_the_kubernetes_mode_reads():
+    from dags.execution import MODE_VAR
+    from dags.execution import kubernetes as k8s_mode
+
+    env = airflow_env()
+    needed = {MODE_VAR, "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_RUN_ROOT", "POSTTRAIN_RECIPE",
+              "POSTTRAIN_SCHEDULE", *k8s_mode.DEFAULTS} - DEFAULTED
+    assert needed <= set(env), f"airflow.tf does not set {sorted(needed - set(env))}"
+    assert DEFAULTED <= set(k8s_mode.DEFAULTS)
+    assert env[MODE_VAR] == '"kubernetes"'
+    assert env["POSTTRAIN_IMAGE_TAG"] == "var.image_version"
+    assert env["POSTTRAIN_STAGE_CONFIGMAP"] == "kubernetes_config_map_v1.stage_env.metadata[0].name"
+    assert env["POSTTRAIN_STAGE_SERVICE_ACCOUNT"] == "kubernetes_service_account_v1.stage.metadata[0].name"
+    assert env["POSTTRAIN_NAMESPACE"] == "kubernetes_namespace_v1.posttrain.metadata[0].name"
+    assert {"MLFLOW_TRACKING_URI", "AWS_REGION", "AIRFLOW_HOME"} <= set(env)
+
+
+def test_terraform_defaults_match_the_kubernetes_modes():
+    """The names Terraform creates by default are the ones the DAG looks for by default."""
+    from dags.execution import kubernetes as k8s_mode
+
+    variables = (TF / "variables.tf").read_text()
+
+    def default(name: str) -> str:
+        return re.search(rf'^variable "{name}" \{{.*?^  default\s+= "(.*?)"', variables, re.M | re.S).group(1)
+
+    assert default("namespace") == k8s_mode.DEFAULTS[k8s_mode.NAMESPACE_VAR]
+    assert default("stage_service_account") == k8s_mode.DEFAULTS[k8s_mode.SERVICE_ACCOUNT_VAR]
+    assert default("stage_configmap") == k8s_mode.DEFAULTS[k8s_mode.CONFIGMAP_VAR]
+    assert default("gpu_node_selector") == k8s_mode.DEFAULTS[k8s_mode.GPU_NODE_SELECTOR_VAR]
+    assert 'labels = { "posttrain.io/pool" = each.key }' in (TF / "node_pools.tf").read_text()
+
+
+def test_airflow_workers_may_start_stage_pods_and_reach_the_store():
+    kube, airflow, iam = ((TF / f).read_text() for f in ("kubernetes.tf", "airflow.tf", "iam.tf"))
+    role = re.search(r'resource "kubernetes_role_v1" "stage_pods" \{(.*?)^\}', kube, re.M | re.S).group(1)
+    rules = re.findall(r'resources\s+= \[(.*?)\]\n\s+verbs\s+= \[(.*?)\]', role)
+    assert {r: set(re.findall(r'"(.*?)"', v)) for r, v in rules} == {
+        '"pods"': {"create", "get", "list", "watch", "patch", "delete"}, '"pods/log"': {"get"},
+        '"events"': {"get", "list", "watch"}}
+    binding = re.search(r'resource "kubernetes_role_binding_v1" "stage_pods" \{(.*?)^\}', kube, re.M | re.S).group(1)
+    assert "name      = local.airflow_worker_sa" in binding
+    assert "serviceAccount = { create = true, name = local.airflow_worker_sa, annotations = local.airflow_irsa }" in airflow
+    assert "service_accounts = [local.airflow_worker_sa, local.airflow_dag_processor_sa]" in iam
 
 
 def _checkov() -> str | None:
