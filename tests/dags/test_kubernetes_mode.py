@@ -211,6 +211,13 @@ def test_a_bad_setting_is_one_line_naming_the_variable_and_the_fix(var, value, h
     assert hint in line
 
 
+def _parse_dag():
+    spec = importlib.util.spec_from_file_location("post_training_iteration_k8s", REPO / "dags" / "post_training_iteration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.iteration_dag
+
+
 @pytest.fixture(scope="module")
 def k8s_dag():
     """The real DAG file, parsed as the DAG processor would in kubernetes mode."""
@@ -221,10 +228,16 @@ def k8s_dag():
         mp.setenv("POSTTRAIN_SCHEDULE", "")  # no Airflow Variable lookup
         mp.setenv("POSTTRAIN_IMAGE_PREFIX", "registry.example.com/ml/")
         mp.setenv(mode.RUNTIME_CLASS_VAR, "gvisor")
-        spec = importlib.util.spec_from_file_location("post_training_iteration_k8s", REPO / "dags" / "post_training_iteration.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module.iteration_dag
+        yield _parse_dag()
+
+
+def test_a_bad_setting_fails_the_dag_parse(monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "kubernetes")
+    monkeypatch.setenv("POSTTRAIN_SCHEDULE", "")
+    monkeypatch.setenv(mode.STARTUP_TIMEOUT_VAR, "5m")
+    with pytest.raises(ValueError, match=r"^POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a positive whole number of seconds; "
+                                         r"set it to e\.g\. '600'$"):
+        _parse_dag()
 
 
 def test_the_dag_in_kubernetes_mode_runs_every_stage_as_a_pod(k8s_dag):
