@@ -3,8 +3,10 @@
 ``run`` executes one Python or bash file in the bwrap sandbox and prints the result as
 Execution-like JSON (status, exit code, capped output, resource use, isolation); the
 exit status is 0 when the program's status is ``ok``, else 1. ``doctor`` prints what
-isolation this host supports and what is missing, and exits 1 when the sandbox would
-refuse to run. The main CLI wires ``add_parser`` into its subcommands and calls
+isolation this host supports and what is missing, each missing piece with its real
+cause and fix (doctor.py), and exits 1 when the sandbox would refuse to run;
+``doctor --installed`` checks only what an image must ship (no namespaces: it runs
+inside an image build). The main CLI wires ``add_parser`` into its subcommands and calls
 ``args.handler(args)``.
 
 Not covered: stdin from the terminal (use --stdin-file), extra files beside FILE.
@@ -33,7 +35,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     run.add_argument("--allow-weak-isolation", action="store_true",
                      help="run even when the host cannot give full isolation (says WEAK in the output)")
     run.set_defaults(handler=handle_run)
-    doctor = sub.add_parser("doctor", help="show what isolation this host supports")
+    doctor = sub.add_parser("doctor", help="show what isolation this host supports, and what stops it")
+    doctor.add_argument("--installed", action="store_true",
+                        help="check only what must be installed (bwrap, setpriv, /usr/bin/python3, seccomp), "
+                             "creating no namespace: for image builds")
     doctor.set_defaults(handler=handle_doctor)
     return parser
 
@@ -71,10 +76,16 @@ def handle_run(args: argparse.Namespace) -> int:
 
 
 def handle_doctor(args: argparse.Namespace) -> int:
-    from components.sandbox.detect import probe
+    import sys
 
-    support = probe()
-    report = dataclasses.asdict(support)
-    report.update(isolation=support.isolation, missing=support.missing, refuses_without_flag=bool(support.missing))
+    from components.sandbox import doctor
+
+    report, causes = doctor.run(installed_only=args.installed)
     print(json.dumps(report, indent=2))
-    return 1 if support.missing else 0
+    refuses = bool(causes) or bool(report.get("missing"))
+    if causes:
+        what = "is missing what the sandbox needs" if args.installed else "would refuse to run the sandbox"
+        print(f"posttrain sandbox doctor: this {'image' if args.installed else 'host'} {what}:", file=sys.stderr)
+        for cause in causes:
+            print("- " + cause.line(), file=sys.stderr)
+    return 1 if refuses else 0
