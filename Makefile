@@ -4,10 +4,10 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := bubblewrap python3
+APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs
 ITERATIONS ?= 3
 
-.PHONY: setup demo test test-all models vllm test-vllm bench clean
+.PHONY: setup demo test test-all models vllm test-vllm bench images clean
 
 $(STAMP): pyproject.toml
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -56,6 +56,16 @@ bench: $(STAMP)
 	$(PY) benchmarks/sandbox/bench.py
 	$(PY) benchmarks/rollout/bench.py
 	$(PY) benchmarks/trainer/bench.py
+
+# Every image (posttrain-base and posttrain-<stage>, tag = project.version) with podman from
+# a Debian-made base (no image registry needed), CPU torch from pip's local wheel folder;
+# images whose inputs did not change are kept. Then the sandbox doctor inside the sandbox
+# image, run with the flags a stage container needs here (containers/README.md).
+images:
+	containers/images.sh
+	podman run --rm $$(cat containers/podman-run-flags) --entrypoint posttrain \
+	  posttrain-sandbox:$$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') \
+	  sandbox doctor >/dev/null
 
 clean:
 	rm -rf .posttrain
