@@ -25,12 +25,12 @@ LABEL org.opencontainers.image.title="posttrain-base" \
 
 # bubblewrap isolates sandbox jobs; Debian's python3 (/usr/bin/python3, the only host tree
 # a sandbox sees is /usr) runs them; python3-venv makes the project's venv on the Debian
-# base; libseccomp2 backs pyseccomp. Versions are not pinned: bookworm's point releases
+# base; libseccomp2 backs pyseccomp; tini is the entrypoint's init (below). Versions are not pinned: bookworm's point releases
 # (+deb12uN) replace the old package in the archive, so a pin would break the build as soon
 # as a security fix ships.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends bubblewrap python3 python3-venv libseccomp2 ca-certificates \
+    && apt-get install -y --no-install-recommends bubblewrap python3 python3-venv libseccomp2 tini ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --gid 10001 posttrain \
@@ -97,5 +97,9 @@ ENV POSTTRAIN_HOME=/home/posttrain/.posttrain \
 # /usr/bin/python3 runnable by the sandbox uid, seccomp); namespaces are checked at run
 # time (`posttrain sandbox doctor`), a build has none to give.
 RUN posttrain sandbox doctor --installed
-ENTRYPOINT ["posttrain"]
+# tini runs posttrain as its child and reaps what it is handed: a PID 1 that does not reap
+# keeps every process bwrap leaves behind as a zombie, and zombies count against the
+# sandbox jobs' process limit until new sandboxes fail (components/sandbox/doctor.py).
+# -s: the same when an outer init (podman/docker --init) is PID 1.
+ENTRYPOINT ["/usr/bin/tini", "-s", "--", "posttrain"]
 CMD ["--help"]

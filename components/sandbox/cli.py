@@ -88,4 +88,6 @@ def handle_doctor(args: argparse.Namespace) -> int:
         print(f"posttrain sandbox doctor: this {'image' if args.installed else 'host'} {what}:", file=sys.stderr)
         for cause in causes:
             print("- " + cause.line(), file=sys.stderr)
+    for warning in report.get("warnings", []):
+        print(f"posttrain sandbox doctor: warning: {doctor.Cause(**warning).line()}", file=sys.stderr)
     return 1 if refuses else 0

@@ -16,6 +16,11 @@ Two checks:
   ``securityContext`` field, or sysctl). bwrap's own message for most of these ("likely
   because the kernel does not allow non-privileged user namespaces") names the sysctl
   even when a container's seccomp profile or masked paths are to blame.
+- ``warnings``: what works now but breaks under load in a container: a supervisor that
+  is PID 1 (nothing reaps the processes bwrap leaves behind; the zombies count against
+  the jobs' RLIMIT_NPROC, 64, until sandboxes fail with EAGAIN), and jobs sharing a
+  non-root supervisor's uid (RLIMIT_NPROC counts that uid host-wide, other containers'
+  processes of the same uid included).
 
 The diagnosis pairs the failing step in bwrap's message with the confinement that can
 make that step fail: creating the user namespace -> userns sysctls, AppArmor's userns
@@ -40,8 +45,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from components.sandbox.detect import DEFAULT_PYTHON
+from components.sandbox.limits import Limits
 
 MIN_BWRAP = (0, 8)  # --disable-userns and --size
+NPROC = Limits.nproc  # RLIMIT_NPROC of every job
 # Mount points under /proc the kernel still accepts a fresh procfs beside: they sit on
 # permanently empty directories (mnt_already_visible in fs/namespace.c).
 EMPTY_PROC_DIRS = ("/proc/sys/fs/binfmt_misc",)
@@ -56,6 +63,12 @@ FIX_MASKED_PROC = ("unmask /proc: podman --security-opt unmask=ALL; docker --sec
 FIX_APPARMOR = ("run the container unconfined by AppArmor or under a profile that allows mount and userns: "
                 "podman/docker --security-opt apparmor=unconfined; Kubernetes securityContext.appArmorProfile.type: "
                 "Unconfined (older clusters: the container.apparmor.security.beta.kubernetes.io annotation).")
+FIX_PID1 = ("run under an init that reaps orphans: keep the posttrain images' entrypoint (tini); podman/docker "
+            "run --init; on Kubernetes a pod command that replaces the entrypoint should start with "
+            "/usr/bin/tini -s --, or set shareProcessNamespace: true (the pause process reaps)")
+FIX_SHARED_UID = ("give each container its own host uids: Kubernetes hostUsers: false (a user namespace per pod), "
+                  "podman --userns=auto; or run the supervisor as root inside a user namespace so each job gets its "
+                  "own leased uid")
 FIX_USERNS_CLONE = "on the node: sysctl -w kernel.unprivileged_userns_clone=1 (persist it in /etc/sysctl.d/)"
 FIX_MAX_USERNS = "on the node: sysctl -w user.max_user_namespaces=15000 (persist it in /etc/sysctl.d/)"
 FIX_APPARMOR_USERNS = ("on the node (Ubuntu 24.04+): sysctl -w kernel.apparmor_restrict_unprivileged_userns=0, or "
@@ -84,6 +97,10 @@ class HostView:
     userns_clone: int | None  # kernel.unprivileged_userns_clone (Debian kernels)
     max_user_namespaces: int | None  # user.max_user_namespaces
     apparmor_restrict_userns: int | None  # kernel.apparmor_restrict_unprivileged_userns (Ubuntu)
+    is_pid1: bool = False  # this process is PID 1 of its PID namespace (a container's first process)
+    uid: int = 0  # this process's real uid, which jobs share when it is not root
+    uid_tasks: int = 0  # processes + threads of that uid visible here (what RLIMIT_NPROC counts)
+    zombies: int = 0  # of those, exited processes nobody reaped
 
     @property
     def apparmor_confined(self) -> bool:
@@ -136,8 +153,26 @@ def apparmor_label(root: Path) -> str | None:
     return None
 
 
-def read_view(root: Path = Path("/")) -> HostView:
-    """``root`` is "/" except in tests, which fabricate a /proc tree under a temp folder."""
+def uid_tasks(root: Path, uid: int) -> tuple[int, int]:
+    """(tasks, zombies) of real uid ``uid`` among the processes under ``root``/proc."""
+    tasks = zombies = 0
+    for status in (root / "proc").glob("[0-9]*/status"):
+        text = _read(status) or ""
+        uids = re.search(r"^Uid:\s*(\d+)", text, flags=re.M)
+        if not uids or int(uids.group(1)) != uid:
+            continue
+        threads = re.search(r"^Threads:\s*(\d+)", text, flags=re.M)
+        tasks += int(threads.group(1)) if threads else 1
+        zombies += bool(re.search(r"^State:\s*Z", text, flags=re.M))
+    return tasks, zombies
+
+
+def read_view(root: Path = Path("/"), pid: int | None = None, uid: int | None = None) -> HostView:
+    """``root`` is "/" except in tests, which fabricate a /proc tree under a temp folder
+    (and pass the ``pid`` and ``uid`` that tree belongs to)."""
+    pid = os.getpid() if pid is None else pid
+    uid = os.getuid() if uid is None else uid
+    tasks, zombies = uid_tasks(root, uid)
     return HostView(
         seccomp_mode=seccomp_mode(_read(root / "proc/self/status")),
         proc_overmounts=proc_overmounts(_read(root / "proc/self/mountinfo")),
@@ -145,12 +180,14 @@ def read_view(root: Path = Path("/")) -> HostView:
         userns_clone=_int(_read(root / "proc/sys/kernel/unprivileged_userns_clone")),
         max_user_namespaces=_int(_read(root / "proc/sys/user/max_user_namespaces")),
         apparmor_restrict_userns=_int(_read(root / "proc/sys/kernel/apparmor_restrict_unprivileged_userns")),
+        is_pid1=pid == 1, uid=uid, uid_tasks=tasks, zombies=zombies,
     )
 
 
 def failed_step(failure: str) -> str:
     """Which step of starting a sandbox failed, from bwrap's message:
 
+    - ``nproc``: a process could not be created (EAGAIN): the process limit is used up
     - ``userns``: creating the user namespace (or writing its uid map)
     - ``proc``: mounting the fresh /proc
     - ``mount``: another mount inside the sandbox (tmpfs, binds, remounts)
@@ -158,6 +195,8 @@ def failed_step(failure: str) -> str:
     - ``other``: anything else (the interpreter, the probe's own checks)
     """
     text = failure.lower()
+    if "resource temporarily unavailable" in text or "(eagain)" in text:
+        return "nproc"
     if any(words in text for words in ("new namespace", "uid map", "gid map", "setgroups", "unshare", "clone")):
         return "userns"
     if "mount proc" in text:
@@ -179,6 +218,13 @@ def diagnose(view: HostView, failure: str) -> list[Cause]:
     step = failed_step(failure)
     causes: list[Cause] = []
     seccomp_filter = view.seccomp_mode == 2
+    if step == "nproc":
+        causes.append(Cause("process-limit", f"bwrap could not create a process (EAGAIN): a job may have {NPROC} "
+                            f"processes (RLIMIT_NPROC), which the kernel counts over every process and thread of "
+                            f"the job's uid {view.uid} on the host; {view.uid_tasks} are visible here, "
+                            f"{view.zombies} of them unreaped zombies", FIX_SHARED_UID))
+        if view.is_pid1 and view.zombies:
+            causes.append(pid1_cause())
     if step == "userns":
         if view.userns_clone == 0:
             causes.append(Cause("userns-disabled", "kernel.unprivileged_userns_clone = 0", FIX_USERNS_CLONE))
@@ -206,6 +252,22 @@ def diagnose(view: HostView, failure: str) -> list[Cause]:
                             "see 'What the host must allow' in components/sandbox/README.md; an SELinux or custom "
                             "runtime policy denying unshare/mount shows up here"))
     return causes
+
+
+def pid1_cause() -> Cause:
+    return Cause("pid1-no-reaper", "this process is PID 1 of its PID namespace: processes bwrap leaves behind are "
+                 "handed to it and stay zombies, each counting against the jobs' process limit until new sandboxes "
+                 "fail with 'Resource temporarily unavailable'", FIX_PID1)
+
+
+def warnings(view: HostView) -> list[Cause]:
+    """What works now but degrades or breaks under load (reported, not refused)."""
+    found = [pid1_cause()] if view.is_pid1 else []
+    if view.uid != 0:
+        found.append(Cause("shared-job-uid", f"not root, so every job runs as this process's uid {view.uid}: their "
+                           f"process limit ({NPROC}) counts all processes and threads of uid {view.uid} on the host, "
+                           f"other containers' of that uid too ({view.uid_tasks} visible here)", FIX_SHARED_UID))
+    return found
 
 
 def _bwrap_message(failure: str) -> str:
@@ -312,5 +374,6 @@ def run(installed_only: bool = False, python: str = DEFAULT_PYTHON) -> tuple[dic
     elif support.missing and not causes:
         causes.append(Cause("sandbox-failed", "; ".join(support.missing + list(support.problems)),
                             "see 'What the host must allow' in components/sandbox/README.md"))
-    report.update(checked="runtime", causes=[asdict(c) for c in causes])
+    report.update(checked="runtime", causes=[asdict(c) for c in causes],
+                  warnings=[asdict(w) for w in warnings(read_view())])
     return report, causes

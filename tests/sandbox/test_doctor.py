@@ -44,6 +44,7 @@ USERNS = ("probe sandbox failed (exit 1): bwrap: No permissions to create new na
           "does not allow non-privileged user namespaces. See <https://deb.li/bubblewrap>.")
 ENOSPC = ("probe sandbox failed (exit 1): bwrap: Creating new namespace failed: nesting depth or "
           "/proc/sys/user/max_*_namespaces exceeded (ENOSPC)")
+EAGAIN = "probe sandbox failed (exit 1): bwrap: Creating new namespace failed: Resource temporarily unavailable"
 
 
 def fake_root(tmp_path: Path, seccomp: int = 0, mountinfo: str = UNMASKED_MOUNTINFO, apparmor: str | None = None,
@@ -138,8 +139,37 @@ def test_a_working_probe_reports_nothing_whatever_the_confinement(tmp_path):
 
 
 def test_view_reads_nothing_it_cannot_find(tmp_path):
-    view = doctor.read_view(tmp_path)
-    assert view == doctor.HostView(None, (), None, None, None, None)
+    view = doctor.read_view(tmp_path, pid=7, uid=10001)
+    assert view == doctor.HostView(None, (), None, None, None, None, is_pid1=False, uid=10001, uid_tasks=0, zombies=0)
+
+
+
+def add_processes(root: Path, *procs: tuple[int, int, str, int]) -> None:
+    """(pid, uid, state, threads) entries under root/proc."""
+    for pid, uid, state, threads in procs:
+        (root / "proc" / str(pid)).mkdir(parents=True)
+        (root / "proc" / str(pid) / "status").write_text(
+            f"Name:\tbwrap\nState:\t{state}\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nThreads:\t{threads}\n")
+
+
+def test_zombies_under_a_pid1_supervisor_use_up_the_job_process_limit(tmp_path):
+    root = fake_root(tmp_path, seccomp=0)
+    add_processes(root, (1, 10001, "S (sleeping)", 6), *[(100 + i, 10001, "Z (zombie)", 1) for i in range(60)],
+                  (900, 0, "S (sleeping)", 1))
+    view = doctor.read_view(root, pid=1, uid=10001)
+    assert (view.is_pid1, view.uid_tasks, view.zombies) == (True, 66, 60)
+    found = doctor.diagnose(view, EAGAIN)
+    assert [c.cause for c in found] == ["process-limit", "pid1-no-reaper"]  # not blamed on seccomp or sysctls
+    assert "66 are visible here, 60 of them unreaped zombies" in found[0].evidence
+    assert "hostUsers: false" in found[0].fix and "tini" in found[1].fix and "--init" in found[1].fix
+
+
+def test_warnings_for_a_pid1_supervisor_and_a_shared_job_uid(tmp_path):
+    root = fake_root(tmp_path)
+    add_processes(root, (1, 10001, "S (sleeping)", 3))
+    assert [w.cause for w in doctor.warnings(doctor.read_view(root, pid=1, uid=10001))] == ["pid1-no-reaper", "shared-job-uid"]
+    assert [w.cause for w in doctor.warnings(doctor.read_view(root, pid=2, uid=10001))] == ["shared-job-uid"]
+    assert doctor.warnings(doctor.read_view(root, pid=2, uid=0)) == []  # root: each job gets its own leased uid
 
 
 def test_proc_overmounts_skip_binfmt_misc_and_decode_escapes():
@@ -150,7 +180,7 @@ def test_proc_overmounts_skip_binfmt_misc_and_decode_escapes():
     assert doctor.proc_overmounts(info) == ("/proc/my file",)
 
 
-@pytest.mark.parametrize("failure, step", [(HOSTNAME, "privileged"), (PROC, "proc"), (USERNS, "userns"), (ENOSPC, "userns"),
+@pytest.mark.parametrize("failure, step", [(EAGAIN, "nproc"), (HOSTNAME, "privileged"), (PROC, "proc"), (USERNS, "userns"), (ENOSPC, "userns"),
                                            ("bwrap: Failed to mount tmpfs: Operation not permitted", "mount"),
                                            ("probe sandbox could not start: [Errno 2] No such file", "other")])
 def test_failed_step(failure, step):
@@ -208,13 +238,15 @@ def test_cli_doctor_prints_the_causes_and_exits_1(tmp_path, monkeypatch, capsys)
     root = fake_root(tmp_path, seccomp=2, mountinfo=PODMAN_MOUNTINFO)
     monkeypatch.setattr(detect, "probe", lambda python="/usr/bin/python3": _failing_support())
     real_read_view = doctor.read_view
-    monkeypatch.setattr(doctor, "read_view", lambda _root=None: real_read_view(root))
+    monkeypatch.setattr(doctor, "read_view", lambda _root=None: real_read_view(root, pid=1, uid=10001))
     assert cli.main(["sandbox", "doctor"]) == 1
     out, err = capsys.readouterr()
     report = json.loads(out)
     assert report["checked"] == "runtime" and report["isolation"].startswith("process+rlimits (WEAK")
     assert [c["cause"] for c in report["causes"]] == ["seccomp-filter", "masked-proc"]
+    assert [w["cause"] for w in report["warnings"]] == ["pid1-no-reaper", "shared-job-uid"]
     assert "would refuse to run the sandbox" in err and "- seccomp-filter:" in err and "fix: " in err
+    assert "warning: pid1-no-reaper:" in err
 
 
 def test_cli_doctor_installed_needs_no_namespaces(monkeypatch, capsys):
