@@ -63,7 +63,7 @@ bench: $(STAMP)
 # image, run with the flags a stage container needs here (containers/README.md).
 images:
 	containers/images.sh
-	podman run --rm $$(cat containers/podman-run-flags) --entrypoint posttrain \
+	podman run --rm $$(cat containers/podman-run-flags) --entrypoint '["/usr/bin/tini", "-s", "--", "posttrain"]' \
 	  posttrain-sandbox:$$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') \
 	  sandbox doctor >/dev/null
 

@@ -103,7 +103,8 @@ echo "== import $IMAGE"
 tar --numeric-owner --xattrs -C "$root" -cf - . | "$ENGINE" import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
-  --change "LABEL org.opencontainers.image.title=posttrain-debian org.opencontainers.image.source=debootstrap:$SUITE:$MIRROR" \
+  --change "LABEL org.opencontainers.image.title=posttrain-debian" \
+  --change "LABEL org.opencontainers.image.source=debootstrap:$SUITE:$MIRROR" \
   --change 'CMD ["python3"]' \
   - "$IMAGE"
 run_flags=()

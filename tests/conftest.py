@@ -20,4 +20,4 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server",
-                  "tests.fixtures.podman"]
+                  "tests.fixtures.podman", "tests.fixtures.images"]
