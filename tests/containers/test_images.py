@@ -84,6 +84,18 @@ def test_images_are_the_stage_images_the_pipeline_names(stage_images):
     assert out.stdout.strip() == "(3, 11)", out.stderr
 
 
+def test_the_index_and_its_ca_are_not_in_the_image(stage_images):
+    """build.sh gave the build pip's CA (and any index URL) as secrets: no layer, history entry or
+    environment variable keeps them."""
+    history = run(["podman", "history", "--no-trunc", "--format", "{{.CreatedBy}}", stage_images.base]).stdout
+    assert "BEGIN CERTIFICATE" not in history and "PIP_CERT=" not in history and "PIP_INDEX_URL=" not in history
+    env = inspect(stage_images.base)["Config"]["Env"]
+    assert not [e for e in env if e.startswith(("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CERT", "PIP_CONFIG_FILE"))]
+    out = run(stage_images.run_argv(stage_images.base, "-c", "find /run/secrets /tmp/containers /tmp/wheels -type f 2>/dev/null",
+                                    entrypoint="sh"))
+    assert out.stdout.strip() == ""
+
+
 def test_a_stage_image_takes_only_the_stage_arguments(stage_images):
     out = run(stage_images.run_argv("rollout", "--help"))
     assert out.returncode == 0, out.stderr
