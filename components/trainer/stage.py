@@ -64,7 +64,6 @@ def run(ctx: StageContext) -> dict[str, float]:
     temperature = ctx.recipe.rollout.temperature  # the rollouts' sampling distribution, for the ratio
     start = ctx.facts_of("taskgen", StartingPolicy)
     run_id = ctx.mlflow_run_id
-    seed_everything(ctx.seed())
     policy = load_policy(start.policy_uri, start.policy_version)
     model = policy.model
     datasets = {}
@@ -84,6 +83,11 @@ def run(ctx: StageContext) -> dict[str, float]:
         carried = load_trainer_state(Store(start.policy_uri, "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
     global_step = carried.global_step if carried else 0
     batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
+    # Seeded after loading (not before): a library imported for the first time may draw from
+    # the global streams (transformers' first AutoModel import reaches rich, which does), so
+    # seeding earlier would leave the saved RNG state depending on what the process imported
+    # before: a stage in a fresh container and one in a long-lived worker would differ.
+    seed_everything(ctx.seed())
     totals: dict[str, float] = defaultdict(float)
     started, tokens = time.perf_counter(), 0
     with bar("trainer", len(batches)) as advance:
