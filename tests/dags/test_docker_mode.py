@@ -141,3 +141,42 @@ def test_sandbox_in_its_container_is_not_weak(both_runs, s3_env) -> None:
     for i in range(2):
         isolation |= _executions(store, f"tiny/iter-000001/sandbox/shard-{i:05d}-of-00002/_MANIFEST.json")[1]
     assert isolation and all(s.startswith("bwrap:user,pid,net") and "WEAK" not in s for s in isolation), isolation
+
+
+def _taskgen_container(podman_socket: str, monkeypatch, recipe: str, **env: str):
+    from components.core.stages import resources, spec
+    from dags.execution import docker as docker_mode
+
+    for name, value in {"DOCKER_HOST": podman_socket, "POSTTRAIN_IMAGE_PREFIX": "localhost/", "POSTTRAIN_IMAGE_TAG": __version__,
+                        "POSTTRAIN_RUN_ROOT": "s3://posttrain-nowhere/runs", **env}.items():
+        monkeypatch.setenv(name, value)
+    docker_mode.container_flags.cache_clear()
+    cls, kwargs = docker_mode.operator(spec("taskgen"), resources("taskgen"))
+    args = ["--recipe", recipe, "--run-root", "s3://posttrain-nowhere/runs", "--iteration", "1"]
+    return cls(task_id="taskgen", command=args, **kwargs)
+
+
+def test_a_user_mistake_in_a_container_fails_at_once(podman_socket: str, stage_images, monkeypatch) -> None:
+    """Exit 2 in the container (no such recipe file in the image): AirflowFailException, so
+    Airflow does not retry it; the message is the stage's one line."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    op = _taskgen_container(podman_socket, monkeypatch, "/nonexistent/recipe.yaml")
+    with pytest.raises(AirflowFailException) as failed:
+        op.execute({})
+    assert str(failed.value) == ("stage container exited 2: posttrain: error: --recipe='/nonexistent/recipe.yaml': "
+                                 "no such recipe file; fix: pass a YAML file such as recipes/demo.yaml")
+
+
+def test_an_outage_in_a_container_is_left_to_the_retries(podman_socket: str, stage_images, monkeypatch) -> None:
+    """Exit 1 (the store cannot be reached): the provider's own failure, which Airflow retries."""
+    from airflow.providers.docker.exceptions import DockerContainerFailedException
+
+    op = _taskgen_container(podman_socket, monkeypatch, "s3://posttrain-nowhere/runs/recipes/x.yaml",
+                            AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
+                            AWS_MAX_ATTEMPTS="1")
+    with pytest.raises(DockerContainerFailedException) as failed:
+        op.execute({})
+    assert op.cli.status == 1
+    assert failed.value.logs[-1].startswith("posttrain: unreachable: --recipe unreachable at "
+                                            "'s3://posttrain-nowhere/runs/recipes/x.yaml': EndpointConnectionError")
