@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs
 ITERATIONS ?= 3
 
-.PHONY: setup demo test test-all models vllm test-vllm bench images clean
+.PHONY: setup demo test test-fast test-all models vllm test-vllm bench images clean
 
 $(STAMP): pyproject.toml
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -26,7 +26,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
 
-test: $(STAMP)
+# Everything but the GPU tests, the slow ones included (image builds, a whole iteration in
+# containers, the real SmolLM2): what CI runs. test-fast leaves the slow ones out.
+test: $(STAMP) models
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not gpu" -q
+
+test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
@@ -47,8 +53,7 @@ vllm:
 test-vllm: vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py
 
-test-all: $(STAMP) models
-	$(PY) -m pytest -m "not gpu" -q
+test-all: test
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'
@@ -61,7 +66,7 @@ bench: $(STAMP)
 # a Debian-made base (no image registry needed), CPU torch from pip's local wheel folder;
 # images whose inputs did not change are kept. Then the sandbox doctor inside the sandbox
 # image, run with the flags a stage container needs here (containers/README.md).
-images:
+images: $(STAMP)
 	containers/images.sh
 	podman run --rm $$(cat containers/podman-run-flags) --entrypoint '["/usr/bin/tini", "-s", "--", "posttrain"]' \
 	  posttrain-sandbox:$$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') \
