@@ -10,6 +10,11 @@ manifest last. Nothing passes between stages but URIs and those small facts.
 it (``SECTIONS`` in its stage module, which is also its cache key). Reading an
 undeclared section is an ``UndeclaredSection`` error, so a stage cannot depend on
 config its cache key does not cover.
+
+Reads are verified: reading a manifest registers what each of its outputs must hold
+(size and sha256), and every read of such a file through a ``Store`` checks it; a
+mismatch is a one-line ``UserError`` naming the file and the stage to re-run, raised
+before the reading stage sees any of the data.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
 from components.core.stages import spec
-from components.core.storage import Store
+from components.core.storage import Expected, Store, expect
 
 R = TypeVar("R")
 F = TypeVar("F")
@@ -89,8 +94,8 @@ class StageContext:
     # -- writing -------------------------------------------------------------------------
     def write_records(self, name: str, records: list[Any], cls: type) -> str:
         rel = f"{self.prefix}/{name}.parquet"
-        _, digest = self.store.write_table(rel, to_table(records, cls))
-        self.outputs[name] = OutputFile(path=rel, rows=len(records), sha256=digest)
+        data, digest = self.store.write_table(rel, to_table(records, cls))
+        self.outputs[name] = OutputFile(path=rel, rows=len(records), sha256=digest, size=len(data))
         return self.store.url(rel)
 
     def write_json(self, name: str, obj: Any) -> str:
@@ -98,11 +103,14 @@ class StageContext:
 
         rel = f"{self.prefix}/{name}.json"
         data = self.store.write_json(rel, obj)
-        self.outputs[name] = OutputFile(path=rel, rows=1, sha256=sha256_bytes(data))
+        self.outputs[name] = OutputFile(path=rel, rows=1, sha256=sha256_bytes(data), size=len(data))
         return self.store.url(rel)
 
     def add_output(self, name: str, rel: str, rows: int, digest: str) -> None:
-        self.outputs[name] = OutputFile(path=rel, rows=rows, sha256=digest)
+        """Record a file (or a checkpoint folder, digested by its weights file) written
+        under this stage's prefix; its size is read back from the store."""
+        out = OutputFile(path=rel, rows=rows, sha256=digest)
+        self.outputs[name] = OutputFile(path=rel, rows=rows, sha256=digest, size=self.store.size(out.digested))
 
     # -- reading -------------------------------------------------------------------------
     def upstream(self, stage: str, iteration: int | None = None) -> list[Manifest]:
@@ -126,7 +134,10 @@ class StageContext:
         for m in self.upstream(stage):
             if shard_only and m.shard is not None and m.shard != str(self.shard):
                 continue
-            rows.extend(from_table(cls, self.store.read_table(m.outputs[name].path)))
+            out = m.outputs[name]
+            expected = expected_output(self.store, m, out)
+            data = self.store.read_bytes(out.path, expected)
+            rows.extend(from_table(cls, read_parquet(data, self.store.url(out.path), expected)))
         return rows
 
     def depend_on(self, stage: str, shard_only: bool = False) -> list[Manifest]:
@@ -141,11 +152,44 @@ class StageContext:
         return manifests
 
 
+def expected_output(store: Store, manifest: Manifest, out: OutputFile) -> Expected:
+    """What ``out`` (a file, or a folder's weights file) must hold, and the fix if it does not."""
+    return Expected(sha256=out.sha256, size=out.size, stage=manifest.stage,
+                    remedy=manifest.remedy(store.url(manifest.prefix)))
+
+
+def read_parquet(data: bytes, url: str, expected: Expected):
+    """A verified file's bytes as an Arrow table; a file that is not Parquet (written by
+    an older or foreign writer) is a UserError naming it, not a raw pyarrow traceback."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(io.BytesIO(data))
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        raise UserError("file", url, f"output of stage {expected.stage} is not readable Parquet "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})",
+                        expected.remedy) from None
+
+
+def verify_outputs(store: Store, manifest: Manifest) -> None:
+    """Check every output of ``manifest`` against its size and sha256 (streamed); a
+    UserError naming the first file that differs and the stage to re-run."""
+    for out in manifest.outputs.values():
+        store.verify(out.digested, expected_output(store, manifest, out))
+
+
 def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
+    """The manifest under ``rel_prefix`` (None if there is none). Its outputs become
+    expectations: any later read of them through a Store in this process is checked."""
     rel = f"{rel_prefix}/{MANIFEST}"
     if not store.exists(rel):
         return None
-    return Manifest.from_json(store.read_json(rel))
+    manifest = Manifest.from_json(store.read_json(rel))
+    for out in manifest.outputs.values():
+        expect(store.url(out.digested), expected_output(store, manifest, out))
+    return manifest
 
 
 def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> list[Manifest]:

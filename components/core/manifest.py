@@ -11,18 +11,24 @@ digest, the code version, each output file with its row count and sha256, summar
 metrics, timings and the MLflow run id. Its ``content_digest`` covers only what
 determines downstream work (outputs and inputs), not timings, so a reproduced re-run
 has the same digest and does not invalidate later stages.
+
+Every output records its sha256 and size; readers and cache hits check them (see
+``expectations``). An output whose path has no extension is a folder (a checkpoint): its
+digest and size are those of its weights file ``model.safetensors`` (``WEIGHTS``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 F = TypeVar("F")
 
 MANIFEST = "_MANIFEST.json"
+WEIGHTS = "model.safetensors"  # the file a folder output's (a checkpoint's) digest covers
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,12 @@ class OutputFile:
     path: str  # relative to the run root
     rows: int
     sha256: str
+    size: int | None = None  # bytes; None in manifests written before sizes were recorded
+
+    @property
+    def digested(self) -> str:
+        """The file ``sha256`` and ``size`` describe: the output itself, or a folder's weights."""
+        return self.path if posixpath.splitext(self.path)[1] else f"{self.path}/{WEIGHTS}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,8 @@ class Manifest:
     def content_digest(self) -> str:
         body = {
             "inputs": {k: asdict(v) for k, v in sorted(self.inputs.items())},
-            "outputs": {k: asdict(v) for k, v in sorted(self.outputs.items())},
+            # size is left out: the sha256 already fixes it, and manifests from before sizes keep their digest
+            "outputs": {k: {"path": v.path, "rows": v.rows, "sha256": v.sha256} for k, v in sorted(self.outputs.items())},
             "config": self.config_digest,
             "info": self.info,
         }
@@ -105,6 +118,18 @@ class Manifest:
 
         where = stage_prefix(self.pipeline, self.iteration, self.stage, Shard.parse(self.shard) if self.shard else None)
         return from_json(cls, self.info, self.stage, where)
+
+    @property
+    def prefix(self) -> str:
+        """This manifest's folder, relative to the run root."""
+        return stage_prefix(self.pipeline, self.iteration, self.stage, Shard.parse(self.shard) if self.shard else None)
+
+    def remedy(self, prefix_url: str) -> str:
+        """What an operator does when one of this stage's outputs is missing or corrupt."""
+        where = f" --iteration {self.iteration}" if self.stage != "bootstrap" else ""
+        shard = f" --shard {self.shard}" if self.shard else ""
+        return (f"delete {prefix_url}/{MANIFEST} and re-run stage {self.stage} "
+                f"('posttrain stage {self.stage}{where}{shard}', or the whole iteration)")
 
     def matches(self, inputs: dict[str, InputRef], config_digest: str, code_version: str) -> bool:
         return self.inputs == inputs and self.config_digest == config_digest and self.code_version == code_version

@@ -8,6 +8,14 @@ them as they are. Any other Hugging Face causal LM folder also loads through
 ``load_policy``. ``pad_batch`` and ``token_logprobs`` score (prompt, completion) pairs
 under a policy, for SFT (bootstrap) and the policy-gradient trainer alike.
 
+A checkpoint a stage wrote is verified before it is loaded: ``load_policy`` finds the
+producing stage's manifest in the folder above the checkpoint (``<stage prefix>/checkpoint``
+beside ``<stage prefix>/_MANIFEST.json``; a registry version's source is that same URI),
+and every file the manifest digests (the weights ``model.safetensors``, the trainer state)
+must match its size and sha256 as it is copied down, else a UserError names the file and
+the stage to re-run. A folder that no manifest describes (an external Hugging Face
+checkpoint given as ``model.source``) has nothing to check against and loads as it is.
+
 Not covered: sharded or quantised checkpoints, and tokenizers that need remote code.
 """
 
@@ -20,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.core.errors import UserError
-from components.core.storage import Store, normalize_uri
+from components.core.storage import Expected, Store, normalize_uri
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -98,10 +106,40 @@ def save_policy(model, tokenizer, store: Store, rel: str) -> dict[str, str]:
         return store.upload_dir(Path(tmp), rel)
 
 
+def checkpoint_expectations(uri: str) -> dict[str, Expected]:
+    """{file in the checkpoint folder: what it must hold} from the manifest of the stage
+    that wrote the checkpoint at ``uri`` (empty when no manifest describes it)."""
+    from components.core.context import expected_output, read_manifest
+    from components.core.manifest import MANIFEST, Manifest
+
+    uri = uri.rstrip("/")
+    parent = uri.rsplit("/", 1)[0]
+    if parent == uri or "/" not in parent.split("://", 1)[-1]:
+        return {}
+    above = Store(parent, "policy")
+    if not above.exists(MANIFEST):
+        return {}
+    found = Manifest.from_json(above.read_json(MANIFEST))
+    if not parent.endswith("/" + found.prefix):
+        return {}  # a manifest of some other layout: not one of ours
+    root = Store(parent[: -len(found.prefix) - 1], "policy")
+    manifest = read_manifest(root, found.prefix)  # registers its outputs' expectations too
+    if manifest is None:
+        return {}
+    expected: dict[str, Expected] = {}
+    for out in manifest.outputs.values():
+        file_url = root.url(out.digested)
+        if file_url.startswith(uri + "/"):
+            expected[file_url[len(uri) + 1:]] = expected_output(root, manifest, out)
+    return expected
+
+
 def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
     """Load a checkpoint folder from any store URI (or a local path) onto the CPU.
 
-    A missing or unreadable checkpoint is a UserError naming the URI.
+    A missing or unreadable checkpoint is a UserError naming the URI; a checkpoint whose
+    files differ from the manifest that recorded them is a UserError naming the file and
+    the stage to re-run, raised before anything is loaded.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,7 +151,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
         raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
                         "point at a folder written by save_pretrained, or re-run the stage that writes it")
     with tempfile.TemporaryDirectory(prefix="posttrain-load-") as tmp:
-        store.download_dir("", Path(tmp))
+        store.download_dir("", Path(tmp), expected=checkpoint_expectations(uri))
         try:
             tokenizer = AutoTokenizer.from_pretrained(tmp)
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)

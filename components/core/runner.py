@@ -9,10 +9,17 @@ calls. Each stage package has a ``stage`` module with:
 - ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx`` (and its
   facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged).
 
-If a manifest already exists with the same inputs, config digest and code version, the
-stage is a cache hit and returns that manifest without doing anything. Otherwise the old
-manifest is deleted *first*, the stage runs, and the new manifest is written *last*; a
-run killed half-way leaves no manifest and is simply run again.
+If a manifest already exists with the same inputs, config digest and code version, and
+every output it lists still has its recorded size and sha256, the stage is a cache hit
+and returns that manifest without doing anything; an output that no longer matches is a
+``UserError`` naming the file and the stage to re-run (nothing runs on bad data).
+Otherwise the old manifest is deleted *first*, ``.tmp-`` files that killed writes left
+under the stage's prefix are swept, the stage runs, and the new manifest is written
+*last*; a run killed half-way leaves no manifest and is simply run again.
+
+The stage's MLflow run ends FINISHED only once the manifest is written (a run killed
+before that stays RUNNING until the next attempt of the same stage, iteration, shard
+and run root marks it KILLED), so a FINISHED stage run always has its manifest.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from types import ModuleType
 
 from components import __version__
 from components.core import tracking
-from components.core.context import RecipeView, StageContext, read_manifest
+from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, Shard
@@ -126,15 +133,19 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
     existing = read_manifest(ctx.store, ctx.prefix)
     if existing is not None and existing.matches(ctx.inputs, digest, code_version()):
+        verify_outputs(ctx.store, existing)  # a hit only if every output is still what it recorded
         say(f"iter {ctx.iteration} | {label} | cache hit | {ctx.store.url(ctx.prefix)}")
         return existing
     ctx.store.delete(f"{ctx.prefix}/{MANIFEST}")
+    if swept := ctx.store.sweep_temporary(ctx.prefix):
+        say(f"iter {ctx.iteration} | {label} | removed {len(swept)} temporary file(s) an interrupted write left")
 
     ctx.parent_run_id = _parent_run(ctx, orchestrator_run_id) or ""
     started = time.time()
+    tags = {tracking.TAG_ITERATION: str(ctx.iteration), tracking.TAG_RUN_ROOT: ctx.store.uri,
+            tracking.TAG_ORCH: orchestrator_run_id, **({tracking.TAG_SHARD: str(ctx.shard)} if ctx.sharded else {})}
     with tracking.stage_run(ctx.pipeline, stage, label, ctx.parent_run_id or None, ctx.recipe.whole.section(module.SECTIONS),
-                            tags={tracking.TAG_ITERATION: str(ctx.iteration), tracking.TAG_RUN_ROOT: ctx.store.uri,
-                                  tracking.TAG_ORCH: orchestrator_run_id}) as run_id:
+                            tags=tags) as run_id:
         ctx.mlflow_run_id = run_id
         metrics = module.run(ctx)
         named = {f"{stage}/{k}": float(v) for k, v in metrics.items()}
@@ -142,15 +153,16 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
         tracking.log_metrics(run_id, named, step=ctx.iteration)
         if ctx.inputs:
             tracking.log_datasets(run_id, {k: (v.uri, v.digest) for k, v in ctx.inputs.items()}, context="input")
-    finished = time.time()
-    manifest = Manifest(
-        stage=stage, pipeline=ctx.pipeline, iteration=ctx.iteration, shard=str(ctx.shard) if ctx.sharded else None,
-        inputs=dict(ctx.inputs), config_digest=digest, code_version=code_version(), outputs=dict(ctx.outputs),
-        metrics=named, info=to_json(ctx.facts) if ctx.facts is not None else {}, timings={"start": started, "end": finished, "duration_s": finished - started},
-        mlflow_run_id=run_id,
-    )
-    _failpoint(label)
-    ctx.store.write_json(f"{ctx.prefix}/{MANIFEST}", manifest.to_json())  # last: readers trust only this
+        finished = time.time()
+        manifest = Manifest(
+            stage=stage, pipeline=ctx.pipeline, iteration=ctx.iteration, shard=str(ctx.shard) if ctx.sharded else None,
+            inputs=dict(ctx.inputs), config_digest=digest, code_version=code_version(), outputs=dict(ctx.outputs),
+            metrics=named, info=to_json(ctx.facts) if ctx.facts is not None else {},
+            timings={"start": started, "end": finished, "duration_s": finished - started}, mlflow_run_id=run_id,
+        )
+        _failpoint(label)
+        ctx.store.write_json(f"{ctx.prefix}/{MANIFEST}", manifest.to_json())  # last: readers trust only this
+    # the run ends FINISHED here, after its manifest: a FINISHED stage run always has one
     shown = " | ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in list(named.items())[:4])
     say(f"iter {ctx.iteration} | {label} | {shown} | {finished - started:.1f}s")
     return manifest

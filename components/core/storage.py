@@ -19,9 +19,11 @@ import io
 import json
 import os
 import posixpath
+import re
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlparse
 
 import fsspec
@@ -80,7 +82,69 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+CHUNK = 1 << 20  # streamed hashing and copying: one MiB at a time, never a whole file twice
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a manifest says a file holds: its sha256, its size (None when the manifest
+    predates sizes) and what to do when it does not (delete which manifest, re-run which
+    stage)."""
+
+    sha256: str
+    size: int | None
+    stage: str
+    remedy: str
+
+
+# Every manifested file this process has seen a manifest for, by full URL. ``read_bytes``
+# (and ``read_table``/``read_json``) of such a file checks it against its manifest, whoever
+# reads it; a write or delete through a Store drops the expectation (the writer is making
+# a new version, and its new manifest will bring a new expectation).
+_EXPECTED: dict[str, Expected] = {}
+
+
+def expect(url: str, expected: Expected) -> None:
+    _EXPECTED[url.rstrip("/")] = expected
+
+
+def expected_for(url: str) -> Expected | None:
+    return _EXPECTED.get(url.rstrip("/"))
+
+
+def forget(url: str) -> None:
+    url = url.rstrip("/")
+    for key in [k for k in _EXPECTED if k == url or k.startswith(url + "/")]:
+        _EXPECTED.pop(key, None)
+
+
+def mismatch(url: str, expected: Expected, size: int | None, digest: str | None) -> UserError:
+    """The one-line error for a manifested file that is missing or differs from its manifest."""
+    if size is None:
+        problem = f"manifested output of stage {expected.stage} is missing"
+    elif expected.size is not None and size != expected.size:
+        problem = (f"manifested output of stage {expected.stage} has {size} bytes, its manifest says "
+                   f"{expected.size} (truncated or overwritten)")
+    else:
+        problem = (f"manifested output of stage {expected.stage} is corrupt: sha256 {(digest or '')[:12]}..., "
+                   f"its manifest says {expected.sha256[:12]}...")
+    return UserError("file", url, problem, expected.remedy)
+
+
 CONDITIONAL_CONFLICT_TRIES = 5
+TMP_MARK = ".tmp-"  # file:// writes go to <path>.tmp-<8 hex> and are renamed into place
+
+
+def _write_local(path: str, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _conditional_refusal(exc: BaseException) -> str | None:
@@ -163,14 +227,35 @@ class Store:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         path = self._path(rel)
+        forget(self.url(rel))
         if self.uri.startswith("file://"):
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with self.fs.open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
+            tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+            try:
+                _write_local(tmp, data)
+                os.replace(tmp, path)
+            except BaseException:  # disk full, killed mid-write: leave no half file behind
+                _unlink_quietly(tmp)
+                raise
         else:
             self.fs.pipe_file(path, data)
+
+    def sweep_temporary(self, rel: str) -> list[str]:
+        """Remove the ``.tmp-`` files under ``rel`` that interrupted writes left (a process
+        killed between writing and renaming); returns the removed paths. Only file:// has
+        them (an S3 PUT is whole or absent). Call it only where no other writer is busy:
+        the runner does, under a stage's own prefix, when the stage starts."""
+        if not self.uri.startswith("file://"):
+            return []
+        base = Path(self._path(rel))
+        if not base.is_dir():
+            return []
+        removed = []
+        for tmp in sorted(base.rglob(f"*{TMP_MARK}*")):
+            if tmp.is_file() and re.fullmatch(r"[0-9a-f]{8}", tmp.name.rsplit(TMP_MARK, 1)[1]):
+                _unlink_quietly(str(tmp))
+                removed.append(str(tmp))
+        return removed
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write ``rel`` only if it does not exist yet, atomically: True if this call
@@ -181,15 +266,15 @@ class Store:
         path = self._path(rel)
         if self.uri.startswith("file://"):
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as fh:
-                fh.write(data)
+            tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
             try:
+                _write_local(tmp, data)
                 os.link(tmp, path)
             except FileExistsError:
                 return False
             finally:
-                os.unlink(tmp)
+                _unlink_quietly(tmp)
+            forget(self.url(rel))
             return True
         for _ in range(CONDITIONAL_CONFLICT_TRIES):
             try:
@@ -206,8 +291,53 @@ class Store:
             return True
         raise OSError(f"conditional PUT of {self.url(rel)}: {CONDITIONAL_CONFLICT_TRIES} conflicts in a row")
 
-    def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self._path(rel))
+    def read_bytes(self, rel: str, expected: Expected | None = None) -> bytes:
+        """The file's bytes; checked against its manifest (``expected``, or the one this
+        process read for it) when it is a manifested output: a UserError naming the file
+        and the stage to re-run if it is missing, truncated or corrupt."""
+        url = self.url(rel)
+        expected = expected or expected_for(url)
+        if expected is None:
+            return self.fs.cat_file(self._path(rel))
+        try:
+            data = self.fs.cat_file(self._fresh(self._path(rel)))
+        except FileNotFoundError:
+            raise mismatch(url, expected, None, None) from None
+        if (expected.size is not None and len(data) != expected.size) or sha256_bytes(data) != expected.sha256:
+            raise mismatch(url, expected, len(data), sha256_bytes(data))
+        return data
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self._fresh(self._path(rel))))
+
+    def isdir(self, rel: str) -> bool:
+        return bool(self.fs.isdir(self._fresh(self._path(rel))))
+
+    def hash_file(self, rel: str, sink: IO[bytes] | None = None) -> tuple[int, str]:
+        """(size, sha256) of a stored file, streamed in chunks (copied to ``sink`` on the
+        way when given); FileNotFoundError if it is not there."""
+        h, size = hashlib.sha256(), 0
+        with self.fs.open(self._fresh(self._path(rel)), "rb", block_size=CHUNK) as fh:
+            while chunk := fh.read(CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+                if sink is not None:
+                    sink.write(chunk)
+        return size, h.hexdigest()
+
+    def verify(self, rel: str, expected: Expected) -> None:
+        """Check a stored file against its manifest without holding it in memory: a cheap
+        size check first, then the streamed sha256; a UserError naming the file and the
+        stage to re-run on any difference."""
+        url = self.url(rel)
+        try:
+            if expected.size is not None and (size := self.size(rel)) != expected.size:
+                raise mismatch(url, expected, size, None)
+            size, digest = self.hash_file(rel)
+        except FileNotFoundError:
+            raise mismatch(url, expected, None, None) from None
+        if digest != expected.sha256:
+            raise mismatch(url, expected, size, digest)
 
     def write_json(self, rel: str, obj: Any) -> bytes:
         data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
@@ -218,6 +348,7 @@ class Store:
         return json.loads(self.read_bytes(rel))
 
     def delete(self, rel: str, recursive: bool = False) -> None:
+        forget(self.url(rel))
         path = self._fresh(self._path(rel))
         if self.fs.exists(path):
             self.fs.rm(path, recursive=recursive)
@@ -260,12 +391,28 @@ class Store:
                 digests[name] = sha256_bytes(data)
         return digests
 
-    def download_dir(self, rel: str, local_dir: Path) -> None:
+    def download_dir(self, rel: str, local_dir: Path, expected: dict[str, Expected] | None = None) -> dict[str, str]:
+        """Copy the files under ``rel`` into ``local_dir``, streamed and hashed on the way;
+        returns {relative file: sha256}. Each file named in ``expected`` (or with a manifest
+        this process read) must match it, else a UserError naming the file (raised after
+        the copy, before anyone loads it)."""
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         base = self._fresh(self._path(rel)).rstrip("/")
+        root = self.root.rstrip("/") + "/"
+        digests: dict[str, str] = {}
+        wanted = dict(expected or {})
         for path in self.fs.find(base):
             name = path[len(base) + 1:]
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self.fs.cat_file(path))
+            inner = path[len(root):] if path.startswith(root) else f"{rel}/{name}".strip("/")
+            with open(target, "wb") as out:
+                size, digest = self.hash_file(inner, sink=out)
+            digests[name] = digest
+            want = wanted.pop(name, None) or expected_for(self.url(inner))
+            if want is not None and (digest != want.sha256 or (want.size is not None and size != want.size)):
+                raise mismatch(self.url(inner), want, size, digest)
+        for name, want in wanted.items():  # a manifested file that is not there at all
+            raise mismatch(self.url(f"{rel}/{name}".strip("/")), want, None, None)
+        return digests

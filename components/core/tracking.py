@@ -2,6 +2,9 @@
 
 - One experiment per pipeline; one parent run per iteration (tagged with the run root,
   iteration and orchestrator run id); one nested run per stage (and shard).
+- A stage run ends FINISHED only after the stage's manifest is written (the runner writes
+  it inside ``stage_run``); a run whose process was killed stays RUNNING until the next
+  attempt of the same stage, iteration, shard and run root marks it KILLED.
 - Stage inputs are logged as MLflow datasets: metadata only (source URI + digest), the
   data stays in the store.
 - Every checkpoint becomes a version of the registered model ``<pipeline>-policy`` whose
@@ -30,6 +33,7 @@ TAG_ITERATION = "posttrain.iteration"
 TAG_RUN_ROOT = "posttrain.run_root"
 TAG_STAGE = "posttrain.stage"
 TAG_ORCH = "posttrain.orchestrator_run_id"
+TAG_SHARD = "posttrain.shard"  # "i/n" on the runs of sharded stages
 
 
 def tracking_uri() -> str:
@@ -129,6 +133,28 @@ def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | Non
         c.set_terminated(run_id, "FAILED")
         raise
     c.set_terminated(run_id, "FINISHED")
+
+
+def _quoted(value: str) -> str:
+    return f"'{value}'"
+
+
+def kill_stale_runs(pipeline: str, stage: str, run_name: str, iteration: str, run_root: str) -> list[str]:
+    """Mark KILLED the RUNNING runs of this stage attempt (same run name, which carries
+    the shard, stage, iteration and run root): runs whose process died without ending
+    them. One writer per pipeline (the store lease) means none of them is still alive.
+    Returns their ids."""
+    if not iteration or not run_root or any("'" in v for v in (run_name, stage, iteration, run_root)):
+        return []  # nothing to match on (or a value MLflow's filter syntax cannot quote)
+    c = client()
+    flt = (f"attributes.status = 'RUNNING' and attributes.run_name = {_quoted(run_name)} "
+           f"and tags.`{TAG_STAGE}` = {_quoted(stage)} and tags.`{TAG_ITERATION}` = {_quoted(iteration)} "
+           f"and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    killed = []
+    for run in c.search_runs([experiment_id(pipeline)], filter_string=flt, max_results=1000):
+        c.set_terminated(run.info.run_id, "KILLED")
+        killed.append(run.info.run_id)
+    return killed
 
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
