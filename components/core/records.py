@@ -99,8 +99,10 @@ class Execution:
     result: Any = None  # the JSON the job wrote to its result channel; None when nothing came
 
 
-RewardStatus = Literal["ok", "excluded"]
-"""``excluded``: an infrastructure failure, never scored 0 and never trained on."""
+RewardStatus = Literal["ok", "excluded", "verifier_error"]
+"""``excluded``: an infrastructure failure, never scored 0 and never trained on.
+``verifier_error``: the verifier itself failed on this sample (a bug, logged by the reward
+stage): weight 0, never trained on, counted in the metric ``reward/verifier_errors``."""
 REWARD_STATUSES: tuple[str, ...] = get_args(RewardStatus)
 
 

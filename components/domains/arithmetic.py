@@ -17,10 +17,13 @@ credit for near misses.
 from __future__ import annotations
 
 import random
+import re
 
 from components.core.jobs import Outcome
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.base import Domain, Verdict, first_line, is_int, make_task, malformed
+
+_INT = re.compile(r"^-?\d{1,100}$")
 
 
 class Arithmetic(Domain):
@@ -35,12 +38,20 @@ class Arithmetic(Domain):
     def reference_completion(self, task: Task) -> str:
         return task.reference["answer"]
 
+    def reference_problem(self, reference: dict) -> tuple[str, str] | None:
+        answer = reference.get("answer")
+        if not (is_int(answer) or (isinstance(answer, str) and _INT.match(answer))):
+            return "answer", "must be an integer or a string of one (e.g. '85')"
+        return None
+
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
+        if (bad := malformed(completion)) is not None:
+            return bad
         text = first_line(completion).replace(" ", "")
-        is_int = text.lstrip("-").isdigit()
-        correct = is_int and int(text) == int(task.reference["answer"])
+        whole = bool(_INT.match(text))  # bounded: an integer of 4,300+ digits cannot be parsed
+        correct = whole and int(text) == int(task.reference["answer"])
         return Verdict(
             score=1.0 if correct else 0.0,
             passed=correct,
-            components={"exact": float(correct), "well_formed": float(is_int)},
+            components={"exact": float(correct), "well_formed": float(whole)},
         )

@@ -22,8 +22,19 @@ from typing import Any, ClassVar, Literal
 from components.core.jobs import Job, Outcome
 from components.core.records import Task
 
-VerdictStatus = Literal["ok", "infra_error"]
-"""``infra_error``: the score says nothing about the policy; the reward stage excludes it."""
+VerdictStatus = Literal["ok", "infra_error", "malformed", "verifier_error"]
+"""``infra_error``: the score says nothing about the policy; the reward stage excludes it.
+``malformed``: the completion could not be read at all (not text, not UTF-8, too large, too
+deeply nested): score 0, trained on like any other failure. ``verifier_error``: the
+verifier itself failed (our bug): score 0, excluded from training, counted and logged."""
+
+MAX_COMPLETION_CHARS = 1_000_000
+"""A completion longer than this is ``malformed`` before any verifier reads it (rollouts
+are capped far below it by ``max_new_tokens``)."""
+MAX_JSON_CHARS = 4096
+"""Largest JSON text a verifier parses from a completion."""
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of brackets a verifier parses from a completion."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,12 @@ class Domain(ABC):
 
     def execution_plan(self, task: Task, completion: str) -> Job | None:
         """What the sandbox must run to judge ``completion``; None when nothing runs."""
+        return None
+
+    def reference_problem(self, reference: dict[str, Any]) -> tuple[str, str] | None:
+        """``(field, problem)`` when ``reference`` is not in the shape ``verify`` reads, else
+        None. Checked when a task is parsed from a user's file, so a wrong-shaped reference
+        is one error naming the task and field, never a verifier crash mid-stage."""
         return None
 
     @abstractmethod
@@ -88,6 +105,72 @@ class Domain(ABC):
         raise RuntimeError(f"domain {self.name}: only {len(tasks)} distinct tasks; ask for fewer than {n}")
 
 
+def malformed(completion: object) -> Verdict | None:
+    """A ``malformed`` verdict (score 0) for a completion no verifier should read: not a
+    string, not encodable as UTF-8 (lone surrogates, e.g. undecodable bytes kept with
+    ``surrogateescape``), or longer than ``MAX_COMPLETION_CHARS``; None when it is fine."""
+    if not isinstance(completion, str):
+        return Verdict(0.0, False, status="malformed", detail=f"completion is a {type(completion).__name__}, not text")
+    if len(completion) > MAX_COMPLETION_CHARS:
+        return Verdict(0.0, False, status="malformed",
+                       detail=f"completion of {len(completion)} characters (limit {MAX_COMPLETION_CHARS})")
+    try:
+        completion.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return Verdict(0.0, False, status="malformed", detail=f"completion is not valid UTF-8 (at character {exc.start})")
+    return None
+
+
+def json_depth_ok(text: str, max_depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether brackets in ``text`` (outside JSON strings) nest at most ``max_depth`` deep:
+    checked before ``json.loads`` so a deep completion never reaches a recursive parser."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > max_depth:
+                return False
+        elif ch in "]}":
+            depth -= 1
+    return True
+
+
+def judge(domain: Domain, task: Task, completion: object, result: Outcome | None) -> Verdict:
+    """``domain.verify`` made total: a completion no verifier should read is ``malformed``
+    (score 0); an exception from the verifier, or a verdict whose score is not a number in
+    [0, 1], is ``verifier_error`` (score 0, detail says what). Never raises an Exception."""
+    bad = malformed(completion)
+    if bad is not None:
+        return bad
+    try:
+        verdict = domain.verify(task, completion, result)  # type: ignore[arg-type]
+        score = verdict.score
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
+            return Verdict(0.0, False, status="verifier_error", detail=f"verifier returned score {score!r:.60}")
+        return verdict
+    except Exception as exc:  # noqa: BLE001 - a verifier's bug is recorded per sample, never fatal
+        return Verdict(0.0, False, status="verifier_error", detail=error_text(exc))
+
+
+def error_text(exc: BaseException, limit: int = 200) -> str:
+    """``Type: message`` of an exception, cut to ``limit`` characters (never expands a huge value)."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a message that cannot be formatted
+        text = "<unprintable>"
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def task_id(domain: str, prompt: str) -> str:
     """Same prompt, same id: lets train sampling exclude the eval set exactly."""
     return f"{domain}-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
@@ -108,3 +191,24 @@ def make_task(domain: str, split: str, difficulty: int, prompt: str, reference: 
         reference=reference,
         metadata=metadata,
     )
+
+
+# -- reference shape checks (used by each domain's ``reference_problem``) ----------------
+MAX_REFERENCE_ITEMS = 256
+MAX_REFERENCE_CHARS = 10_000
+
+
+def is_int(value: object, least: int | None = None, most: int | None = None) -> bool:
+    """A real integer (not a bool) within [least, most]."""
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and (least is None or value >= least) and (most is None or value <= most))
+
+
+def is_text(value: object, limit: int = MAX_REFERENCE_CHARS) -> bool:
+    return isinstance(value, str) and len(value) <= limit
+
+
+def int_list(value: object, least_len: int = 1, most_len: int = MAX_REFERENCE_ITEMS, lo: int = -10**12,
+             hi: int = 10**12) -> bool:
+    return (isinstance(value, list) and least_len <= len(value) <= most_len
+            and all(is_int(v, lo, hi) for v in value))

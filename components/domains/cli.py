@@ -10,7 +10,12 @@ execute (code, terminal) run their plan in the sandbox: ``--backend`` (default: 
 recipe default, the hardened ``bwrap``); ``subprocess`` needs ``--allow-weak-isolation``,
 as in a recipe. Prints one JSON object
 with ``score``, ``passed``, ``status``, ``components`` and ``detail``; exits 0 whenever a
-verdict was reached (pass or fail), 2 on a user mistake (bad file, unknown domain).
+verdict was reached (pass or fail), 2 on a user mistake (bad file, unknown domain,
+wrong-shaped reference), always with one line and no traceback.
+
+The completion is read as bytes: bytes that are not UTF-8 are kept (as surrogate escapes)
+and judged ``malformed`` (score 0), as is a completion over the size limit or nested too
+deep; a verifier's own failure is the verdict ``verifier_error``.
 
 Not covered: verifying many completions at once (use ``posttrain replay``), or sandbox
 limits other than the recipe defaults and ``--timeout``.
@@ -54,10 +59,7 @@ def handle_verify(args: argparse.Namespace) -> int:
             raise UserError("--domain", args.domain, f"the task's domain is {row['domain']!r}",
                             f"pass --domain {row['domain']} or a task of domain {args.domain}")
     task = parse_task(row, f"{args.task} row 0")
-    path = Path(args.completion)
-    if not path.is_file():
-        raise UserError("--completion", args.completion, "no such file", "pass a text file holding the completion")
-    completion = path.read_text()
+    completion = read_completion(args.completion)
     from components.core.recipe import SandboxConfig
 
     overrides = {"backend": args.backend} if args.backend else {}
@@ -67,16 +69,45 @@ def handle_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_completion(name: str) -> str:
+    """The completion file's text; undecodable bytes kept as surrogate escapes (judged
+    ``malformed``), a file over the size limit cut just past it (also ``malformed``)."""
+    from components.core.errors import UserError
+    from components.domains.base import MAX_COMPLETION_CHARS
+
+    path = Path(name)
+    if not path.is_file():
+        raise UserError("--completion", name, "no such file", "pass a text file holding the completion")
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(4 * MAX_COMPLETION_CHARS + 4)
+    except OSError as exc:
+        raise UserError("--completion", name, f"cannot be read ({type(exc).__name__})", "pass a readable file") from None
+    text = data.decode("utf-8", errors="surrogateescape")
+    return text[: MAX_COMPLETION_CHARS + 1]
+
+
 def verdict_json(domain, task, completion: str, sandbox_config) -> dict:
-    """Run the domain's plan (if any) in the sandbox and its verifier; the verdict as a JSON-able dict."""
+    """Run the domain's plan (if any) in the sandbox and its verifier; the verdict as a
+    JSON-able dict. Total: malformed completions are not run, and a failing plan or
+    verifier gives the verdict ``verifier_error``."""
+    from components.domains.base import Verdict, error_text, judge, malformed
     from components.sandbox.executor import get_executor
 
-    job = domain.execution_plan(task, completion)
     result = None
-    if job is not None:
-        with get_executor(sandbox_config) as executor:
-            result = executor.run(job)
-    v = domain.verify(task, completion, result)
+    if malformed(completion) is None:
+        try:
+            job = domain.execution_plan(task, completion)
+        except Exception as exc:  # noqa: BLE001 - a plan's bug is a verdict, not a traceback
+            v = Verdict(0.0, False, status="verifier_error", detail=f"execution plan failed: {error_text(exc)}")
+            return _as_json(task, v, None)
+        if job is not None:
+            with get_executor(sandbox_config) as executor:
+                result = executor.run(job)
+    return _as_json(task, judge(domain, task, completion, result), result)
+
+
+def _as_json(task, v, result) -> dict:
     return {
         "domain": task.domain, "task_id": task.task_id, "score": v.score, "passed": v.passed, "status": v.status,
         "components": v.components, "detail": v.detail, "execution": result.status if result is not None else "none",

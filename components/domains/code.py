@@ -26,7 +26,7 @@ import random
 
 from components.core.jobs import Job, Outcome
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.base import Domain, Verdict, first_line, int_list, make_task, malformed
 from components.sandbox.harness import python_tests_job
 
 EXAMPLE_INPUTS = (1, 2)
@@ -59,7 +59,18 @@ class Code(Domain):
         body = first_line(completion)
         return python_tests_job(task.task_id, f"def f(x):\n  return {body}\n", "f", task.reference["inputs"])
 
+    def reference_problem(self, reference: dict) -> tuple[str, str] | None:
+        if not int_list(reference.get("inputs")):
+            return "inputs", "must be a non-empty list of integers (test inputs of f)"
+        if not int_list(reference.get("expected")):
+            return "expected", "must be a non-empty list of integers (f's outputs)"
+        if len(reference["inputs"]) != len(reference["expected"]):
+            return "expected", f"has {len(reference['expected'])} values for {len(reference['inputs'])} inputs"
+        return None
+
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
+        if (bad := malformed(completion)) is not None:
+            return bad
         expected = task.reference["expected"]
         if result is None or result.status == "infra_error":
             return Verdict(0.0, False, status="infra_error", detail="sandbox did not run the tests")

@@ -35,10 +35,11 @@ import random
 
 from components.core.jobs import Outcome
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.base import Domain, Verdict, first_line, is_text, make_task, malformed
 
 FIELDS = ("rev", "cost", "tax", "net", "cash", "debt", "capex", "opex", "div")
 MAX_PROMPT_CHARS = 224  # 256 positions - BOS - EOS - a 24-token completion cap, rounded down
+MAX_FIELDS = 64  # most values an answer is read as (more: one extra, enough to score it down)
 LENGTH_CAP = {1: 40, 2: 128, 3: MAX_PROMPT_CHARS}
 
 
@@ -98,10 +99,22 @@ class Extraction(Domain):
     def reference_completion(self, task: Task) -> str:
         return ",".join(task.reference["answer"])
 
+    def reference_problem(self, reference: dict) -> tuple[str, str] | None:
+        answer = reference.get("answer")
+        if not (isinstance(answer, list) and 1 <= len(answer) <= MAX_FIELDS and all(is_text(v, 256) for v in answer)):
+            return "answer", f"must be a list of 1 to {MAX_FIELDS} strings (e.g. ['412', '30'])"
+        fields = reference.get("fields", [])
+        if not (isinstance(fields, list) and all(is_text(v, 256) for v in fields)):
+            return "fields", "must be a list of field names (e.g. ['rev', 'tax'])"
+        return None
+
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
+        if (bad := malformed(completion)) is not None:
+            return bad
         want = [normalise(v) for v in task.reference["answer"]]
         line = first_line(completion)
-        got = [normalise(v) for v in line.split(",")] if line else []
+        parts = line.split(",", MAX_FIELDS) if line else []  # bounded: a huge answer scores 0, not a huge list
+        got = [normalise(v) for v in parts]
         correct = sum(g == w for g, w in zip(got, want))
         score = correct / max(len(want), len(got))
         return Verdict(

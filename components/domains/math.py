@@ -27,7 +27,7 @@ from fractions import Fraction
 
 from components.core.jobs import Outcome
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.base import Domain, Verdict, first_line, make_task, malformed
 
 _INT = re.compile(r"^[+-]?\d{1,12}$")
 _FRAC = re.compile(r"^([+-]?\d{1,12})/(\d{1,12})$")
@@ -88,9 +88,17 @@ class Math(Domain):
     def reference_completion(self, task: Task) -> str:
         return task.reference["answer"]
 
+    def reference_problem(self, reference: dict) -> tuple[str, str] | None:
+        answer = reference.get("answer")
+        if not isinstance(answer, str) or len(answer) > 64 or parse_number(answer) is None:
+            return "answer", "must be a string holding an integer, fraction or decimal (e.g. '3/4')"
+        return None
+
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
+        if (bad := malformed(completion)) is not None:
+            return bad
         answer = parse_number(task.reference["answer"])
-        assert answer is not None, f"task {task.task_id} has an unparseable answer {task.reference['answer']!r}"
+        assert answer is not None, f"task {task.task_id} has an unparseable answer {task.reference['answer']!r:.80}"
         parsed = parse_number(first_line(completion))
         correct = parsed is not None and matches(parsed[0], parsed[1], answer[0])
         return Verdict(

@@ -31,7 +31,17 @@ import jsonschema
 
 from components.core.jobs import Outcome
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, first_line, make_task
+from components.domains.base import (
+    MAX_JSON_CHARS,
+    Domain,
+    Verdict,
+    first_line,
+    int_list,
+    is_int,
+    json_depth_ok,
+    make_task,
+    malformed,
+)
 
 MAX_SIDE = 1000  # the bound when a prompt names none
 _SIDE = {"type": "integer", "minimum": 1, "maximum": MAX_SIDE}
@@ -48,11 +58,14 @@ SCENE_SCHEMA: dict[str, Any] = {
 
 
 def parse_json(text: str, schema: dict[str, Any]) -> Any | None:
-    """The JSON value if it parses and matches ``schema``; None otherwise."""
+    """The JSON value if it parses and matches ``schema``; None otherwise (also for text
+    over ``MAX_JSON_CHARS`` or nested deeper than ``MAX_JSON_DEPTH``: checked before parsing)."""
+    if len(text) > MAX_JSON_CHARS or not json_depth_ok(text):
+        return None
     try:
         value = json.loads(text)
         jsonschema.validate(value, schema)
-    except (ValueError, jsonschema.ValidationError):
+    except (ValueError, RecursionError, jsonschema.ValidationError):
         return None
     # JSON true/false are not integers, but Python's bool is an int subclass: reject them here.
     flat = list(value.values()) if isinstance(value, dict) else value
@@ -95,12 +108,30 @@ class Structured(Domain):
     def reference_completion(self, task: Task) -> str:
         return json.dumps(task.reference["solution"], separators=(",", ":"))
 
+    def reference_problem(self, reference: dict) -> tuple[str, str] | None:
+        kind = reference.get("kind")
+        if kind == "part":
+            for name in ("volume", "height", "max_side"):
+                if not is_int(reference.get(name), 1, 10**9):
+                    return name, "must be a positive integer"
+        elif kind == "scene":
+            if not int_list(reference.get("widths"), 2, 2, 1, 10**6):
+                return "widths", "must be a list of two positive integers (e.g. [3, 2])"
+            if not is_int(reference.get("length"), 0, 10**6):
+                return "length", "must be an integer >= 0"
+        else:
+            return "kind", "must be 'part' or 'scene'"
+        return None
+
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
+        if (bad := malformed(completion)) is not None:
+            return bad
         part = task.reference["kind"] == "part"
         value = parse_json(first_line(completion), PART_SCHEMA if part else SCENE_SCHEMA)
         names = ("volume", "height", "bounds") if part else ("inside", "no_overlap")
         if value is None:
-            return Verdict(0.0, False, components={"schema": 0.0, **{n: 0.0 for n in names}})
+            return Verdict(0.0, False, components={"schema": 0.0, **{n: 0.0 for n in names}},
+                           detail="not JSON of the asked shape")
         checks = part_checks(task, value) if part else scene_checks(task, value)
         score = sum(checks.values()) / len(checks)
         return Verdict(score=score, passed=score == 1.0, components={"schema": 1.0, **checks})

@@ -10,14 +10,18 @@ prompt, as generated tasks are), ``split`` (``train``/``eval``, default ``train`
 ``metadata`` (an object). Unknown columns are rejected, so a misspelt field is caught.
 
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
-the fix. Not covered: checking that a reference is *correct* for its prompt (only its
-type), CSV, and files larger than memory.
+the fix. Each domain checks its reference's shape here (``Domain.reference_problem``), so
+a wrong-shaped reference is an error at load time, not a verifier crash mid-run. Bounds:
+a file of at most ``MAX_FILE_BYTES``, values nested at most ``MAX_DEPTH`` deep; values in
+messages are shortened with ``reprlib`` first. Not covered: checking that a reference is
+*correct* for its prompt (only its shape), CSV, and files larger than memory.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,51 @@ from components.domains.base import task_id
 REQUIRED = ("domain", "prompt", "reference")
 OPTIONAL = ("task_id", "split", "difficulty", "context_tokens", "metadata")
 FORMATS = (".parquet", ".jsonl", ".json")
+MAX_FILE_BYTES = 1 << 30
+MAX_DEPTH = 32
+"""Deepest nesting of lists/objects in a task row (references are a level or two deep)."""
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel = 3
+
+
+def short(value: Any) -> Any:
+    """A value for an error message, shortened before it is formatted (never expands a
+    huge or deeply nested value); small scalars are kept as they are."""
+    if isinstance(value, str):
+        return value[:80] + ("..." if len(value) > 80 else "")
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<integer of {value.bit_length()} bits>"
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    try:
+        return _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. a value whose repr fails
+        return f"<{type(value).__name__}>"
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether lists/dicts in ``value`` nest deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple, dict)):
+            if depth >= limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def loads(text: str) -> Any:
+    """``json.loads`` that turns too-deep nesting into a ``ValueError`` instead of a crash."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    if too_deep(value):
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    return value
 
 
 def read_bytes(path_or_uri: str) -> bytes:
@@ -36,9 +85,22 @@ def read_bytes(path_or_uri: str) -> bytes:
     uri = str(path_or_uri)
     try:
         if "://" not in uri:
-            return Path(uri).read_bytes()
+            return _read_local(uri)
         fs, path = filesystem(uri)
-        return fs.cat_file(path)
+        data = fs.cat_file(path)
+    except (OSError, ValueError) as exc:
+        raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
+                        "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UserError("task file", uri, f"larger than {MAX_FILE_BYTES >> 20} MiB", "split it into smaller files")
+    return data
+
+
+def _read_local(uri: str) -> bytes:
+    try:
+        if Path(uri).stat().st_size > MAX_FILE_BYTES:
+            raise UserError("task file", uri, f"larger than {MAX_FILE_BYTES >> 20} MiB", "split it into smaller files")
+        return Path(uri).read_bytes()
     except (OSError, ValueError) as exc:
         raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
                         "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
@@ -56,26 +118,30 @@ def read_rows(path_or_uri: str) -> list[Any]:
 
         try:
             return pq.read_table(io.BytesIO(data)).to_pylist()
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError, ValueError) as exc:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
     text = data.decode("utf-8", errors="replace")
     if suffix == ".json":
         try:
-            obj = json.loads(text)
+            obj = loads(text)
         except json.JSONDecodeError as exc:
             raise UserError("task file", uri, f"not valid JSON at line {exc.lineno}, column {exc.colno}",
                             "fix the JSON syntax there") from None
+        except ValueError as exc:
+            raise UserError("task file", uri, str(exc), f"nest values at most {MAX_DEPTH} levels deep") from None
         return obj if isinstance(obj, list) else [obj]
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append(loads(line))
         except json.JSONDecodeError as exc:
             raise UserError(f"task file line {n}", line[:60], f"not valid JSON ({exc.msg})",
                             "write one JSON object per line") from None
+        except ValueError as exc:
+            raise UserError(f"task file line {n}", line[:60], str(exc), f"nest values at most {MAX_DEPTH} levels deep") from None
     return rows
 
 
@@ -84,23 +150,35 @@ def parse_task(row: Any, where: str) -> Task:
     from components.domains import registry
 
     if not isinstance(row, dict):
-        raise UserError(where, row, "a task must be a JSON object", f"write an object with {list(REQUIRED)}")
-    extra = sorted(set(row) - set(REQUIRED) - set(OPTIONAL))
+        raise UserError(where, short(row), "a task must be a JSON object", f"write an object with {list(REQUIRED)}")
+    if too_deep(row):
+        raise UserError(where, short(row), f"nested deeper than {MAX_DEPTH} levels", "flatten the reference and metadata")
+    extra = sorted(str(k) for k in set(row) - set(REQUIRED) - set(OPTIONAL))
     if extra:
-        raise UserError(f"{where}: {extra[0]}", row[extra[0]], "unknown task field",
+        raise UserError(f"{where}: {extra[0]:.60}", short(row.get(extra[0])), "unknown task field",
                         f"remove it or use one of {list(REQUIRED + OPTIONAL)}")
     for name in REQUIRED:
-        if row.get(name) in (None, ""):
-            raise UserError(f"{where}: {name}", row.get(name), "missing required task field", f"add '{name}'")
-    if row["domain"] not in registry.names():
-        raise UserError(f"{where}: domain", row["domain"], "unknown domain", f"use one of {registry.names()}")
+        if isinstance(row.get(name), (type(None), str)) and row.get(name) in (None, ""):
+            raise UserError(f"{where}: {name}", short(row.get(name)), "missing required task field", f"add '{name}'")
+    if not isinstance(row["domain"], str) or row["domain"] not in registry.names():
+        raise UserError(f"{where}: domain", short(row["domain"]), "unknown domain", f"use one of {registry.names()}")
     if not isinstance(row["prompt"], str):
-        raise UserError(f"{where}: prompt", row["prompt"], "must be a string", "quote the prompt text")
+        raise UserError(f"{where}: prompt", short(row["prompt"]), "must be a string", "quote the prompt text")
     reference = _object(row["reference"], f"{where}: reference")
     metadata = _object(row.get("metadata") or {}, f"{where}: metadata")
+    problem = registry.get(row["domain"]).reference_problem(reference)
+    if problem is not None:
+        name, what = problem
+        raise UserError(f"{where}: reference.{name}", short(reference.get(name)), f"{what} for domain {row['domain']}",
+                        f"see the reference shape in components/domains/{row['domain']}.py")
+    task_id_value = row.get("task_id")
+    if task_id_value is not None and (isinstance(task_id_value, bool) or not isinstance(task_id_value, (str, int))
+                                      or len(str(task_id_value)) > 200):
+        raise UserError(f"{where}: task_id", short(task_id_value), "must be a string of at most 200 characters",
+                        "drop task_id to derive it from the prompt")
     split = row.get("split") or "train"
-    if split not in ("train", "eval"):
-        raise UserError(f"{where}: split", split, "unknown split", "use 'train' or 'eval'")
+    if not isinstance(split, str) or split not in ("train", "eval"):
+        raise UserError(f"{where}: split", short(split), "unknown split", "use 'train' or 'eval'")
     difficulty = _int(row.get("difficulty", 1), f"{where}: difficulty", 1)
     context = _int(row.get("context_tokens", len(row["prompt"])), f"{where}: context_tokens", 0)
     return Task(
@@ -113,17 +191,22 @@ def parse_task(row: Any, where: str) -> Task:
 def _object(value: Any, field: str) -> dict[str, Any]:
     if isinstance(value, str):  # Parquet files written from pandas often hold JSON as text
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+            value = loads(value)
+        except ValueError:  # JSONDecodeError, or nested too deep: not an object either way
             pass
     if not isinstance(value, dict):
-        raise UserError(field, value, "must be an object (or a JSON string of one)", 'write e.g. {"answer": "85"}')
+        raise UserError(field, short(value), "must be an object (or a JSON string of one)", 'write e.g. {"answer": "85"}')
+    if any(not isinstance(k, str) for k in value):
+        raise UserError(field, short(value), "keys must be strings", 'write e.g. {"answer": "85"}')
     return value
 
 
 def _int(value: Any, field: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < least:
-        raise UserError(field, value, f"must be an integer >= {least}", f"set it to {least} or more")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf"))
+            or int(value) != value or value < least):
+        raise UserError(field, short(value), f"must be an integer >= {least}", f"set it to {least} or more")
+    if value > 10**9:
+        raise UserError(field, short(value), "must be at most 10**9", "set it to a realistic value")
     return int(value)
 
 

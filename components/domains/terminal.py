@@ -40,7 +40,7 @@ import random
 
 from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, make_task
+from components.domains.base import MAX_REFERENCE_ITEMS, Domain, Verdict, is_text, make_task, malformed
 
 NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
@@ -205,7 +205,22 @@ class Terminal(Domain):
             argv=[PYTHON, "-I", "-S", "driver.py", RESULT_FD, str(COMMAND_TIMEOUT_S)],
         )
 
+    def reference_problem(self, reference: dict) -> tuple[str, str] | None:
+        for name in ("start", "expected"):
+            state = reference.get(name, {} if name == "start" else None)
+            if not isinstance(state, dict) or len(state) > MAX_REFERENCE_ITEMS:
+                return name, f"must be an object of at most {MAX_REFERENCE_ITEMS} paths: {{path: 'dir' | 'file:<text>'}}"
+            for path, kind in state.items():
+                parts = path.split("/") if isinstance(path, str) else []
+                if not is_text(path, 256) or not path or path.startswith("/") or ".." in parts or "" in parts:
+                    return f"{name}[{path!r:.40}]", "must be a relative path inside the work folder (no '/', '..', '//')"
+                if not is_text(kind) or not (kind == "dir" or kind == "link" or kind.startswith("file:")):
+                    return f"{name}[{path!r:.40}]", "must be 'dir', 'link' or 'file:<text>'"
+        return None
+
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
+        if (bad := malformed(completion)) is not None:
+            return bad
         if result is None or result.status == "infra_error":
             return Verdict(0.0, False, status="infra_error", detail="sandbox did not run the command")
         expected: dict[str, str] = task.reference["expected"]
@@ -218,7 +233,8 @@ class Terminal(Domain):
         same = sum(state.get(p) == expected.get(p) for p in paths)
         score = same / len(paths) if paths else 1.0
         steps = payload.get("steps")  # added by the host after a multi-step session
-        exits = [s.get("exit") for s in steps] if isinstance(steps, list) else [payload.get("exit")]
+        exits = ([s.get("exit") if isinstance(s, dict) else None for s in steps] if isinstance(steps, list)
+                 else [payload.get("exit")])
         components = {"ran": 1.0, "state_match": score, "exit_ok": float(all(e == 0 for e in exits))}
         if isinstance(steps, list):
             components["steps"] = float(len(steps))

@@ -9,16 +9,26 @@ Normalisation (``reward.normalize``) uses running per-domain statistics carried 
 iterations (``components.reward.normalize``): each shard reads the cumulative stats
 after the previous iteration, normalises, and writes ``norm_stats.json`` beside its
 rewards. Group advantages are computed from the normalised rewards.
+
+Model output never fails the stage: every verdict comes through
+``components.domains.base.judge``. A completion no verifier should read (not UTF-8,
+over the size limit, nested too deep) is ``malformed``: score 0, trained on like any
+wrong answer (reason says why; metric ``malformed``). A verifier that raises (or returns
+a score outside [0, 1]) is ``verifier_error`` for that sample alone: status
+``verifier_error``, weight 0, out of normalisation and advantages like an infra error,
+counted in the metric ``verifier_errors`` and logged with the exception.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 from components.core.context import StageContext
 from components.core.facts import NormPrior
 from components.core.records import Execution, Reward, Rollout, Task
 from components.domains import registry
+from components.domains.base import Verdict, judge
 from components.reward.advantages import group_advantages
 from components.reward.normalize import (
     STATS_OUTPUT,
@@ -30,6 +40,12 @@ from components.reward.normalize import (
     to_json,
     zscore,
 )
+
+log = logging.getLogger(__name__)
+EXCLUDED_VERDICTS = ("infra_error", "verifier_error")
+"""Verdict statuses whose score says nothing about the policy: never normalised or trained on."""
+LOGGED_ERRORS = 20
+"""Verifier errors logged one by one per shard; the rest are only counted."""
 
 SECTIONS = ("reward",)
 """Recipe sections read: normalisation and advantage settings."""
@@ -58,12 +74,24 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
 
     ``prior`` is the running per-domain statistics before this batch (used by
     ``cfg.normalize == "domain_zscore"``; merged with this batch's own raw rewards)."""
-    verdicts = {}
+    verdicts: dict[str, Verdict] = {}
+    domains = {}
+    errors = 0
     for r in rollouts:
-        verdicts[r.rollout_id] = registry.get(r.domain).verify(tasks[r.task_id], r.completion, executions.get(r.rollout_id))
+        if r.domain not in domains:
+            domains[r.domain] = registry.get(r.domain)
+        v = judge(domains[r.domain], tasks[r.task_id], r.completion, executions.get(r.rollout_id))
+        if v.status == "verifier_error":
+            errors += 1
+            if errors <= LOGGED_ERRORS:
+                log.error("verifier_error: rollout %s (domain %s, task %s): %s", r.rollout_id, r.domain, r.task_id,
+                          v.detail)
+        verdicts[r.rollout_id] = v
+    if errors > LOGGED_ERRORS:
+        log.error("verifier_error: %d more rollouts not logged one by one", errors - LOGGED_ERRORS)
     raw_by: dict[str, list[float]] = defaultdict(list)
     for r in rollouts:
-        if verdicts[r.rollout_id].status != "infra_error":
+        if verdicts[r.rollout_id].status not in EXCLUDED_VERDICTS:
             raw_by[r.domain].append(verdicts[r.rollout_id].score)
     running = merge_all(prior or {}, {d: RunningStats.of(v) for d, v in raw_by.items()})
 
@@ -75,23 +103,29 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
         groups[r.task_id].append(r)
     rewards = []
     for task_id, members in groups.items():
-        norm = [None if verdicts[m.rollout_id].status == "infra_error"
+        norm = [None if verdicts[m.rollout_id].status in EXCLUDED_VERDICTS
                 else normalized(m.domain, verdicts[m.rollout_id].score) for m in members]
         adv = group_advantages(norm, cfg.advantage_eps, cfg.scale_by_std)
         for m, a, value in zip(members, adv, norm):
             v = verdicts[m.rollout_id]
             excluded = value is None
+            status = ("verifier_error" if v.status == "verifier_error" else "excluded") if excluded else "ok"
+            reason = v.detail if excluded or v.status == "malformed" else ""
+            if v.status == "malformed":
+                reason = f"malformed: {reason}"
             rewards.append(Reward(
                 rollout_id=m.rollout_id, task_id=task_id, domain=m.domain, group_index=m.group_index,
                 raw_reward=0.0 if excluded else v.score, components=dict(v.components),
                 normalized_reward=0.0 if excluded else value, weight=0.0 if excluded else 1.0,
-                advantage=a, status="excluded" if excluded else "ok", reason=v.detail if excluded else "",
+                advantage=a, status=status, reason=reason,
             ))
     return rewards
 
 
 def summarize(rewards: list[Reward]) -> dict[str, float]:
-    metrics: dict[str, float] = {"rewards": float(len(rewards)), "excluded": float(sum(r.status == "excluded" for r in rewards))}
+    metrics: dict[str, float] = {"rewards": float(len(rewards)), "excluded": float(sum(r.status == "excluded" for r in rewards)),
+                                 "verifier_errors": float(sum(r.status == "verifier_error" for r in rewards)),
+                                 "malformed": float(sum(r.reason.startswith("malformed:") for r in rewards))}
     by: dict[str, list[Reward]] = defaultdict(list)
     for r in rewards:
         by[r.domain].append(r)
