@@ -1,22 +1,34 @@
 """``posttrain run``: N iterations of the Airflow DAG on the embedded defaults.
 
-Checks the recipe, the store and the starting checkpoint up front (each failure is one
-UserError, exit 2), then drives ``dags/local.py`` (Airflow's in-process test runner on
-SQLite), which lives beside it in this folder. Which iteration comes next is the
-planner's choice (the same one the scheduled DAG makes), so a killed run started again
-resumes where it stopped; one ``posttrain run`` at a time per home. After each iteration it prints a table of eval pass
-rates by domain; at the end, the command that opens the MLflow UI on this run.
+One writer per pipeline: the run first takes an exclusive lock on ``<home>/run.lock``
+(before it touches the home's SQLite MLflow), then the pipeline's writer lease in the
+store (``components.core.lease``, renewed while it runs); a second ``posttrain run`` on
+the same home, or on the same pipeline in the same run root, is refused with one line
+naming the holder (host, pid, start time) and exit status 2. A killed run leaves no lock,
+and its lease is taken over at once on the same host (the process is gone), else when
+it expires.
+
+Then checks the recipe, the store, the policy source and the task file up front
+(``components.core.preflight``; each failure is one UserError, exit 2), and drives
+``dags/local.py`` (Airflow's in-process test runner on SQLite), which lives beside it
+in this folder. Which iteration comes next is the planner's choice (the same one the
+scheduled DAG makes), so a killed run started again resumes where it stopped. After
+each iteration it prints a table of eval pass rates by domain; at the end, the command that opens the MLflow UI on this run.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from components.core import settings, tracking
+from components.core import lease, preflight, settings, tracking
 from components.core.context import read_manifest
 from components.core.errors import UserError
 from components.core.facts import Decision, Scored, Slice
@@ -24,21 +36,7 @@ from components.core.manifest import stage_prefix
 from components.core.planner import finished, plan
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
-from components.core.storage import Store, filesystem, join
-
-
-def preflight_checkpoint(recipe: Recipe) -> None:
-    """If the pipeline already has a champion, its checkpoint must be readable."""
-    found = tracking.resolve_alias(recipe.pipeline, "champion")
-    if found is None:
-        return
-    version, uri, _ = found
-    fs, path = filesystem(uri)
-    try:
-        json.loads(fs.cat_file(join(path, "config.json")))
-    except Exception as exc:
-        raise UserError(f"champion (version {version})", uri, f"checkpoint is unreadable ({type(exc).__name__})",
-                        "restore the checkpoint files, or move the 'champion' alias to a readable version in MLflow") from None
+from components.core.storage import Store
 
 
 def weakest_text(worst: Slice | None) -> str:
@@ -74,21 +72,119 @@ def print_table(rows, domains: list[str]) -> None:
     Console(width=160).print(table)
 
 
+def holder_text(home: Path) -> str:
+    """Who this run is, for a lock file and a lease: host, pid, start time (UTC) and home."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return f"posttrain run on host {socket.gethostname()} pid {os.getpid()} started {started} home {home}"
+
+
+_HOLDER = re.compile(r"^posttrain run on host (?P<host>\S+) pid (?P<pid>\d+) started (?P<started>\S+) home (?P<home>.+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def stale_on_this_host(home: Path) -> Callable[[lease.Lease], bool]:
+    """Judge a live writer lease: its holder is gone if it ran on this host and its
+    process no longer exists, or it used this home (whose lock this run now holds, so
+    that holder is dead: the lock dies with its process). Holders on other hosts are
+    judged by their lease's expiry alone."""
+
+    def stale(cur: lease.Lease) -> bool:
+        m = _HOLDER.match(cur.holder)
+        if m is None or m["host"] != socket.gethostname():
+            return False
+        return m["home"] == str(home) or not _alive(int(m["pid"]))
+
+    return stale
+
+
+def other_local_run(cur: lease.Lease) -> bool:
+    """An iteration lease of another ``posttrain run`` (``local:<its home>``) is stale once
+    this run holds the pipeline's writer lease: that run stopped (killed, or on another
+    home) without finishing the iteration, so this run resumes it."""
+    return cur.holder.startswith("local:")
+
+
+def _read_holder(fh) -> str:
+    for _ in range(20):  # the holder writes its line right after taking the lock
+        fh.seek(0)
+        text = fh.read().strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return "an unknown process"
+
+
 @contextmanager
 def home_lock(home: Path) -> Iterator[None]:
-    """One ``posttrain run`` per home: an exclusive lock on ``<home>/run.lock``. The lock
-    dies with the process, so a killed run never blocks the next one."""
+    """One ``posttrain run`` per home: an exclusive lock on ``<home>/run.lock``, which then
+    holds this run's host, pid and start time. The lock dies with the process, so a killed
+    run never blocks the next one. A second run is refused (UserError, exit 2) with one
+    line naming the holder."""
     home.mkdir(parents=True, exist_ok=True)
     with open(home / "run.lock", "a+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError("POSTTRAIN_HOME", str(home), "another 'posttrain run' is using this home",
-                            "wait for it to finish, or set POSTTRAIN_HOME to another folder") from None
+            raise UserError("POSTTRAIN_HOME", str(home), f"is in use by {_read_holder(fh)}",
+                            "wait for that run to finish or stop it, or set POSTTRAIN_HOME to another folder") from None
         try:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(holder_text(home) + "\n")
+            fh.flush()
             yield
         finally:
+            fh.seek(0)
+            fh.truncate()
+            fh.flush()
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
+    """The pipeline's writer lease in the store (``components.core.lease``), held while the
+    body runs and renewed in the background; a live lease of another ``posttrain run``
+    (another home, another machine) refuses this one with one line naming it (UserError,
+    exit 2). A lease left by a killed run is taken over: at once when it ran on this host
+    (its process is gone), else once it expires (``lease.WRITER_TTL_S``)."""
+    holder = holder_text(home)
+    try:
+        lease.acquire_writer(store, pipeline, holder, stale=stale_on_this_host(home))
+    except lease.LeaseHeld as exc:
+        left = max(0.0, exc.lease.expires_at - time.time())
+        raise UserError("run_root", store.uri, f"pipeline {pipeline!r} is being run by {exc.lease.holder} "
+                        f"(its lease expires in {left:.0f} s unless renewed)",
+                        "wait for that run to finish or stop it (a stopped run's lease is taken over once it "
+                        "expires), or use another run root") from None
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(lease.WRITER_TTL_S / 5):
+            try:
+                if not lease.renew_writer(store, pipeline, holder):
+                    say(f"writer lease of {pipeline!r} was taken over; this run should stop")
+                    return
+            except Exception as exc:  # an outage: try again at the next beat; the stages say more
+                say(f"could not renew the writer lease of {pipeline!r} ({type(exc).__name__}); retrying")
+
+    beat = threading.Thread(target=renew, name="posttrain-writer-lease", daemon=True)
+    beat.start()
+    try:
+        yield holder
+    finally:
+        stop.set()
+        beat.join(timeout=5)
+        with suppress(Exception):  # an outage at the end: the lease expires by itself
+            lease.release_writer(store, pipeline, holder)
 
 
 def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int) -> int:
@@ -101,22 +197,33 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int)
     recipe = load_recipe(conf.recipe)
     if iterations < 1:
         raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
-    store = Store(conf.run_root, "--run-root")
-    store.check_reachable()
-    preflight_checkpoint(recipe)
-    from dags.local import prepare, run_iteration
-
     home = settings.home()
     holder = f"local:{home}"
+    # The home's lock first: a second run on this home stops here, before it touches the
+    # home's SQLite MLflow (two runs migrating a fresh database at once collide).
     with home_lock(home):
-        prepare(home, recipe.sandbox.concurrency)
-        while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
-            k = plan(store, recipe, holder)
-            say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
-            state = run_iteration(conf.recipe, store.uri, holder)
-            if state != "success":
-                say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
-                return 1
-            print_table(summary_rows(store, recipe, k), list(recipe.domains))
+        store = Store(conf.run_root, "--run-root")
+        preflight.tracking_vs_run_root(store.uri)
+        store.check_reachable()
+        preflight.task_file(recipe)
+        preflight.policy_source(recipe)
+        from dags.local import prepare, run_iteration
+
+        with writer_lease(store, recipe.pipeline, home):
+            return _iterate(store, recipe, conf.recipe, holder, iterations, prepare, run_iteration, home)
+
+
+def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterations: int, prepare, run_iteration,
+             home: Path) -> int:
+    """The loop of ``run_local``, under the home's lock and the pipeline's writer lease."""
+    prepare(home, recipe.sandbox.concurrency)
+    while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
+        k = plan(store, recipe, holder, stale=other_local_run)
+        say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
+        state = run_iteration(recipe_path, store.uri, holder)
+        if state != "success":
+            say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
+            return 1
+        print_table(summary_rows(store, recipe, k), list(recipe.domains))
     say(f"MLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri()} --port 5000")
     return 0

@@ -101,7 +101,7 @@ def plan() -> dict[str, Any]:
     """Pick and lease this run's iteration; hand it, the settings and the shard lists on."""
     from airflow.sdk import get_current_context
 
-    from components.core import planner, tracking
+    from components.core import planner, preflight, tracking
     from components.core.recipe import load_recipe, publish_recipe
     from components.core.stages import registered, shard_list
     from components.core.storage import Store
@@ -113,6 +113,7 @@ def plan() -> dict[str, Any]:
         recipe = load_recipe(conf.recipe)
         store = Store(conf.run_root, "run_root")
         store.check_reachable()
+        preflight.check_all(recipe, store.uri)  # one line, failed at once: a local run root for an HTTP tracking server, ...
         holder = params.get("holder") or f"airflow:{ctx['run_id']}"
         k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
         parent = tracking.iteration_run(recipe.pipeline, k, store.uri, ctx["run_id"])

@@ -14,7 +14,7 @@ old manifests unreadable (the error names the stage to re-run).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypeVar
 
@@ -50,6 +50,12 @@ class StartingPolicy:
     policy_version: str
     policy_uri: str
     parent_run_id: str = ""  # the iteration's MLflow parent run
+    # The baseline evaluation judges this iteration's candidate against, fixed before
+    # anything of the iteration can move an alias: the champion at iteration start (else
+    # the starting policy's version) and its pass rates. "" in manifests written before
+    # this field existed (evaluation then falls back to a tag on the candidate's version).
+    baseline_version: str = ""
+    baseline_pass_rates: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

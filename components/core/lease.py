@@ -8,6 +8,11 @@ a conditional PUT on S3), so of two writers racing for the same generation exact
 wins, on any backend, without locks or deletes. The loser re-reads the chain and finds
 the lease held.
 
+Besides one lease per iteration, a pipeline has one *writer* lease
+(``<pipeline>/_leases/writer/``, ``iteration == WRITER``) that ``posttrain run`` holds
+for as long as it drives the pipeline, renewed every minute (time to live
+``WRITER_TTL_S``); its holder names the host, pid, start time and home of the run.
+
 A lease expires at ``expires_at`` unless renewed, so a holder that died (a killed
 worker, a lost machine) does not block the iteration for ever; a released lease (a
 failed DAG run hands it back) can be taken at once. Not covered: clock skew between
@@ -19,12 +24,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from components.core.errors import UserError
 from components.core.storage import Store
 
 DEFAULT_TTL_S = 6 * 3600.0
+WRITER = -1
+"""The ``iteration`` of the pipeline's writer lease (``<pipeline>/_leases/writer/``): the
+one ``posttrain run`` that may drive the pipeline, whatever iteration it is on."""
+WRITER_TTL_S = 300.0
+"""The writer lease's time to live; its holder renews it every ``WRITER_TTL_S / 5``."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +66,20 @@ def _folder(pipeline: str, iteration: int) -> str:
     return f"{pipeline}/_leases/iter-{iteration:06d}"
 
 
+def _writer_folder(pipeline: str) -> str:
+    return f"{pipeline}/_leases/writer"
+
+
+def _folder_of(pipeline: str, iteration: int) -> str:
+    return _writer_folder(pipeline) if iteration == WRITER else _folder(pipeline, iteration)
+
+
 def current(store: Store, pipeline: str, iteration: int) -> Lease | None:
-    names = [n for n in store.listdir(_folder(pipeline, iteration)) if n.endswith(".json") and n[:-5].isdigit()]
+    folder = _folder_of(pipeline, iteration)
+    names = [n for n in store.listdir(folder) if n.endswith(".json") and n[:-5].isdigit()]
     if not names:
         return None
-    rel = f"{_folder(pipeline, iteration)}/{max(names, key=lambda n: int(n[:-5]))}"
+    rel = f"{folder}/{max(names, key=lambda n: int(n[:-5]))}"
     try:
         return Lease(**store.read_json(rel))
     except (ValueError, TypeError):  # not JSON, or not a lease's fields: written by something else
@@ -72,16 +92,18 @@ def _write_next(store: Store, pipeline: str, iteration: int, after: Lease | None
     lease = Lease(iteration=iteration, holder=holder, generation=0 if after is None else after.generation + 1,
                   acquired_at=now, expires_at=now + ttl_s if holder else now)
     data = json.dumps(asdict(lease), sort_keys=True).encode()
-    return lease if store.create(f"{_folder(pipeline, iteration)}/{lease.generation:06d}.json", data) else None
+    return lease if store.create(f"{_folder_of(pipeline, iteration)}/{lease.generation:06d}.json", data) else None
 
 
-def acquire(store: Store, pipeline: str, iteration: int, holder: str, ttl_s: float = DEFAULT_TTL_S) -> Lease:
+def acquire(store: Store, pipeline: str, iteration: int, holder: str, ttl_s: float = DEFAULT_TTL_S,
+            stale: Callable[[Lease], bool] | None = None) -> Lease:
     """Take (or renew) the lease on ``iteration`` for ``holder``; ``LeaseHeld`` when another
-    holder's lease is live."""
+    holder's lease is live, unless ``stale(lease)`` says that holder is known to be gone
+    (then it is taken over with the next generation: of two takers exactly one wins)."""
     assert holder, "a lease needs a holder"
     for _ in range(20):  # each round either wins a generation or sees who did
         cur = current(store, pipeline, iteration)
-        if cur is not None and cur.live() and cur.holder != holder:
+        if cur is not None and cur.live() and cur.holder != holder and not (stale and stale(cur)):
             raise LeaseHeld(cur, pipeline)
         won = _write_next(store, pipeline, iteration, cur, holder, ttl_s)
         if won is not None:
@@ -106,3 +128,24 @@ def held_by(store: Store, pipeline: str, holder: str) -> list[int]:
             if cur is not None and cur.holder == holder:
                 out.append(cur.iteration)
     return sorted(out, reverse=True)
+
+
+def acquire_writer(store: Store, pipeline: str, holder: str, stale: Callable[[Lease], bool] | None = None,
+                   ttl_s: float = WRITER_TTL_S) -> Lease:
+    """Take the pipeline's writer lease for ``holder``; ``LeaseHeld`` while another holder's
+    lease is live, unless ``stale(lease)`` says that holder is gone (e.g. a process of this
+    machine that no longer exists): then the next generation is written after it, so of
+    two runs taking over the same stale lease exactly one wins."""
+    return acquire(store, pipeline, WRITER, holder, ttl_s, stale)
+
+
+def renew_writer(store: Store, pipeline: str, holder: str, ttl_s: float = WRITER_TTL_S) -> bool:
+    """Extend ``holder``'s writer lease; False when it is no longer ``holder``'s (taken over)."""
+    cur = current(store, pipeline, WRITER)
+    if cur is None or cur.holder != holder:
+        return False
+    return _write_next(store, pipeline, WRITER, cur, holder, ttl_s) is not None
+
+
+def release_writer(store: Store, pipeline: str, holder: str) -> bool:
+    return release(store, pipeline, WRITER, holder)

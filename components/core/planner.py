@@ -10,7 +10,9 @@ lease on it (``components.core.lease``), so two runs never work on the same k:
    k, and every stage is a cache hit;
 3. otherwise k = the last iteration with an evaluation manifest + 1 (a half-done k
    resumes: its finished stages are cache hits), claimed for ``holder``. A live lease of
-   another holder on k raises ``LeaseHeld``.
+   another holder on k raises ``LeaseHeld``, unless ``stale(lease)`` says its holder is
+   gone (``posttrain run``, holding the pipeline's writer lease, knows that every other
+   ``local:`` holder is a run that stopped, and takes its iteration over).
 
 It also writes the resolved recipe to ``<pipeline>/iter-<k>/recipe.json``, so an
 iteration describes itself even if the recipe file changes later (rewritten on every
@@ -19,6 +21,8 @@ at once (k+1 needs checkpoint k).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from components.core import lease
 from components.core.manifest import MANIFEST, iteration_prefix, stage_prefix
@@ -39,12 +43,13 @@ def finished(store: Store, pipeline: str) -> list[int]:
     return sorted(done)
 
 
-def plan(store: Store, recipe: Recipe, holder: str, replay: bool = False, ttl_s: float = lease.DEFAULT_TTL_S) -> int:
+def plan(store: Store, recipe: Recipe, holder: str, replay: bool = False, ttl_s: float = lease.DEFAULT_TTL_S,
+         stale: Callable[[lease.Lease], bool] | None = None) -> int:
     pipeline = recipe.pipeline
     done = set(finished(store, pipeline))
     k = next((k for k in lease.held_by(store, pipeline, holder) if replay or k not in done), None)
     if k is None:
         k = max(done, default=0) + 1
-    lease.acquire(store, pipeline, k, holder, ttl_s)
+    lease.acquire(store, pipeline, k, holder, ttl_s, stale)
     store.write_json(f"{iteration_prefix(pipeline, k)}/{RECIPE_SNAPSHOT}", recipe.model_dump(mode="json"))
     return k

@@ -9,8 +9,13 @@ one. The candidate becomes ``champion`` only if no domain dropped by more than
 ``evaluation.regression_tolerance``; the decision and the reason are written to the
 report, the manifest and the registry version's tags.
 
-The baseline is fixed (as a tag on the candidate's registry version) before any alias
-moves, so a retried evaluation gives the same report and aliases as the first attempt.
+The baseline (the champion's version and pass rates) is fixed at iteration start, before
+any alias can move, and recorded in taskgen's manifest (``StartingPolicy``); evaluation
+reads it from there. So an evaluation killed after it moved the alias and before its
+manifest, then run again, gives the same report and aliases as an uninterrupted one
+(it does not compare the candidate with itself). The baseline version is also tagged
+on the candidate's registry version (``posttrain.baseline_version``); iterations whose
+taskgen manifest predates the field fall back to that tag.
 
 Not covered: statistical significance tests on the difference (the suite is fixed and
 greedy, so the same policy always gets the same score).
@@ -22,7 +27,7 @@ import dataclasses
 
 from components.core import tracking
 from components.core.context import StageContext
-from components.core.facts import Checkpoint, Decision
+from components.core.facts import Checkpoint, Decision, StartingPolicy
 from components.core.policy import load_policy
 from components.core.progress import say
 from components.evalsuite.score import eval_tags, evaluate_and_log, tagged_rates
@@ -58,6 +63,17 @@ def fixed_baseline(pipeline: str, candidate: str, parent_version: str) -> tuple[
     return version, rates
 
 
+def iteration_baseline(ctx: StageContext, trainer: Checkpoint) -> tuple[str, dict[str, float]]:
+    """The baseline taskgen fixed at iteration start (``StartingPolicy``), read from its
+    manifest; for manifests written before taskgen recorded it, ``fixed_baseline``."""
+    start = ctx.facts_of("taskgen", StartingPolicy)
+    if not start.baseline_version:
+        return fixed_baseline(ctx.pipeline, trainer.version, trainer.parent_version)
+    rates = dict(start.baseline_pass_rates) or baseline_rates(ctx.pipeline, start.baseline_version)
+    tracking.set_version_tags(ctx.pipeline, trainer.version, {BASELINE_TAG: start.baseline_version})
+    return start.baseline_version, rates
+
+
 def decide(candidate: dict[str, float], baseline: dict[str, float], tolerance: float) -> tuple[bool, str]:
     drops = {d: baseline[d] - candidate.get(d, 0.0) for d in baseline}
     worst = [f"{d} {baseline[d]:.3f}->{candidate.get(d, 0.0):.3f}" for d, drop in sorted(drops.items()) if drop > tolerance]
@@ -74,7 +90,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     trainer = ctx.facts_of("trainer", Checkpoint)
     candidate = load_policy(trainer.checkpoint_uri, trainer.version)
     _, rates, worst = evaluate_and_log(ctx, candidate)
-    baseline_version, baseline = fixed_baseline(ctx.pipeline, trainer.version, trainer.parent_version)
+    baseline_version, baseline = iteration_baseline(ctx, trainer)
     promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
     tracking.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
     if promoted:

@@ -7,8 +7,9 @@ editing the file re-runs taskgen) instead of generated: each domain's share is d
 without replacement while the file has enough tasks of it, then with replacement.
 
 Also resolves, once per iteration, which policy the iteration starts from (see
-``components.core.lineage``) and opens the iteration's MLflow parent run; both are
-recorded in the manifest for later stages. Train tasks never share an id with the
+``components.core.lineage``) and the baseline evaluation will compare the candidate
+with (the champion at iteration start, and its pass rates), and opens the iteration's
+MLflow parent run; all are recorded in the manifest for later stages. Train tasks never share an id with the
 fixed eval suite.
 """
 
@@ -19,6 +20,7 @@ import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from components.core import tracking
 from components.core.context import StageContext, read_manifest
 from components.core.errors import UserError
 from components.core.facts import StartingPolicy
@@ -29,6 +31,7 @@ from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
 from components.domains.taskfile import load_tasks, read_bytes
+from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
 
 SECTIONS = ("taskgen", "rollout", "evaluation")
@@ -47,17 +50,36 @@ def domain_counts(domains: list[str], weights: dict[str, float], total: int) -> 
     return counts
 
 
+def starting_baseline(pipeline: str, policy_version: str) -> tuple[str, dict[str, float]]:
+    """(version, per-domain pass rates) of the iteration's baseline, read now: the champion,
+    or the starting policy's registry version while no champion is set; ("", {}) for an
+    external policy with no champion (evaluation then fixes the baseline itself)."""
+    champion = tracking.resolve_alias(pipeline, "champion")
+    if champion is not None:
+        return champion[0], tagged_rates(champion[2])
+    if policy_version.isdigit():
+        mv = tracking.client().get_model_version(tracking.model_name(pipeline), policy_version)
+        return policy_version, tagged_rates(dict(mv.tags))
+    return "", {}
+
+
 def inputs(ctx: StageContext) -> None:
     # The starting policy is fixed once per iteration: re-running a finished iteration's
     # taskgen (an Airflow clear, a KFP resubmit) must not pick up a later champion.
+    # The same holds for the baseline evaluation will judge the candidate against: it is
+    # fixed here, before any stage of the iteration can move the champion alias, so an
+    # evaluation retried after it promoted (a kill, an outage) compares with the same one.
     earlier = read_manifest(ctx.store, ctx.prefix)
     if earlier is not None and earlier.config_digest == ctx.recipe.whole.digest(SECTIONS):
         start = earlier.facts(StartingPolicy)
         version, uri = start.policy_version, start.policy_uri
+        baseline_version, baseline_rates = start.baseline_version, dict(start.baseline_pass_rates)
     else:
         version, uri = resolve_policy(ctx.recipe)
+        baseline_version, baseline_rates = starting_baseline(ctx.pipeline, version)
     ctx.inputs["policy"] = InputRef(uri=uri, digest=f"version:{version}")
-    ctx.facts = StartingPolicy(policy_version=version, policy_uri=uri)
+    ctx.facts = StartingPolicy(policy_version=version, policy_uri=uri, baseline_version=baseline_version,
+                               baseline_pass_rates=baseline_rates)
     if ctx.recipe.taskgen.task_file:
         source = ctx.recipe.taskgen.task_file
         uri = source if "://" in source else Path(source).resolve().as_uri()

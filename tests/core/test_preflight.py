@@ -1,0 +1,73 @@
+"""``components.core.preflight``: what ``posttrain run`` and the DAG's plan task refuse up
+front, each as one UserError line (exit 2 from the CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from components.core import preflight
+from components.core.errors import UserError
+from components.core.recipe import load_recipe
+from tests.fixtures.runs import TINY, cli_env, run_posttrain
+
+
+@pytest.mark.parametrize("tracking", ["http://127.0.0.1:5000", "https://mlflow.example.com"])
+def test_an_http_tracking_server_with_a_local_run_root_is_refused(tracking: str, tmp_path: Path) -> None:
+    with pytest.raises(UserError) as info:
+        preflight.tracking_vs_run_root(f"file://{tmp_path}/store", tracking)
+    line = info.value.line()
+    assert "\n" not in line and "s3://" in line and "local tracking URI" in line and tracking in line
+    with pytest.raises(UserError):
+        preflight.tracking_vs_run_root(str(tmp_path / "store"), tracking)  # a bare path is file:// too
+
+
+@pytest.mark.parametrize(("run_root", "tracking"), [
+    ("s3://bucket/prefix", "http://127.0.0.1:5000"),
+    ("file:///tmp/store", "sqlite:////tmp/mlflow.db"),
+    ("file:///tmp/store", "/tmp/mlruns"),
+    ("file:///tmp/store", "file:///tmp/mlruns"),
+])
+def test_other_combinations_pass(run_root: str, tracking: str) -> None:
+    preflight.tracking_vs_run_root(run_root, tracking)
+
+
+def _recipe(tmp_path: Path, extra: str) -> object:
+    path = tmp_path / "recipe.yaml"
+    lines = [ln for ln in TINY.read_text().splitlines() if not any(ln.startswith(k) for k in ("taskgen:", "rollout:", "model:"))]
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return load_recipe(str(path))
+
+
+def test_a_missing_task_file_is_refused(tmp_path: Path, posttrain_home: Path) -> None:
+    recipe = _recipe(tmp_path, f"taskgen: {{task_file: {tmp_path / 'nope.jsonl'}}}\n")
+    with pytest.raises(UserError) as info:
+        preflight.task_file(recipe)
+    assert info.value.field == "taskgen.task_file"
+    (tmp_path / "tasks.jsonl").write_text("{}\n")
+    preflight.task_file(_recipe(tmp_path, f"taskgen: {{task_file: 'file://{tmp_path / 'tasks.jsonl'}'}}\n"))
+
+
+def test_a_missing_policy_source_is_refused(tmp_path: Path, posttrain_home: Path) -> None:
+    with pytest.raises(UserError) as info:
+        preflight.policy_source(_recipe(tmp_path, f"rollout: {{policy: 'file://{tmp_path}/no-checkpoint'}}\n"))
+    assert info.value.field == "rollout.policy"
+    with pytest.raises(UserError) as info:
+        preflight.policy_source(_recipe(tmp_path, f"model: {{source: '{tmp_path}/no-model'}}\n"))
+    assert info.value.field == "model.source"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    preflight.policy_source(_recipe(tmp_path, f"rollout: {{policy: 'file://{ckpt}'}}\nmodel: {{source: '{ckpt}'}}\n"))
+    preflight.policy_source(_recipe(tmp_path, ""))  # champion, not set yet: bootstrap sets it
+
+
+def test_posttrain_run_refuses_a_local_run_root_for_an_http_tracking_server(tmp_path: Path) -> None:
+    """One line, exit 2, before anything is written or any server is called."""
+    env = cli_env(tmp_path / ".posttrain", MLFLOW_TRACKING_URI="http://127.0.0.1:9")
+    proc = run_posttrain(["run", "--recipe", str(TINY), "--iterations", "1"], tmp_path, env, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("posttrain: error: run_root=") and "s3://" in lines[0], proc.stderr
+    assert not (tmp_path / ".posttrain" / "store").exists()
