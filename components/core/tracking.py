@@ -114,13 +114,17 @@ def _flatten(prefix: str, obj: Any, out: dict[str, str]) -> dict[str, str]:
 @contextmanager
 def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | None, params: dict[str, Any],
               tags: dict[str, str] | None = None) -> Iterator[str]:
-    """A (nested) run for one stage; ends FAILED if the body raises."""
+    """A (nested) run for one stage; ends FINISHED when the body returns (so put the
+    manifest write inside it), FAILED if the body raises. Earlier attempts of the same
+    stage run (same run name, stage, iteration and run root) still marked RUNNING, left so
+    by a killed process, are marked KILLED first."""
     from mlflow.entities import Param
 
     c = client()
     all_tags = {TAG_PIPELINE: pipeline, TAG_STAGE: stage, **(tags or {})}
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
+    kill_stale_runs(pipeline, stage, run_name, all_tags.get(TAG_ITERATION, ""), all_tags.get(TAG_RUN_ROOT, ""))
     run = c.create_run(experiment_id(pipeline), run_name=run_name, tags=all_tags)
     run_id = run.info.run_id
     flat = _flatten("", params, {})

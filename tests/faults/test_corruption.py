@@ -1,0 +1,183 @@
+"""Nothing corrupt is used, nothing half-written is left: the stage contract under faults.
+
+Real stages of recipes/tiny.yaml on a file:// run root (bootstrap once per module; each
+test works in its own iteration). The faults are injected into the stored bytes (a
+truncated Parquet file, one flipped byte in a checkpoint's weights), into the write path
+(a disk that fills up half-way through a file) and into the process (a stage killed
+between its data files and its manifest).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from components.core import storage, tracking
+from components.core.errors import UserError
+from components.core.manifest import MANIFEST, WEIGHTS, Manifest
+from components.core.policy import load_policy
+from components.core.recipe import load_recipe
+from components.core.runner import run_stage
+from components.core.stages import shard_count
+from components.core.storage import Store
+from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
+from tests.fixtures.runs import cli_env, posttrain, read_until
+
+TINY = load_recipe(TINY_RECIPE)
+
+
+@dataclass
+class Booted:
+    root: str
+    store: Store
+    boot: Manifest
+    home: Path
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def booted(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("corruption")
+    with pytest.MonkeyPatch.context() as mp:
+        home = use_home(mp, base / ".posttrain")
+        root = f"file://{base / 'store'}"
+        boot = run_stage("bootstrap", TINY_RECIPE, root, 0)
+        yield Booted(root=root, store=Store(root), boot=boot, home=home, tmp=base)
+        reset_tracking_clients()
+
+
+def local(booted: Booted, rel: str) -> Path:
+    return Path(booted.store.root) / rel
+
+
+def rollouts(booted: Booted, iteration: int) -> list[Manifest]:
+    run_stage("taskgen", TINY_RECIPE, booted.root, iteration)
+    n = shard_count(TINY, "rollout")
+    return [run_stage("rollout", TINY_RECIPE, booted.root, iteration, f"{i}/{n}") for i in range(n)]
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_truncated_parquet_is_no_cache_hit(booted: Booted) -> None:
+    first = rollouts(booted, 1)[0]
+    rel = first.outputs["rollouts"].path
+    truncate(local(booted, rel))
+    with pytest.raises(UserError) as err:
+        run_stage("rollout", TINY_RECIPE, booted.root, 1, first.shard)
+    line = str(err.value)
+    assert "\n" not in line
+    assert booted.store.url(rel) in line and "truncated" in line
+    assert f"{booted.store.url(first.prefix)}/{MANIFEST}" in line and "re-run stage rollout" in line
+    # the fix it names works: without the manifest the stage runs again and writes whole files
+    booted.store.delete(f"{first.prefix}/{MANIFEST}")
+    again = run_stage("rollout", TINY_RECIPE, booted.root, 1, first.shard)
+    assert again.outputs["rollouts"] == first.outputs["rollouts"]
+
+
+def test_truncated_parquet_is_refused_when_read(booted: Booted) -> None:
+    first = rollouts(booted, 2)[0]
+    rel = first.outputs["rollouts"].path
+    truncate(local(booted, rel))
+    n = shard_count(TINY, "sandbox")
+    with pytest.raises(UserError) as err:
+        run_stage("sandbox", TINY_RECIPE, booted.root, 2, f"0/{n}")
+    line = str(err.value)
+    assert booted.store.url(rel) in line and "re-run stage rollout" in line and "\n" not in line
+    assert not booted.store.glob("tiny/iter-000002/sandbox/**/_MANIFEST.json"), "the stage ran on bad data"
+
+
+def test_flipped_byte_in_checkpoint_is_refused_before_load(booted: Booted) -> None:
+    copy = booted.tmp / "flipped"
+    shutil.copytree(Path(booted.store.root), copy / "store")
+    root = f"file://{copy / 'store'}"
+    checkpoint = f"{root}/{booted.boot.outputs['checkpoint'].path}"
+    load_policy(checkpoint)  # intact: loads
+    weights = copy / "store" / booted.boot.outputs["checkpoint"].path / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[len(data) - 100] ^= 0x01  # inside a tensor: safetensors itself would load it without a word
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError) as err:
+        load_policy(checkpoint)
+    line = str(err.value)
+    assert f"{checkpoint}/{WEIGHTS}" in line and "corrupt" in line and "re-run stage bootstrap" in line
+    with pytest.raises(UserError, match="re-run stage bootstrap"):  # and it is no cache hit either
+        run_stage("bootstrap", TINY_RECIPE, root, 0)
+
+
+def test_disk_full_mid_write_leaves_no_temporary_file(booted: Booted, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = storage._write_local
+
+    def half_then_full(path: str, data: bytes) -> None:
+        if "/taskgen/" not in path:  # the store's reachability probe, the MLflow side: unaffected
+            return real(path, data)
+        with open(path, "wb") as fh:
+            fh.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    prefix = local(booted, "tiny/iter-000003/taskgen")
+    prefix.mkdir(parents=True)
+    (prefix / "tasks.parquet.tmp-0badf00d").write_bytes(b"left by a killed write")
+    monkeypatch.setattr(storage, "_write_local", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        run_stage("taskgen", TINY_RECIPE, booted.root, 3)
+    assert not list(prefix.rglob("*.tmp-*")), "a failed write left its temporary file"
+    assert not (prefix / MANIFEST).exists()
+    monkeypatch.setattr(storage, "_write_local", real)
+    (prefix / "tasks.parquet.tmp-0badf00d").write_bytes(b"left by a killed write")
+    run_stage("taskgen", TINY_RECIPE, booted.root, 3)
+    assert (prefix / MANIFEST).exists() and not list(prefix.rglob("*.tmp-*"))
+
+
+def stage_runs(stage: str, iteration: int, root: str) -> list:
+    from mlflow.entities import ViewType
+
+    c = tracking.client()
+    flt = (f"tags.`{tracking.TAG_STAGE}` = '{stage}' and tags.`{tracking.TAG_ITERATION}` = '{iteration}' "
+           f"and tags.`{tracking.TAG_RUN_ROOT}` = '{root}'")
+    return c.search_runs([tracking.experiment_id("tiny")], filter_string=flt, run_view_type=ViewType.ALL,
+                         order_by=["attributes.start_time ASC"])
+
+
+def test_killed_attempt_is_marked_killed_and_finished_means_manifested(booted: Booted, tmp_path: Path) -> None:
+    prefix = "tiny/iter-000004/taskgen"
+    env = cli_env(booted.home, POSTTRAIN_FAILPOINT="before-manifest:taskgen")
+    proc = subprocess.Popen(posttrain("stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", booted.root,
+                                      "--iteration", "4"), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        read_until(proc.stdout, "failpoint before-manifest:taskgen reached", [])
+        [attempt] = stage_runs("taskgen", 4, booted.store.uri)
+        assert attempt.info.status == "RUNNING" and not booted.store.exists(f"{prefix}/{MANIFEST}")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert tracking.client().get_run(attempt.info.run_id).info.status == "RUNNING", "a killed process ends nothing"
+
+    manifest = run_stage("taskgen", TINY_RECIPE, booted.root, 4)
+    runs = {r.info.run_id: r.info.status for r in stage_runs("taskgen", 4, booted.store.uri)}
+    assert runs == {attempt.info.run_id: "KILLED", manifest.mlflow_run_id: "FINISHED"}
+    assert booted.store.exists(f"{prefix}/{MANIFEST}")
+
+
+def test_run_is_finished_only_after_its_manifest(booted: Booted, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, bool] = {}
+    real = tracking.client().set_terminated
+
+    def spy(run_id: str, status: str | None = None, *args, **kwargs):
+        if status == "FINISHED":
+            seen[run_id] = booted.store.exists(f"tiny/iter-000005/taskgen/{MANIFEST}")
+        return real(run_id, status, *args, **kwargs)
+
+    monkeypatch.setattr(tracking.client(), "set_terminated", spy)
+    manifest = run_stage("taskgen", TINY_RECIPE, booted.root, 5)
+    assert seen == {manifest.mlflow_run_id: True}
