@@ -4,6 +4,14 @@
 Any mistake (unknown key, wrong type, out-of-range value, unknown domain) becomes one
 ``UserError`` naming the dotted field, the value and the fix.
 
+Validation is total: any file (not UTF-8, UTF-16, binary, nested too deep, a YAML alias
+bomb) gives one ``UserError``. The loader (``BoundedLoader``) caps nesting at
+``MAX_YAML_DEPTH`` and the expanded size of the document, aliases included, at
+``MAX_YAML_NODES``; values are shortened with ``reprlib`` before they enter a message.
+Sizes and fan-outs have upper bounds (``sandbox.concurrency`` at most the sandbox's uid
+pool, ``SANDBOX_UID_SLOTS``), weights must be finite and >= 0, and registered names
+(``domains``, ``rollout.engine``, ``sandbox.backend``) are checked at load.
+
 Deployment settings (bucket, tracking URI, image tags) never live here: they come from
 the environment (``POSTTRAIN_RUN_ROOT``, ``MLFLOW_TRACKING_URI``, AWS variables).
 """
@@ -12,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import reprlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -23,20 +33,30 @@ from components.core.errors import InfraError, UserError, outage
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
 from components.core.stages import stage_ids
 
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32
+MAX_YAML_NODES = 100_000
+"""Largest recipe document in YAML nodes, counting every alias as the nodes it expands to."""
+SANDBOX_UID_SLOTS = 4096
+"""The sandbox's uid pool (``components.sandbox.limits.UID_SLOTS``; core imports no other
+package): at most this many jobs can run at once on a host."""
+BIG = 1_000_000  # upper bound on counts and sizes no real recipe comes near
+MAX_SHARDS = 1024
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
     """The demo policy: a Llama-architecture model built from this config."""
 
     source: str = Field("scratch", description="'scratch' builds a new model; otherwise a HF model folder, store URI, or models:/<name>@<alias>")
-    hidden_size: int = Field(256, ge=8, description="width of the residual stream")
-    num_layers: int = Field(4, ge=1, description="transformer blocks")
-    num_heads: int = Field(4, ge=1, description="attention heads")
-    intermediate_size: int = Field(768, ge=8, description="MLP width")
-    max_positions: int = Field(256, ge=32, description="longest prompt + completion in tokens")
+    hidden_size: int = Field(256, ge=8, le=65536, description="width of the residual stream")
+    num_layers: int = Field(4, ge=1, le=1024, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, le=1024, description="attention heads")
+    intermediate_size: int = Field(768, ge=8, le=262144, description="MLP width")
+    max_positions: int = Field(256, ge=32, le=BIG, description="longest prompt + completion in tokens")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -48,32 +68,32 @@ class ModelConfig(_Section):
 class BootstrapConfig(_Section):
     """SFT warm start: stop inside the target band so RL has room to improve."""
 
-    max_steps: int = Field(3000, ge=1, description="upper bound on SFT optimizer steps")
-    batch_size: int = Field(64, ge=1, description="SFT examples per step")
-    batch_tokens: int = Field(0, ge=0, description="if > 0, cap each step at this many padded tokens (fewer "
+    max_steps: int = Field(3000, ge=1, le=10 * BIG, description="upper bound on SFT optimizer steps")
+    batch_size: int = Field(64, ge=1, le=BIG, description="SFT examples per step")
+    batch_tokens: int = Field(0, ge=0, le=100 * BIG, description="if > 0, cap each step at this many padded tokens (fewer "
                                                    "examples on steps of a long-prompt domain); 0 = no cap")
     learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate")
-    eval_every: int = Field(50, ge=1, description="steps between held-out checks")
+    eval_every: int = Field(50, ge=1, le=10 * BIG, description="steps between held-out checks")
     target_low: float = Field(0.2, ge=0, le=1, description="stop once mean eval pass rate reaches this")
     target_high: float = Field(0.5, ge=0, le=1, description="upper edge of the target band")
-    eval_tasks_per_domain: int = Field(64, ge=1, description="held-out SFT check size (separate from the eval suite)")
+    eval_tasks_per_domain: int = Field(64, ge=1, le=BIG, description="held-out SFT check size (separate from the eval suite)")
     balance_domains: bool = Field(False, description="draw each step's domain by how far its check pass rate is below target_high (else round-robin)")
 
 
 class CurriculumStep(_Section):
     """Domain weights used for every iteration up to and including ``until``."""
 
-    until: int = Field(..., ge=1, description="last iteration these weights apply to")
+    until: int = Field(..., ge=1, le=10 * BIG, description="last iteration these weights apply to")
     weights: dict[str, float] = Field(..., description="sampling weight per domain (unlisted domains: 0)")
 
 
 class TaskgenConfig(_Section):
-    tasks_per_iteration: int = Field(128, ge=1, description="train tasks sampled per iteration")
+    tasks_per_iteration: int = Field(128, ge=1, le=BIG, description="train tasks sampled per iteration")
     domain_weights: dict[str, float] = Field(default_factory=dict, description="sampling weight per domain (default equal)")
     curriculum: list[CurriculumStep] = Field(
-        default_factory=list, description="weights by iteration: the first step whose 'until' >= k applies to "
+        default_factory=list, max_length=1000, description="weights by iteration: the first step whose 'until' >= k applies to "
                                           "iteration k; after the last step, domain_weights")
-    task_file: str = Field("", description="Parquet/JSONL/JSON task file (path or URI) to sample from instead of generating")
+    task_file: str = Field("", max_length=4096, description="Parquet/JSONL/JSON task file (path or URI) to sample from instead of generating")
 
     def weights_for(self, iteration: int, domains: list[str]) -> dict[str, float]:
         """Each domain's weight at ``iteration``: the curriculum step that covers it (unlisted
@@ -85,26 +105,27 @@ class TaskgenConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: str = Field("hf", description="generation engine, by registry name")
-    policy: str = Field("champion", description="'champion', 'candidate', or a checkpoint URI to sample from")
-    group_size: int = Field(8, ge=2, description="samples per task (GRPO needs at least 2)")
-    shards: int = Field(2, ge=1, description="fan-out of rollout, sandbox and reward")
-    max_new_tokens: int = Field(24, ge=1, description="completion length cap")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature")
-    batch_size: int = Field(256, ge=1, description="sequences per generation batch")
+    engine: str = Field("hf", max_length=200, description="generation engine, by registry name")
+    policy: str = Field("champion", max_length=4096, description="'champion', 'candidate', or a checkpoint URI to sample from")
+    group_size: int = Field(8, ge=2, le=4096, description="samples per task (GRPO needs at least 2)")
+    shards: int = Field(2, ge=1, le=MAX_SHARDS, description="fan-out of rollout, sandbox and reward")
+    max_new_tokens: int = Field(24, ge=1, le=BIG, description="completion length cap")
+    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature")
+    batch_size: int = Field(256, ge=1, le=BIG, description="sequences per generation batch")
 
 
 class SandboxConfig(_Section):
-    backend: str = Field("bwrap", description="executor, by registry name: 'bwrap' (hardened) or 'subprocess' (weak)")
+    backend: str = Field("bwrap", max_length=200, description="executor, by registry name: 'bwrap' (hardened) or 'subprocess' (weak)")
     mode: Literal["strict", "warm"] = Field("strict", description="strict: a fresh sandbox per job; warm: pre-started sandboxed workers fork per job")
     allow_weak_isolation: bool = Field(False, description="run untrusted code even when the host cannot give full isolation (or with backend 'subprocess')")
-    timeout_s: float = Field(5.0, gt=0, description="wall-clock limit per job")
-    concurrency: int = Field(2, ge=1, description="jobs at once; mirrored by the Airflow pool")
-    shards: int = Field(0, ge=0, description="fan-out of the sandbox stage; 0 = as wide as rollout.shards (re-sharded "
+    timeout_s: float = Field(5.0, gt=0, le=86400, description="wall-clock limit per job")
+    concurrency: int = Field(2, ge=1, le=SANDBOX_UID_SLOTS, description="jobs at once (at most the sandbox's uid pool); "
+                                                                        "mirrored by the Airflow pool")
+    shards: int = Field(0, ge=0, le=MAX_SHARDS, description="fan-out of the sandbox stage; 0 = as wide as rollout.shards (re-sharded "
                                              "through the manifests when it differs)")
-    memory_mb: int = Field(512, ge=16, description="address-space limit per job")
-    output_cap_bytes: int = Field(8192, ge=256, description="stdout/stderr kept per job")
-    python: str = Field("", description="interpreter for jobs; empty means /usr/bin/python3, else this one")
+    memory_mb: int = Field(512, ge=16, le=1 << 20, description="address-space limit per job")
+    output_cap_bytes: int = Field(8192, ge=256, le=1 << 30, description="stdout/stderr kept per job")
+    python: str = Field("", max_length=4096, description="interpreter for jobs; empty means /usr/bin/python3, else this one")
 
 
 class RewardConfig(_Section):
@@ -120,27 +141,27 @@ class ValidationConfig(_Section):
 class TrainerConfig(_Section):
     algorithm: Literal["grpo"] = Field("grpo", description="policy-gradient objective")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate")
-    prompts_per_step: int = Field(16, ge=1, description="tasks (groups) per optimizer step")
-    epochs: int = Field(1, ge=1, description="passes over the iteration's batch")
+    prompts_per_step: int = Field(16, ge=1, le=BIG, description="tasks (groups) per optimizer step")
+    epochs: int = Field(1, ge=1, le=1000, description="passes over the iteration's batch")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the iteration's starting policy")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation)")
-    micro_batch_tokens: int = Field(0, ge=0, description="padded tokens per forward pass (0: only micro_batch_size caps it)")
+    micro_batch_size: int = Field(64, ge=1, le=BIG, description="sequences per forward pass (gradient accumulation)")
+    micro_batch_tokens: int = Field(0, ge=0, le=100 * BIG, description="padded tokens per forward pass (0: only micro_batch_size caps it)")
     loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum"] = Field(
         "token_mean", description="token_mean: over all tokens of a step; sequence_mean: per-sequence token mean, "
                                   "then mean over sequences; seq_mean_token_sum: per-sequence token sum, then mean")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate decay after warmup")
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from 0 (counted across iterations)")
-    decay_steps: int = Field(1000, ge=1, description="steps (across iterations) over which linear/cosine decay to min_lr_ratio")
+    warmup_steps: int = Field(0, ge=0, le=10 * BIG, description="optimizer steps of linear warmup from 0 (counted across iterations)")
+    decay_steps: int = Field(1000, ge=1, le=10 * BIG, description="steps (across iterations) over which linear/cosine decay to min_lr_ratio")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed learning rate, as a share of learning_rate")
     carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting checkpoint")
 
 
 class EvaluationConfig(_Section):
-    tasks_per_domain: int = Field(100, ge=1, description="fixed held-out tasks per domain")
+    tasks_per_domain: int = Field(100, ge=1, le=BIG, description="fixed held-out tasks per domain")
     regression_tolerance: float = Field(0.02, ge=0, le=1, description="largest per-domain drop that still promotes")
-    max_new_tokens: int = Field(24, ge=1, description="completion cap for greedy eval")
+    max_new_tokens: int = Field(24, ge=1, le=BIG, description="completion cap for greedy eval")
 
 
 class StageResources(_Section):
@@ -155,8 +176,8 @@ class Recipe(_Section):
     """A whole post-training recipe. Only ``pipeline`` is required."""
 
     pipeline: str = Field(..., pattern=r"^[a-z][a-z0-9-]{0,62}$", description="pipeline name: experiment, registry and storage prefix")
-    seed: int = Field(0, ge=0, description="base seed; all others derive from it")
-    domains: list[str] = Field(default_factory=lambda: ["arithmetic", "code"], min_length=1)
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="base seed; all others derive from it")
+    domains: list[str] = Field(default_factory=lambda: ["arithmetic", "code"], min_length=1, max_length=256)
     model: ModelConfig = ModelConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     taskgen: TaskgenConfig = TaskgenConfig()
@@ -166,9 +187,9 @@ class Recipe(_Section):
     validation: ValidationConfig = ValidationConfig()
     trainer: TrainerConfig = TrainerConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
-    timeouts: dict[str, int] = Field(default_factory=dict, description="time limit in seconds per stage task, overriding "
+    timeouts: dict[str, int] = Field(default_factory=dict, max_length=64, description="time limit in seconds per stage task, overriding "
                                                                       "the stage registry's (components/core/stages.py)")
-    resources: dict[str, StageResources] = Field(default_factory=dict, description="what one task of a stage asks of a "
+    resources: dict[str, StageResources] = Field(default_factory=dict, max_length=64, description="what one task of a stage asks of a "
                                                  "cluster in the container modes, overriding the stage registry's")
 
     def section(self, sections: Iterable[str]) -> dict[str, Any]:
@@ -197,16 +218,56 @@ def _fix_for(loc: str, msg: str) -> str:
     return f"set '{loc}' to a valid value ({msg.lower().replace('greater than or equal to', 'at least').replace('less than or equal to', 'at most')})"
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel = 2
+
+
+def short(value: Any) -> Any:
+    """``value`` for an error message, shortened with ``reprlib`` *before* it is formatted
+    (formatting a shared-reference YAML value in full could take minutes and gigabytes);
+    small scalars are kept as they are."""
+    if isinstance(value, str):
+        return value if len(value) <= 80 else value[:77] + "..."
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<integer of {value.bit_length()} bits>"
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return "{...}"
+    try:
+        return _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails
+        return f"<{type(value).__name__}>"
+
+
+def _weights(weights: dict[str, float], where: str) -> None:
+    for name, w in weights.items():
+        if not math.isfinite(w) or w < 0:
+            raise UserError(f"{where}.{short(name)}", w, "negative or not a finite weight", "use a weight >= 0")
+
+
 def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
     if not isinstance(data, dict):
         raise UserError("recipe", source, "the recipe must be a YAML mapping", "write key: value pairs, e.g. 'pipeline: demo'")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "recipe"
-        value = err.get("input", "")
-        raise UserError(f"{source}: {loc}", value if not isinstance(value, dict) else "{...}", err["msg"], _fix_for(loc, err["msg"])) from None
+        err = exc.errors(include_url=False, include_context=False)[0]
+        loc = ".".join(str(short(p)) for p in err["loc"]) or "recipe"
+        loc = loc if len(loc) <= 160 else loc[:157] + "..."
+        msg = str(err["msg"])[:200]
+        raise UserError(f"{source}: {loc}", short(err.get("input", "")), msg, _fix_for(loc, msg)) from None
+    except RecursionError:
+        raise UserError("recipe", source, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                        "flatten the recipe (see recipes/demo.yaml)") from None
+    if recipe.sandbox.shards > recipe.rollout.shards * 64:
+        raise UserError(f"{source}: sandbox.shards", recipe.sandbox.shards, "more than 64 times rollout.shards",
+                        "use at most 64 sandbox shards per rollout shard")
+    _weights(recipe.taskgen.domain_weights, f"{source}: taskgen.domain_weights")
+    if recipe.taskgen.domain_weights and all(recipe.taskgen.domain_weights.get(d, 1.0) == 0 for d in recipe.domains):
+        raise UserError(f"{source}: taskgen.domain_weights", "{...}", "no domain has a positive weight",
+                        "give at least one domain a weight > 0")
     for i, name in enumerate(recipe.domains):
         DOMAINS.check(name, f"{source}: domains[{i}]")
     ENGINES.check(recipe.rollout.engine, f"{source}: rollout.engine")
@@ -221,15 +282,16 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         for name, w in step.weights.items():
             if name not in recipe.domains:
                 raise UserError(f"{where}.weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
-            if w < 0:
-                raise UserError(f"{where}.weights.{name}", w, "negative weight", "use a weight >= 0")
+            if not math.isfinite(w) or w < 0:
+                raise UserError(f"{where}.weights.{short(name)}", w, "negative weight", "use a weight >= 0")
         if not any(w > 0 for w in step.weights.values()):
-            raise UserError(f"{where}.weights", step.weights or "{}", "no domain has a positive weight", "give at least one domain a weight > 0")
+            raise UserError(f"{where}.weights", short(step.weights) if step.weights else "{}",
+                            "no domain has a positive weight", "give at least one domain a weight > 0")
     for name, seconds in recipe.timeouts.items():
         if name not in stage_ids():
             raise UserError(f"{source}: timeouts", name, "not a stage", f"use one of {list(stage_ids())}")
-        if seconds < 1:
-            raise UserError(f"{source}: timeouts.{name}", seconds, "not a positive number of seconds", "use e.g. 3600")
+        if seconds < 1 or seconds > 7 * 86400:
+            raise UserError(f"{source}: timeouts.{short(name)}", seconds, "not a number of seconds from 1 to a week", "use e.g. 3600")
     for name in recipe.resources:
         if name not in stage_ids():
             raise UserError(f"{source}: resources", name, "not a stage", f"use one of {list(stage_ids())}")
@@ -245,12 +307,33 @@ def is_uri(path: str | Path) -> bool:
     return "://" in str(path)
 
 
+def _decode(data: bytes, path: str | Path) -> str:
+    """A recipe's bytes as text: UTF-8 (an optional BOM dropped), no NUL bytes, at most
+    ``MAX_RECIPE_BYTES``; anything else is one UserError."""
+    fix = "save the recipe as UTF-8 text (see recipes/demo.yaml)"
+    if len(data) > MAX_RECIPE_BYTES:
+        raise UserError("--recipe", str(path), f"larger than {MAX_RECIPE_BYTES >> 10} KiB", "a recipe holds only overrides; shorten it")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UserError("--recipe", str(path), "UTF-16 text, not UTF-8", fix)
+    if b"\x00" in data:
+        raise UserError("--recipe", str(path), "binary data (NUL bytes), not YAML text", fix)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UserError("--recipe", str(path), f"not UTF-8 text (byte {exc.start})", fix) from None
+
+
 def _read_text(path: str | Path) -> str:
     """The recipe's text from a local file or a store URI (``s3://``, ``file://``)."""
     if not is_uri(path):
         if not Path(path).is_file():
             raise UserError("--recipe", str(path), "no such recipe file", "pass a YAML file such as recipes/demo.yaml")
-        return Path(path).read_text()
+        try:
+            with Path(path).open("rb") as fh:
+                data = fh.read(MAX_RECIPE_BYTES + 1)
+        except OSError as exc:
+            raise UserError("--recipe", str(path), f"cannot be read ({type(exc).__name__})", "check its permissions") from None
+        return _decode(data, path)
     from components.core.storage import Store
 
     folder, name = str(path).rsplit("/", 1)
@@ -258,7 +341,7 @@ def _read_text(path: str | Path) -> str:
     try:
         if not store.exists(name):
             raise UserError("--recipe", str(path), "no such recipe in the store", "publish it first (the DAG's plan task does)")
-        return store.read_bytes(name).decode()
+        return _decode(store.read_bytes(name), path)
     except UserError:
         raise
     except Exception as exc:
@@ -283,14 +366,70 @@ def publish_recipe(path: str | Path, run_root: str) -> str:
     return store.url(name)
 
 
+class TooLarge(yaml.YAMLError):
+    """A YAML document nested too deep or expanding (through aliases) to too many nodes."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem)
+        self.problem, self.problem_mark = problem, mark
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with bounds checked while composing, before anything is built:
+    nesting at most ``MAX_YAML_DEPTH`` and at most ``MAX_YAML_NODES`` nodes once every
+    alias is counted as the nodes it stands for (so a 500-byte alias bomb stops here)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}
+        self._total = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise TooLarge(f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        size = self._sizes.get(id(node))
+        if size is None:  # a new node: its children's sizes are known (an alias's too)
+            if isinstance(node, yaml.SequenceNode):
+                size = 1 + sum(self._sizes.get(id(child), 1) for child in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                size = 1 + sum(self._sizes.get(id(k), 1) + self._sizes.get(id(v), 1) for k, v in node.value)
+            else:
+                size = 1
+            self._sizes[id(node)] = size
+        else:
+            self._total += size  # an alias: what it expands to counts again
+        if size + self._total > MAX_YAML_NODES:
+            raise TooLarge(f"expands to more than {MAX_YAML_NODES} values (YAML aliases count in full)",
+                           node.start_mark)
+        return node
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe file or a recipe URI; every failure is one UserError
     (an unreachable store is an InfraError)."""
     text = _read_text(path)
+    loader = BoundedLoader(text)
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
+    except TooLarge as exc:
+        raise UserError("--recipe", str(path), f"{exc.problem} at line {exc.problem_mark.line + 1}",
+                        "write the values out plainly, without deep nesting or alias chains") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         raise UserError("--recipe", str(path), f"not valid YAML at {where}", "fix the YAML syntax there") from None
+    except RecursionError:
+        raise UserError("--recipe", str(path), f"nested deeper than {MAX_YAML_DEPTH} levels",
+                        "flatten the recipe (see recipes/demo.yaml)") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. an integer too long to convert
+        raise UserError("--recipe", str(path), f"a value YAML cannot convert ({type(exc).__name__})",
+                        "fix the value (numbers of at most a few digits)") from None
+    finally:
+        loader.dispose()
     return parse_recipe(data, source=str(path))
