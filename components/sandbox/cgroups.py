@@ -109,7 +109,7 @@ class JobCgroup:
 
     @classmethod
     def create(cls, controllers: list[str], memory_bytes: int, pids_max: int, cpus: float) -> JobCgroup:
-        group = cls(name=f"{PREFIX}{uuid.uuid4().hex[:12]}", controllers=list(controllers))
+        group = cls(name=group_name(), controllers=list(controllers))
         CREATED.add(group.name)
         try:
             for controller in controllers:
@@ -285,7 +285,7 @@ class JobCgroupV2(JobCgroup):
     def create_v2(cls, parent: Path, controllers: tuple[str, ...], memory_bytes: int, pids_max: int,
                   cpus: float, name: str = "") -> JobCgroupV2:
         """``name``: the folder's name (default a fresh ``posttrain-<hex>``)."""
-        group = cls(name=name or f"{PREFIX}{uuid.uuid4().hex[:12]}", controllers=list(controllers))
+        group = cls(name=name or group_name(), controllers=list(controllers))
         CREATED.add(group.name)
         try:
             path = parent / group.name
@@ -361,26 +361,85 @@ def create_group(v1_controllers: tuple[str, ...] | list[str], use_v2: bool, memo
 REAPER = Background("sandbox-cgroup-reaper")  # closes groups off the job's critical path (Lease.release)
 
 
-def sweep_stale(min_age_s: float = 300.0) -> None:
-    """Remove empty job groups older than ``min_age_s`` (left by a crashed host process)."""
-    now = time.time()
-    for path in leftovers():
-        try:
-            if now - path.stat().st_mtime > min_age_s and not (path / "cgroup.procs").read_text().split():
-                path.rmdir()
-        except OSError:
+def group_name() -> str:
+    """A fresh job group's name, ``posttrain-<creator pid>-<hex>``: the pid lets a later
+    sweep tell a leaked group (its creator is gone) from one a live process still uses."""
+    return f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def creator_pid(name: str) -> int | None:
+    """The creating process's pid from a group's name; None for names without one."""
+    pid, sep, rest = name[len(PREFIX):].partition("-")
+    return int(pid) if name.startswith(PREFIX) and sep and rest and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_stale(min_age_s: float = 300.0, parents: list[Path] | None = None) -> int:
+    """Remove leaked job groups: this project's groups (``posttrain-*``) under our parents
+    that hold no process and whose creator is gone (dead pid, or this process but no
+    longer in ``CREATED``). A group whose name carries no pid (older versions, probes)
+    goes once it is also older than ``min_age_s``. Groups of live processes (another
+    executor on the host) are left alone. Run when a sandbox executor starts, so a
+    crashed or killed run's groups never pile up. Returns how many were removed."""
+    now, removed = time.time(), 0
+    for path in leftovers(parents=parents):
+        if path.name in CREATED:
             continue
+        pid = creator_pid(path.name)
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue
+        try:
+            if pid is None and now - path.stat().st_mtime <= min_age_s:
+                continue
+            if (path / "cgroup.procs").read_text().split():
+                continue
+            if any(child.is_dir() for child in path.iterdir()):
+                continue
+            path.rmdir()
+            removed += 1
+        except OSError:  # gone already, or busy: the next sweep tries again
+            continue
+    return removed
 
 
-def leftovers(mine_only: bool = False) -> list[Path]:
+def _v2_parent() -> Path | None:
+    """Where v2 job groups go, found without preparing v2 (which may move this process)."""
+    if _V2.get("base"):
+        return _V2["base"][0]
+    try:
+        mount = _mount("cgroup2")
+        own = _own_path("").strip("/")
+    except OSError:
+        return None
+    if mount is None:
+        return None
+    folder = mount / own
+    return folder.parent if folder.name == SUPERVISOR_LEAF else folder
+
+
+def leftovers(mine_only: bool = False, parents: list[Path] | None = None) -> list[Path]:
     """Job groups that still exist (for tests and ``posttrain sandbox doctor``); with
-    ``mine_only``, only those this process created (other runs may share the host)."""
-    parents = [base(controller) for controller in CONTROLLERS]
-    if _V2.get("base"):  # only once prepared: listing must not move this process
-        parents.append(_V2["base"][0])
+    ``mine_only``, only those this process created (other runs may share the host).
+    ``parents``: the folders to look in (default: our v1 controllers' and v2's)."""
+    if parents is None:
+        parents = [p for p in (base(controller) for controller in CONTROLLERS) if p is not None]
+        v2 = _v2_parent()  # listing must not move this process: no prepare_v2 here
+        if v2 is not None and v2 not in parents and os.access(v2, os.W_OK):
+            parents.append(v2)
     found = []
-    for parent in parents:
-        if parent is not None:
+    for parent in dict.fromkeys(parents):
+        try:
             found.extend(p for p in parent.glob(f"{PREFIX}*") if p.is_dir() and p.name != SUPERVISOR_LEAF
                          and (not mine_only or p.name in CREATED))
+        except OSError:
+            continue
     return found
