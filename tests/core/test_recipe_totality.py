@@ -1,0 +1,104 @@
+"""Recipe validation is total: any file is a Recipe or one UserError, fast and small."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from components.core.errors import UserError
+from components.core.recipe import SANDBOX_UID_SLOTS, load_recipe
+
+BOMB = "pipeline: demo\n" + 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{n}: &{n} [{','.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+BOMB_USED = BOMB + "domains: *i\n"
+
+CASES = {
+    "alias-bomb": BOMB.encode(),
+    "alias-bomb-used": BOMB_USED.encode(),
+    "deep-flow": b"pipeline: demo\nmodel: " + b"[" * 100_000,
+    "deep-block": b"pipeline: demo\n" + b"".join(b" " * i + b"k:\n" for i in range(500)),
+    "utf16": "pipeline: demo\n".encode("utf-16"),
+    "utf16-be-no-bom": "pipeline: demo\n".encode("utf-16-be"),
+    "binary": bytes(range(256)) * 4,
+    "latin1": "pipeline: démo\n".encode("latin-1"),
+    "lone-surrogate-bytes": b"pipeline: \xed\xa0\x80\n",
+    "huge-int": b"pipeline: demo\nseed: " + b"9" * 10_000 + b"\n",
+    "huge-float": b"pipeline: demo\nrollout: {temperature: 1e999}\n",
+    "nan": b"pipeline: demo\nrollout: {temperature: .nan}\n",
+    "not-a-mapping": b"- 1\n- 2\n",
+    "empty": b"",
+    "huge-file": b"pipeline: demo\n#" + b"x" * (2 << 20) + b"\n",
+    "huge-key": b"pipeline: demo\n" + b"k" * 200_000 + b": 1\n",
+    "huge-value": b"pipeline: " + b"v" * 200_000 + b"\n",
+    "list-value": b"pipeline: demo\ndomains: " + b"[" + b",".join([b"[1,2,3]"] * 5000) + b"]\n",
+    "python-tag": b"pipeline: !!python/object/apply:os.system ['true']\n",
+    "concurrency": b"pipeline: demo\nsandbox: {concurrency: 1000000}\n",
+    "tasks": b"pipeline: demo\ntaskgen: {tasks_per_iteration: 1000000000}\n",
+    "shards": b"pipeline: demo\nrollout: {shards: 100000}\n",
+    "sandbox-shards": b"pipeline: demo\nsandbox: {shards: 100000}\n",
+    "memory": b"pipeline: demo\nsandbox: {memory_mb: 100000000000}\n",
+    "negative-weight": b"pipeline: demo\ntaskgen: {domain_weights: {arithmetic: -1}}\n",
+    "inf-weight": b"pipeline: demo\ntaskgen: {domain_weights: {arithmetic: .inf}}\n",
+    "zero-weights": b"pipeline: demo\ntaskgen: {domain_weights: {arithmetic: 0, code: 0}}\n",
+    "curriculum-negative": b"pipeline: demo\ntaskgen: {curriculum: [{until: 2, weights: {arithmetic: -1, code: 1}}]}\n",
+    "engine": b"pipeline: demo\nrollout: {engine: nope}\n",
+    "backend": b"pipeline: demo\nsandbox: {backend: nope}\n",
+    "domain": b"pipeline: demo\ndomains: [nope]\n",
+    "domain-not-str": b"pipeline: demo\ndomains: [[1]]\n",
+    "timeouts": b"pipeline: demo\ntimeouts: {trainer: 100000000}\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_hostile_recipe_is_one_user_error(tmp_path, name):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(CASES[name])
+    start = time.monotonic()
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    assert time.monotonic() - start < 5
+    line = err.value.line()
+    assert "\n" not in line and len(line) < 1200, line
+    assert err.value.fix
+
+
+def test_error_values_are_shortened_before_formatting(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(CASES["list-value"])
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    assert len(err.value.line()) < 600
+
+
+def test_concurrency_bound_is_the_uid_pool():
+    from components.sandbox.limits import UID_SLOTS
+
+    assert SANDBOX_UID_SLOTS == UID_SLOTS
+
+
+def test_good_recipes_still_load():
+    from pathlib import Path
+
+    for path in sorted(Path("recipes").glob("*.yaml")):
+        assert load_recipe(path).pipeline
+
+
+def test_alias_bomb_in_a_subprocess_stays_small(tmp_path):
+    """The 463-byte alias bomb: one line, exit 2, well under a second and 1 GB."""
+    path = tmp_path / "bomb.yaml"
+    path.write_bytes(CASES["alias-bomb-used"])
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "components.cli", "run", "--recipe", str(path), "--iterations", "0",
+                           "--run-root", str(tmp_path / "root")], capture_output=True, text=True, timeout=30,
+                          preexec_fn=limit)
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
