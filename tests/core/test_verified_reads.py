@@ -1,0 +1,79 @@
+"""Verified reads at the Store level, on file:// and on S3 (SeaweedFS): a file with a
+manifest expectation is checked (size, then sha256) on every read, streamed check and
+checkpoint download; a mismatch is one line naming the file and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from components.core.context import read_manifest
+from components.core.errors import UserError
+from components.core.manifest import MANIFEST, Manifest, OutputFile
+from components.core.storage import Expected, Store, sha256_bytes
+
+REMEDY = "delete x/_MANIFEST.json and re-run stage rollout"
+
+
+def expected(data: bytes) -> Expected:
+    return Expected(sha256=sha256_bytes(data), size=len(data), stage="rollout", remedy=REMEDY)
+
+
+def test_read_and_verify_check_size_and_digest(store_uri: str) -> None:
+    store = Store(store_uri)
+    data = b"0123456789" * 1000
+    store.write_bytes("a/f.bin", data)
+    want = expected(data)
+    assert store.read_bytes("a/f.bin", want) == data
+    store.verify("a/f.bin", want)
+
+    store.write_bytes("a/f.bin", data[:-1])
+    for check in (lambda: store.read_bytes("a/f.bin", want), lambda: store.verify("a/f.bin", want)):
+        with pytest.raises(UserError) as err:
+            check()
+        line = str(err.value)
+        assert store.url("a/f.bin") in line and "truncated" in line and REMEDY in line and "\n" not in line
+
+    store.write_bytes("a/f.bin", b"1" + data[1:])
+    with pytest.raises(UserError, match="corrupt: sha256"):
+        store.verify("a/f.bin", want)
+    store.delete("a/f.bin")
+    with pytest.raises(UserError, match="is missing"):
+        store.read_bytes("a/f.bin", want)
+
+
+def test_reading_a_manifest_makes_every_read_of_its_outputs_checked(store_uri: str) -> None:
+    store = Store(store_uri)
+    data, digest = store.write_table("p/iter-000001/rollout/rollouts.parquet", pa.table({"x": [1, 2, 3]}))
+    manifest = Manifest(stage="rollout", pipeline="p", iteration=1, shard=None, inputs={}, config_digest="c",
+                        code_version="v", outputs={"rollouts": OutputFile("p/iter-000001/rollout/rollouts.parquet", 3,
+                                                                           digest, len(data))})
+    store.write_json(f"p/iter-000001/rollout/{MANIFEST}", manifest.to_json())
+    assert read_manifest(store, "p/iter-000001/rollout") is not None
+    assert store.read_table("p/iter-000001/rollout/rollouts.parquet").num_rows == 3
+
+    other = Store(store_uri)  # any Store of this process, e.g. a stage module's own reader
+    rel = "p/iter-000001/rollout/rollouts.parquet"
+    if store_uri.startswith("file://"):
+        Path(other.root, rel).write_bytes(data[: len(data) // 2])  # corrupted outside the Store
+    else:
+        other.fs.pipe_file(other._path(rel), data[: len(data) // 2])
+    with pytest.raises(UserError) as err:
+        other.read_table(rel)
+    assert store.url(rel) in str(err.value) and f"{store.url('p/iter-000001/rollout')}/{MANIFEST}" in str(err.value)
+
+
+def test_download_dir_checks_expected_files(store_uri: str, tmp_path: Path) -> None:
+    store = Store(store_uri)
+    store.write_bytes("ck/model.safetensors", b"weights" * 100)
+    store.write_bytes("ck/config.json", b"{}")
+    want = {"model.safetensors": expected(b"weights" * 100)}
+    assert set(store.download_dir("ck", tmp_path / "ok", want)) == {"model.safetensors", "config.json"}
+    store.write_bytes("ck/model.safetensors", b"weightz" * 100)
+    with pytest.raises(UserError, match="model.safetensors"):
+        store.download_dir("ck", tmp_path / "bad", want)
+    store.delete("ck/model.safetensors")
+    with pytest.raises(UserError, match="is missing"):
+        store.download_dir("ck", tmp_path / "gone", want)
