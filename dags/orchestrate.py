@@ -72,9 +72,12 @@ def print_table(rows, domains: list[str]) -> None:
     Console(width=160).print(table)
 
 
+_STARTED = time.time()  # this process's start, as the lock file and the lease name it
+
+
 def holder_text(home: Path) -> str:
     """Who this run is, for a lock file and a lease: host, pid, start time (UTC) and home."""
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED))
     return f"posttrain run on host {socket.gethostname()} pid {os.getpid()} started {started} home {home}"
 
 
