@@ -241,22 +241,28 @@ def short(value: Any) -> Any:
         return f"<{type(value).__name__}>"
 
 
+def oneline(text: str) -> str:
+    """``text`` with control characters (newlines included) escaped: an error stays one line."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def _weights(weights: dict[str, float], where: str) -> None:
     for name, w in weights.items():
         if not math.isfinite(w) or w < 0:
-            raise UserError(f"{where}.{short(name)}", w, "negative or not a finite weight", "use a weight >= 0")
+            raise UserError(f"{where}.{oneline(short(name))}", w, "negative or not a finite weight", "use a weight >= 0")
 
 
 def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
+    source = oneline(source)
     if not isinstance(data, dict):
         raise UserError("recipe", source, "the recipe must be a YAML mapping", "write key: value pairs, e.g. 'pipeline: demo'")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         err = exc.errors(include_url=False, include_context=False)[0]
-        loc = ".".join(str(short(p)) for p in err["loc"]) or "recipe"
+        loc = ".".join(oneline(str(short(p))) for p in err["loc"]) or "recipe"
         loc = loc if len(loc) <= 160 else loc[:157] + "..."
-        msg = str(err["msg"])[:200]
+        msg = oneline(str(err["msg"])[:200])
         raise UserError(f"{source}: {loc}", short(err.get("input", "")), msg, _fix_for(loc, msg)) from None
     except RecursionError:
         raise UserError("recipe", source, f"nested deeper than {MAX_YAML_DEPTH} levels",
@@ -283,7 +289,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
             if name not in recipe.domains:
                 raise UserError(f"{where}.weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
             if not math.isfinite(w) or w < 0:
-                raise UserError(f"{where}.weights.{short(name)}", w, "negative weight", "use a weight >= 0")
+                raise UserError(f"{where}.weights.{oneline(short(name))}", w, "negative weight", "use a weight >= 0")
         if not any(w > 0 for w in step.weights.values()):
             raise UserError(f"{where}.weights", short(step.weights) if step.weights else "{}",
                             "no domain has a positive weight", "give at least one domain a weight > 0")
@@ -291,7 +297,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         if name not in stage_ids():
             raise UserError(f"{source}: timeouts", name, "not a stage", f"use one of {list(stage_ids())}")
         if seconds < 1 or seconds > 7 * 86400:
-            raise UserError(f"{source}: timeouts.{short(name)}", seconds, "not a number of seconds from 1 to a week", "use e.g. 3600")
+            raise UserError(f"{source}: timeouts.{oneline(short(name))}", seconds, "not a number of seconds from 1 to a week", "use e.g. 3600")
     for name in recipe.resources:
         if name not in stage_ids():
             raise UserError(f"{source}: resources", name, "not a stage", f"use one of {list(stage_ids())}")
@@ -414,8 +420,9 @@ def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe file or a recipe URI; every failure is one UserError
     (an unreachable store is an InfraError)."""
     text = _read_text(path)
-    loader = BoundedLoader(text)
+    loader = None
     try:
+        loader = BoundedLoader(text)  # the reader already rejects unprintable characters here
         data = loader.get_single_data()
     except TooLarge as exc:
         raise UserError("--recipe", str(path), f"{exc.problem} at line {exc.problem_mark.line + 1}",
@@ -431,5 +438,6 @@ def load_recipe(path: str | Path) -> Recipe:
         raise UserError("--recipe", str(path), f"a value YAML cannot convert ({type(exc).__name__})",
                         "fix the value (numbers of at most a few digits)") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return parse_recipe(data, source=str(path))

@@ -155,7 +155,8 @@ def parse_task(row: Any, where: str) -> Task:
         raise UserError(where, short(row), f"nested deeper than {MAX_DEPTH} levels", "flatten the reference and metadata")
     extra = sorted(str(k) for k in set(row) - set(REQUIRED) - set(OPTIONAL))
     if extra:
-        raise UserError(f"{where}: {extra[0]:.60}", short(row.get(extra[0])), "unknown task field",
+        name = extra[0][:60] if extra[0].isprintable() else extra[0][:60].encode("unicode_escape").decode("ascii")
+        raise UserError(f"{where}: {name}", short(row.get(extra[0])), "unknown task field",
                         f"remove it or use one of {list(REQUIRED + OPTIONAL)}")
     for name in REQUIRED:
         if isinstance(row.get(name), (type(None), str)) and row.get(name) in (None, ""):
