@@ -60,11 +60,20 @@ def handle_verify(args: argparse.Namespace) -> int:
                             f"pass --domain {row['domain']} or a task of domain {args.domain}")
     task = parse_task(row, f"{args.task} row 0")
     completion = read_completion(args.completion)
+    from pydantic import ValidationError
+
+    from components.core.plugins import BACKENDS
     from components.core.recipe import SandboxConfig
 
     overrides = {"backend": args.backend} if args.backend else {}
-    config = SandboxConfig(**overrides, timeout_s=args.timeout, concurrency=1,
-                           allow_weak_isolation=args.allow_weak_isolation)
+    if args.backend:
+        BACKENDS.check(args.backend, "--backend")
+    try:
+        config = SandboxConfig(**overrides, timeout_s=args.timeout, concurrency=1,
+                               allow_weak_isolation=args.allow_weak_isolation)
+    except ValidationError as exc:
+        raise UserError("--timeout", args.timeout, str(exc.errors()[0]["msg"]).lower(),
+                        "pass a number of seconds above 0 and at most 86400") from None
     print(json.dumps(verdict_json(domain, task, completion, config), indent=2, sort_keys=True))
     return 0
 

@@ -151,3 +151,11 @@ def test_cli_subprocess_never_prints_a_traceback(tmp_path):
                            "--completion", completion], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "reference.inputs" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", [["--timeout", "-1"], ["--timeout", "nan"], ["--timeout", "inf"], ["--backend", "nope"]])
+def test_bad_sandbox_options_are_one_line(tmp_path, capsys, option):
+    task = write(tmp_path, "t.json", json.dumps(good_task("math")))
+    code = main(["verify", "--domain", "math", "--task", task, "--completion", write(tmp_path, "c.txt", "1"), *option])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and option[0] in err
