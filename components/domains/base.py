@@ -9,6 +9,14 @@ lists what is registered.
 A verifier returns a ``Verdict``: a score in [0, 1], its components, whether it counts
 as a pass, and a status. ``status == "infra_error"`` means the score says nothing about
 the policy (the sandbox broke), and the reward stage excludes it from training.
+
+Verifiers are total: model output of any size, depth or encoding gets a verdict.
+``malformed(completion)`` turns text no verifier should read (not UTF-8, longer than
+``MAX_COMPLETION_CHARS``) into score 0 with status ``malformed``; JSON is parsed only after
+``json_depth_ok`` and a size check. Callers go through ``judge(domain, task, completion,
+result)``, which also turns a verifier's own exception (or a score outside [0, 1]) into
+status ``verifier_error``. ``reference_problem`` checks a task's reference shape when a
+task file is parsed, so a wrong-shaped reference never reaches a verifier.
 """
 
 from __future__ import annotations
