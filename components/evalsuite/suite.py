@@ -15,6 +15,7 @@ from components.core.recipe import Recipe
 from components.core.records import EvalResult, Task
 from components.core.seeds import derive_seed
 from components.domains import registry
+from components.domains.base import judge
 from components.domains.execute import execute
 from components.rollout.engines import get_engine
 from components.sandbox.executor import Executor
@@ -43,7 +44,7 @@ def run_suite(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Execu
     results = execute([(t.task_id, t, s.text) for t, s in zip(tasks, samples)], executor, recipe.sandbox.concurrency, label)
     out = []
     for task, sample in zip(tasks, samples):
-        verdict = registry.get(task.domain).verify(task, sample.text, results.get(task.task_id))
+        verdict = judge(registry.get(task.domain), task, sample.text, results.get(task.task_id))  # total: never raises
         out.append(EvalResult(
             task_id=task.task_id, domain=task.domain, difficulty=task.difficulty,
             context_bucket=context_bucket(task.context_tokens), policy_version=policy.version,

@@ -83,7 +83,7 @@ def test_taskgen_samples_from_the_task_file(tmp_path):
 
 def test_task_file_with_a_domain_outside_the_recipe_is_a_user_error(tmp_path):
     path = tmp_path / "mine.jsonl"
-    path.write_text(json.dumps({"domain": "code", "prompt": "f(1)=2\nreturn ", "reference": {}}))
+    path.write_text(json.dumps({"domain": "code", "prompt": "f(1)=2\nreturn ", "reference": {"inputs": [1], "expected": [2]}}))
     with pytest.raises(UserError) as err:
         run_taskgen(tmp_path, recipe(task_file=str(path)), 1)
     assert err.value.field == "taskgen.task_file" and "'code'" in err.value.problem
