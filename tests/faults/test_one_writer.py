@@ -117,24 +117,27 @@ def test_two_runs_on_one_fresh_home_one_runs_the_other_exits_2(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_second_run_on_the_same_run_root_is_refused_then_takes_over_once_the_first_is_killed(tmp_path: Path) -> None:
-    """Two homes, one run root: the second run is refused while the first one lives, and
-    takes over its writer lease and its iteration once it is killed."""
+    """Two homes (two machines, say), one run root and one tracking database: the second
+    run is refused while the first one lives, and takes over its writer lease and its
+    iteration once it is killed."""
     root = f"file://{tmp_path}/shared-store"
+    tracking = f"sqlite:///{tmp_path}/shared-mlflow.db"
     first_home, second_home = tmp_path / "a" / ".posttrain", tmp_path / "b" / ".posttrain"
     args = ["run", "--recipe", str(TINY), "--iterations", "1", "--run-root", root]
     first = subprocess.Popen(posttrain(*args), cwd=tmp_path,
-                             env=cli_env(first_home, POSTTRAIN_FAILPOINT="before-manifest:taskgen"),
+                             env=cli_env(first_home, MLFLOW_TRACKING_URI=tracking,
+                                         POSTTRAIN_FAILPOINT="before-manifest:taskgen"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         read_until(first.stdout, "failpoint before-manifest:taskgen reached", [])
-        refused = run_posttrain(args, tmp_path, cli_env(second_home))
+        refused = run_posttrain(args, tmp_path, cli_env(second_home, MLFLOW_TRACKING_URI=tracking))
         assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
         m = _one_line(refused.stderr)
         assert int(m[2]) == first.pid and f"run_root='{root}'" in refused.stderr
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
-    resumed = run_posttrain(args, tmp_path, cli_env(second_home))
+    resumed = run_posttrain(args, tmp_path, cli_env(second_home, MLFLOW_TRACKING_URI=tracking))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     store = Store(root)
     assert store.exists("tiny/iter-000001/evaluation/_MANIFEST.json")
