@@ -174,7 +174,7 @@ def _conditional_refusal(exc: BaseException) -> str | None:
 _SERVER_SIDE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed"}
 
 
-def _server_side(exc: BaseException) -> str | None:
+def server_side(exc: BaseException) -> str | None:
     """A short reason if an S3 reply in ``exc``'s cause chain says the server, not the
     request, is at fault (HTTP 5xx, or a code that means "busy, try again"), as a server
     that is starting, restarting or overloaded answers (SeaweedFS: 503 while its filer
@@ -225,7 +225,7 @@ class Store:
             self.write_bytes(probe, b"ok")
             self.delete(probe)
         except Exception as exc:
-            if (down := outage(exc) or _server_side(exc)) is not None:  # not there right now: retry, not a mistake
+            if (down := outage(exc) or server_side(exc)) is not None:  # not there right now: retry, not a mistake
                 raise InfraError("store", self.uri, down) from None
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             fix = (

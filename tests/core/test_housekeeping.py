@@ -125,3 +125,26 @@ def test_stale_running_stage_runs_are_killed(posttrain_home: Path) -> None:
         assert c.get_run(new).info.status == "RUNNING"
     status = {r: c.get_run(r).info.status for r in (stale, other_shard, other_root, new)}
     assert status == {stale: "KILLED", other_shard: "RUNNING", other_root: "RUNNING", new: "FINISHED"}
+
+
+def test_a_5xx_reply_inside_a_stage_is_an_outage(tmp_path: Path, posttrain_home: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy S3 answering a stage's write with a bare 503 (s3fs: OSError(EBUSY)) is retried
+    as an outage, not a crash."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    from components.core.runner import run_stage
+    from tests.fixtures.home import TINY_RECIPE
+
+    real = Store.write_bytes
+
+    def busy(self, rel: str, data: bytes) -> None:
+        if "/bootstrap/checkpoint/" in rel:
+            raise translate_boto_error(ClientError({"Error": {"Code": "503", "Message": "busy"},
+                                                    "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject"))
+        return real(self, rel, data)
+
+    monkeypatch.setattr(Store, "write_bytes", busy)
+    with pytest.raises(InfraError, match="store unreachable"):
+        run_stage("bootstrap", TINY_RECIPE, f"file://{tmp_path / 'store'}", 0)

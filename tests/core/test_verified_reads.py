@@ -77,3 +77,31 @@ def test_download_dir_checks_expected_files(store_uri: str, tmp_path: Path) -> N
     store.delete("ck/model.safetensors")
     with pytest.raises(UserError, match="is missing"):
         store.download_dir("ck", tmp_path / "gone", want)
+
+
+def test_checkpoint_files_are_known_from_the_producing_manifest(tmp_path: Path) -> None:
+    """``load_policy`` learns what a checkpoint's files must hold from the manifest above
+    it; the trainer state read later through a Store of the checkpoint URI is checked too."""
+    from components.core.policy import checkpoint_expectations
+
+    store = Store(f"file://{tmp_path}")
+    prefix = "p/iter-000002/trainer"
+    weights, state = b"w" * 64, b"s" * 32
+    store.write_bytes(f"{prefix}/checkpoint/model.safetensors", weights)
+    store.write_bytes(f"{prefix}/checkpoint/trainer_state.pt", state)
+    manifest = Manifest(stage="trainer", pipeline="p", iteration=2, shard=None, inputs={}, config_digest="c",
+                        code_version="v", outputs={
+                            "checkpoint": OutputFile(f"{prefix}/checkpoint", 10, sha256_bytes(weights), len(weights)),
+                            "trainer_state": OutputFile(f"{prefix}/checkpoint/trainer_state.pt", 1,
+                                                        sha256_bytes(state), len(state))})
+    store.write_json(f"{prefix}/{MANIFEST}", manifest.to_json())
+    checkpoint = store.url(f"{prefix}/checkpoint")
+    found = checkpoint_expectations(checkpoint)
+    assert {k: v.sha256 for k, v in found.items()} == {"model.safetensors": sha256_bytes(weights),
+                                                        "trainer_state.pt": sha256_bytes(state)}
+    assert "re-run stage trainer" in found["model.safetensors"].remedy
+    assert checkpoint_expectations(store.url("p/elsewhere/checkpoint")) == {}  # no manifest: nothing to check
+
+    Path(tmp_path, prefix, "checkpoint", "trainer_state.pt").write_bytes(b"t" * 32)
+    with pytest.raises(UserError, match="trainer_state.pt.*corrupt.*re-run stage trainer"):
+        Store(checkpoint).read_bytes("trainer_state.pt")
