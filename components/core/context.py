@@ -186,7 +186,13 @@ def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     rel = f"{rel_prefix}/{MANIFEST}"
     if not store.exists(rel):
         return None
-    manifest = Manifest.from_json(store.read_json(rel))
+    try:
+        manifest = Manifest.from_json(store.read_json(rel))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # cut short, or not a manifest at all
+        parts = rel_prefix.strip("/").split("/")
+        stage = parts[-2] if parts[-1].startswith("shard-") and len(parts) > 1 else parts[-1]
+        raise UserError("file", store.url(rel), f"manifest is unreadable ({type(exc).__name__})",
+                        f"delete it and re-run stage {stage}") from None
     for out in manifest.outputs.values():
         expect(store.url(out.digested), expected_output(store, manifest, out))
     return manifest

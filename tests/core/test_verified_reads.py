@@ -105,3 +105,11 @@ def test_checkpoint_files_are_known_from_the_producing_manifest(tmp_path: Path) 
     Path(tmp_path, prefix, "checkpoint", "trainer_state.pt").write_bytes(b"t" * 32)
     with pytest.raises(UserError, match="trainer_state.pt.*corrupt.*re-run stage trainer"):
         Store(checkpoint).read_bytes("trainer_state.pt")
+
+
+def test_a_cut_manifest_is_named(tmp_path: Path) -> None:
+    store = Store(f"file://{tmp_path}")
+    store.write_bytes(f"p/iter-000001/rollout/shard-00000-of-00002/{MANIFEST}", b'{"stage": "rollout", "pipe')
+    with pytest.raises(UserError) as err:
+        read_manifest(store, "p/iter-000001/rollout/shard-00000-of-00002")
+    assert f"shard-00000-of-00002/{MANIFEST}" in str(err.value) and "re-run stage rollout" in str(err.value)
