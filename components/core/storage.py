@@ -5,8 +5,20 @@ through it; no stage opens a local path directly. S3 endpoint and credentials co
 the usual AWS environment (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``), never from recipes.
 
-Writes are whole-object: on ``file://`` a file is written beside its target and renamed
-into place, so a reader never sees half a file; on S3 a PUT is atomic per object.
+Writes are whole-object: on ``file://`` a file is written beside its target
+(``<path>.tmp-<8 hex>``) and renamed into place, so a reader never sees half a file; a
+write that fails (disk full) removes its temporary file, and the runner sweeps those a
+killed process left under a stage's prefix when the stage starts. On S3 a PUT is atomic
+per object.
+
+Reads are verified: a file some manifest describes (``expect``, done by
+``context.read_manifest``) is checked against its size and sha256 on every
+``read_bytes``/``read_table``/``read_json``/``download_dir``, and ``verify`` checks one
+streamed; a difference is a one-line ``UserError`` naming the file and the stage to re-run.
+
+``check_reachable`` sorts failures: a store that does not answer, or answers 5xx / "busy"
+(a server starting or restarting) is an ``InfraError`` (retried); no such bucket, access
+denied or not a folder is a ``UserError``.
 Not covered: listing consistency across buckets in other regions, and object locking.
 Two writers of the same path race; the stage contract (deterministic output paths,
 manifest last) makes that harmless because both write the same bytes.
