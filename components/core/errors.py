@@ -68,6 +68,29 @@ class InfraError(Exception):
         return f"{self.what} unreachable at {value_text(self.where)!r}: {value_text(self.reason)}; retry once it is back"
 
 
+_SERVER_SIDE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
+
+
+def server_side(exc: BaseException) -> str | None:
+    """A short reason if an S3 reply in ``exc``'s cause chain says the server, not the
+    request, is at fault (HTTP 5xx, or a code that means "busy, try again"), as a server
+    that is starting, restarting or overloaded answers (SeaweedFS: 503 while its filer
+    comes up); s3fs turns these into a bare ``OSError(EBUSY/EREMOTEIO)``. None otherwise
+    (no such bucket, access denied: the user's to fix)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code in _SERVER_SIDE_CODES or (code.isdigit() and int(code) >= 500) or int(status) >= 500:
+                return f"HTTP {status or code} {code}: {str(cur).splitlines()[0][:160] if str(cur) else ''}"
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def outage(exc: BaseException) -> str | None:
     """A short reason if ``exc`` (or anything in its cause chain) means a service could
     not be reached or answered 5xx; None for anything else (a bug, a user's mistake)."""
@@ -80,4 +103,4 @@ def outage(exc: BaseException) -> str | None:
         if any(word in str(cur) for word in _OUTAGE_WORDS):
             return f"{type(cur).__name__}: {str(cur).splitlines()[0]}"
         cur = cur.__cause__ or cur.__context__
-    return None
+    return server_side(exc)

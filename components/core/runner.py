@@ -39,7 +39,7 @@ from components.core.manifest import MANIFEST, Manifest, Shard
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.stages import shard_count, spec
-from components.core.storage import Store, server_side
+from components.core.storage import Store
 
 
 def code_version() -> str:
@@ -98,7 +98,7 @@ def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration:
     except (UserError, InfraError, DataQualityError):
         raise
     except Exception as exc:
-        if (down := outage(exc) or server_side(exc)) is None:  # server_side: an S3 5xx/busy reply
+        if (down := outage(exc)) is None:  # unreachable, timed out, or an S3 5xx/busy reply
             raise
         raise InfraError(_service(exc), _where(exc, run_root), down) from exc
 

@@ -183,29 +183,6 @@ def _conditional_refusal(exc: BaseException) -> str | None:
     return None
 
 
-_SERVER_SIDE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed"}
-
-
-def server_side(exc: BaseException) -> str | None:
-    """A short reason if an S3 reply in ``exc``'s cause chain says the server, not the
-    request, is at fault (HTTP 5xx, or a code that means "busy, try again"), as a server
-    that is starting, restarting or overloaded answers (SeaweedFS: 503 while its filer
-    comes up); s3fs turns these into a bare ``OSError(EBUSY/EREMOTEIO)``. None otherwise
-    (no such bucket, access denied: the user's to fix)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        response = getattr(cur, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if code in _SERVER_SIDE_CODES or (code.isdigit() and int(code) >= 500) or int(status) >= 500:
-                return f"HTTP {status or code} {code}: {str(cur).splitlines()[0][:160] if str(cur) else ''}"
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
 class Store:
     """An fsspec filesystem rooted at ``uri``; paths passed to methods are relative to it."""
 
@@ -237,7 +214,7 @@ class Store:
             self.write_bytes(probe, b"ok")
             self.delete(probe)
         except Exception as exc:
-            if (down := outage(exc) or server_side(exc)) is not None:  # not there right now: retry, not a mistake
+            if (down := outage(exc)) is not None:  # not there right now: retry, not a mistake
                 raise InfraError("store", self.uri, down) from None
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             fix = (
