@@ -14,10 +14,11 @@ Kill points (28):
   home (so a kill can also land in the start-up: database migrations, the plan).
 
 To keep the suite a few minutes on 2 cores, each group is one chain in one home: kill,
-rerun (which is itself killed at the next point), ..., and a last rerun to the end. A
-kill point whose run finished first is reported as not reached (the chain still ends
-with a rerun). One uninterrupted run is shared by the module. File store and the home's
-SQLite MLflow.
+rerun (which is itself killed at the next point), ..., and a last rerun to the end. The
+two shards of a stage run in either order, so when a shard's failpoint comes up its
+stage may already be done (the kill at the other shard came after it): that point is
+skipped, at most one per sharded stage and iteration (so at least 15 failpoint kills).
+One uninterrupted run is shared by the module. File store and the home's SQLite MLflow.
 """
 
 from __future__ import annotations
@@ -125,6 +126,16 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
+def folder_of(k: int, label: str) -> str:
+    """The store folder of the stage (shard) a failpoint label names, in iteration ``k``."""
+    stage, _, shard = label.partition("[")
+    folder = "tiny/bootstrap" if stage == "bootstrap" else f"tiny/iter-{k:06d}/{stage}"
+    if shard:
+        i, n = shard.rstrip("]").split("/")
+        folder += f"/shard-{int(i):05d}-of-{int(n):05d}"
+    return folder
+
+
 def wait_for_failpoint(proc: subprocess.Popen, label: str) -> tuple[bool, str]:
     """(reached, output): read until the failpoint's line, or the end of the run."""
     timer = threading.Timer(RUN_TIMEOUT_S, kill, args=(proc,))
@@ -154,24 +165,21 @@ def test_the_failpoints_are_the_runners_labels() -> None:
 def test_killed_at_every_failpoint_then_rerun_ends_as_an_uninterrupted_run(uninterrupted: Outcome, tmp_path: Path) -> None:
     home = tmp_path / ".posttrain"
     store = Store(f"file://{home / 'store'}")
-    missed = []
+    killed, done_first = [], []
     for k, label in FAILPOINTS:
+        manifest = f"{folder_of(k, label)}/_MANIFEST.json"
+        if store.exists(manifest):  # the other shard's run got here first (Airflow orders mapped tasks freely)
+            done_first.append((k, label))
+            continue
         proc = start(tmp_path, home, POSTTRAIN_FAILPOINT=f"before-manifest:{label}")
         try:
             reached, out = wait_for_failpoint(proc, label)
         finally:
             kill(proc)
-        if not reached:
-            missed.append((k, label))
-            assert "Traceback" not in out, out[-3000:]
-            continue
-        stage, _, shard = label.partition("[")
-        folder = "tiny/bootstrap" if stage == "bootstrap" else f"tiny/iter-{k:06d}/{stage}"
-        if shard:
-            i, n = shard.rstrip("]").split("/")
-            folder += f"/shard-{int(i):05d}-of-{int(n):05d}"
-        assert not store.exists(f"{folder}/_MANIFEST.json"), f"{label} of iteration {k}: killed before its manifest"
-    assert not missed, f"failpoints not reached: {missed}"
+        assert reached, f"{label} of iteration {k}: failpoint not reached:\n{out[-3000:]}"
+        assert not store.exists(manifest), f"{label} of iteration {k}: killed before its manifest"
+        killed.append((k, label))
+    assert len(killed) >= len(FAILPOINTS) - 6, f"killed at {killed}; done before their turn: {done_first}"
     finish(tmp_path, home)
     assert_same(outcome(home), uninterrupted)
 
