@@ -208,9 +208,11 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int)
         store = Store(conf.run_root, "--run-root")
         preflight.tracking_vs_run_root(store.uri)
         store.check_reachable()
-        with writer_lease(store, recipe.pipeline, home):  # before MLflow is touched, as the home's lock
-            preflight.task_file(recipe)
-            preflight.policy_source(recipe)
+        # The checks before the writer lease, so a refused run leaves nothing in the store (the
+        # home's lock already keeps a second run on this home away from its SQLite MLflow).
+        preflight.task_file(recipe)
+        preflight.policy_source(recipe)
+        with writer_lease(store, recipe.pipeline, home):
             from dags.local import prepare, run_iteration
 
             return _iterate(store, recipe, conf.recipe, holder, iterations, prepare, run_iteration, home)

@@ -88,7 +88,7 @@ def test_unreachable_store(command: list[str], tmp_path: Path) -> None:
                                                    "EndpointConnectionError: Could not connect to the endpoint URL")
     assert f"127.0.0.1:{port}" in lines[0] and lines[0].endswith("retry once it is back")
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "home").exists()  # failed before any tracking was opened
+    assert not (tmp_path / "home" / "mlflow.db").exists()  # failed before any tracking was opened
 
 
 @dataclass
@@ -121,8 +121,9 @@ def test_rollout_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
     assert taskgen.returncode == 0, taskgen.stderr
     before = tree(corrupted.root)
     proc = posttrain(["stage", "rollout", *common, "--shard", "0/2"], corrupted.env)
-    assert_user_error(proc, f"policy='{corrupted.checkpoint}'", "checkpoint is unreadable",
-                      "fix: re-run the stage that wrote it")
+    # the weights no longer match the bootstrap manifest: named, with the stage to re-run, before anything loads
+    assert_user_error(proc, f"file='{corrupted.checkpoint}/model.safetensors'", "manifested output of stage bootstrap",
+                      f"fix: delete {corrupted.uri}/tiny/bootstrap/_MANIFEST.json and re-run stage bootstrap")
     assert tree(corrupted.root) == before
     assert not (corrupted.root / "tiny/iter-000001/rollout").exists()
 
@@ -130,7 +131,7 @@ def test_rollout_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
 def test_run_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
     before = tree(corrupted.root)
     proc = posttrain(["run", "--iterations", "1", "--recipe", str(TINY_RECIPE), "--run-root", corrupted.uri], corrupted.env)
-    assert_user_error(proc, f"champion (version 1)='{corrupted.checkpoint}'", "checkpoint is unreadable",
+    assert_user_error(proc, f"champion (version 1)='{corrupted.checkpoint}'", "is not a readable checkpoint",
                       "fix: restore the checkpoint files")
     assert tree(corrupted.root) == before
     assert not (corrupted.root / "tiny/iter-000001/evaluation/_MANIFEST.json").exists()

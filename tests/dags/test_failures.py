@@ -49,13 +49,15 @@ def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tm
 
     home = tmp_path / ".posttrain"
     recipe = yaml.safe_load(TINY.read_text())
-    recipe["taskgen"]["task_file"] = str(tmp_path / "missing.jsonl")  # taskgen fails: the user's mistake
+    tasks = tmp_path / "tasks.jsonl"  # readable (the plan's preflight passes), but of a domain the recipe lacks
+    tasks.write_text(json.dumps({"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}) + "\n")
+    recipe["taskgen"]["task_file"] = str(tasks)  # taskgen fails: the user's mistake
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(recipe))
 
     first = dag_run(home, bad)
     assert first["state"] == "failed"
-    reason = "AirflowFailException: task file='" + str(tmp_path / "missing.jsonl") + "': cannot be read (FileNotFoundError)"
+    reason = f"AirflowFailException: taskgen.task_file='{tasks}': has tasks of domain 'math', which is not in 'domains'"
     assert f"posttrain task taskgen failed: {reason}" in first["log"]  # the task log says why
     db = sqlite3.connect(home / "airflow" / "airflow.db")
     tries = db.execute("select state, try_number from task_instance where task_id = 'taskgen' and run_id = ?",
@@ -69,7 +71,7 @@ def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tm
                                   "tags.`posttrain.stage` = 'iteration'")
     assert parent.data.tags["posttrain.iteration"] == "1"
     assert parent.data.tags["posttrain.failed.taskgen"].startswith(reason)
-    assert json.loads(store.read_bytes("tiny/iter-000001/recipe.json"))["taskgen"]["task_file"].endswith("missing.jsonl")
+    assert json.loads(store.read_bytes("tiny/iter-000001/recipe.json"))["taskgen"]["task_file"] == str(tasks)
 
     second = dag_run(home, TINY)  # the recipe fixed: the next run takes iteration 1 again
     assert second["state"] == "success" and second["run_id"] != first["run_id"]
