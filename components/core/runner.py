@@ -38,7 +38,7 @@ from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, Shard
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
-from components.core.stages import shard_count, spec
+from components.core.stages import registered, shard_count, spec
 from components.core.storage import Store
 
 
@@ -77,6 +77,13 @@ def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
     if ctx.stage == "taskgen":
         return tracking.iteration_run(ctx.pipeline, ctx.iteration, ctx.store.uri, orchestrator_run_id)
     return ctx.facts_of("taskgen", StartingPolicy).parent_run_id
+
+
+def _end_iteration(ctx: StageContext, orchestrator_run_id: str) -> None:
+    """After the last registered stage, the iteration's parent run ends FINISHED (no-op when
+    it already has: a rerun that hits the cache)."""
+    if ctx.stage == registered()[-1].id and ctx.stage != "bootstrap":
+        tracking.end_if_running(ctx.parent_run_id or _parent_run(ctx, orchestrator_run_id) or "")
 
 
 def _failpoint(label: str) -> None:
@@ -134,6 +141,9 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     existing = read_manifest(ctx.store, ctx.prefix)
     if existing is not None and existing.matches(ctx.inputs, digest, code_version()):
         verify_outputs(ctx.store, existing)  # a hit only if every output is still what it recorded
+        # killed between its manifest and the end of its run: the work is done, so is the run
+        tracking.end_if_running(existing.mlflow_run_id)
+        _end_iteration(ctx, orchestrator_run_id)
         say(f"iter {ctx.iteration} | {label} | cache hit | {ctx.store.url(ctx.prefix)}")
         return existing
     ctx.store.delete(f"{ctx.prefix}/{MANIFEST}")
@@ -163,6 +173,7 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
         _failpoint(label)
         ctx.store.write_json(f"{ctx.prefix}/{MANIFEST}", manifest.to_json())  # last: readers trust only this
     # the run ends FINISHED here, after its manifest: a FINISHED stage run always has one
+    _end_iteration(ctx, orchestrator_run_id)
     shown = " | ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in list(named.items())[:4])
     say(f"iter {ctx.iteration} | {label} | {shown} | {finished - started:.1f}s")
     return manifest

@@ -95,6 +95,25 @@ def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run
     return run.info.run_id
 
 
+def end_if_running(run_id: str, status: str = "FINISHED") -> bool:
+    """End ``run_id`` with ``status`` if it is still RUNNING (True when it was); a run id
+    this tracking server does not know is left alone (the manifest came from elsewhere)."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return False
+    try:
+        run = client().get_run(run_id)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    if run.info.status != "RUNNING":
+        return False
+    client().set_terminated(run_id, status)
+    return True
+
+
 def run_url(pipeline: str, run_id: str) -> str:
     """Where a run opens in the MLflow UI: the tracking server's, or a local ``mlflow ui``'s."""
     uri = tracking_uri()

@@ -64,6 +64,7 @@ class Outcome:
     versions: dict[int, str]
     aliases: dict[str, str]
     reports: dict[int, bytes]
+    running: list[str]  # MLflow runs still RUNNING after the run ended (stage or iteration runs)
 
 
 def outcome(home: Path) -> Outcome:
@@ -83,9 +84,11 @@ def outcome(home: Path) -> Outcome:
                 for v in client.search_model_versions("name = 'tiny-policy'")}
     aliases = {k: str(v) for k, v in client.get_registered_model("tiny-policy").aliases.items()}
     ks = range(1, ITERATIONS + 1)
+    experiment = client.get_experiment_by_name("tiny").experiment_id
+    running = sorted(r.info.run_name for r in client.search_runs([experiment], "attributes.status = 'RUNNING'"))
     return Outcome(outputs={k: outputs_by_stage(store, k) for k in ks}, rollout_ids={k: rollout_ids(store, k) for k in ks},
                    versions=versions, aliases=aliases,
-                   reports={k: store.read_bytes(f"tiny/iter-{k:06d}/evaluation/report.json") for k in ks})
+                   reports={k: store.read_bytes(f"tiny/iter-{k:06d}/evaluation/report.json") for k in ks}, running=running)
 
 
 def assert_same(got: Outcome, want: Outcome) -> None:
@@ -95,6 +98,7 @@ def assert_same(got: Outcome, want: Outcome) -> None:
         assert json.loads(got.reports[k]) == json.loads(want.reports[k]), f"iteration {k}: report.json differs"
     assert got.versions == want.versions, "registry versions differ (a second registration?)"
     assert got.aliases == want.aliases
+    assert got.running == want.running == [], "runs left RUNNING (a killed attempt, or an iteration never ended)"
 
 
 def args() -> list[str]:
