@@ -67,7 +67,7 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from kubernetes.client import models as k8s
 
 from components.core.stages import Resources, StageSpec
-from dags.execution import image_for
+from dags.execution import FAIL_NOW_EXIT_CODES, image_for
 
 ARGS_FIELD = "arguments"
 
@@ -198,6 +198,7 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
         "get_logs": True,
         "log_events_on_failure": True,
         "on_finish_action": "delete_succeeded_pod",
+        "termination_message_policy": "FallbackToLogsOnError",  # a failed stage's last line reaches the task log
         "startup_timeout_seconds": conf.startup_timeout_s,
         "deferrable": False,
     }
@@ -209,4 +210,31 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
         # torch and vLLM share tensors between processes through /dev/shm (64 MiB by default)
         kwargs["volumes"] = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory"))]
         kwargs["volume_mounts"] = [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
-    return KubernetesPodOperator, kwargs
+    return StagePod, kwargs
+
+
+def exit_code(remote_pod, container: str) -> int | None:
+    """The exit code of ``container`` in a finished pod, or None."""
+    statuses = (remote_pod.status.container_statuses if remote_pod is not None and remote_pod.status else None) or []
+    status = next((s for s in statuses if s.name == container), None)
+    terminated = status.state.terminated if status is not None and status.state is not None else None
+    return terminated.exit_code if terminated is not None else None
+
+
+class StagePod(KubernetesPodOperator):
+    """KubernetesPodOperator for a posttrain stage: a pod whose stage exits 2 (a user's
+    mistake) or 3 (a failed data-quality gate) fails the task at once, unretried, with the
+    stage's last line (the termination message falls back to the log's tail); any other
+    failure stays the provider's, which Airflow retries."""
+
+    def cleanup(self, pod, remote_pod):
+        from airflow.exceptions import AirflowException
+        from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+        try:
+            return super().cleanup(pod, remote_pod)
+        except AirflowException as exc:
+            code = exit_code(remote_pod, self.base_container_name)
+            if code in FAIL_NOW_EXIT_CODES and not isinstance(exc, (AirflowFailException, AirflowSkipException)):
+                raise AirflowFailException(f"stage pod exited {code}: {str(exc).splitlines()[-1]}") from exc
+            raise

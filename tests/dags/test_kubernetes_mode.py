@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import kubernetes_validate
 import pytest
 from kubernetes.client import ApiClient
+from kubernetes.client import models as k8s
 
 from components import __version__
 from components.core.stages import Resources, StageSpec, registered, resources
@@ -247,7 +248,7 @@ def test_the_dag_in_kubernetes_mode_runs_every_stage_as_a_pod(k8s_dag):
     for spec in registered():
         task = k8s_dag.get_task(spec.id)
         if spec.sharded:
-            assert isinstance(task, MappedOperator) and task.operator_class is KubernetesPodOperator, spec.id
+            assert isinstance(task, MappedOperator) and issubclass(task.operator_class, KubernetesPodOperator), spec.id
             ops = [(task.unmap({"arguments": _args(spec, f"{i}/2")}), i) for i in range(2)]
         else:
             assert isinstance(task, KubernetesPodOperator), spec.id
@@ -279,6 +280,49 @@ def test_the_kubernetes_dag_serializes_for_the_scheduler(k8s_dag):
     assert sorted(back.task_ids) == sorted(k8s_dag.task_ids)
     for spec in registered():
         task = back.get_task(spec.id)
-        assert task.task_type == "KubernetesPodOperator", spec.id
+        assert task.task_type == "StagePod", spec.id
         kwargs = task.partial_kwargs if spec.sharded else vars(task)
         assert kwargs["image"] == f"registry.example.com/ml/posttrain-{spec.id}:{__version__}", spec.id
+
+
+def _finished_pod(code: int) -> k8s.V1Pod:
+    terminated = k8s.V1ContainerStateTerminated(exit_code=code, message="posttrain: error: --recipe='x': no such recipe file")
+    status = k8s.V1PodStatus(phase="Failed", container_statuses=[k8s.V1ContainerStatus(
+        name="base", image="i", image_id="", ready=False, restart_count=0, state=k8s.V1ContainerState(terminated=terminated))])
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name="posttrain-taskgen-x", namespace="posttrain"), status=status)
+
+
+def _offline(op) -> None:
+    """No API server runs here: the provider's own calls to it during cleanup (label patch,
+    deletion, events, the istio probe) are stood in for; what is tested is how a finished
+    pod's exit code is classified."""
+    op.patch_already_checked = lambda *a, **k: None
+    op.process_pod_deletion = lambda *a, **k: None
+    op._read_pod_events = lambda *a, **k: None
+    op.is_istio_enabled = lambda *a, **k: False
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_a_stage_pod_that_exits_with_a_user_mistake_fails_at_once(code):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    cls, kwargs = mode.operator(registered()[1], resources(registered()[1].id))
+    op = cls(task_id="taskgen", arguments=_args(registered()[1]), **kwargs)
+    _offline(op)
+    pod = _finished_pod(code)
+    assert mode.exit_code(pod, "base") == code
+    with pytest.raises(AirflowFailException, match=rf"^stage pod exited {code}: "):
+        op.cleanup(pod, pod)
+
+
+def test_a_stage_pod_that_fails_otherwise_is_left_to_the_retries():
+    from airflow.exceptions import AirflowException
+    from airflow.sdk.exceptions import AirflowFailException
+
+    cls, kwargs = mode.operator(registered()[1], resources(registered()[1].id))
+    op = cls(task_id="taskgen", arguments=_args(registered()[1]), **kwargs)
+    _offline(op)
+    pod = _finished_pod(1)
+    with pytest.raises(AirflowException) as failed:
+        op.cleanup(pod, pod)
+    assert not isinstance(failed.value, AirflowFailException)
