@@ -106,6 +106,11 @@ def save_policy(model, tokenizer, store: Store, rel: str) -> dict[str, str]:
         return store.upload_dir(Path(tmp), rel)
 
 
+TRAINER_STATE = "trainer_state.pt"
+"""The optimizer state beside a checkpoint (``components/trainer/state.py``): a model load
+neither downloads nor needs it."""
+
+
 def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     """{file in the checkpoint folder: what it must hold} from the manifest of the stage
     that wrote the checkpoint at ``uri`` (empty when no manifest describes it)."""
@@ -151,7 +156,9 @@ def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
         raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
                         "point at a folder written by save_pretrained, or re-run the stage that writes it")
     with tempfile.TemporaryDirectory(prefix="posttrain-load-") as tmp:
-        store.download_dir("", Path(tmp), expected=checkpoint_expectations(uri))
+        # the optimizer state beside the weights is the trainer's alone (it reads and checks it itself)
+        expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
+        store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,))
         try:
             tokenizer = AutoTokenizer.from_pretrained(tmp)
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)

@@ -408,11 +408,12 @@ class Store:
                 digests[name] = sha256_bytes(data)
         return digests
 
-    def download_dir(self, rel: str, local_dir: Path, expected: dict[str, Expected] | None = None) -> dict[str, str]:
+    def download_dir(self, rel: str, local_dir: Path, expected: dict[str, Expected] | None = None,
+                     skip: tuple[str, ...] = ()) -> dict[str, str]:
         """Copy the files under ``rel`` into ``local_dir``, streamed and hashed on the way;
         returns {relative file: sha256}. Each file named in ``expected`` (or with a manifest
         this process read) must match it, else a UserError naming the file (raised after
-        the copy, before anyone loads it)."""
+        the copy, before anyone loads it). Files named in ``skip`` are not copied."""
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         base = self._fresh(self._path(rel)).rstrip("/")
@@ -421,6 +422,8 @@ class Store:
         wanted = dict(expected or {})
         for path in self.fs.find(base):
             name = path[len(base) + 1:]
+            if name in skip:
+                continue
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
             inner = path[len(root):] if path.startswith(root) else f"{rel}/{name}".strip("/")

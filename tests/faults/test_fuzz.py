@@ -193,11 +193,15 @@ def check_cli(code: int, out: str, err: str, where: str) -> None:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far. In a full test run earlier tests (models)
+    may already have set it above 1 GB, so the in-process cases are checked on how far they
+    raise it; the slow part runs the command line under a hard 1 GB limit."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # -- the fast, in-process part -------------------------------------------------------------
 def test_fuzz_recipes(tmp_path):
+    before = peak_rss_bytes()  # what earlier tests in this process already reached
     rng = random.Random(SEED)
     path = tmp_path / "r.yaml"
     outcomes = {"recipe": 0, "user_error": 0}
@@ -217,10 +221,11 @@ def test_fuzz_recipes(tmp_path):
                 outcomes["user_error"] += 1
         assert time.monotonic() - start < LIMIT_S, where
     assert outcomes["user_error"] > 50 and sum(outcomes.values()) == CASES, outcomes
-    assert peak_rss_bytes() < LIMIT_BYTES
+    assert peak_rss_bytes() - before < LIMIT_BYTES  # the fuzz raised the process's peak by under 1 GB
 
 
 def test_fuzz_task_files(tmp_path):
+    before = peak_rss_bytes()  # what earlier tests in this process already reached
     rng = random.Random(SEED + 1)
     completion = tmp_path / "c.txt"
     codes = {0: 0, 2: 0}
@@ -236,10 +241,11 @@ def test_fuzz_task_files(tmp_path):
         check_cli(code, out, err, where)
         codes[code] += 1
     assert codes[2] > 50 and codes[0] > 10, codes
-    assert peak_rss_bytes() < LIMIT_BYTES
+    assert peak_rss_bytes() - before < LIMIT_BYTES  # the fuzz raised the process's peak by under 1 GB
 
 
 def test_fuzz_completions(tmp_path):
+    before = peak_rss_bytes()  # what earlier tests in this process already reached
     from components.core.records import Execution
 
     rng = random.Random(SEED + 2)
@@ -271,7 +277,7 @@ def test_fuzz_completions(tmp_path):
                 assert status != "verifier_error", f"{where}: {out}"
         statuses[status] = statuses.get(status, 0) + 1
     assert statuses.get("malformed", 0) > 10 and statuses.get("ok", 0) > 50, statuses
-    assert peak_rss_bytes() < LIMIT_BYTES
+    assert peak_rss_bytes() - before < LIMIT_BYTES  # the fuzz raised the process's peak by under 1 GB
 
 
 # -- the slow part: the real command line, in subprocesses limited to 1 GB ------------------
