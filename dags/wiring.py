@@ -176,7 +176,7 @@ def run_failed(context: dict[str, Any]) -> None:
 
 
 @cache
-def parse_recipe():
+def recipe_at_parse():
     """The recipe named by POSTTRAIN_RECIPE, read once per DAG parse for what the DAG's shape
     takes from it (time limits, cluster resources); None when it cannot be read (the plan
     task then fails with its one-line message)."""
@@ -192,7 +192,7 @@ def parse_recipe():
 
 def timeout_for(spec: StageSpec) -> timedelta:
     """The stage's time limit: the recipe named by POSTTRAIN_RECIPE may override the registry's."""
-    recipe = parse_recipe()
+    recipe = recipe_at_parse()
     return timedelta(seconds=(recipe.timeouts if recipe else {}).get(spec.id, spec.timeout_s))
 
 
@@ -220,7 +220,7 @@ def stage_task(spec: StageSpec):
 def stage_node(spec: StageSpec, planned):
     """One registered stage's task (or mapped tasks) in the deployment's execution mode."""
     if mode() != "inprocess":
-        return container_task(spec, planned, _airflow_kwargs(spec), parse_recipe())
+        return container_task(spec, planned, _airflow_kwargs(spec), recipe_at_parse())
     run = stage_task(spec)
     return run.partial(plan=planned).expand(shard=shard_list_task(spec)(planned)) if spec.sharded else run(plan=planned)
 
