@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import random
 
-from components.core import tracking
+from components.core import models
 from components.core.context import StageContext
 from components.core.facts import Scored
 from components.core.policy import (
@@ -143,19 +143,19 @@ def run(ctx: StageContext) -> dict[str, float]:
         with get_executor(recipe.sandbox) as executor:
             metrics.update(sft(ctx, policy, executor))
     else:
-        policy = load_policy(tracking.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source")
+        policy = load_policy(models.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source")
     metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
     rel = f"{ctx.prefix}/checkpoint"
     digests = save_policy(policy.model, policy.tokenizer, ctx.store, rel)
     ctx.add_output("checkpoint", rel, rows=int(metrics["parameters"]), digest=digests["model.safetensors"])
     uri = ctx.store.url(rel)
-    version = tracking.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
+    version = models.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
                                            {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri})
     policy.version = version
     _, rates, worst = evaluate_and_log(ctx, policy)
-    tracking.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
-    tracking.set_alias(ctx.pipeline, "champion", version)
-    tracking.set_alias(ctx.pipeline, "candidate", version)
+    models.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
+    models.set_alias(ctx.pipeline, "champion", version)
+    models.set_alias(ctx.pipeline, "candidate", version)
     ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)
     say("bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items()) + f" | registered version {version} as champion")
     metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})

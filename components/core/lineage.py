@@ -10,7 +10,7 @@ same policy.
 
 from __future__ import annotations
 
-from components.core import tracking
+from components.core import models
 from components.core.errors import UserError
 from components.core.recipe import Recipe
 from components.core.storage import normalize_uri
@@ -21,10 +21,10 @@ ALIASES = ("champion", "candidate")
 def resolve_policy(recipe: Recipe) -> tuple[str, str]:
     ref = recipe.rollout.policy
     if ref in ALIASES:
-        found = tracking.resolve_alias(recipe.pipeline, ref)
+        found = models.resolve_alias(recipe.pipeline, ref)
         if found is None:
-            raise UserError("rollout.policy", ref, f"registered model '{tracking.model_name(recipe.pipeline)}' has no {ref} yet",
+            raise UserError("rollout.policy", ref, f"registered model '{models.model_name(recipe.pipeline)}' has no {ref} yet",
                             "run 'posttrain stage bootstrap' first ('posttrain run' does it for you)")
         version, uri, _ = found
         return version, uri
-    return "external", normalize_uri(tracking.resolve_model_uri(ref, "rollout.policy"), "rollout.policy")
+    return "external", normalize_uri(models.resolve_model_uri(ref, "rollout.policy"), "rollout.policy")

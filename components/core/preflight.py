@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 from urllib.parse import urlparse
 
-from components.core import tracking
+from components.core import models, tracking
 from components.core.errors import InfraError, UserError, outage
 from components.core.recipe import Recipe
 from components.core.storage import filesystem, join, normalize_uri
@@ -60,7 +60,7 @@ def _readable(what: str, uri: str, fix: str) -> None:
 
 
 def _source_uri(value: str, field: str) -> str:
-    return normalize_uri(tracking.resolve_model_uri(value, field), field)
+    return normalize_uri(models.resolve_model_uri(value, field), field)
 
 
 def policy_source(recipe: Recipe) -> None:
@@ -70,7 +70,7 @@ def policy_source(recipe: Recipe) -> None:
                   "point model.source at a Hugging Face model folder or URI, or use 'scratch'")
     policy = recipe.rollout.policy
     if policy in ("champion", "candidate"):
-        found = tracking.resolve_alias(recipe.pipeline, policy)
+        found = models.resolve_alias(recipe.pipeline, policy)
         if found is not None:
             version, uri, _ = found
             _readable(f"{policy} (version {version})", uri,

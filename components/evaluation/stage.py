@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from components.core import tracking
+from components.core import models, tracking
 from components.core.context import StageContext
 from components.core.facts import Checkpoint, Decision, StartingPolicy
 from components.core.policy import load_policy
@@ -37,13 +37,13 @@ SECTIONS = ("evaluation", "rollout", "sandbox")
 
 
 def baseline_rates(pipeline: str, version: str) -> dict[str, float]:
-    return tagged_rates(tracking.client().get_model_version(tracking.model_name(pipeline), version).tags)
+    return tagged_rates(tracking.client().get_model_version(models.model_name(pipeline), version).tags)
 
 
 def baseline_for(pipeline: str, parent_version: str) -> tuple[str, dict[str, float]]:
     """(version, per-domain pass rates) a candidate must not fall below: the champion's,
     or the parent's while no champion is set."""
-    champion = tracking.resolve_alias(pipeline, "champion")
+    champion = models.resolve_alias(pipeline, "champion")
     version = champion[0] if champion else parent_version
     return version, baseline_rates(pipeline, version)
 
@@ -55,11 +55,11 @@ def fixed_baseline(pipeline: str, candidate: str, parent_version: str) -> tuple[
     """``baseline_for``, fixed on the candidate's registry version before any alias moves:
     a retry after the first attempt promoted the candidate (a kill, an outage) reads the
     tag back instead of comparing the candidate with itself."""
-    tags = tracking.client().get_model_version(tracking.model_name(pipeline), candidate).tags
+    tags = tracking.client().get_model_version(models.model_name(pipeline), candidate).tags
     if BASELINE_TAG in tags:
         return tags[BASELINE_TAG], baseline_rates(pipeline, tags[BASELINE_TAG])
     version, rates = baseline_for(pipeline, parent_version)
-    tracking.set_version_tags(pipeline, candidate, {BASELINE_TAG: version})
+    models.set_version_tags(pipeline, candidate, {BASELINE_TAG: version})
     return version, rates
 
 
@@ -70,7 +70,7 @@ def iteration_baseline(ctx: StageContext, trainer: Checkpoint) -> tuple[str, dic
     if not start.baseline_version:
         return fixed_baseline(ctx.pipeline, trainer.version, trainer.parent_version)
     rates = dict(start.baseline_pass_rates) or baseline_rates(ctx.pipeline, start.baseline_version)
-    tracking.set_version_tags(ctx.pipeline, trainer.version, {BASELINE_TAG: start.baseline_version})
+    models.set_version_tags(ctx.pipeline, trainer.version, {BASELINE_TAG: start.baseline_version})
     return start.baseline_version, rates
 
 
@@ -92,9 +92,9 @@ def run(ctx: StageContext) -> dict[str, float]:
     _, rates, worst = evaluate_and_log(ctx, candidate)
     baseline_version, baseline = iteration_baseline(ctx, trainer)
     promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
-    tracking.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
+    models.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
     if promoted:
-        tracking.set_alias(ctx.pipeline, "champion", trainer.version)
+        models.set_alias(ctx.pipeline, "champion", trainer.version)
     ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,
                          reason=reason, baseline=baseline, baseline_version=baseline_version)
     ctx.write_json("report", {"candidate": trainer.version, "baseline": baseline_version,

@@ -20,7 +20,7 @@ import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from components.core import tracking
+from components.core import models, tracking
 from components.core.context import StageContext, read_manifest
 from components.core.errors import UserError
 from components.core.facts import StartingPolicy
@@ -54,11 +54,11 @@ def starting_baseline(pipeline: str, policy_version: str) -> tuple[str, dict[str
     """(version, per-domain pass rates) of the iteration's baseline, read now: the champion,
     or the starting policy's registry version while no champion is set; ("", {}) for an
     external policy with no champion (evaluation then fixes the baseline itself)."""
-    champion = tracking.resolve_alias(pipeline, "champion")
+    champion = models.resolve_alias(pipeline, "champion")
     if champion is not None:
         return champion[0], tagged_rates(champion[2])
     if policy_version.isdigit():
-        mv = tracking.client().get_model_version(tracking.model_name(pipeline), policy_version)
+        mv = tracking.client().get_model_version(models.model_name(pipeline), policy_version)
         return policy_version, tagged_rates(dict(mv.tags))
     return "", {}
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from components.core import tracking
+from components.core import models, tracking
 from components.core.context import StageContext
 from components.core.facts import Checkpoint, StartingPolicy
 from components.core.manifest import InputRef
@@ -112,11 +112,11 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.add_output("checkpoint", rel, rows=sum(p.numel() for p in model.parameters()), digest=digests["model.safetensors"])
     ctx.add_output("trainer_state", f"{rel}/trainer_state.pt", rows=position.global_step, digest=state_digest)
     uri = ctx.store.url(rel)
-    version = tracking.register_checkpoint(ctx.pipeline, uri, run_id, {
+    version = models.register_checkpoint(ctx.pipeline, uri, run_id, {
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
     })
-    tracking.set_alias(ctx.pipeline, "candidate", version)
+    models.set_alias(ctx.pipeline, "candidate", version)
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups | registered version {version}")

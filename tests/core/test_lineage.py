@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from components.core import settings, tracking
+from components.core import models, settings, tracking
 from components.core.facts import Checkpoint, Decision, Scored, StartingPolicy
 from components.core.manifest import Manifest
 from components.core.runner import run_stage
@@ -104,7 +104,7 @@ def test_aliases_follow_the_evaluation_decision(iteration: Iteration, client) ->
     assert isinstance(promoted, bool)
     assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "2"
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == ("2" if promoted else "1")
-    assert tracking.resolve_alias("tiny", "champion")[0] == ("2" if promoted else "1")
+    assert models.resolve_alias("tiny", "champion")[0] == ("2" if promoted else "1")
     assert client.get_model_version(MODEL, "2").tags["posttrain.promoted"] == str(promoted)
 
 

@@ -4,30 +4,30 @@ from __future__ import annotations
 
 import pytest
 
-from components.core import tracking
+from components.core import models, tracking
 from components.core.errors import UserError
 
 
 @pytest.fixture()
 def registered(posttrain_home, tmp_path):
     run = tracking.client().create_run(tracking.experiment_id("reg"))
-    v1 = tracking.register_checkpoint("reg", "file:///store/reg/bootstrap/checkpoint", run.info.run_id, {})
-    v2 = tracking.register_checkpoint("reg", "file:///store/reg/iter-000001/trainer/checkpoint", run.info.run_id, {})
-    tracking.set_alias("reg", "champion", v1)
+    v1 = models.register_checkpoint("reg", "file:///store/reg/bootstrap/checkpoint", run.info.run_id, {})
+    v2 = models.register_checkpoint("reg", "file:///store/reg/iter-000001/trainer/checkpoint", run.info.run_id, {})
+    models.set_alias("reg", "champion", v1)
     return v1, v2
 
 
 def test_alias_and_version_resolve_to_the_version_source(registered):
-    assert tracking.resolve_model_uri("models:/reg-policy@champion", "model.source") == "file:///store/reg/bootstrap/checkpoint"
-    assert tracking.resolve_model_uri("models:/reg-policy/2", "model.source") == "file:///store/reg/iter-000001/trainer/checkpoint"
+    assert models.resolve_model_uri("models:/reg-policy@champion", "model.source") == "file:///store/reg/bootstrap/checkpoint"
+    assert models.resolve_model_uri("models:/reg-policy/2", "model.source") == "file:///store/reg/iter-000001/trainer/checkpoint"
 
 
 def test_plain_uris_pass_through(registered):
-    assert tracking.resolve_model_uri("s3://bucket/ckpt", "model.source") == "s3://bucket/ckpt"
+    assert models.resolve_model_uri("s3://bucket/ckpt", "model.source") == "s3://bucket/ckpt"
 
 
 @pytest.mark.parametrize("uri", ["models:/reg-policy@nope", "models:/reg-policy/9", "models:/missing@champion", "models:/bare"])
 def test_unknown_registry_references_are_user_errors(registered, uri):
     with pytest.raises(UserError) as err:
-        tracking.resolve_model_uri(uri, "model.source")
+        models.resolve_model_uri(uri, "model.source")
     assert "model.source" in err.value.line() and uri in err.value.line() and "fix:" in err.value.line()

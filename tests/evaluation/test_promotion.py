@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.core import tracking
+from components.core import models, tracking
 from components.evalsuite.score import eval_tags
 from components.evaluation.stage import BASELINE_TAG, baseline_for, decide, fixed_baseline
 
@@ -24,11 +24,11 @@ def test_baseline_is_the_champion_not_a_weaker_held_parent(tmp_path, posttrain_h
     rates = {"1": {"code": 0.30}, "2": {"code": 0.20}}  # version 2 was held: worse than the champion
     with tracking.stage_run("promo", "trainer", "trainer", None, {}) as run_id:
         for version in ("1", "2"):
-            got = tracking.register_checkpoint("promo", f"file://{tmp_path}/ckpt-{version}", run_id, {})
+            got = models.register_checkpoint("promo", f"file://{tmp_path}/ckpt-{version}", run_id, {})
             assert got == version
-            tracking.set_version_tags("promo", version, eval_tags(rates[version]))
+            models.set_version_tags("promo", version, eval_tags(rates[version]))
     assert baseline_for("promo", parent_version="2") == ("2", {"code": 0.20})  # no champion yet: the parent
-    tracking.set_alias("promo", "champion", "1")
+    models.set_alias("promo", "champion", "1")
     # Version 3 trained on from held version 2 (rollout.policy: candidate): its bar is still version 1.
     assert baseline_for("promo", parent_version="2") == ("1", {"code": 0.30})
     assert decide({"code": 0.25}, baseline_for("promo", "2")[1], 0.02) == (False, "regressed beyond tolerance: code 0.300->0.250")
@@ -38,11 +38,11 @@ def test_the_baseline_is_fixed_before_the_alias_moves(tmp_path, posttrain_home):
     """A retried evaluation (the first attempt promoted, then died) keeps its baseline."""
     with tracking.stage_run("fixed", "trainer", "trainer", None, {}) as run_id:
         for version, code in (("1", 0.30), ("2", 0.35)):
-            tracking.register_checkpoint("fixed", f"file://{tmp_path}/ckpt-{version}", run_id, {})
-            tracking.set_version_tags("fixed", version, eval_tags({"code": code}))
-    tracking.set_alias("fixed", "champion", "1")
+            models.register_checkpoint("fixed", f"file://{tmp_path}/ckpt-{version}", run_id, {})
+            models.set_version_tags("fixed", version, eval_tags({"code": code}))
+    models.set_alias("fixed", "champion", "1")
     assert fixed_baseline("fixed", candidate="2", parent_version="1") == ("1", {"code": 0.30})
-    tracking.set_alias("fixed", "champion", "2")  # the first attempt promoted version 2, then was killed
+    models.set_alias("fixed", "champion", "2")  # the first attempt promoted version 2, then was killed
     assert baseline_for("fixed", parent_version="1") == ("2", {"code": 0.35})  # what a naive retry would compare with
     assert fixed_baseline("fixed", candidate="2", parent_version="1") == ("1", {"code": 0.30})
     assert tracking.client().get_model_version("fixed-policy", "2").tags[BASELINE_TAG] == "1"
