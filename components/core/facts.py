@@ -96,6 +96,9 @@ class Decision:
     reason: str
     baseline: dict[str, float]
     baseline_version: str
+    # The rule that decided ("statistical" or "strict", see evaluation.promotion); "" in
+    # manifests written before the rule was recorded (the strict rule decided those).
+    rule: str = ""
 
 
 @cache

@@ -160,7 +160,19 @@ class TrainerConfig(_Section):
 
 class EvaluationConfig(_Section):
     tasks_per_domain: int = Field(100, ge=1, le=BIG, description="fixed held-out tasks per domain")
-    regression_tolerance: float = Field(0.02, ge=0, le=1, description="largest per-domain drop that still promotes")
+    promotion: Literal["statistical", "strict"] = Field(
+        "statistical", description="statistical: promote unless a domain's paired-bootstrap interval of the pass-rate "
+                                   "difference lies below 0 or the mean over domains drops; strict: unless a domain "
+                                   "dropped by more than regression_tolerance (also the fallback without the "
+                                   "baseline's per-task results)")
+    confidence: float = Field(0.95, gt=0, lt=1, description="confidence level of the promotion intervals and of the "
+                                                            "Wilson intervals in the layered report")
+    bootstrap_resamples: int = Field(2000, ge=100, le=BIG, description="paired-bootstrap resamples per domain (seeded "
+                                                                       "from the recipe seed)")
+    regression_tolerance: float = Field(0.02, ge=0, le=1, description="strict rule: largest per-domain drop that still promotes")
+    pass_k: int = Field(0, ge=0, le=1024, description="if > 0, also sample this many completions per eval task at "
+                                                     "rollout.temperature and log the unbiased pass@k per domain "
+                                                     "(never decides promotion); 0 = off")
     max_new_tokens: int = Field(24, ge=1, le=BIG, description="completion cap for greedy eval")
 
 

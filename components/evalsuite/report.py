@@ -13,7 +13,11 @@ run's artifact UI) with a matplotlib plot (``<stage>/pass_rates.png``: pass rate
 domain, and per difficulty and context bucket within each domain), and returns the
 weakest slice, which the stage keeps in its facts for ``posttrain run``'s table.
 
-Not covered: confidence intervals per slice, or slices along other axes.
+Every row carries ``ci_low``/``ci_high``: the Wilson score interval of its pass rate at
+``evaluation.confidence`` (0.95 where no recipe is at hand), so a 3-task slice at 0.0 reads
+as the wide interval it is; the plot draws them as error bars.
+
+Not covered: slices along other axes, or intervals for mean scores.
 """
 
 from __future__ import annotations
@@ -21,14 +25,18 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 from components.core.facts import Slice
 from components.core.records import EvalResult
+from components.evalsuite.stats import wilson
 
 MIN_SLICE = 5
 
 
-def slices(results: list[EvalResult]) -> list[dict[str, Any]]:
-    """One row per (domain, difficulty, context bucket, trap), sorted by those keys."""
+def slices(results: list[EvalResult], confidence: float = 0.95) -> list[dict[str, Any]]:
+    """One row per (domain, difficulty, context bucket, trap), sorted by those keys, with
+    the Wilson interval of its pass rate at ``confidence``."""
     groups: dict[tuple[str, int, str, bool], list[EvalResult]] = defaultdict(list)
     for r in results:
         groups[(r.domain, r.difficulty, r.context_bucket, r.trap)].append(r)
@@ -39,6 +47,9 @@ def slices(results: list[EvalResult]) -> list[dict[str, Any]]:
         rows.append({"domain": domain, "difficulty": difficulty, "context_bucket": bucket, "trap": trap, "tasks": len(rs),
                      "passed": sum(r.passed for r in rs), "pass_rate": sum(r.passed for r in rs) / len(rs),
                      "mean_score": sum(r.score for r in rs) / len(rs)})
+    low, high = wilson([r["passed"] for r in rows], [r["tasks"] for r in rows], confidence)
+    for row, lo, hi in zip(rows, low.tolist(), high.tolist()):
+        row["ci_low"], row["ci_high"] = lo, hi
     return rows
 
 
@@ -79,7 +90,9 @@ def plot(rows: list[dict[str, Any]]):
     left.set_title("by domain")
     left.tick_params(axis="x", rotation=45)
     names = [slice_name(r) for r in rows]
-    right.bar(range(len(rows)), [r["pass_rate"] for r in rows], color="tab:orange")
+    rates = np.array([r["pass_rate"] for r in rows])
+    spread = np.clip([rates - [r["ci_low"] for r in rows], [r["ci_high"] for r in rows] - rates], 0, 1) if rows else None
+    right.bar(range(len(rows)), rates, color="tab:orange", yerr=spread, ecolor="grey", capsize=2)
     right.set_xticks(range(len(rows)), names, rotation=75, fontsize=7)
     right.set_ylim(0, 1)
     right.set_title("by domain / difficulty / context bucket")
@@ -93,7 +106,7 @@ def log_layered(ctx, results: list[EvalResult]) -> Slice | None:
 
     from components.core import tracking
 
-    rows = slices(results)
+    rows = slices(results, ctx.recipe.evaluation.confidence)
     ctx.write_json("layered", rows)
     worst = weakest(rows)
     run_id = ctx.mlflow_run_id
@@ -108,4 +121,6 @@ def log_layered(ctx, results: list[EvalResult]) -> Slice | None:
                 client.log_figure(run_id, fig, f"{ctx.stage}/pass_rates.png")
             finally:
                 plt.close(fig)
-    return Slice(name=slice_name(worst), **worst) if worst else None
+    if worst is None:
+        return None
+    return Slice(name=slice_name(worst), **{k: v for k, v in worst.items() if k in Slice.__dataclass_fields__})

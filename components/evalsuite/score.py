@@ -6,19 +6,30 @@ and a few sample completions per domain to the stage's MLflow run, and returns t
 results, per-domain pass rates and the weakest slice. ``eval_tags`` are the registry
 version tags (``posttrain.eval.<domain>``) that later promotions compare against.
 
-Not covered: sampling-based pass@k (the suite is greedy pass@1).
+``scored_results(store, pipeline, version)`` finds the per-task results a registry
+version was scored with: those of the stage that scored it (bootstrap's for the version
+registered in iteration 0, the evaluation of iteration k for one registered in iteration
+k, by the version's ``posttrain.iteration`` tag), read back verified. The statistical
+promotion rule pairs a candidate's results with them.
+``log_pass_at_k(ctx, policy, k)`` samples k completions per eval task and returns the
+unbiased pass@k per domain (``evaluation.pass_k``; greedy pass@1 still decides).
+
+Not covered: results of versions scored under another run root or by other tools.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-from components.core import tracking
-from components.core.context import StageContext
+from components.core import models, tracking
+from components.core.context import StageContext, expected_output, read_manifest, read_parquet
 from components.core.facts import Slice
-from components.core.records import EvalResult
+from components.core.manifest import Manifest, stage_prefix
+from components.core.records import EvalResult, from_table
+from components.core.storage import Store
 from components.evalsuite.report import log_layered
-from components.evalsuite.suite import eval_tasks, pass_rates, run_suite
+from components.evalsuite.suite import eval_tasks, pass_rates, run_suite, sampled_pass_at_k
 from components.sandbox.executor import get_executor
 
 EVAL_TAG = "posttrain.eval."
@@ -46,3 +57,61 @@ def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[
             mine.append({"task_id": r.task_id, "completion": r.completion, "passed": r.passed})
     tracking.log_artifact_text(ctx.mlflow_run_id, json.dumps(samples, indent=2), f"{ctx.stage}/samples.json")
     return results, pass_rates(results), worst
+
+
+def log_pass_at_k(ctx: StageContext, policy, k: int) -> dict[str, float]:
+    """Unbiased pass@k per domain from ``k`` completions per eval task sampled at
+    ``rollout.temperature`` (seeded by the stage); written as the stage output ``pass_at_k``."""
+    with get_executor(ctx.recipe.sandbox) as executor:
+        rates = sampled_pass_at_k(policy, eval_tasks(ctx.recipe), ctx.recipe, executor, k, ctx.recipe.rollout.temperature,
+                                  ctx.seed("pass-at-k"), label=f"{ctx.stage} pass@{k}")
+    ctx.write_json("pass_at_k", {"k": k, "temperature": ctx.recipe.rollout.temperature, "pass_at_k": rates})
+    return rates
+
+
+ITERATION_TAG = "posttrain.iteration"
+RUN_ROOT_TAG = "posttrain.run_root"
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """Where a registry version's eval results are (``manifest``), or why they are not
+    (``missing``: a sentence for the decision's reason)."""
+
+    version: str
+    manifest: Manifest | None
+    missing: str = ""
+
+
+def scoring_of(store: Store, pipeline: str, version: str) -> Scoring:
+    """The manifest of the stage that scored ``version`` on the eval suite, found through
+    the version's ``posttrain.iteration`` tag; ``missing`` says why when there is none."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tags = tracking.client().get_model_version(models.model_name(pipeline), str(version)).tags
+    except MlflowException:
+        return Scoring(version, None, f"version {version} is not in the registry")
+    if ITERATION_TAG not in tags:
+        return Scoring(version, None, f"version {version} has no {ITERATION_TAG} tag (registered outside the pipeline)")
+    if tags.get(RUN_ROOT_TAG, store.uri) != store.uri:
+        return Scoring(version, None, f"version {version} was scored under another run root ({tags[RUN_ROOT_TAG]})")
+    iteration = int(tags[ITERATION_TAG])
+    prefix = stage_prefix(pipeline, iteration, "bootstrap" if iteration == 0 else "evaluation")
+    manifest = read_manifest(store, prefix)
+    if manifest is None or "eval_results" not in manifest.outputs:
+        return Scoring(version, None, f"no eval_results of version {version} under {store.url(prefix)}")
+    return Scoring(version, manifest)
+
+
+def scored_results(store: Store, scoring: Scoring) -> tuple[list[EvalResult], str]:
+    """(results, "") of a found scoring, read verified; ([], why) when they are missing or
+    were scored for another version (a stage re-run since)."""
+    if scoring.manifest is None:
+        return [], scoring.missing
+    out = scoring.manifest.outputs["eval_results"]
+    expected = expected_output(store, scoring.manifest, out)
+    rows = from_table(EvalResult, read_parquet(store.read_bytes(out.path, expected), store.url(out.path), expected))
+    if any(r.policy_version != scoring.version for r in rows):
+        return [], f"the eval_results under {store.url(scoring.manifest.prefix)} are not version {scoring.version}'s"
+    return rows, ""

@@ -2,13 +2,19 @@
 
 The suite for a recipe is ``evaluation.tasks_per_domain`` tasks per domain drawn from a
 seed that depends only on the pipeline's base seed, so every policy version of a
-pipeline is scored on exactly the same tasks. ``pass_rates`` averages per domain.
-Not covered: sampling-based pass@k (k > 1); evaluation is greedy pass@1.
+pipeline is scored on exactly the same tasks. ``run_suite`` scores greedy pass@1 (what
+promotion compares); ``pass_rates`` averages per domain. ``sampled_pass_at_k`` draws k
+completions per task at a temperature (seeded) and returns the unbiased pass@k per
+domain, a report figure that never decides promotion.
+
+Not covered: pass@k from more samples than k (n > k), or per-slice pass@k.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+import numpy as np
 
 from components.core.policy import Policy
 from components.core.recipe import Recipe
@@ -17,6 +23,7 @@ from components.core.seeds import derive_seed
 from components.domains import registry
 from components.domains.base import judge
 from components.domains.execute import execute
+from components.evalsuite.stats import pass_at_k
 from components.rollout.engines import get_engine
 from components.sandbox.executor import Executor
 
@@ -59,3 +66,20 @@ def pass_rates(results: list[EvalResult]) -> dict[str, float]:
     for r in results:
         by[r.domain].append(r.passed)
     return {d: sum(v) / len(v) for d, v in sorted(by.items())}
+
+
+def sampled_pass_at_k(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, k: int, temperature: float,
+                      seed: int, label: str = "pass@k") -> dict[str, float]:
+    """Per domain, the mean unbiased pass@k over ``tasks`` from ``k`` completions per task
+    sampled at ``temperature`` (reproducible from ``seed``)."""
+    prompts = [t.prompt for t in tasks for _ in range(k)]
+    samples = get_engine(recipe.rollout.engine).generate(
+        policy, prompts, recipe.evaluation.max_new_tokens, temperature, seed, recipe.rollout.batch_size,
+    )
+    jobs = [(f"{t.task_id}#{j}", t, samples[i * k + j].text) for i, t in enumerate(tasks) for j in range(k)]
+    results = execute(jobs, executor, recipe.sandbox.concurrency, label)
+    passed = np.array([judge(registry.get(t.domain), t, text, results.get(key)).passed for key, t, text in jobs], dtype=int)
+    correct = passed.reshape(len(tasks), k).sum(axis=1)
+    per_task = pass_at_k(k, correct, k)
+    domains = np.array([t.domain for t in tasks])
+    return {d: float(per_task[domains == d].mean()) for d in sorted(set(domains.tolist()))}

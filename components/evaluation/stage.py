@@ -1,13 +1,29 @@
 """Stage ``evaluation``: score the candidate on the fixed suite; promote or hold.
 
 The candidate (this iteration's checkpoint) is evaluated greedily on the fixed held-out
-suite. Its per-domain pass rates are compared with those of the current ``champion``
-(recorded on that registry version by bootstrap or an earlier evaluation) — the policy
-the iteration started from by default, but not when ``rollout.policy: candidate`` keeps
-training on from held candidates: a candidate is never measured against a weaker held
-one. The candidate becomes ``champion`` only if no domain dropped by more than
-``evaluation.regression_tolerance``; the decision and the reason are written to the
-report, the manifest and the registry version's tags.
+suite and compared, domain by domain, with the baseline: the current ``champion`` — the
+policy the iteration started from by default, but not when ``rollout.policy: candidate``
+keeps training on from held candidates (a candidate is never measured against a weaker
+held one).
+
+The rule is ``evaluation.promotion`` (``components.evalsuite.decision``):
+
+- ``statistical`` (default): the baseline's per-task results are read from the store
+  (those of the stage that scored it, an input of this stage) and paired with the
+  candidate's by task; a domain regresses when the upper bound of the paired-bootstrap
+  interval of its pass-rate difference (``evaluation.confidence``,
+  ``evaluation.bootstrap_resamples``, seeded from the recipe seed) is below 0. Promoted
+  when no domain regresses and the mean pass rate over domains does not drop. Without
+  the baseline's results it falls back to the strict rule and the reason says why.
+- ``strict``: promoted only if no domain dropped by more than
+  ``evaluation.regression_tolerance``.
+
+With ``evaluation.pass_k > 0`` it also samples k completions per eval task and logs the
+unbiased pass@k per domain (``<domain>/pass_at_k``) beside greedy pass@1; pass@k never
+decides. The decision, the rule and why, and the per-domain table (candidate, baseline,
+difference, interval) go to ``report.json``, the manifest's facts, and the registry
+version (tags and a markdown description with links to the runs, the checkpoint and
+the datasets it trained on).
 
 The baseline (the champion's version and pass rates) is fixed at iteration start, before
 any alias can move, and recorded in taskgen's manifest (``StartingPolicy``); evaluation
@@ -15,10 +31,10 @@ reads it from there. So an evaluation killed after it moved the alias and before
 manifest, then run again, gives the same report and aliases as an uninterrupted one
 (it does not compare the candidate with itself). The baseline version is also tagged
 on the candidate's registry version (``posttrain.baseline_version``); iterations whose
-taskgen manifest predates the field fall back to that tag.
+taskgen manifest predates the field fall back to that tag (and to the strict rule).
 
-Not covered: statistical significance tests on the difference (the suite is fixed and
-greedy, so the same policy always gets the same score).
+Not covered: corrections for comparing several domains at once (each interval is at
+``evaluation.confidence`` on its own).
 """
 
 from __future__ import annotations
@@ -28,9 +44,21 @@ import dataclasses
 from components.core import models, tracking
 from components.core.context import StageContext
 from components.core.facts import Checkpoint, Decision, StartingPolicy
+from components.core.manifest import MANIFEST, InputRef
 from components.core.policy import load_policy
 from components.core.progress import say
-from components.evalsuite.score import eval_tags, evaluate_and_log, tagged_rates
+from components.core.records import EvalResult
+from components.evalsuite.decision import (
+    BASELINE_TAG,
+    Comparison,
+    compare,
+    missing_pairs,
+    record_decision,
+    statistical_rule,
+    strict_rule,
+    unpaired,
+)
+from components.evalsuite.score import Scoring, eval_tags, evaluate_and_log, log_pass_at_k, scored_results, scoring_of, tagged_rates
 
 SECTIONS = ("evaluation", "rollout", "sandbox")
 """Recipe sections read: the suite's size and generation settings, the engine, the sandbox."""
@@ -46,9 +74,6 @@ def baseline_for(pipeline: str, parent_version: str) -> tuple[str, dict[str, flo
     champion = models.resolve_alias(pipeline, "champion")
     version = champion[0] if champion else parent_version
     return version, baseline_rates(pipeline, version)
-
-
-BASELINE_TAG = "posttrain.baseline_version"
 
 
 def fixed_baseline(pipeline: str, candidate: str, parent_version: str) -> tuple[str, dict[str, float]]:
@@ -74,37 +99,84 @@ def iteration_baseline(ctx: StageContext, trainer: Checkpoint) -> tuple[str, dic
     return start.baseline_version, rates
 
 
-def decide(candidate: dict[str, float], baseline: dict[str, float], tolerance: float) -> tuple[bool, str]:
-    drops = {d: baseline[d] - candidate.get(d, 0.0) for d in baseline}
-    worst = [f"{d} {baseline[d]:.3f}->{candidate.get(d, 0.0):.3f}" for d, drop in sorted(drops.items()) if drop > tolerance]
-    if worst:
-        return False, "regressed beyond tolerance: " + ", ".join(worst)
-    return True, "no domain regressed beyond tolerance"
+def baseline_scoring(ctx: StageContext) -> Scoring | None:
+    """Where the baseline's per-task eval results are (None for iterations whose taskgen
+    manifest records no baseline version)."""
+    start = ctx.facts_of("taskgen", StartingPolicy)
+    return scoring_of(ctx.store, ctx.pipeline, start.baseline_version) if start.baseline_version else None
+
+
+def comparisons(ctx: StageContext, results: list[EvalResult], rates: dict[str, float],
+                baseline: dict[str, float]) -> tuple[list[Comparison], str]:
+    """(per-domain rows, "") paired with the baseline's results, or (rows without
+    intervals, why) when those results are missing or do not cover the candidate's tasks."""
+    scoring = baseline_scoring(ctx)
+    base, missing = scored_results(ctx.store, scoring) if scoring else ([], "taskgen's manifest records no baseline version")
+    if not missing and (n := missing_pairs(results, base)):
+        missing = f"the results of version {scoring.version} lack {n} of the candidate's {len(results)} eval tasks"
+    if missing:
+        tasks = {d: sum(r.domain == d for r in results) for d in rates}
+        return unpaired(rates, baseline, tasks), missing
+    cfg = ctx.recipe.evaluation
+    return compare(results, base, cfg.confidence, cfg.bootstrap_resamples, ctx.seed("promotion")), ""
+
+
+def decide(ctx: StageContext, rows: list[Comparison], missing: str, rates: dict[str, float],
+           baseline: dict[str, float]) -> tuple[str, str, bool, str]:
+    """(rule, why that rule, promoted, reason) under ``evaluation.promotion``."""
+    cfg = ctx.recipe.evaluation
+    if cfg.promotion == "strict":
+        return ("strict", "evaluation.promotion is strict", *strict_rule(rates, baseline, cfg.regression_tolerance))
+    if missing:
+        promoted, reason = strict_rule(rates, baseline, cfg.regression_tolerance)
+        return "strict", f"fallback: {missing}", promoted, f"strict rule ({missing}): {reason}"
+    why = f"paired bootstrap over {sum(r.tasks for r in rows)} eval tasks both versions answered"
+    return ("statistical", why, *statistical_rule(rows, cfg.confidence))
 
 
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("trainer")
+    # The decision depends on the baseline's per-task results: a re-scored baseline re-runs it.
+    scoring = baseline_scoring(ctx)
+    if scoring is not None and scoring.manifest is not None:
+        m = scoring.manifest
+        ctx.inputs["baseline_eval"] = InputRef(uri=ctx.store.url(f"{m.prefix}/{MANIFEST}"), digest=m.content_digest)
 
 
 def run(ctx: StageContext) -> dict[str, float]:
+    cfg = ctx.recipe.evaluation
     trainer = ctx.facts_of("trainer", Checkpoint)
     candidate = load_policy(trainer.checkpoint_uri, trainer.version)
-    _, rates, worst = evaluate_and_log(ctx, candidate)
+    results, rates, worst = evaluate_and_log(ctx, candidate)
+    pass_k = log_pass_at_k(ctx, candidate, cfg.pass_k) if cfg.pass_k else {}
     baseline_version, baseline = iteration_baseline(ctx, trainer)
-    promoted, reason = decide(rates, baseline, ctx.recipe.evaluation.regression_tolerance)
+    rows, missing = comparisons(ctx, results, rates, baseline)
+    rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
     models.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
+    record_decision(ctx.pipeline, trainer.version, promoted=promoted, reason=reason, rows=rows,
+                    baseline_version=baseline_version, parent_version=trainer.parent_version, run_id=ctx.mlflow_run_id,
+                    parent_run_id=ctx.parent_run_id, checkpoint_uri=trainer.checkpoint_uri,
+                    datasets={k: v.uri for k, v in ctx.upstream("trainer")[0].inputs.items()})
     if promoted:
         models.set_alias(ctx.pipeline, "champion", trainer.version)
     ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,
-                         reason=reason, baseline=baseline, baseline_version=baseline_version)
+                         reason=reason, baseline=baseline, baseline_version=baseline_version, rule=rule)
     ctx.write_json("report", {"candidate": trainer.version, "baseline": baseline_version,
                               "parent": trainer.parent_version, "pass_rates": rates,
                               "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
+                              "rule": rule, "rule_why": why, "confidence": cfg.confidence,
+                              "domains": {r.domain: {k: v for k, v in dataclasses.asdict(r).items() if k != "domain"}
+                                          for r in rows},
+                              "pass_at_k": {"k": cfg.pass_k, "rates": pass_k} if cfg.pass_k else None,
                               "weakest_slice": dataclasses.asdict(worst) if worst else None})
     say(f"iter {ctx.iteration} | evaluation | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
         + (f" | weakest {worst.name} {worst.pass_rate:.3f}" if worst else "")
-        + f" | {'promoted' if promoted else 'held'}: {reason}")
+        + f" | {'promoted' if promoted else 'held'} ({rule}): {reason}")
     metrics = {f"{d}/pass_at_1": v for d, v in rates.items()}
     metrics["mean/pass_at_1"] = sum(rates.values()) / max(1, len(rates))
+    metrics.update({f"{d}/pass_at_k": v for d, v in pass_k.items()})
+    if pass_k:
+        metrics["mean/pass_at_k"] = sum(pass_k.values()) / len(pass_k)
+    metrics.update({f"{r.domain}/diff_ci_high": r.ci_high for r in rows if r.ci_high is not None})
     metrics["promoted"] = float(promoted)
     return metrics

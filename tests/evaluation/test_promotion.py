@@ -1,5 +1,6 @@
-"""Promotion: a candidate is measured against the champion (real MLflow registry), and
-held when any domain drops by more than the tolerance."""
+"""Promotion's baseline: a candidate is measured against the champion (real MLflow
+registry), fixed before the alias moves; the strict rule holds it when any domain drops
+by more than the tolerance (the statistical rule: test_statistical_promotion.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 
 from components.core import models, tracking
 from components.evalsuite.score import eval_tags
-from components.evaluation.stage import BASELINE_TAG, baseline_for, decide, fixed_baseline
+from components.evalsuite.decision import strict_rule
+from components.evaluation.stage import BASELINE_TAG, baseline_for, fixed_baseline
 
 
 @pytest.mark.parametrize(("candidate", "promoted", "reason"), [
@@ -16,8 +18,8 @@ from components.evaluation.stage import BASELINE_TAG, baseline_for, decide, fixe
     ({"code": 0.27, "math": 0.50}, False, "regressed beyond tolerance: code 0.300->0.270"),  # the mean rose; code fell
     ({"math": 0.10}, False, "regressed beyond tolerance: code 0.300->0.000"),  # a missing domain counts as 0
 ])
-def test_decide(candidate, promoted, reason):
-    assert decide(candidate, {"code": 0.30, "math": 0.10}, tolerance=0.02 + 1e-9) == (promoted, reason)
+def test_strict_rule(candidate, promoted, reason):
+    assert strict_rule(candidate, {"code": 0.30, "math": 0.10}, tolerance=0.02 + 1e-9) == (promoted, reason)
 
 
 def test_baseline_is_the_champion_not_a_weaker_held_parent(tmp_path, posttrain_home):
@@ -31,7 +33,7 @@ def test_baseline_is_the_champion_not_a_weaker_held_parent(tmp_path, posttrain_h
     models.set_alias("promo", "champion", "1")
     # Version 3 trained on from held version 2 (rollout.policy: candidate): its bar is still version 1.
     assert baseline_for("promo", parent_version="2") == ("1", {"code": 0.30})
-    assert decide({"code": 0.25}, baseline_for("promo", "2")[1], 0.02) == (False, "regressed beyond tolerance: code 0.300->0.250")
+    assert strict_rule({"code": 0.25}, baseline_for("promo", "2")[1], 0.02) == (False, "regressed beyond tolerance: code 0.300->0.250")
 
 
 def test_the_baseline_is_fixed_before_the_alias_moves(tmp_path, posttrain_home):

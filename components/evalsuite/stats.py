@@ -1,0 +1,93 @@
+"""Statistics of eval-suite pass rates: Wilson intervals, a paired bootstrap, pass@k.
+
+- ``wilson(passed, tasks, confidence)``: the Wilson score interval of a pass rate
+  (vectorised over arrays of counts); the layered report puts one on every slice.
+- ``paired_bootstrap(candidate, baseline, confidence, resamples, seed)``: the difference of
+  two policies' pass rates on the *same* tasks (``candidate[i]`` and ``baseline[i]`` are
+  one task's outcomes) and its percentile interval. Resampling tasks with replacement
+  only changes how many tasks of each kind (-1, 0, +1 per-task difference) are drawn, so
+  each resample is one multinomial draw of those three counts: exactly the bootstrap over
+  task indices, in O(resamples) memory whatever the suite's size.
+- ``pass_at_k(samples, correct, k)``: the unbiased pass@k estimator of Chen et al. (2021),
+  ``1 - C(n-c, k) / C(n, k)`` per task (through log-gamma: no large binomials).
+
+Example::
+
+    >>> from components.evalsuite.stats import wilson, pass_at_k
+    >>> [round(float(x), 4) for x in wilson(8, 10, 0.95)]
+    [0.4902, 0.9433]
+    >>> round(float(pass_at_k(10, 3, 5)), 4)
+    0.9167
+
+Not covered: multiple-comparison corrections across domains (each domain's interval is
+at the stated confidence on its own), or intervals for mean scores (only pass rates).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from scipy.special import gammaln
+from scipy.stats import norm
+
+
+def z_value(confidence: float) -> float:
+    """The two-sided standard normal quantile for ``confidence`` (1.95996... for 0.95)."""
+    return float(norm.ppf(0.5 + confidence / 2))
+
+
+def wilson(passed, tasks, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) of the Wilson score interval for ``passed`` successes out of ``tasks``;
+    arrays broadcast. A slice of 0 tasks gets (0, 1): it says nothing."""
+    k = np.asarray(passed, dtype=float)
+    n = np.asarray(tasks, dtype=float)
+    z = z_value(confidence)
+    safe = np.where(n > 0, n, 1.0)
+    p = k / safe
+    denom = 1 + z * z / safe
+    centre = (p + z * z / (2 * safe)) / denom
+    half = z * np.sqrt(p * (1 - p) / safe + z * z / (4 * safe * safe)) / denom
+    # the interval contains p; min/max only remove rounding (e.g. 1 - 1e-17 at p = 1)
+    low = np.where(n > 0, np.clip(np.minimum(centre - half, p), 0.0, 1.0), 0.0)
+    high = np.where(n > 0, np.clip(np.maximum(centre + half, p), 0.0, 1.0), 1.0)
+    return low, high
+
+
+def domain_seed(seed: int, domain: str) -> np.random.Generator:
+    """A generator for one domain's resamples: independent of which other domains exist."""
+    return np.random.default_rng([seed, zlib.crc32(domain.encode())])
+
+
+def paired_bootstrap(candidate, baseline, confidence: float, resamples: int,
+                     rng: np.random.Generator | int) -> tuple[float, float, float]:
+    """(difference, low, high): the pass-rate difference candidate - baseline over paired
+    tasks and its percentile bootstrap interval at ``confidence``."""
+    c = np.asarray(candidate, dtype=float)
+    b = np.asarray(baseline, dtype=float)
+    assert c.shape == b.shape and c.ndim == 1, "paired outcomes: one candidate and one baseline outcome per task"
+    n = c.size
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    d = c - b
+    values = np.array([-1.0, 0.0, 1.0])
+    shares = np.array([(d < 0).sum(), (d == 0).sum(), (d > 0).sum()], dtype=float) / n
+    counts = gen.multinomial(n, shares, size=resamples)  # one row per resample of n tasks
+    diffs = counts @ values / n
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(diffs, [alpha, 1 - alpha])
+    return float(d.mean()), float(low), float(high)
+
+
+def pass_at_k(samples, correct, k: int) -> np.ndarray:
+    """Unbiased pass@k per task from ``samples`` completions of which ``correct`` passed
+    (arrays broadcast; ``k <= samples``): ``1 - C(n-c, k) / C(n, k)``, the ratio taken
+    through log-gamma so that no binomial is ever formed."""
+    n = np.asarray(samples, dtype=float)
+    c = np.asarray(correct, dtype=float)
+    assert k >= 1 and np.all(n >= k) and np.all((c >= 0) & (c <= n)), "pass@k needs 0 <= correct <= samples and k <= samples"
+    rest = n - c
+    fails = np.maximum(rest - k, 0)  # n-c-k where all k draws can fail, else unused
+    log_ratio = gammaln(rest + 1) - gammaln(fails + 1) - gammaln(n + 1) + gammaln(n - k + 1)
+    return np.where(rest < k, 1.0, 1.0 - np.exp(log_ratio))
