@@ -1,20 +1,31 @@
 """Stage ``validation``: stop the iteration when the trainer's input is malformed.
 
 Reads every shard's rollouts and rewards, runs the Great Expectations gate
-(``components.validation.suite``), writes the report, and raises ``DataQualityError``
-(exit status 3) listing the failed expectations when the gate fails. No manifest is
-written on failure, so the trainer cannot start from bad data.
+(``components.validation.suite``), writes the report (verdict, failures and one row per
+expectation), and raises ``DataQualityError`` (exit status 3) listing the failed
+expectations when the gate fails. No manifest is written on failure, so the trainer
+cannot start from bad data.
+
+Before it passes or raises, the stage logs the expectation rows on its MLflow run, so a
+reviewer sees which expectations failed on the FAILED run itself:
+``validation/expectations.html`` (a self-contained, escaped page) and
+``validation/expectations.json`` (an MLflow table, shown in the UI's table viewer).
+Not covered: artifacts for a stage run without an MLflow run id (nothing is logged).
 """
 
 from __future__ import annotations
 
+from components.core import tracking
 from components.core.context import StageContext
 from components.core.errors import DataQualityError
 from components.core.records import Reward, Rollout
-from components.validation.suite import check
+from components.validation.suite import COLUMNS, Report, check, render_html
 
 SECTIONS = ("validation", "rollout")
 """Recipe sections read: the gate's thresholds, and the completion cap rows must respect."""
+
+HTML_ARTIFACT = "validation/expectations.html"
+TABLE_ARTIFACT = "validation/expectations.json"
 
 
 def inputs(ctx: StageContext) -> None:
@@ -22,11 +33,30 @@ def inputs(ctx: StageContext) -> None:
     ctx.depend_on("reward")
 
 
+def log_report(ctx: StageContext, report: Report) -> None:
+    """The report's expectation rows as artifacts of the stage's MLflow run."""
+    import warnings
+
+    import pandas as pd
+
+    if not ctx.mlflow_run_id:
+        return
+    c = tracking.client()
+    title = f"{ctx.pipeline} iteration {ctx.iteration}: validation"
+    c.log_text(ctx.mlflow_run_id, render_html(report, title), HTML_ARTIFACT)
+    with warnings.catch_warnings():  # MLflow's image-column probe trips a pandas 3 deprecation on str columns
+        warnings.filterwarnings("ignore", message=r"For backward compatibility, 'str' dtypes")
+        table = pd.DataFrame(report.expectations, columns=list(COLUMNS))
+        table = table.astype({"element_count": "Int64", "unexpected_count": "Int64"})  # counts stay integers beside nulls
+        c.log_table(ctx.mlflow_run_id, table, TABLE_ARTIFACT)
+
+
 def run(ctx: StageContext) -> dict[str, float]:
     rollouts = ctx.read_records("rollout", "rollouts", Rollout)
     rewards = ctx.read_records("reward", "rewards", Reward)
     report = check(rollouts, rewards, ctx.recipe)
     uri = ctx.write_json("report", report.to_json())
+    log_report(ctx, report)
     if not report.success:
         raise DataQualityError(f"validation failed for iteration {ctx.iteration} ({uri}): " + "; ".join(report.failures))
     return {"expectations": float(report.checked), "rows": float(len(rewards))}

@@ -7,27 +7,128 @@ finite advantages), shapes (one logprob per completion token), allowed values
 (statuses, domains), uniqueness of ids, and that enough rewards survived infrastructure
 failures to train on.
 
-Not covered: distribution drift across iterations (compare reward metrics in MLflow).
+The report keeps one row per expectation (``Report.expectations``, columns
+``COLUMNS``): its table, expectation type, column, kwargs (JSON text), success,
+observed value, unexpected count and percent, and the first few unexpected values (a
+JSON list). Two checks of the
+gate itself are rows too (expectation names starting ``posttrain.``): every rollout has
+a reward, and each table has rows (an empty table's GX suite is not run). Every cell is
+JSON-safe and bounded (``CELL_CHARS``; at most ``SAMPLE_VALUES`` unexpected values of
+``VALUE_CHARS`` each), because values come from model output; a long kwargs text is cut,
+so it is then no longer valid JSON. ``render_html`` turns a report into a
+self-contained HTML page (every cell escaped with ``html.escape``) for reviewers; the
+validation stage logs it and the rows as MLflow artifacts.
+
+Not covered: distribution drift across iterations (compare reward metrics in MLflow);
+GX Data Docs (the ephemeral context keeps no validation results to build them from);
+which rows held the unexpected values (GX reports their values, not our ids).
 """
 
 from __future__ import annotations
 
+import html
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
 from components.core.records import REWARD_STATUSES, Reward, Rollout
+
+COLUMNS = ("table", "expectation", "column", "kwargs", "success", "observed", "element_count", "unexpected_count",
+           "unexpected_percent", "unexpected_values", "exception")
+"""The columns of ``Report.expectations`` rows, in display order."""
+CELL_CHARS = 300
+"""The longest text a row's cell (or a failure in the HTML summary) holds; longer ends in an ellipsis."""
+SAMPLE_VALUES = 5
+"""How many unexpected values (and list items in kwargs) a row keeps."""
+VALUE_CHARS = 50
+"""The longest text one unexpected value keeps (so that a few fit in a cell as a JSON list)."""
+CHECK_ROWS_MATCH = "posttrain.every_rollout_has_a_reward"
+CHECK_NOT_EMPTY = "posttrain.table_has_rows"
 
 
 @dataclass
 class Report:
     success: bool
     failures: list[str] = field(default_factory=list)
-    checked: int = 0
+    checked: int = 0  # GX expectations evaluated
+    expectations: list[dict[str, Any]] = field(default_factory=list)  # one row per check, keys COLUMNS
 
     def to_json(self) -> dict:
-        return {"success": self.success, "failures": self.failures, "checked": self.checked}
+        return {"success": self.success, "failures": self.failures, "checked": self.checked,
+                "expectations": self.expectations}
+
+
+def bounded(text: str, limit: int = CELL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, ending in an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON-safe data: numpy scalars unwrapped, non-finite floats as text,
+    strings bounded, lists cut to ``SAMPLE_VALUES`` items, nesting cut at depth 3."""
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (str, bytes, list, dict, tuple)):
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            value = str(value)
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        return bounded(value)
+    if depth >= 3:
+        return bounded(str(value))
+    if isinstance(value, dict):
+        return {bounded(str(k), 60): _plain(v, depth + 1) for k, v in list(value.items())[:20]}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+        kept = [_plain(v, depth + 1) for v in items[:SAMPLE_VALUES]]
+        return kept + ([f"... {len(items) - SAMPLE_VALUES} more"] if len(items) > SAMPLE_VALUES else [])
+    return bounded(str(value))
+
+
+def _text(value: Any) -> str:
+    """A bounded one-line text for a cell: strings as they are, anything else as JSON."""
+    plain = _plain(value)
+    if plain is None:
+        return ""
+    return bounded(plain if isinstance(plain, str) else json.dumps(plain, ensure_ascii=False, sort_keys=True))
+
+
+def _sample(values: Any) -> str:
+    """The first unexpected values as a JSON list that fits in a cell: each value cut to
+    ``VALUE_CHARS``, then values dropped from the end while the list is too long."""
+    items = []
+    for v in list(values)[:SAMPLE_VALUES]:
+        plain = _plain(v)
+        if not (plain is None or isinstance(plain, (bool, int, float))):
+            plain = bounded(plain if isinstance(plain, str) else json.dumps(plain, ensure_ascii=False), VALUE_CHARS)
+        items.append(plain)
+    while items and len(json.dumps(items, ensure_ascii=False)) > CELL_CHARS:
+        items.pop()
+    return json.dumps(items, ensure_ascii=False) if items else ""
+
+
+def _row(table: str, expectation: str, column: str | None, kwargs: dict, success: bool, result: dict,
+         exception: str = "") -> dict[str, Any]:
+    def count(key: str) -> int | None:
+        v = _plain(result.get(key))
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    pct = _plain(result.get("unexpected_percent"))
+    unexpected = result.get("partial_unexpected_list")
+    return {
+        "table": bounded(table), "expectation": bounded(expectation), "column": bounded(column or ""),
+        "kwargs": _text(kwargs), "success": bool(success), "observed": _text(result.get("observed_value")),
+        "element_count": count("element_count"), "unexpected_count": count("unexpected_count"),
+        "unexpected_percent": float(pct) if isinstance(pct, (int, float)) and not isinstance(pct, bool) else None,
+        "unexpected_values": _sample(unexpected) if unexpected else "",
+        "exception": bounded(exception or ""),
+    }
 
 
 def _frames(rollouts: list[Rollout], rewards: list[Reward]) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -85,11 +186,17 @@ def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
     source = context.data_sources.add_pandas("posttrain")
     frames = dict(zip(("rollouts", "rewards"), _frames(rollouts, rewards)))
     report = Report(success=True)
-    if len(rewards) != len(rollouts):
+    matched = len(rewards) == len(rollouts)
+    report.expectations.append(_row("rewards", CHECK_ROWS_MATCH, None, {"rollouts": len(rollouts)}, matched,
+                                    {"observed_value": len(rewards)}))
+    if not matched:
         report.success = False
         report.failures.append(f"rewards has {len(rewards)} rows but rollouts has {len(rollouts)}: every rollout needs a reward")
     for name, expectations in _suites(gx, recipe, recipe.rollout.max_new_tokens).items():
-        if frames[name].empty:
+        empty = frames[name].empty
+        report.expectations.append(_row(name, CHECK_NOT_EMPTY, None, {"min_rows": 1}, not empty,
+                                        {"observed_value": len(frames[name])}))
+        if empty:
             report.success = False
             report.failures.append(f"{name}: no rows to train on")
             continue
@@ -99,10 +206,54 @@ def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
         result = batch.validate(suite)
         for r in result.results:
             report.checked += 1
+            cfg = r.expectation_config
+            kwargs = {k: v for k, v in cfg.kwargs.items() if k not in ("batch_id",)}
+            info = r.exception_info or {}
+            raised = info.get("exception_message") if info.get("raised_exception") else ""
+            report.expectations.append(_row(name, cfg.type, kwargs.get("column"), kwargs, bool(r.success),
+                                            dict(r.result or {}), str(raised or "")))
             if not r.success:
-                cfg = r.expectation_config
-                kwargs = {k: v for k, v in cfg.kwargs.items() if k not in ("batch_id",)}
                 observed = r.result.get("observed_value", r.result.get("partial_unexpected_list", ""))
                 report.failures.append(f"{name}: {cfg.type} {kwargs} failed (observed {str(observed)[:120]})")
                 report.success = False
     return report
+
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse;font-size:13px}
+th,td{border:1px solid #ccc;padding:4px 6px;text-align:left;vertical-align:top;max-width:28em;overflow-wrap:anywhere}
+th{background:#f2f2f2}
+tr.fail td{background:#fde8e8}
+.ok{color:#176f2c;font-weight:bold}.bad{color:#b00020;font-weight:bold}
+"""
+
+
+def render_html(report: Report, title: str = "validation") -> str:
+    """A self-contained HTML page for ``report``: verdict, failures, one table row per
+    expectation (failed rows first). Every piece of text is bounded and escaped."""
+    def esc(value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        return html.escape(bounded(str(value)), quote=True)
+
+    verdict = '<span class="ok">passed</span>' if report.success else '<span class="bad">failed</span>'
+    failed = sum(1 for row in report.expectations if not row.get("success"))
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+        f"<p>Data-quality gate {verdict}: {len(report.expectations)} checks, {failed} failed "
+        f"({report.checked} Great Expectations expectations evaluated).</p>",
+    ]
+    if report.failures:
+        parts.append("<ul>" + "".join(f"<li>{esc(f)}</li>" for f in report.failures[:50]) + "</ul>")
+    parts.append("<table><thead><tr>" + "".join(f"<th>{esc(c)}</th>" for c in COLUMNS) + "</tr></thead><tbody>")
+    rows = sorted(report.expectations, key=lambda row: bool(row.get("success")))
+    for row in rows:
+        cls = "" if row.get("success") else ' class="fail"'
+        parts.append(f"<tr{cls}>" + "".join(f"<td>{esc(row.get(c))}</td>" for c in COLUMNS) + "</tr>")
+    parts.append("</tbody></table></body></html>")
+    return "\n".join(parts)
