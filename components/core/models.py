@@ -1,56 +1,167 @@
 """The model registry: every checkpoint is a version of ``<pipeline>-policy``.
 
-A version's source is the stored checkpoint URI (no second copy). Aliases: ``candidate``
-(latest trained) and ``champion`` (promoted by evaluation). Runs, experiments and
-datasets are :mod:`components.core.tracking`.
+Each version is an MLflow model that loads and serves
+(``mlflow.pyfunc.load_model("models:/<pipeline>-policy@champion")``; see
+:mod:`components.core.policy_model`): a small pyfunc model logged as a LoggedModel of the
+stage's run, holding the stored checkpoint's URI, not a copy of the weights. The
+checkpoint URI is the version tag ``posttrain.checkpoint_uri`` (also a tag of the run
+that registered it); everything that needs a version's checkpoint reads that tag
+(``checkpoint_of``), falling back to the version's source for versions registered as a
+bare checkpoint folder. Aliases: ``candidate`` (latest trained) and ``champion``
+(promoted by evaluation).
+
+A registered model belongs to one run root (model tag ``posttrain.run_root``, set when it
+is created; a model without it is claimed by its next registration). Registering a
+version or moving an alias for another run root is refused (``UserError`` on
+``run_root``): two run roots sharing a pipeline name on one tracking server would
+otherwise move each other's champion. ``check_owner`` is the same check for the
+preflight. Runs, experiments and datasets are :mod:`components.core.tracking`.
+
+Not covered: two run roots claiming an unowned model at the same instant (the last tag
+write wins; the preflight of the other then refuses its next run); moving a model to
+another run root (delete the tag ``posttrain.run_root`` in MLflow, and the next
+registration claims it); deleting the checkpoints of deleted versions.
 """
 
 from __future__ import annotations
 
+import tempfile
+import time
+
 from components.core import tracking
+from components.core.errors import UserError
 
 POLICY_SUFFIX = "-policy"
+TAG_CHECKPOINT = "posttrain.checkpoint_uri"
+TAG_RUN_ROOT = tracking.TAG_RUN_ROOT
+MODEL_ARTIFACT = "policy"
+"""Name of the LoggedModel each registration logs under the stage's run."""
+
+last_registration_s = 0.0
+"""Seconds the last ``register_checkpoint`` spent building and uploading its MLflow model."""
 
 
 def model_name(pipeline: str) -> str:
     return pipeline + POLICY_SUFFIX
 
 
-def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: dict[str, str]) -> str:
-    """A new version of ``<pipeline>-policy`` pointing at the stored checkpoint; returns the version."""
+def checkpoint_of(mv) -> str:
+    """The stored checkpoint URI of a model version: its tag, or (versions registered as
+    a bare checkpoint folder) its source."""
+    return dict(mv.tags).get(TAG_CHECKPOINT) or mv.source
+
+
+def _refuse(name: str, run_root: str, owner: str) -> UserError:
+    return UserError("run_root", run_root, f"registered model {name} belongs to run root {owner}",
+                     "give this run root its own pipeline name (recipe `pipeline:`) or its own tracking server")
+
+
+def owner(pipeline: str) -> str | None:
+    """The run root that owns ``<pipeline>-policy``: '' when the model has no owner tag,
+    None when there is no such registered model."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        rm = tracking.client().get_registered_model(model_name(pipeline))
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return dict(rm.tags).get(TAG_RUN_ROOT, "")
+
+
+def check_owner(pipeline: str, run_root: str) -> None:
+    """A UserError unless ``run_root`` may write ``<pipeline>-policy`` (it owns it, or
+    nobody does yet)."""
+    found = owner(pipeline)
+    if found and found != run_root:
+        raise _refuse(model_name(pipeline), run_root, found)
+
+
+def _claim(pipeline: str, run_root: str) -> None:
+    """Create ``<pipeline>-policy`` owned by ``run_root``, or claim it when unowned, or
+    refuse when another run root owns it."""
     from mlflow.exceptions import MlflowException
 
     c = tracking.client()
     name = model_name(pipeline)
-    try:
-        c.get_registered_model(name)
-    except MlflowException:
+    found = owner(pipeline)
+    if found is None:
+        try:
+            c.create_registered_model(name, tags={TAG_RUN_ROOT: run_root},
+                                      description=f"Policy checkpoints of pipeline {pipeline}")
+            return
+        except MlflowException:
+            found = owner(pipeline)  # created concurrently: judge its owner
+    if not found:
+        c.set_registered_model_tag(name, TAG_RUN_ROOT, run_root)
+    elif found != run_root:
+        raise _refuse(name, run_root, found)
+
+
+def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: dict[str, str], *,
+                        run_root: str | None = None, max_new_tokens: int = 24, batch_size: int = 64) -> str:
+    """A new version of ``<pipeline>-policy`` serving the stored checkpoint; returns the version.
+
+    ``run_root`` (default: ``tags["posttrain.run_root"]``) must own the registered model.
+    Idempotent: a checkpoint URI that already has a version returns that version (a
+    retried stage does not register twice). ``max_new_tokens`` and ``batch_size`` are the
+    served model's defaults (a request may pass ``max_new_tokens``)."""
+    global last_registration_s
+    from mlflow.exceptions import MlflowException
+
+    from components.core.policy_model import build
+
+    if tracking.tracking_uri().startswith(("http://", "https://")) and checkpoint_uri.startswith("file://"):
+        # A model served through a tracking server would point at a folder only this
+        # machine sees (and the server itself accepts no local path as a source).
+        raise UserError("run_root", checkpoint_uri, f"the tracking server at {tracking.tracking_uri()} refuses this "
+                        "checkpoint as a registry version source (it accepts no local paths)",
+                        "put the run root where the server can read it (s3://bucket/prefix), or unset "
+                        "MLFLOW_TRACKING_URI to use the embedded SQLite tracking")
+    c = tracking.client()
+    name = model_name(pipeline)
+    root = run_root if run_root is not None else tags.get(TAG_RUN_ROOT, "")
+    if root:
+        _claim(pipeline, root)
+    elif owner(pipeline) is None:
         try:
             c.create_registered_model(name, description=f"Policy checkpoints of pipeline {pipeline}")
         except MlflowException:
             pass  # created concurrently
-    existing = c.search_model_versions(f"name = '{name}'")
-    for mv in existing:  # idempotent: a retried trainer does not register twice
-        if mv.source == checkpoint_uri:
+    c.set_tag(run_id, TAG_CHECKPOINT, checkpoint_uri)
+    for mv in c.search_model_versions(f"name = '{name}'"):
+        if checkpoint_of(mv) == checkpoint_uri:
             return str(mv.version)
-    try:
-        mv = c.create_model_version(name, source=checkpoint_uri, run_id=run_id, tags=tags)
-    except MlflowException as exc:
-        if exc.error_code != "INVALID_PARAMETER_VALUE" or "model version source" not in exc.message:
-            raise
-        from components.core.errors import UserError
-
-        # A tracking server accepts no local path as a source (a security rule of MLflow's):
-        # a file:// run root only works with the embedded SQLite tracking.
-        raise UserError("run_root", checkpoint_uri, f"the tracking server at {tracking.tracking_uri()} refuses this checkpoint "
-                        "as a registry version source (it accepts no local paths)",
-                        "put the run root where the server can read it (s3://bucket/prefix), or unset "
-                        "MLFLOW_TRACKING_URI to use the embedded SQLite tracking") from None
+    started = time.perf_counter()
+    run = c.get_run(run_id)
+    model = c.create_logged_model(run.info.experiment_id, name=MODEL_ARTIFACT, source_run_id=run_id,
+                                  tags={TAG_CHECKPOINT: checkpoint_uri})
+    with tempfile.TemporaryDirectory(prefix="posttrain-model-") as tmp:
+        build(checkpoint_uri, f"{tmp}/model", max_new_tokens, batch_size)
+        c.log_model_artifacts(model.model_id, f"{tmp}/model")
+    c.finalize_logged_model(model.model_id, "READY")
+    last_registration_s = time.perf_counter() - started
+    # The logged model's own folder, not models:/<model_id>: a registry resolves that form
+    # through the process's global tracking URI, which this client does not set.
+    mv = c.create_model_version(name, source=model.artifact_location, run_id=run_id,
+                                tags={**tags, TAG_CHECKPOINT: checkpoint_uri}, model_id=model.model_id)
     return str(mv.version)
 
 
-def set_alias(pipeline: str, alias: str, version: str) -> None:
-    tracking.client().set_registered_model_alias(model_name(pipeline), alias, str(version))
+def set_alias(pipeline: str, alias: str, version: str, run_root: str | None = None) -> None:
+    """Point ``alias`` at ``version``; refused when the model belongs to another run root
+    than ``run_root`` (default: the version's own ``posttrain.run_root`` tag)."""
+    c = tracking.client()
+    name = model_name(pipeline)
+    owned_by = owner(pipeline)
+    if owned_by:
+        actor = run_root
+        if actor is None:
+            actor = dict(c.get_model_version(name, str(version)).tags).get(TAG_RUN_ROOT, "")
+        if actor and actor != owned_by:
+            raise _refuse(name, actor, owned_by)
+    c.set_registered_model_alias(name, alias, str(version))
 
 
 def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] | None:
@@ -61,15 +172,13 @@ def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] 
         mv = tracking.client().get_model_version_by_alias(model_name(pipeline), alias)
     except MlflowException:
         return None
-    return str(mv.version), mv.source, dict(mv.tags)
+    return str(mv.version), checkpoint_of(mv), dict(mv.tags)
 
 
 def resolve_model_uri(uri: str, field: str) -> str:
     """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> the stored checkpoint URI
-    that registry version points at; any other URI is returned unchanged."""
+    of that registry version; any other URI is returned unchanged."""
     from mlflow.exceptions import MlflowException
-
-    from components.core.errors import UserError
 
     if not uri.startswith("models:/"):
         return uri
@@ -84,7 +193,7 @@ def resolve_model_uri(uri: str, field: str) -> str:
     except (MlflowException, ValueError):
         raise UserError(field, uri, f"no such registered model version at {tracking.tracking_uri()}",
                         "use models:/<name>@<alias> or models:/<name>/<version> of an existing version") from None
-    return mv.source
+    return checkpoint_of(mv)
 
 
 def set_version_tags(pipeline: str, version: str, tags: dict[str, str]) -> None:

@@ -15,6 +15,10 @@ plan task fails at once, not after its retries).
    ``candidate`` the alias, when set, must point at a readable checkpoint (unset is fine:
    bootstrap sets it).
 3. ``task_file``: ``taskgen.task_file``, when set, can be read.
+4. ``registry_owner``: the registered model ``<pipeline>-policy``, when it exists, belongs
+   to this run root (model tag ``posttrain.run_root``), so this run cannot register
+   versions into, or move the aliases of, another run root's pipeline. Fix: a pipeline
+   name (recipe ``pipeline:``) or a tracking server of this run root's own.
 
 What is unreachable because a service is down (the store, the tracking server) is not
 judged here: those calls raise ``InfraError`` and are retried. Not covered: checking
@@ -97,8 +101,15 @@ def task_file(recipe: Recipe) -> None:
                         "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
 
 
+def registry_owner(recipe: Recipe, run_root: str) -> None:
+    """``<pipeline>-policy`` is this run root's, or nobody's yet (the first registration claims it)."""
+    models.check_owner(recipe.pipeline, normalize_uri(run_root, "run_root"))
+
+
 def check_all(recipe: Recipe, run_root: str) -> None:
-    """Every check above, cheapest first."""
+    """Every check above, cheapest first (the registry's owner before the policy: a
+    champion of another run root is not this run's to read)."""
     tracking_vs_run_root(run_root)
     task_file(recipe)
+    registry_owner(recipe, run_root)
     policy_source(recipe)
