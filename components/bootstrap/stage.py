@@ -150,12 +150,13 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.add_output("checkpoint", rel, rows=int(metrics["parameters"]), digest=digests["model.safetensors"])
     uri = ctx.store.url(rel)
     version = models.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
-                                           {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri})
+                                           {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri},
+                                           run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens)
     policy.version = version
     _, rates, worst = evaluate_and_log(ctx, policy)
     models.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
-    models.set_alias(ctx.pipeline, "champion", version)
-    models.set_alias(ctx.pipeline, "candidate", version)
+    models.set_alias(ctx.pipeline, "champion", version, run_root=ctx.store.uri)
+    models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
     ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)
     say("bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items()) + f" | registered version {version} as champion")
     metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})

@@ -115,8 +115,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     version = models.register_checkpoint(ctx.pipeline, uri, run_id, {
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
-    })
-    models.set_alias(ctx.pipeline, "candidate", version)
+    }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.evaluation.max_new_tokens)
+    models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups | registered version {version}")
