@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs
+APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
 ITERATIONS ?= 3
 
 .PHONY: setup demo test test-fast test-all models vllm test-vllm bench images clean
