@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from components.core import models, tracking
-from components.evalsuite.score import eval_tags
 from components.evalsuite.decision import strict_rule
+from components.evalsuite.score import eval_tags
 from components.evaluation.stage import BASELINE_TAG, baseline_for, fixed_baseline
 
 
