@@ -10,7 +10,8 @@
 A user's mistake ends with one line on stderr naming the field, the value and the fix,
 and exit status 2; an unreachable store, tracking server or inference endpoint (or an
 iteration another run holds) exits 1 and is worth retrying; a failed data-quality gate
-exits 3.
+exits 3. ``stage`` and ``run`` stop on SIGTERM (a container or pod being stopped,
+``kill``): the running stage's MLflow run ends KILLED, and the command exits 143.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from components.core import settings
 from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError
 from components.core.lease import LeaseHeld
 from components.core.stages import stage_ids
+from components.core.tracking import Terminated
 from components.domains.cli import add_parser as add_verify
 from components.reward.replay import add_parser as add_replay
 from components.rollout.cli import add_parser as add_serve
@@ -70,12 +72,22 @@ def _run(args: argparse.Namespace) -> int:
     return run_local(args.recipe, args.run_root, args.iterations)
 
 
+EXIT_TERMINATED = 128 + 15  # a shell's status for a process ended by SIGTERM
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"stage": _stage, "run": _run}
     try:
         if args.command in handlers:
-            return handlers[args.command](args)
+            from components.core import runner
+
+            runner.stop_on_sigterm()  # SIGTERM raises tracking.Terminated: the stage's run ends KILLED
+            code = handlers[args.command](args)
+            if runner.stopping():
+                print("posttrain: stopped by SIGTERM; run the same command again to resume", file=sys.stderr)
+                return EXIT_TERMINATED
+            return code
         return args.handler(args)
     except UserError as exc:
         print(f"posttrain: error: {exc.line()}", file=sys.stderr)
@@ -89,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except LeaseHeld as exc:
         print(f"posttrain: busy: {exc}", file=sys.stderr)
         return EXIT_INFRA_ERROR
+    except Terminated as exc:  # SIGTERM outside a stage (a stage's own run already ended KILLED)
+        print(f"posttrain: {exc}; run the same command again to resume", file=sys.stderr)
+        return EXIT_TERMINATED
 
 
 if __name__ == "__main__":

@@ -17,7 +17,17 @@ finished iteration + 1 (or the half-done one), leased to the run (``airflow:<run
 and handed to every task through XCom. Clearing a run replays its k. An outage
 (``InfraError``, or another run holding the lease) is retried with backoff; a user's
 mistake and a failed data-quality gate fail at once (``AirflowFailException``).
-Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k).
+
+MLflow: a task that fails for good (``stage_failed``, its ``on_failure_callback``, which
+Airflow calls once no retry is left) tags the iteration's parent run with the reason,
+ends it FAILED and ends that task's stage runs still RUNNING as KILLED; a failed DAG run
+(``run_failed``) does the same for every stage run of its iteration. The next run that
+takes the iteration sets the same parent run RUNNING again. An in-process stage task
+turns SIGTERM into ``tracking.Terminated`` (its stage run ends KILLED) and then into
+Airflow's ``AirflowTaskTerminated`` (the task fails without a retry: it was stopped).
+Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k);
+a container or pod stage run that Airflow SIGKILLs stays RUNNING until the failure
+callback or the stage's next attempt ends it.
 """
 
 from __future__ import annotations
@@ -130,19 +140,30 @@ def plan() -> dict[str, Any]:
 
 def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[str, Any]:
     from airflow.sdk import get_current_context
+    from airflow.sdk.exceptions import AirflowTaskTerminated
 
-    from components.core.runner import run_stage
+    from components.core import tracking
+    from components.core.runner import run_stage, stop_on_sigterm, stopping
 
+    # Airflow's task runner puts its own SIGTERM handler in before the task runs (it only
+    # calls on_kill, which a TaskFlow task does not have): ours raises inside the stage.
+    stop_on_sigterm()
+    if stopping():  # told to stop before this task started (`posttrain run` got SIGTERM)
+        raise AirflowTaskTerminated(f"{stage}: not started, the process was told to stop")
     try:
         m = run_stage(stage, plan["recipe"], plan["run_root"], int(plan["iteration"]), shard or None,
                       orchestrator_run_id=get_current_context()["run_id"])
+    except tracking.Terminated as exc:
+        raise AirflowTaskTerminated(f"{stage}: {exc}") from exc
     except Exception as exc:
         raise _fail_now(exc) from exc
     return {"stage": stage, "shard": m.shard, "digest": m.content_digest, "promoted": m.info.get("promoted")}
 
 
 def stage_failed(context: dict[str, Any]) -> None:
-    """Task failure: the reason to the task log, and to the iteration's MLflow run as a tag."""
+    """Task failure (no retry left): the reason to the task log, and to the iteration's
+    MLflow run as a tag; that run ends FAILED and the task's stage runs still RUNNING
+    (a process killed under it) end KILLED."""
     ti = context["ti"]
     reason = f"{type(context.get('exception')).__name__}: {context.get('exception')}"[:4000]
     log.error("posttrain task %s failed: %s", ti.task_id, reason)
@@ -152,25 +173,43 @@ def stage_failed(context: dict[str, Any]) -> None:
         planned = ti.xcom_pull(task_ids="plan") or {}
         if planned.get("mlflow_run_id"):
             tracking.client().set_tag(planned["mlflow_run_id"], f"posttrain.failed.{ti.task_id}", reason)
+            index = getattr(ti, "map_index", -1)
+            tracking.fail_iteration(planned["mlflow_run_id"], ti.task_id, index if isinstance(index, int) else -1)
     except Exception as exc:  # the tracking server may be what failed; the task log has the reason
         log.warning("could not record the failure in MLflow: %s", exc)
 
 
+def _fail_iteration_runs(store, pipeline: str, iterations: list[int]) -> None:
+    """End the parent runs of ``iterations`` FAILED, and their RUNNING stage runs KILLED."""
+    from components.core import tracking
+
+    try:
+        for k in iterations:
+            if (parent := tracking.find_iteration_run(pipeline, k, store.uri)) is not None:
+                killed = tracking.fail_iteration(parent.info.run_id)
+                log.info("run failed: iteration %d's MLflow run ended FAILED (%d stage run(s) KILLED)", k, len(killed))
+    except Exception as exc:  # the tracking server may be what failed
+        log.warning("could not end the iteration's MLflow run: %s", exc)
+
+
 def run_failed(context: dict[str, Any]) -> None:
-    """DAG run failure: hand the run's iteration lease back, so the next run resumes it at
+    """DAG run failure: the iteration's MLflow run ends FAILED (its RUNNING stage runs
+    KILLED), and the run's iteration lease is handed back, so the next run resumes it at
     once (a run driven by ``posttrain run`` keeps its lease: that command resumes it)."""
     from components.core import lease
     from components.core.recipe import load_recipe
     from components.core.storage import Store
 
     params = context.get("params") or {}
-    if params.get("holder"):
-        return
-    holder = f"airflow:{context['dag_run'].run_id}"
+    holder = params.get("holder") or f"airflow:{context['dag_run'].run_id}"
     conf = _settings(params)
     pipeline = load_recipe(conf.recipe).pipeline
     store = Store(conf.run_root, "run_root")
-    for k in lease.held_by(store, pipeline, holder):
+    held = lease.held_by(store, pipeline, holder)
+    _fail_iteration_runs(store, pipeline, held)
+    if params.get("holder"):
+        return
+    for k in held:
         log.info("run failed: released the lease on iteration %d of %s: %s", k, pipeline,
                  lease.release(store, pipeline, k, holder))
 

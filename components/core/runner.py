@@ -17,21 +17,28 @@ Otherwise the old manifest is deleted *first*, ``.tmp-`` files that killed write
 under the stage's prefix are swept, the stage runs, and the new manifest is written
 *last*; a run killed half-way leaves no manifest and is simply run again.
 
-The stage's MLflow run ends FINISHED only once the manifest is written (a run killed
-before that stays RUNNING until the next attempt of the same stage, iteration, shard
-and run root marks it KILLED), so a FINISHED stage run always has its manifest.
+The stage's MLflow run (``trainer · iter-000002``, ``rollout[1/2] · iter-000002``) ends
+FINISHED only once the manifest is written, so a FINISHED stage run always has its
+manifest. A stage told to stop (``stop_on_sigterm``: SIGTERM raises
+``tracking.Terminated`` inside it) ends its run KILLED, an error FAILED; a SIGKILLed one
+stays RUNNING until the next attempt of the same stage, iteration, shard and run root
+marks it KILLED. After the last registered stage (evaluation) the iteration's timeline
+is logged (``components.core.timeline``) and its parent run ends FINISHED; a rerun that
+hits the cache does both again, idempotently.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from importlib import import_module
 from pathlib import Path
 from types import ModuleType
 
 from components import __version__
-from components.core import tracking
+from components.core import timeline, tracking
 from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
@@ -80,10 +87,37 @@ def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
 
 
 def _end_iteration(ctx: StageContext, orchestrator_run_id: str) -> None:
-    """After the last registered stage, the iteration's parent run ends FINISHED (no-op when
-    it already has: a rerun that hits the cache)."""
+    """After the last registered stage, the iteration's timeline is logged and its parent
+    run ends FINISHED (the timeline skips what it already logged, and ending is a no-op
+    when the run has ended: a rerun that hits the cache)."""
     if ctx.stage == registered()[-1].id and ctx.stage != "bootstrap":
-        tracking.end_if_running(ctx.parent_run_id or _parent_run(ctx, orchestrator_run_id) or "")
+        parent = ctx.parent_run_id or _parent_run(ctx, orchestrator_run_id) or ""
+        timeline.record(ctx.store, ctx.pipeline, ctx.iteration, parent)
+        tracking.end_if_running(parent)
+
+
+_stopping = threading.Event()
+
+
+def _terminate(signum: int, frame) -> None:
+    _stopping.set()
+    raise tracking.Terminated(f"stopped by {signal.Signals(signum).name}")
+
+
+def stop_on_sigterm() -> bool:
+    """Make SIGTERM (a container or pod being stopped, Airflow stopping a task, ``kill``)
+    raise ``tracking.Terminated`` in the main thread, so the running stage's MLflow run
+    ends KILLED instead of staying RUNNING. Only the main thread can install a handler:
+    elsewhere this does nothing and returns False."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _terminate)
+    return True
+
+
+def stopping() -> bool:
+    """Whether this process has received SIGTERM since ``stop_on_sigterm``."""
+    return _stopping.is_set()
 
 
 def _failpoint(label: str) -> None:
@@ -154,7 +188,8 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     started = time.time()
     tags = {tracking.TAG_ITERATION: str(ctx.iteration), tracking.TAG_RUN_ROOT: ctx.store.uri,
             tracking.TAG_ORCH: orchestrator_run_id, **({tracking.TAG_SHARD: str(ctx.shard)} if ctx.sharded else {})}
-    with tracking.stage_run(ctx.pipeline, stage, label, ctx.parent_run_id or None, ctx.recipe.whole.section(module.SECTIONS),
+    name = tracking.stage_run_name(label, ctx.iteration)
+    with tracking.stage_run(ctx.pipeline, stage, name, ctx.parent_run_id or None, ctx.recipe.whole.section(module.SECTIONS),
                             tags=tags) as run_id:
         ctx.mlflow_run_id = run_id
         metrics = module.run(ctx)

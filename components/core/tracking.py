@@ -1,10 +1,24 @@
 """MLflow tracking and lineage: experiments, iteration and stage runs, datasets, registry.
 
-- One experiment per pipeline; one parent run per iteration (tagged with the run root,
-  iteration and orchestrator run id); one nested run per stage (and shard).
+- One experiment per pipeline, tagged ``mlflow.experimentKind=custom_model_development``
+  so MLflow 3's UI opens it on the training-runs view (not GenAI traces); the tag is added
+  to an existing experiment that lacks it.
+- Per pipeline and run root, one summary run ``<pipeline> · timeline`` (tagged
+  ``posttrain.stage=pipeline``; headline metrics per iteration, see
+  :mod:`components.core.timeline`); under it one parent run per iteration, ``iter-000002``
+  (tagged with the run root, iteration and orchestrator run id); under that one run per
+  stage (and shard), named by stage and iteration: ``trainer · iter-000002``,
+  ``rollout[1/2] · iter-000002``; bootstrap's run is ``bootstrap``, under no parent.
 - A stage run ends FINISHED only after the stage's manifest is written (the runner writes
-  it inside ``stage_run``); a run whose process was killed stays RUNNING until the next
-  attempt of the same stage, iteration, shard and run root marks it KILLED.
+  it inside ``stage_run``), KILLED when the stage was told to stop (``Terminated``, which
+  the CLI raises on SIGTERM; Airflow's ``AirflowTaskTerminated``; Ctrl-C), FAILED on any
+  other error. A run whose process was SIGKILLed stays RUNNING until the next attempt of
+  the same stage, iteration, shard and run root marks it KILLED.
+- An iteration's parent run ends FINISHED after its last stage (the runner), FAILED when
+  the orchestrator gives up on it (``fail_iteration``, from the Airflow failure
+  callbacks; its RUNNING stage runs are marked KILLED). The next attempt at the same
+  iteration finds the parent again by its tags and sets it RUNNING again: one parent run
+  per iteration, however often it was resumed.
 - Stage inputs are logged as MLflow datasets: metadata only (source URI + digest), the
   data stays in the store.
 - The model registry (versions, aliases) is :mod:`components.core.models`.
@@ -31,6 +45,39 @@ TAG_RUN_ROOT = "posttrain.run_root"
 TAG_STAGE = "posttrain.stage"
 TAG_ORCH = "posttrain.orchestrator_run_id"
 TAG_SHARD = "posttrain.shard"  # "i/n" on the runs of sharded stages
+TAG_PARENT = "mlflow.parentRunId"
+KIND_TAG = "mlflow.experimentKind"
+KIND = "custom_model_development"  # MLflow 3's UI: the training-runs view ("genai_development": traces)
+SEP = " · "  # between a run name's stage label and its iteration: "trainer · iter-000002"
+ITERATION_STAGE = "iteration"  # TAG_STAGE of an iteration's parent run
+PIPELINE_STAGE = "pipeline"  # TAG_STAGE of a pipeline's summary (timeline) run
+
+
+class Terminated(BaseException):
+    """The process was told to stop (SIGTERM) while a stage ran: its run ends KILLED, not
+    FAILED. A ``BaseException``, like ``KeyboardInterrupt``, so that no ``except Exception``
+    in a stage swallows it."""
+
+
+def end_status(exc: BaseException) -> str:
+    """How a stage run that ``exc`` interrupted ends: KILLED when the process was told to
+    stop (``Terminated``, Ctrl-C, Airflow's ``AirflowTaskTerminated``), else FAILED."""
+    if isinstance(exc, (Terminated, KeyboardInterrupt)):
+        return "KILLED"
+    # Airflow's class is matched by name: this module does not import Airflow
+    if any(c.__name__ == "AirflowTaskTerminated" and c.__module__.startswith("airflow") for c in type(exc).__mro__):
+        return "KILLED"
+    return "FAILED"
+
+
+def iteration_name(iteration: int) -> str:
+    return f"iter-{iteration:06d}"
+
+
+def stage_run_name(label: str, iteration: int) -> str:
+    """A stage run's name: the stage label (``rollout[1/2]``) and the iteration; bootstrap,
+    which belongs to no iteration, keeps its label."""
+    return label if label == "bootstrap" else f"{label}{SEP}{iteration_name(iteration)}"
 
 
 def tracking_uri() -> str:
@@ -58,34 +105,101 @@ def client():
 
 
 def experiment_id(pipeline: str) -> str:
+    """The pipeline's experiment (created when missing), with the experiment kind tag set."""
     c = client()
     exp = c.get_experiment_by_name(pipeline)
-    if exp is not None:
-        return exp.experiment_id
-    artifacts = None
-    if tracking_uri().startswith("sqlite:"):
-        artifacts = (settings.home() / "mlartifacts" / pipeline).as_uri()
-    try:
-        return c.create_experiment(pipeline, artifact_location=artifacts)
-    except Exception:  # created concurrently by another stage
-        return c.get_experiment_by_name(pipeline).experiment_id
+    if exp is None:
+        artifacts = None
+        if tracking_uri().startswith("sqlite:"):
+            artifacts = (settings.home() / "mlartifacts" / pipeline).as_uri()
+        try:
+            c.create_experiment(pipeline, artifact_location=artifacts, tags={KIND_TAG: KIND})
+        except Exception:  # created concurrently by another stage
+            pass
+        exp = c.get_experiment_by_name(pipeline)
+    if KIND_TAG not in exp.tags:  # made before the tag was set (a kind a user chose is kept)
+        c.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+    return exp.experiment_id
+
+
+def _quoted(value: str) -> str:
+    return f"'{value}'"
+
+
+def _first(exp: str, flt: str):
+    """The earliest-started run matching ``flt`` (MLflow filter syntax), or None."""
+    found = client().search_runs([exp], filter_string=flt, max_results=1, order_by=["attributes.start_time ASC"])
+    return found[0] if found else None
+
+
+def pipeline_run(pipeline: str, run_root: str) -> str:
+    """The pipeline's summary run for ``run_root`` (``<pipeline> · timeline``): found by
+    tags, or created. It is ended FINISHED at once (MLflow takes metrics and artifacts on
+    a finished run), so it never shows as RUNNING; iteration runs nest under it."""
+    c = client()
+    exp = experiment_id(pipeline)
+    found = _first(exp, f"tags.`{TAG_STAGE}` = '{PIPELINE_STAGE}' and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    if found is not None:
+        run_id = found.info.run_id
+    else:
+        run_id = c.create_run(exp, run_name=f"{pipeline}{SEP}timeline",
+                              tags={TAG_PIPELINE: pipeline, TAG_RUN_ROOT: run_root, TAG_STAGE: PIPELINE_STAGE}).info.run_id
+    end_if_running(run_id)  # also one a process killed right after creating it left RUNNING
+    return run_id
+
+
+def find_iteration_run(pipeline: str, iteration: int, run_root: str):
+    """The parent run of an iteration (an MLflow ``Run``), or None."""
+    return _first(experiment_id(pipeline), f"tags.`{TAG_ITERATION}` = '{iteration}' and tags.`{TAG_RUN_ROOT}` = "
+                                           f"{_quoted(run_root)} and tags.`{TAG_STAGE}` = '{ITERATION_STAGE}'")
 
 
 def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run_id: str = "") -> str:
-    """The parent run of an iteration: found by tags, or created."""
+    """The parent run of an iteration: found by tags, or created under the pipeline's
+    summary run. A parent that an earlier attempt ended FAILED or KILLED is set RUNNING
+    again: the resumed iteration goes on in the same run."""
     c = client()
-    exp = experiment_id(pipeline)
-    flt = f"tags.`{TAG_ITERATION}` = '{iteration}' and tags.`{TAG_RUN_ROOT}` = '{run_root}' and tags.`{TAG_STAGE}` = 'iteration'"
-    found = c.search_runs([exp], filter_string=flt, max_results=1)
-    if found:
-        return found[0].info.run_id
+    found = find_iteration_run(pipeline, iteration, run_root)
+    if found is not None:
+        if found.info.status in ("FAILED", "KILLED"):
+            c.update_run(found.info.run_id, status="RUNNING")
+        return found.info.run_id
+    summary = pipeline_run(pipeline, run_root)
     run = c.create_run(
-        exp,
-        run_name=f"iter-{iteration:06d}",
+        experiment_id(pipeline),
+        run_name=iteration_name(iteration),
         tags={TAG_PIPELINE: pipeline, TAG_ITERATION: str(iteration), TAG_RUN_ROOT: run_root,
-              TAG_STAGE: "iteration", TAG_ORCH: orchestrator_run_id},
+              TAG_STAGE: ITERATION_STAGE, TAG_ORCH: orchestrator_run_id, TAG_PARENT: summary},
     )
     return run.info.run_id
+
+
+def fail_iteration(parent_run_id: str, stage: str = "", shard_index: int = -1) -> list[str]:
+    """The orchestrator gave up on an iteration: its parent run ends FAILED (if RUNNING) and
+    its stage runs still RUNNING end KILLED (only those of ``stage``, and of shard
+    ``shard_index`` when >= 0, if given). Returns the ids of the stage runs it ended."""
+    from mlflow.exceptions import MlflowException
+
+    if not parent_run_id:
+        return []
+    c = client()
+    try:
+        exp = c.get_run(parent_run_id).info.experiment_id
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return []
+        raise
+    flt = f"attributes.status = 'RUNNING' and tags.`{TAG_PARENT}` = {_quoted(parent_run_id)}"
+    if stage:
+        flt += f" and tags.`{TAG_STAGE}` = {_quoted(stage)}"
+    if shard_index >= 0:
+        flt += f" and tags.`{TAG_SHARD}` LIKE '{shard_index}/%'"
+    ended = []
+    for run in c.search_runs([exp], filter_string=flt, max_results=1000):
+        c.set_terminated(run.info.run_id, "KILLED")
+        ended.append(run.info.run_id)
+    end_if_running(parent_run_id, "FAILED")
+    return ended
 
 
 def end_if_running(run_id: str, status: str = "FINISHED") -> bool:
@@ -127,15 +241,16 @@ def _flatten(prefix: str, obj: Any, out: dict[str, str]) -> dict[str, str]:
 def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | None, params: dict[str, Any],
               tags: dict[str, str] | None = None) -> Iterator[str]:
     """A (nested) run for one stage; ends FINISHED when the body returns (so put the
-    manifest write inside it), FAILED if the body raises. Earlier attempts of the same
-    stage run (same run name, stage, iteration and run root) still marked RUNNING, left so
-    by a killed process, are marked KILLED first."""
+    manifest write inside it), KILLED if the body was told to stop (``end_status``),
+    FAILED if it raised anything else. Earlier attempts of the same stage run (same run
+    name, stage, iteration and run root) still marked RUNNING, left so by a killed
+    process, are marked KILLED first."""
     from mlflow.entities import Param
 
     c = client()
     all_tags = {TAG_PIPELINE: pipeline, TAG_STAGE: stage, **(tags or {})}
     if parent_run_id:
-        all_tags["mlflow.parentRunId"] = parent_run_id
+        all_tags[TAG_PARENT] = parent_run_id
     kill_stale_runs(pipeline, stage, run_name, all_tags.get(TAG_ITERATION, ""), all_tags.get(TAG_RUN_ROOT, ""))
     run = c.create_run(experiment_id(pipeline), run_name=run_name, tags=all_tags)
     run_id = run.info.run_id
@@ -145,14 +260,10 @@ def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | Non
         c.log_batch(run_id, params=items[i:i + 100])
     try:
         yield run_id
-    except BaseException:
-        c.set_terminated(run_id, "FAILED")
+    except BaseException as exc:
+        c.set_terminated(run_id, end_status(exc))
         raise
     c.set_terminated(run_id, "FINISHED")
-
-
-def _quoted(value: str) -> str:
-    return f"'{value}'"
 
 
 def kill_stale_runs(pipeline: str, stage: str, run_name: str, iteration: str, run_root: str) -> list[str]:

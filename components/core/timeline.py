@@ -1,0 +1,192 @@
+"""An iteration's headline metrics, over iterations: what a reviewer reads first in MLflow.
+
+When an iteration ends (``runner._end_iteration``, after evaluation), ``record`` reads its
+manifests from the store and logs, with ``step`` = the iteration, on the iteration's
+parent run and on the pipeline's summary run (``<pipeline> · timeline``, one per
+pipeline and run root, ``tracking.pipeline_run``; the iteration runs nest under it):
+
+| metric | from |
+|---|---|
+| ``pass_at_1/<domain>``, ``pass_at_1/mean`` | evaluation's ``<domain>/pass_at_1``, ``mean/pass_at_1`` |
+| ``promoted`` | evaluation's ``promoted`` (1 or 0) |
+| ``reward/<domain>`` | the mean raw reward of the rewards not excluded, over all reward shards |
+| ``groups_kept`` | trainer's ``groups`` (groups with a learning signal) |
+| ``trainer/loss``, ``trainer/kl`` | trainer's ``loss``, ``kl`` |
+| ``sandbox/<status>`` | sandbox's ``status/<status>`` counts, summed over shards |
+
+and the plot ``timeline/pass_rates.png`` on both runs: eval pass@1 per domain over
+iterations 0..k (0 is bootstrap's score of the base policy; earlier iterations are read
+from their evaluation manifests) with 95% Wilson score bands, n being the suite's tasks
+per domain (its ``eval_results`` rows over the domains).
+
+Idempotent: a run that already has the iteration's step is not logged again (a rerun
+that hits the cache ends the iteration a second time); the plot is overwritten with the
+same picture. A metric whose stage did not record it (an older manifest) is left out.
+
+    from components.core import timeline
+    timeline.headline(store, "tiny", 2)  # {"pass_at_1/code": 0.25, "reward/code": 0.4, ...}
+
+Not covered: iterations run under another run root (each run root has its own summary
+run), and statistical tests between iterations (the bands are per iteration).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from components.core import tracking
+from components.core.context import read_manifest, read_manifests
+from components.core.manifest import Manifest, stage_prefix
+from components.core.storage import Store
+
+PLOT = "timeline/pass_rates.png"
+Z95 = 1.959963984540054  # the two-sided 95% standard normal quantile
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One point of the pass-rate timeline: an iteration's eval pass@1 per domain."""
+
+    iteration: int
+    pass_rates: dict[str, float]
+    tasks_per_domain: int  # 0 when the manifest does not say (no band is drawn)
+
+
+def wilson(rate: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a pass rate over ``n`` tasks ((0, 1) for n = 0).
+
+    >>> [round(x, 4) for x in wilson(0.8, 10)]
+    [0.4902, 0.9433]
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    denom = 1 + z * z / n
+    centre = (rate + z * z / (2 * n)) / denom
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, min(centre - half, rate)), min(1.0, max(centre + half, rate))
+
+
+def _metrics(m: Manifest) -> dict[str, float]:
+    """A manifest's metrics without the ``<stage>/`` prefix."""
+    return {k.split("/", 1)[1]: float(v) for k, v in m.metrics.items() if "/" in k}
+
+
+def _reward_means(store: Store, shards: list[Manifest]) -> dict[str, float]:
+    """Mean raw reward per domain over every shard: each shard's ``norm_stats`` output has
+    its per-domain count and mean ("batch"); without it, shard means weighted by rewards."""
+    sums: dict[str, list[float]] = {}
+    for m in shards:
+        batch = None
+        if "norm_stats" in m.outputs:
+            batch = store.read_json(m.outputs["norm_stats"].path).get("batch")
+        if batch:
+            for domain, stats in batch.items():
+                acc = sums.setdefault(domain, [0.0, 0.0])
+                acc[0] += float(stats["mean"]) * float(stats["count"])
+                acc[1] += float(stats["count"])
+            continue
+        metrics = _metrics(m)
+        weight = metrics.get("rewards", 1.0)
+        for key, value in metrics.items():
+            domain, _, name = key.partition("/")
+            if name == "mean":
+                acc = sums.setdefault(domain, [0.0, 0.0])
+                acc[0] += value * weight
+                acc[1] += weight
+    return {d: s / n for d, (s, n) in sorted(sums.items()) if n > 0}
+
+
+def headline(store: Store, pipeline: str, iteration: int) -> dict[str, float]:
+    """The iteration's headline metrics (see the module docstring) from its manifests."""
+    out: dict[str, float] = {}
+    evaluation = read_manifest(store, stage_prefix(pipeline, iteration, "evaluation"))
+    if evaluation is not None:
+        for key, value in _metrics(evaluation).items():
+            domain, _, name = key.partition("/")
+            if name == "pass_at_1":
+                out[f"pass_at_1/{domain}"] = value
+        if "promoted" in (metrics := _metrics(evaluation)):
+            out["promoted"] = metrics["promoted"]
+    if store.exists(stage_prefix(pipeline, iteration, "reward")):
+        out.update({f"reward/{d}": v for d, v in _reward_means(store, read_manifests(store, pipeline, iteration, "reward")).items()})
+    trainer = read_manifest(store, stage_prefix(pipeline, iteration, "trainer"))
+    if trainer is not None:
+        metrics = _metrics(trainer)
+        for name, key in (("groups", "groups_kept"), ("loss", "trainer/loss"), ("kl", "trainer/kl")):
+            if name in metrics:
+                out[key] = metrics[name]
+    if store.exists(stage_prefix(pipeline, iteration, "sandbox")):
+        for m in read_manifests(store, pipeline, iteration, "sandbox"):
+            for key, value in _metrics(m).items():
+                if key.startswith("status/"):
+                    name = f"sandbox/{key[len('status/'):]}"
+                    out[name] = out.get(name, 0.0) + value
+    return dict(sorted(out.items()))
+
+
+def _scores(m: Manifest, iteration: int) -> Scores:
+    rates = {d: float(v) for d, v in (m.info.get("pass_rates") or {}).items()}
+    results = m.outputs.get("eval_results")
+    n = results.rows // len(rates) if results is not None and rates else 0
+    return Scores(iteration, rates, n)
+
+
+def history(store: Store, pipeline: str, upto: int) -> list[Scores]:
+    """Eval pass rates of iterations 0 (bootstrap) .. ``upto`` that have them."""
+    out = []
+    for k in range(upto + 1):
+        m = read_manifest(store, stage_prefix(pipeline, k, "bootstrap" if k == 0 else "evaluation"))
+        if m is not None and m.info.get("pass_rates"):
+            out.append(_scores(m, k))
+    return out
+
+
+def plot(points: list[Scores], pipeline: str):
+    """A matplotlib figure: pass@1 per domain over iterations, with 95% Wilson bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for domain in sorted({d for p in points for d in p.pass_rates}):
+        mine = [p for p in points if domain in p.pass_rates]
+        xs = [p.iteration for p in mine]
+        rates = [p.pass_rates[domain] for p in mine]
+        line, = ax.plot(xs, rates, marker="o", label=domain)
+        banded = [(p.iteration, *wilson(p.pass_rates[domain], p.tasks_per_domain)) for p in mine if p.tasks_per_domain]
+        if banded:
+            ax.fill_between([b[0] for b in banded], [b[1] for b in banded], [b[2] for b in banded],
+                            color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.set_xlabel("iteration (0: bootstrap)")
+    ax.set_ylabel("eval pass@1")
+    ax.set_ylim(0, 1)
+    ax.set_xticks([p.iteration for p in points])
+    ax.set_title(f"{pipeline}: eval pass@1 by domain, 95% Wilson bands")
+    if points:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _logged(run_id: str, key: str, step: int) -> bool:
+    return any(m.step == step for m in tracking.client().get_metric_history(run_id, key))
+
+
+def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> dict[str, float]:
+    """Log iteration ``iteration``'s headline metrics and the pass-rate plot on its parent
+    run (when given) and on the pipeline's summary run; returns the metrics."""
+    import matplotlib.pyplot as plt
+
+    metrics = headline(store, pipeline, iteration)
+    runs = [r for r in (parent_run_id, tracking.pipeline_run(pipeline, store.uri)) if r]
+    fig = plot(history(store, pipeline, iteration), pipeline)
+    try:
+        for run_id in runs:
+            if metrics and not _logged(run_id, next(iter(metrics)), iteration):
+                tracking.log_metrics(run_id, metrics, step=iteration)
+            tracking.client().log_figure(run_id, fig, PLOT)
+    finally:
+        plt.close(fig)
+    return metrics
