@@ -112,10 +112,13 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.add_output("checkpoint", rel, rows=sum(p.numel() for p in model.parameters()), digest=digests["model.safetensors"])
     ctx.add_output("trainer_state", f"{rel}/trainer_state.pt", rows=position.global_step, digest=state_digest)
     uri = ctx.store.url(rel)
+    # The served model's default completion length is evaluation's (what the version is
+    # scored on): a serving default, not part of the checkpoint, so read past the declared
+    # sections rather than making evaluation's settings part of the trainer's cache key.
     version = models.register_checkpoint(ctx.pipeline, uri, run_id, {
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
-    }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.evaluation.max_new_tokens)
+    }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.whole.evaluation.max_new_tokens)
     models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
