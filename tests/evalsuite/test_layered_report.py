@@ -1,5 +1,6 @@
 """The layered eval report: slices by domain x difficulty x context bucket, weakest slice,
-store output, MLflow table + plot artifacts, and the row `posttrain run` prints."""
+store output, MLflow table + plot artifacts, the row `posttrain run` prints, and the Wilson
+interval on every slice."""
 
 from __future__ import annotations
 
@@ -85,3 +86,20 @@ def test_trap_tasks_form_their_own_slice_and_can_be_the_weakest():
     from components.evalsuite.report import slice_name
 
     assert slice_name(w) == "math/d2/<=32/trap"
+
+
+def test_every_slice_carries_its_wilson_interval():
+    rows = slices(results())
+    assert [(r["passed"], r["tasks"], round(r["ci_low"], 4), round(r["ci_high"], 4)) for r in rows] == [
+        (4, 5, 0.3755, 0.9638), (3, 6, 0.1876, 0.8124), (0, 2, 0.0, 0.6576), (5, 6, 0.4365, 0.9699), (1, 5, 0.0362, 0.6245)]
+
+
+def test_the_report_uses_the_recipes_confidence(tmp_path, posttrain_home):
+    """At evaluation.confidence 0.8 the intervals are narrower than the 0.95 default's."""
+    recipe = parse_recipe({"pipeline": "lay", "domains": ["math", "extraction"], "evaluation": {"confidence": 0.8}})
+    ctx = StageContext(stage="evaluation", recipe=RecipeView(recipe, "evaluation", ("evaluation",)),
+                       store=Store(str(tmp_path / "store")), iteration=3, shard=Shard(0, 1))
+    log_layered(ctx, results())
+    stored = ctx.store.read_json(ctx.outputs["layered"].path)
+    assert [(round(r["ci_low"], 4), round(r["ci_high"], 4)) for r in stored] == [
+        (0.5135, 0.9381), (0.2682, 0.7318), (0.0, 0.4509), (0.5747, 0.9487), (0.0619, 0.4865)]
