@@ -1,5 +1,6 @@
 """A DAG run that fails: the reason reaches the task log and the iteration's MLflow run,
-the run hands its iteration lease back, and the next run resumes the same iteration.
+which ends FAILED (no run left RUNNING), the run hands its iteration lease back, and the
+next run resumes the same iteration in the same MLflow run, which then ends FINISHED.
 
 The runs are real ``dag.test()`` runs in a subprocess with no conf, as a scheduled run
 has: the plan task leases the iteration to ``airflow:<run_id>``.
@@ -67,10 +68,14 @@ def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tm
     released = lease.current(store, "tiny", 1)
     assert released is not None and released.holder == "" and released.generation == 1  # taken, then handed back
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
-    [parent] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
-                                  "tags.`posttrain.stage` = 'iteration'")
+    experiment = client.get_experiment_by_name("tiny").experiment_id
+    [parent] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
     assert parent.data.tags["posttrain.iteration"] == "1"
     assert parent.data.tags["posttrain.failed.taskgen"].startswith(reason)
+    # the failure callbacks ended the iteration: nothing is left RUNNING
+    statuses = {r.info.run_name: r.info.status for r in client.search_runs([experiment])}
+    assert statuses == {"tiny · timeline": "FINISHED", "bootstrap": "FINISHED", "iter-000001": "FAILED",
+                        "taskgen · iter-000001": "FAILED"}
     assert json.loads(store.read_bytes("tiny/iter-000001/recipe.json"))["taskgen"]["task_file"] == str(tasks)
 
     second = dag_run(home, TINY)  # the recipe fixed: the next run takes iteration 1 again
@@ -79,3 +84,6 @@ def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tm
     assert now is not None and now.holder == f"airflow:{second['run_id']}" and now.generation == 2
     assert store.exists("tiny/iter-000001/evaluation/_MANIFEST.json")
     assert json.loads(store.read_bytes("tiny/iter-000001/recipe.json"))["taskgen"]["task_file"] == ""
+    [again] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
+    assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"  # reopened, then finished
+    assert client.search_runs([experiment], "attributes.status = 'RUNNING'") == []
