@@ -26,9 +26,11 @@ exposed; serving at rollout scale is ``posttrain serve`` (``components.rollout.s
 from __future__ import annotations
 
 import importlib.metadata
+import warnings
 from typing import Any
 
 import mlflow.pyfunc
+import pandas as pd
 
 REQUIREMENTS = ("mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pandas", "fsspec", "s3fs",
                 "pyarrow", "pydantic", "pyyaml")
@@ -52,8 +54,6 @@ def prompts_of(model_input: Any) -> list[str]:
     """The prompts of a pyfunc input: a list of strings (or a numpy array of them, as
     ``{"inputs": [...]}`` reaches a served model), a single string, a dict with a
     ``prompt`` list, or a pandas DataFrame with a ``prompt`` column (or a single column)."""
-    import pandas as pd
-
     if isinstance(model_input, str):
         return [model_input]
     if isinstance(model_input, dict):
@@ -90,7 +90,9 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         self.config = dict(config)
         self.policy = load_policy(config["checkpoint_uri"], field="checkpoint_uri")
 
-    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
+    # The hint names the form a served model receives; a DataFrame hint also tells MLflow
+    # not to validate or convert the input, so lists and dicts reach prompts_of as they are.
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         from components.rollout.engines import get_engine
 
         prompts = prompts_of(model_input)
@@ -114,5 +116,18 @@ def signature(max_new_tokens: int):
 def build(checkpoint_uri: str, folder: str, max_new_tokens: int, batch_size: int = 64) -> None:
     """Write the MLflow model of ``checkpoint_uri`` into the empty or absent ``folder``."""
     config = {"checkpoint_uri": checkpoint_uri, "max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size)}
-    mlflow.pyfunc.save_model(path=folder, python_model=PolicyModel(), model_config=config,
-                             pip_requirements=requirements(), signature=signature(max_new_tokens))
+    import logging
+
+    # MLflow's advice (type hints, an input example, models-from-code) does not apply to a
+    # model whose input is read by prompts_of and whose code is the posttrain package:
+    # keep it out of every stage's log.
+    pyfunc_log = logging.getLogger("mlflow.pyfunc")
+    level = pyfunc_log.level
+    pyfunc_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            mlflow.pyfunc.save_model(path=folder, python_model=PolicyModel(), model_config=config,
+                                     pip_requirements=requirements(), signature=signature(max_new_tokens))
+    finally:
+        pyfunc_log.setLevel(level)
