@@ -113,6 +113,7 @@ def plan() -> dict[str, Any]:
 
     from components.core import planner, preflight, tracking
     from components.core.recipe import load_recipe, publish_recipe
+    from components.core.runner import close_finished_iterations
     from components.core.stages import registered, shard_list
     from components.core.storage import Store
 
@@ -126,6 +127,8 @@ def plan() -> dict[str, Any]:
         preflight.check_all(recipe, store.uri)  # one line, failed at once: a local run root for an HTTP tracking server, ...
         holder = params.get("holder") or f"airflow:{ctx['run_id']}"
         k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
+        for done in close_finished_iterations(store, recipe.pipeline):  # a run killed as it ended them
+            log.info("iteration %d had finished; its MLflow run is now ended FINISHED too", done)
         parent = tracking.iteration_run(recipe.pipeline, k, store.uri, ctx["run_id"])
         # A stage in a container or pod cannot see this worker's files: it reads the recipe from the store.
         recipe_uri = conf.recipe if mode() == "inprocess" else publish_recipe(conf.recipe, store.uri)

@@ -42,7 +42,7 @@ from components.core import timeline, tracking
 from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
-from components.core.manifest import MANIFEST, Manifest, Shard
+from components.core.manifest import MANIFEST, Manifest, Shard, stage_prefix
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.stages import registered, shard_count, spec
@@ -94,6 +94,27 @@ def _end_iteration(ctx: StageContext, orchestrator_run_id: str) -> None:
         parent = ctx.parent_run_id or _parent_run(ctx, orchestrator_run_id) or ""
         timeline.record(ctx.store, ctx.pipeline, ctx.iteration, parent)
         tracking.end_if_running(parent)
+
+
+def close_finished_iterations(store: Store, pipeline: str) -> list[int]:
+    """End the iterations that finished (evaluation's manifest is in the store) while their
+    parent run is still RUNNING: a process killed between that manifest and the end of
+    ``_end_iteration`` leaves them so, and a later run skips finished iterations. Their
+    evaluation run ends FINISHED (it has its manifest), other stage runs still RUNNING
+    (killed attempts) KILLED, the timeline is logged and the parent ends FINISHED.
+    Returns the iterations it ended."""
+    last = registered()[-1].id
+    closed = []
+    for k, parent in sorted(tracking.running_iteration_runs(pipeline, store.uri).items()):
+        done = read_manifest(store, stage_prefix(pipeline, k, last))
+        if done is None:
+            continue  # still under way (or resumed next): its own last stage ends it
+        tracking.end_if_running(done.mlflow_run_id)
+        tracking.end_children(parent, "KILLED")
+        timeline.record(store, pipeline, k, parent)
+        tracking.end_if_running(parent)
+        closed.append(k)
+    return closed
 
 
 _stopping = threading.Event()

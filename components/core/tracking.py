@@ -174,10 +174,10 @@ def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run
     return run.info.run_id
 
 
-def fail_iteration(parent_run_id: str, stage: str = "", shard_index: int = -1) -> list[str]:
-    """The orchestrator gave up on an iteration: its parent run ends FAILED (if RUNNING) and
-    its stage runs still RUNNING end KILLED (only those of ``stage``, and of shard
-    ``shard_index`` when >= 0, if given). Returns the ids of the stage runs it ended."""
+def end_children(parent_run_id: str, status: str = "KILLED", stage: str = "", shard_index: int = -1) -> list[str]:
+    """End with ``status`` the RUNNING runs nested under ``parent_run_id`` (only those of
+    ``stage``, and of shard ``shard_index`` when >= 0, if given); returns their ids. A
+    parent this tracking server does not know has none."""
     from mlflow.exceptions import MlflowException
 
     if not parent_run_id:
@@ -196,10 +196,26 @@ def fail_iteration(parent_run_id: str, stage: str = "", shard_index: int = -1) -
         flt += f" and tags.`{TAG_SHARD}` LIKE '{shard_index}/%'"
     ended = []
     for run in c.search_runs([exp], filter_string=flt, max_results=1000):
-        c.set_terminated(run.info.run_id, "KILLED")
+        c.set_terminated(run.info.run_id, status)
         ended.append(run.info.run_id)
+    return ended
+
+
+def fail_iteration(parent_run_id: str, stage: str = "", shard_index: int = -1) -> list[str]:
+    """The orchestrator gave up on an iteration: its stage runs still RUNNING end KILLED
+    (only those of ``stage``, and of shard ``shard_index`` when >= 0, if given) and its
+    parent run ends FAILED (if RUNNING). Returns the ids of the stage runs it ended."""
+    ended = end_children(parent_run_id, "KILLED", stage, shard_index)
     end_if_running(parent_run_id, "FAILED")
     return ended
+
+
+def running_iteration_runs(pipeline: str, run_root: str) -> dict[int, str]:
+    """{iteration: parent run id} of the iterations of ``run_root`` whose parent is RUNNING."""
+    flt = (f"attributes.status = 'RUNNING' and tags.`{TAG_STAGE}` = '{ITERATION_STAGE}' "
+           f"and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    found = client().search_runs([experiment_id(pipeline)], filter_string=flt, max_results=1000)
+    return {int(r.data.tags[TAG_ITERATION]): r.info.run_id for r in found}
 
 
 def end_if_running(run_id: str, status: str = "FINISHED") -> bool:

@@ -156,6 +156,25 @@ def test_logging_an_iteration_again_adds_nothing(ran: Ran) -> None:
     assert ran.client.get_run(summary).info.status == "FINISHED"
 
 
+# Kept after the tests that read the runs: it leaves a KILLED run behind.
+def test_a_finished_iteration_left_running_is_ended_by_the_next_plan(ran: Ran) -> None:
+    """A process killed between evaluation's manifest and the end of the iteration leaves the
+    parent RUNNING; the next DAG run's plan (``close_finished_iterations``) ends it."""
+    from components.core.runner import close_finished_iterations
+
+    named = by_name(ran)
+    parent, evaluation = named["iter-000002"].info.run_id, named["evaluation · iter-000002"].info.run_id
+    for run_id in (parent, evaluation):
+        ran.client.update_run(run_id, status="RUNNING")
+    attempt = ran.client.create_run(ran.experiment, run_name="trainer · iter-000002", tags={
+        "mlflow.parentRunId": parent, tracking.TAG_STAGE: "trainer"}).info.run_id  # a SIGKILLed attempt
+    assert close_finished_iterations(ran.store, "tiny") == [2]
+    status = {r: ran.client.get_run(r).info.status for r in (parent, evaluation, attempt)}
+    assert status == {parent: "FINISHED", evaluation: "FINISHED", attempt: "KILLED"}
+    assert [m.step for m in ran.client.get_metric_history(parent, "pass_at_1/mean")] == [2]  # not logged twice
+    assert close_finished_iterations(ran.store, "tiny") == []
+
+
 @pytest.mark.parametrize(("rate", "n"), [(0.0, 8), (0.8, 10), (1.0, 8), (0.37, 100), (0.5, 1)])
 def test_the_wilson_band_agrees_with_the_eval_suites(rate: float, n: int) -> None:
     from components.evalsuite.stats import wilson
