@@ -40,6 +40,7 @@ Not covered: corrections for comparing several domains at once (each interval is
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from components.core import models, tracking
 from components.core.context import StageContext
@@ -115,8 +116,7 @@ def comparisons(ctx: StageContext, results: list[EvalResult], rates: dict[str, f
     if not missing and (n := missing_pairs(results, base)):
         missing = f"the results of version {scoring.version} lack {n} of the candidate's {len(results)} eval tasks"
     if missing:
-        tasks = {d: sum(r.domain == d for r in results) for d in rates}
-        return unpaired(rates, baseline, tasks), missing
+        return unpaired(rates, baseline, Counter(r.domain for r in results)), missing
     cfg = ctx.recipe.evaluation
     return compare(results, base, cfg.confidence, cfg.bootstrap_resamples, ctx.seed("promotion")), ""
 
