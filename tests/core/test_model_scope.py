@@ -92,3 +92,36 @@ def test_a_model_without_an_owner_is_claimed_by_its_next_registration(posttrain_
     with pytest.raises(UserError) as err:
         preflight.registry_owner(load_recipe(str(TINY)), b)
     _assert_refused(err, b, a)
+
+
+@pytest.mark.slow
+def test_a_second_run_roots_bootstrap_exits_2_and_the_first_champion_serves(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``posttrain stage bootstrap`` runs of the tiny recipe on one home (one SQLite
+    tracking store), from run roots A and B: B's registration is refused in one line, and
+    A's champion loads as an MLflow model that generates what the engine generates."""
+    import mlflow.pyfunc
+    from mlflow.tracking import MlflowClient
+
+    from components.core.policy import load_policy
+    from components.rollout.engines import get_engine
+    from tests.fixtures.runs import cli_env, run_posttrain
+
+    home = tmp_path / ".posttrain"
+    a, b = (tmp_path / "a").as_uri(), (tmp_path / "b").as_uri()
+    first = run_posttrain(["stage", "bootstrap", "--recipe", str(TINY), "--run-root", a], tmp_path, cli_env(home))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_posttrain(["stage", "bootstrap", "--recipe", str(TINY), "--run-root", b], tmp_path, cli_env(home))
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert [line for line in second.stderr.splitlines() if line.startswith("posttrain")] == [
+        f"posttrain: error: run_root='{b}': registered model tiny-policy belongs to run root {a}; fix: {FIX}"]
+
+    tracking_uri = f"sqlite:///{home / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)  # where models:/ URIs resolve
+    champion = MlflowClient(tracking_uri=tracking_uri).get_model_version_by_alias("tiny-policy", "champion")
+    assert (str(champion.version), champion.tags[models.TAG_CHECKPOINT]) == ("1", f"{a}/tiny/bootstrap/checkpoint")
+    model = mlflow.pyfunc.load_model("models:/tiny-policy@champion")
+    prompts = ["What is 12 + 30?", "Write a function add(a, b)."]
+    policy = load_policy(f"{a}/tiny/bootstrap/checkpoint")
+    expected = [g.text for g in get_engine("hf").generate(policy, prompts, 8, 1.0, 0, 64, greedy=True)]
+    assert model.predict(prompts) == expected and all(expected)

@@ -60,18 +60,16 @@ def champion(posttrain_home: Path, tmp_path: Path) -> tuple[str, str, str]:
     return uri, version, run_id
 
 
-def test_champion_loads_as_pyfunc_and_generates_the_engines_greedy_completions(champion) -> None:
+def test_champion_loads_as_pyfunc_and_generates_the_engines_greedy_completions(
+        champion, monkeypatch: pytest.MonkeyPatch) -> None:
     import mlflow.pyfunc
     import pandas as pd
 
     uri, version, _ = champion
     expected = engine_greedy(uri, PROMPTS)
     assert len(set(expected)) > 1 and all(expected)  # distinct, non-empty completions: a real comparison
-    os.environ["MLFLOW_TRACKING_URI"] = tracking.tracking_uri()  # pyfunc resolves models:/ through the global URI
-    try:
-        model = mlflow.pyfunc.load_model("models:/tiny-policy@champion")
-    finally:
-        del os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking.tracking_uri())  # pyfunc resolves models:/ through it
+    model = mlflow.pyfunc.load_model("models:/tiny-policy@champion")
     assert model.predict(PROMPTS) == expected
     assert model.predict(pd.DataFrame({"prompt": PROMPTS})) == expected
     assert model.predict({"prompt": PROMPTS}) == expected
