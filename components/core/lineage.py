@@ -3,7 +3,8 @@
 ``resolve_policy(recipe)`` turns ``rollout.policy`` into (version, checkpoint URI):
 ``champion`` or ``candidate`` through the MLflow registry aliases, anything else as a
 checkpoint URI or folder, or a registry URI (``models:/<name>@<alias>``,
-``models:/<name>/<version>``). taskgen resolves it once per iteration and records it in
+``models:/<name>/<version>``); a registry version's checkpoint is its
+``posttrain.checkpoint_uri`` tag (``models.checkpoint_of``). taskgen resolves it once per iteration and records it in
 its manifest (``facts.StartingPolicy``), so every later stage of the iteration uses the
 same policy.
 """

@@ -13,7 +13,8 @@ greedy completions of the ``hf`` engine, exactly what the eval suite scores::
 
 or ``mlflow models serve -m models:/tiny-policy@champion --env-manager local`` and a
 POST of ``{"inputs": ["..."]}`` (or ``dataframe_split`` with a ``prompt`` column) to
-``/invocations``.
+``/invocations``. ``models:/`` URIs resolve through ``MLFLOW_TRACKING_URI``; for the
+embedded tracking that is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db``.
 
 Not covered: the model is only as portable as the checkpoint URI inside it: whoever
 loads it needs read access to the store (``file://`` checkpoints load only on the
