@@ -68,6 +68,13 @@ Choices, and what this does not do:
   iteration through the Airflow DAG's ``kubernetes`` mode (``dags/execution/kubernetes.py``).
 - One iteration per run, like the DAG; a KFP recurring run plans the next iteration
   itself (``max_concurrency=1`` on the recurring run: iteration k+1 needs checkpoint k).
+- MLflow: a stage task stopped with SIGTERM ends its stage run KILLED (``_run`` installs
+  ``runner.stop_on_sigterm``); a retried one marks its SIGKILLed attempt KILLED; the
+  ``plan`` task ends iterations that finished while their parent run stayed RUNNING.
+  Not covered: ending the iteration's parent run FAILED when the KFP run fails for good
+  (the Airflow DAG does it in its failure callbacks). A ``dsl.ExitHandler`` task around
+  the stages could (``kfp.local`` runs exit handlers), but it is not wired: the parent
+  stays RUNNING until the next run takes the iteration again, which reuses that parent.
 """
 
 # No ``from __future__ import annotations``: KFP reads the component signatures' real types.
@@ -94,9 +101,10 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str) -> str
     takes it as an input."""
     from components.core import planner, settings
     from components.core.recipe import load_recipe
-    from components.core.runner import run_stage
+    from components.core.runner import run_stage, stop_on_sigterm
     from components.core.storage import Store
 
+    stop_on_sigterm()  # a stopped pod: the stage's MLflow run ends KILLED, not RUNNING
     conf = settings.resolve(recipe or None, run_root or None)
     k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
                                                     f"kfp:{run_id}", replay=True)
@@ -104,15 +112,20 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str) -> str
 
 
 def plan(recipe: str, run_root: str, run_id: str) -> int:
-    """Pick and lease this job's iteration (``kfp:<job id>`` holds it)."""
+    """Pick and lease this job's iteration (``kfp:<job id>`` holds it); end the MLflow runs
+    of iterations that finished while their parent run stayed RUNNING."""
     from components.core import planner, settings
     from components.core.recipe import load_recipe
+    from components.core.runner import close_finished_iterations
     from components.core.storage import Store
 
     conf = settings.resolve(recipe or None, run_root or None)
     store = Store(conf.run_root, "run_root")
     store.check_reachable()
-    return planner.plan(store, load_recipe(conf.recipe), f"kfp:{run_id}", replay=True)
+    loaded = load_recipe(conf.recipe)
+    k = planner.plan(store, loaded, f"kfp:{run_id}", replay=True)
+    close_finished_iterations(store, loaded.pipeline)
+    return k
 
 
 def shards(recipe: str, stage: str) -> list:
