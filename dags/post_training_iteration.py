@@ -20,6 +20,12 @@ when the candidate was promoted). Each task calls the stage function behind
   `asset:champion`, `asset:task-file`; manual when unset).
 - Sandbox tasks run in the `posttrain_sandbox` pool; outages are retried with backoff;
   a bad recipe or a failed data-quality gate fails at once.
+- MLflow: the experiment is the pipeline; under its summary run `<pipeline> · timeline`
+  (headline metrics per iteration, `timeline/pass_rates.png`) each iteration has a
+  parent run `iter-000002` and one run per stage, `trainer · iter-000002`,
+  `rollout[1/2] · iter-000002`. The parent ends FINISHED after evaluation, FAILED when a
+  task or the run fails for good (its RUNNING stage runs KILLED); the next run of the
+  same iteration reopens it.
 
 The stages and their order come from `components/core/stages.py`; the glue is in
 `dags/wiring.py`.
