@@ -103,7 +103,14 @@ def task_file(recipe: Recipe) -> None:
 
 def registry_owner(recipe: Recipe, run_root: str) -> None:
     """``<pipeline>-policy`` is this run root's, or nobody's yet (the first registration claims it)."""
-    models.check_owner(recipe.pipeline, normalize_uri(run_root, "run_root"))
+    try:
+        models.check_owner(recipe.pipeline, normalize_uri(run_root, "run_root"))
+    except UserError:
+        raise
+    except Exception as exc:
+        if (down := outage(exc)) is not None:
+            raise InfraError("tracking server", tracking.tracking_uri(), down) from None
+        raise
 
 
 def check_all(recipe: Recipe, run_root: str) -> None:

@@ -94,6 +94,22 @@ def test_a_model_without_an_owner_is_claimed_by_its_next_registration(posttrain_
     _assert_refused(err, b, a)
 
 
+
+def test_preflight_names_an_unreachable_tracking_server_as_an_outage(posttrain_home: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from components.core.errors import InfraError
+    from tests.fixtures.home import reset_tracking_clients
+    from tests.fixtures.s3 import closed_port
+
+    uri = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    reset_tracking_clients()
+    with pytest.raises(InfraError) as err:
+        preflight.registry_owner(load_recipe(str(TINY)), "s3://bucket/runs")
+    assert (err.value.what, err.value.where) == ("tracking server", uri)
+
+
 @pytest.mark.slow
 def test_a_second_run_roots_bootstrap_exits_2_and_the_first_champion_serves(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
