@@ -40,7 +40,8 @@ DECISION_TAG = "posttrain.decision"
 REASON_TAG = "posttrain.reason"
 BASELINE_TAG = "posttrain.baseline_version"
 PARENT_TAG = "posttrain.parent_version"
-MAX_TAG_CHARS = 5000  # MLflow's limit on a model-version tag value (its description takes more)
+MAX_TAG_CHARS = 5000  # a reason longer than this is cut in its tag (the report keeps it whole)
+MAX_DESCRIPTION_CHARS = 5000  # MLflow's SQL stores hold at most this much of a version's description
 
 
 @dataclass(frozen=True)
@@ -132,9 +133,18 @@ def describe(promoted: bool, reason: str, rows: Sequence[Comparison], baseline_v
         interval = f"[{r.ci_low:+.3f}, {r.ci_high:+.3f}]" if r.ci_low is not None else "–"
         lines.append(f"| {r.domain} | {r.tasks} | {_num(r.candidate)} | {_num(r.baseline)} | "
                      f"{_num(r.difference, True)} | {interval} |")
-    if links:
-        lines += ["", "Links:", ""] + [f"- {name}: {target}" for name, target in links.items()]
-    return "\n".join(lines) + "\n"
+    items = [f"- {name}: {target}" for name, target in links.items()]
+    dropped = 0
+    # Many shards of long URIs could outgrow the registry's description column: the last
+    # links give way first (the trainer's manifest lists every input).
+    while items and len("\n".join(lines + ["", "Links:", ""] + items)) + 60 > MAX_DESCRIPTION_CHARS:
+        items.pop()
+        dropped += 1
+    if items:
+        lines += ["", "Links:", ""] + items
+    if dropped:
+        lines.append(f"- and {dropped} more (see the trainer's manifest inputs)")
+    return ("\n".join(lines) + "\n")[:MAX_DESCRIPTION_CHARS]
 
 
 def record_decision(pipeline: str, version: str, *, promoted: bool, reason: str, rows: Sequence[Comparison],

@@ -145,3 +145,14 @@ def test_pass_at_k_is_logged_beside_pass_at_1_and_only_when_asked(iteration: Ite
     assert off.facts(Decision).promoted == evaluation.facts(Decision).promoted
     again = run_stage("evaluation", tiny(pass_k=4), iteration.store.uri, 1)  # seeded: the same pass@k
     assert {k: v for k, v in again.metrics.items() if "pass_at" in k} == with_k
+
+
+def test_a_description_fits_the_registry_however_many_inputs():
+    from components.evalsuite.decision import MAX_DESCRIPTION_CHARS, describe
+
+    links = {f"trained on rollout[{i}/64]": f"s3://bucket/{'x' * 100}/rollout/shard-{i:05d}/_MANIFEST.json" for i in range(64)}
+    text = describe(False, "held", unpaired({"code": 0.3}, {"code": 0.4}), "1", links)
+    assert len(text) <= MAX_DESCRIPTION_CHARS
+    kept = text.count("- trained on rollout[")
+    assert 20 < kept < 64 and text.endswith(f"- and {64 - kept} more (see the trainer's manifest inputs)\n")
+    assert "| code | 0 | 0.300 | 0.400 | -0.100 | – |" in text
