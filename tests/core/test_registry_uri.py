@@ -1,4 +1,5 @@
-"""Registry URIs (models:/name@alias, models:/name/version) resolve to stored checkpoints."""
+"""Registry URIs (models:/name@alias, models:/name/version) resolve to stored checkpoints:
+a version's ``posttrain.checkpoint_uri`` tag, not its source (the MLflow model's folder)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ def registered(posttrain_home, tmp_path):
     return v1, v2
 
 
-def test_alias_and_version_resolve_to_the_version_source(registered):
+def test_alias_and_version_resolve_to_the_versions_checkpoint(registered):
     assert models.resolve_model_uri("models:/reg-policy@champion", "model.source") == "file:///store/reg/bootstrap/checkpoint"
     assert models.resolve_model_uri("models:/reg-policy/2", "model.source") == "file:///store/reg/iter-000001/trainer/checkpoint"
+    mv = tracking.client().get_model_version("reg-policy", "2")
+    assert mv.tags[models.TAG_CHECKPOINT] == "file:///store/reg/iter-000001/trainer/checkpoint"
+    assert mv.source != mv.tags[models.TAG_CHECKPOINT] and mv.source.endswith("/artifacts")  # the MLflow model's folder
 
 
 def test_plain_uris_pass_through(registered):
