@@ -96,7 +96,7 @@ def missing_pairs(candidate: Sequence[EvalResult], baseline: Sequence[EvalResult
 def statistical_rule(rows: Sequence[Comparison], confidence: float) -> tuple[bool, str]:
     """Held if a domain regresses significantly (interval entirely below 0) or the mean
     pass rate over domains drops; else promoted."""
-    pct = f"{confidence:.0%}"
+    pct = f"{confidence * 100:g}%"
     worse = [f"{r.domain} {r.baseline:.3f}->{r.candidate:.3f} (diff {r.difference:+.3f}, CI [{r.ci_low:+.3f}, {r.ci_high:+.3f}])"
              for r in rows if r.ci_high is not None and r.ci_high < 0]
     if worse:
