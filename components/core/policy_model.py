@@ -27,6 +27,7 @@ exposed; serving at rollout scale is ``posttrain serve`` (``components.rollout.s
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import warnings
 from typing import Any
 
@@ -94,14 +95,14 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
     # The hint names the form a served model receives; a DataFrame hint also tells MLflow
     # not to validate or convert the input, so lists and dicts reach prompts_of as they are.
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
-        from components.rollout.engines import get_engine
+        from components.core.plugins import ENGINES  # the engine by name: core imports no stage package
 
         prompts = prompts_of(model_input)
         if not prompts:
             return []
         max_new_tokens = int((params or {}).get("max_new_tokens") or self.config.get("max_new_tokens", 24))
         batch_size = int(self.config.get("batch_size", 64))
-        samples = get_engine("hf").generate(self.policy, prompts, max_new_tokens, 1.0, 0, batch_size, greedy=True)
+        samples = ENGINES.load("hf")().generate(self.policy, prompts, max_new_tokens, 1.0, 0, batch_size, greedy=True)
         return [s.text for s in samples]
 
 
@@ -117,8 +118,6 @@ def signature(max_new_tokens: int):
 def build(checkpoint_uri: str, folder: str, max_new_tokens: int, batch_size: int = 64) -> None:
     """Write the MLflow model of ``checkpoint_uri`` into the empty or absent ``folder``."""
     config = {"checkpoint_uri": checkpoint_uri, "max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size)}
-    import logging
-
     # MLflow's advice (type hints, an input example, models-from-code) does not apply to a
     # model whose input is read by prompts_of and whose code is the posttrain package:
     # keep it out of every stage's log.
