@@ -2,7 +2,9 @@
 times of a two-iteration tiny run, each kill followed by a rerun, ends exactly where an
 uninterrupted run ends: the same manifested outputs (rows and digests, the sandbox's
 executions but for the measured columns), rollout ids, registry versions and aliases,
-and evaluation reports (so the same baselines).
+and evaluation reports (so the same baselines); and in MLflow, no run left RUNNING (a
+SIGKILLed and resumed iteration leaves none behind) and one parent run per iteration,
+ended FINISHED, under one summary run (a resumed iteration reuses its parent run).
 
 Kill points (28):
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -65,6 +68,14 @@ class Outcome:
     aliases: dict[str, str]
     reports: dict[int, bytes]
     running: list[str]  # MLflow runs still RUNNING after the run ended (stage or iteration runs)
+    parents: dict[str, list[str]]  # {iteration: statuses of its parent runs}: one FINISHED each
+    summaries: list[str]  # the pipeline's summary runs' statuses
+
+
+def source_text(source: str, root: str, home: Path) -> str:
+    """A registry version's source without what differs between two homes: the run root,
+    the home, and the id MLflow draws for a logged model (``m-<hex>``)."""
+    return re.sub(r"/m-[0-9a-f]+/", "/m-<id>/", source.replace(root, "<root>").replace(f"file://{home}", "<home>"))
 
 
 def outcome(home: Path) -> Outcome:
@@ -80,25 +91,32 @@ def outcome(home: Path) -> Outcome:
                 assert hashlib.sha256(store.read_bytes(meta["path"])).hexdigest() == meta["sha256"], f"{rel}: {name}"
     uri = f"sqlite:///{home / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    versions = {int(v.version): v.source.replace(root, "<root>")
+    versions = {int(v.version): source_text(v.source, root, home)
                 for v in client.search_model_versions("name = 'tiny-policy'")}
     aliases = {k: str(v) for k, v in client.get_registered_model("tiny-policy").aliases.items()}
     ks = range(1, ITERATIONS + 1)
     experiment = client.get_experiment_by_name("tiny").experiment_id
     running = sorted(r.info.run_name for r in client.search_runs([experiment], "attributes.status = 'RUNNING'"))
+    parents: dict[str, list[str]] = {}
+    for r in client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'"):
+        parents.setdefault(r.data.tags["posttrain.iteration"], []).append(r.info.status)
+    summaries = [r.info.status for r in client.search_runs([experiment], "tags.`posttrain.stage` = 'pipeline'")]
     return Outcome(outputs={k: outputs_by_stage(store, k) for k in ks}, rollout_ids={k: rollout_ids(store, k) for k in ks},
                    versions=versions, aliases=aliases,
-                   reports={k: store.read_bytes(f"tiny/iter-{k:06d}/evaluation/report.json") for k in ks}, running=running)
+                   reports={k: store.read_bytes(f"tiny/iter-{k:06d}/evaluation/report.json") for k in ks}, running=running,
+                   parents=parents, summaries=summaries)
 
 
 def assert_same(got: Outcome, want: Outcome) -> None:
+    assert got.running == want.running == [], "runs left RUNNING (a killed attempt, or an iteration never ended)"
+    assert got.parents == want.parents == {"1": ["FINISHED"], "2": ["FINISHED"]}, "one parent run per iteration"
+    assert got.summaries == want.summaries == ["FINISHED"]
     for k in want.outputs:
         assert got.outputs[k] == want.outputs[k], f"iteration {k}: outputs differ"
         assert got.rollout_ids[k] == want.rollout_ids[k] and len(set(got.rollout_ids[k])) == len(got.rollout_ids[k])
         assert json.loads(got.reports[k]) == json.loads(want.reports[k]), f"iteration {k}: report.json differs"
     assert got.versions == want.versions, "registry versions differ (a second registration?)"
     assert got.aliases == want.aliases
-    assert got.running == want.running == [], "runs left RUNNING (a killed attempt, or an iteration never ended)"
 
 
 def args() -> list[str]:
