@@ -212,6 +212,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int)
         # home's lock already keeps a second run on this home away from its SQLite MLflow).
         preflight.task_file(recipe)
         preflight.policy_source(recipe)
+        preflight.registry_owner(recipe, store.uri)  # another run root's registered model: refused before any work
         with writer_lease(store, recipe.pipeline, home):
             from dags.local import prepare, run_iteration
 

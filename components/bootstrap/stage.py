@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import Counter
 
 from components.core import models
 from components.core.context import StageContext
@@ -42,6 +43,7 @@ from components.core.progress import say
 from components.core.records import Task
 from components.core.seeds import seed_everything
 from components.domains import registry
+from components.evalsuite.decision import record_decision, unpaired
 from components.evalsuite.score import eval_tags, evaluate_and_log
 from components.evalsuite.suite import eval_tasks, pass_rates, run_suite
 from components.sandbox.executor import get_executor
@@ -153,8 +155,11 @@ def run(ctx: StageContext) -> dict[str, float]:
                                            {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri},
                                            run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens)
     policy.version = version
-    _, rates, worst = evaluate_and_log(ctx, policy)
+    results, rates, worst = evaluate_and_log(ctx, policy)
     models.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
+    record_decision(ctx.pipeline, version, promoted=True, reason="bootstrap: the first policy",
+                    rows=unpaired(rates, {}, Counter(r.domain for r in results)), run_id=ctx.mlflow_run_id,
+                    checkpoint_uri=uri)
     models.set_alias(ctx.pipeline, "champion", version, run_root=ctx.store.uri)
     models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
     ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)

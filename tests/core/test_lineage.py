@@ -53,12 +53,12 @@ def test_trainer_registered_version_2_from_its_run(iteration: Iteration, client)
     mv = client.get_model_version(MODEL, "2")
     assert mv.run_id == trainer.mlflow_run_id
     assert trainer.facts(Checkpoint).version == "2"
-    assert mv.source == trainer.facts(Checkpoint).checkpoint_uri == iteration.store.url(trainer.outputs["checkpoint"].path)
+    assert models.checkpoint_of(mv) == trainer.facts(Checkpoint).checkpoint_uri == iteration.store.url(trainer.outputs["checkpoint"].path)
     assert mv.tags["posttrain.parent_version"] == "1"
     assert mv.tags["posttrain.iteration"] == "1"
     v1 = client.get_model_version(MODEL, "1")
     assert v1.run_id == iteration.manifests["bootstrap"].mlflow_run_id
-    assert v1.source == iteration.manifests["bootstrap"].facts(Scored).checkpoint_uri
+    assert models.checkpoint_of(v1) == iteration.manifests["bootstrap"].facts(Scored).checkpoint_uri
     assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{MODEL}'")) == [1, 2]
 
 

@@ -21,6 +21,7 @@ from components.core import lease
 from components.core.context import read_manifest
 from components.core.facts import StartingPolicy
 from components.core.manifest import stage_prefix
+from components.core.models import checkpoint_of
 from components.core.storage import Store
 from dags.local import DAG_ID
 
@@ -76,7 +77,7 @@ def test_scheduled_runs_then_a_failed_run_cleared_and_rerun(local_airflow):
 
     client = MlflowClient(tracking_uri=af.mlflow_uri)
     champion = client.get_model_version_by_alias(f"{PIPELINE}-policy", "champion")
-    state_file = Path(champion.source.removeprefix("file://")) / "trainer_state.pt"
+    state_file = Path(checkpoint_of(champion).removeprefix("file://")) / "trainer_state.pt"
     good = state_file.read_bytes()
     state_file.write_bytes(good[: len(good) // 2])
     runs = af.runs()
@@ -85,7 +86,7 @@ def test_scheduled_runs_then_a_failed_run_cleared_and_rerun(local_airflow):
     af.wait("the third run's taskgen", lambda: read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")) is not None,
             timeout=RUN_TIMEOUT_S)
     third_id = af.runs()[2]["dag_run_id"]
-    assert read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")).facts(StartingPolicy).policy_uri == champion.source
+    assert read_manifest(store, stage_prefix(PIPELINE, 3, "taskgen")).facts(StartingPolicy).policy_uri == checkpoint_of(champion)
 
     failed = af.wait("the third run to fail", lambda: (r := af.runs()[2])["state"] == "failed" and r, timeout=RUN_TIMEOUT_S)
     rows = af.task_rows(third_id)
