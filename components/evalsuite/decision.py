@@ -123,17 +123,23 @@ def _num(x: float | None, signed: bool = False) -> str:
     return f"{x:+.3f}" if signed else f"{x:.3f}"
 
 
-def describe(promoted: bool, reason: str, rows: Sequence[Comparison], baseline_version: str, links: dict[str, str]) -> str:
-    """The markdown a registry version shows: decision, reason, per-domain table, links."""
+def describe(promoted: bool, reason: str, rows: Sequence[Comparison], baseline_version: str, links: dict[str, str],
+             parent_version: str = "") -> str:
+    """The markdown a registry version shows: decision, reason, parent, per-domain table, links."""
     lines = [f"**{'Promoted' if promoted else 'Held'}**" + (f" against version {baseline_version}" if baseline_version else ""),
-             "", f"Reason: {reason}", "",
+             "", f"Reason: {reason}", ""]
+    if parent_version:
+        lines += [f"Trained from version {parent_version}", ""]
+    lines += [
              "| domain | tasks | candidate | baseline | difference | interval |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         interval = f"[{r.ci_low:+.3f}, {r.ci_high:+.3f}]" if r.ci_low is not None else "–"
         lines.append(f"| {r.domain} | {r.tasks} | {_num(r.candidate)} | {_num(r.baseline)} | "
                      f"{_num(r.difference, True)} | {interval} |")
-    items = [f"- {name}: {target}" for name, target in links.items()]
+    # Web pages as markdown links (the registry UI renders them clickable); store URIs as code.
+    items = [f"- [{name}]({target})" if target.startswith(("http://", "https://")) else f"- {name}: `{target}`"
+             for name, target in links.items()]
     dropped = 0
     # Many shards of long URIs could outgrow the registry's description column: the last
     # links give way first (the trainer's manifest lists every input).
@@ -149,10 +155,12 @@ def describe(promoted: bool, reason: str, rows: Sequence[Comparison], baseline_v
 
 def record_decision(pipeline: str, version: str, *, promoted: bool, reason: str, rows: Sequence[Comparison],
                     baseline_version: str = "", parent_version: str = "", run_id: str = "", parent_run_id: str = "",
-                    checkpoint_uri: str = "", datasets: dict[str, str] | None = None) -> str:
+                    checkpoint_uri: str = "", datasets: dict[str, str] | None = None, evaluation_run_id: str = "") -> str:
     """Tag registry version ``version`` of ``<pipeline>-policy`` with the decision and set
-    its description; returns the description. Empty arguments are left out (bootstrap
-    has no baseline, parent or parent run). Idempotent: a retry writes the same values."""
+    its description; returns the description. ``run_id`` is the version's source run (the
+    run that registered it), ``evaluation_run_id`` the run that decided, when another.
+    Empty arguments are left out (bootstrap has no baseline, parent or parent run).
+    Idempotent: a retry writes the same values."""
     from components.core import models, tracking
 
     tags = {DECISION_TAG: "promoted" if promoted else "held", REASON_TAG: reason[:MAX_TAG_CHARS]}
@@ -164,12 +172,14 @@ def record_decision(pipeline: str, version: str, *, promoted: bool, reason: str,
     links: dict[str, str] = {}
     if run_id:
         links["source run"] = tracking.run_url(pipeline, run_id)
+    if evaluation_run_id and evaluation_run_id != run_id:
+        links["evaluation run"] = tracking.run_url(pipeline, evaluation_run_id)
     if parent_run_id:
         links["iteration run"] = tracking.run_url(pipeline, parent_run_id)
     if checkpoint_uri:
         links["checkpoint"] = checkpoint_uri
     for name, uri in sorted((datasets or {}).items()):
         links[f"trained on {name}"] = uri
-    text = describe(promoted, reason, rows, baseline_version, links)
+    text = describe(promoted, reason, rows, baseline_version, links, parent_version)
     tracking.client().update_model_version(models.model_name(pipeline), str(version), description=text)
     return text

@@ -153,10 +153,11 @@ def run(ctx: StageContext) -> dict[str, float]:
     rows, missing = comparisons(ctx, results, rates, baseline)
     rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
     models.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
+    trained = ctx.upstream("trainer")[0]
     record_decision(ctx.pipeline, trainer.version, promoted=promoted, reason=reason, rows=rows,
-                    baseline_version=baseline_version, parent_version=trainer.parent_version, run_id=ctx.mlflow_run_id,
-                    parent_run_id=ctx.parent_run_id, checkpoint_uri=trainer.checkpoint_uri,
-                    datasets={k: v.uri for k, v in ctx.upstream("trainer")[0].inputs.items()})
+                    baseline_version=baseline_version, parent_version=trainer.parent_version, run_id=trained.mlflow_run_id,
+                    evaluation_run_id=ctx.mlflow_run_id, parent_run_id=ctx.parent_run_id,
+                    checkpoint_uri=trainer.checkpoint_uri, datasets={k: v.uri for k, v in trained.inputs.items()})
     if promoted:
         models.set_alias(ctx.pipeline, "champion", trainer.version)
     ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,

@@ -47,11 +47,12 @@ def test_record_decision_writes_tags_and_markdown(tmp_path, posttrain_home):
     url = tracking.run_url("rec", run_id)
     assert text == (
         "**Promoted** against version 1\n\nReason: no domain regressed significantly at 95%\n\n"
+        "Trained from version 1\n\n"
         "| domain | tasks | candidate | baseline | difference | interval |\n|---|---|---|---|---|---|\n"
         "| code | 200 | 0.450 | 0.350 | +0.100 | [+0.040, +0.160] |\n"
         "| math | 200 | 0.460 | 0.500 | -0.040 | [-0.095, +0.015] |\n\n"
-        f"Links:\n\n- source run: {url}\n- checkpoint: file://{tmp_path}/ckpt-2\n"
-        "- trained on rollout[0/2]: file:///s/rollout/_MANIFEST.json\n")
+        f"Links:\n\n- [source run]({url})\n- checkpoint: `file://{tmp_path}/ckpt-2`\n"
+        "- trained on rollout[0/2]: `file:///s/rollout/_MANIFEST.json`\n")
     mv = tracking.client().get_model_version("rec-policy", "2")
     assert mv.description == text
     mine = ("posttrain.decision", "posttrain.reason", "posttrain.baseline_version", "posttrain.parent_version")
@@ -103,11 +104,13 @@ def test_the_candidate_version_carries_the_decision(iteration: Iteration) -> Non
         assert (f"| {domain} | 8 | {row['candidate']:.3f} | {row['baseline']:.3f} | {row['difference']:+.3f} | "
                 f"[{row['ci_low']:+.3f}, {row['ci_high']:+.3f}] |") in text
     parent = iteration.manifests["taskgen"].facts(StartingPolicy).parent_run_id
-    assert f"- source run: {tracking.run_url('tiny', evaluation.mlflow_run_id)}\n" in text
-    assert f"- iteration run: {tracking.run_url('tiny', parent)}\n" in text
-    assert f"- checkpoint: {trainer.facts(Checkpoint).checkpoint_uri}\n" in text
+    assert "Trained from version 1\n" in text
+    assert f"- [source run]({tracking.run_url('tiny', trainer.mlflow_run_id)})\n" in text  # the run that registered it
+    assert f"- [evaluation run]({tracking.run_url('tiny', evaluation.mlflow_run_id)})\n" in text
+    assert f"- [iteration run]({tracking.run_url('tiny', parent)})\n" in text
+    assert f"- checkpoint: `{trainer.facts(Checkpoint).checkpoint_uri}`\n" in text
     for key, ref in trainer.inputs.items():
-        assert f"- trained on {key}: {ref.uri}\n" in text
+        assert f"- trained on {key}: `{ref.uri}`\n" in text
     assert set(trainer.inputs) >= {"rollout[0/2]", "reward[1/2]", "validation"}
 
 
