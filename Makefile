@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
 ITERATIONS ?= 3
 
-.PHONY: setup demo test test-fast test-all models vllm test-vllm bench images clean
+.PHONY: setup demo test test-fast test-all models vllm test-vllm bench images clean screenshots
 
 $(STAMP): pyproject.toml
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -74,3 +74,9 @@ images: $(STAMP)
 
 clean:
 	rm -rf .posttrain
+
+# The README's MLflow screenshots (docs/lineage/): the browser test's walk through the
+# lineage of two demo iterations, against a real tracking server and S3.
+screenshots: $(STAMP)
+	POSTTRAIN_SCREENSHOTS=docs/lineage POSTTRAIN_LINEAGE_RECIPE=recipes/demo.yaml POSTTRAIN_LINEAGE_ITERATIONS=2 \
+	  $(PY) -m pytest -q -m "not gpu" tests/core/test_lineage_ui.py

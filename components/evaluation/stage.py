@@ -154,7 +154,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
     models.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
     trained = ctx.upstream("trainer")[0]
-    record_decision(ctx.pipeline, trainer.version, promoted=promoted, reason=reason, rows=rows,
+    described = record_decision(ctx.pipeline, trainer.version, promoted=promoted, reason=reason, rows=rows,
                     baseline_version=baseline_version, parent_version=trainer.parent_version, run_id=trained.mlflow_run_id,
                     evaluation_run_id=ctx.mlflow_run_id, parent_run_id=ctx.parent_run_id,
                     checkpoint_uri=trainer.checkpoint_uri, datasets={k: v.uri for k, v in trained.inputs.items()})
@@ -162,14 +162,18 @@ def run(ctx: StageContext) -> dict[str, float]:
         models.set_alias(ctx.pipeline, "champion", trainer.version)
     ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,
                          reason=reason, baseline=baseline, baseline_version=baseline_version, rule=rule)
-    ctx.write_json("report", {"candidate": trainer.version, "baseline": baseline_version,
-                              "parent": trainer.parent_version, "pass_rates": rates,
-                              "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
-                              "rule": rule, "rule_why": why, "confidence": cfg.confidence,
-                              "domains": {r.domain: {k: v for k, v in dataclasses.asdict(r).items() if k != "domain"}
-                                          for r in rows},
-                              "pass_at_k": {"k": cfg.pass_k, "rates": pass_k} if cfg.pass_k else None,
-                              "weakest_slice": dataclasses.asdict(worst) if worst else None})
+    report = {"candidate": trainer.version, "baseline": baseline_version,
+              "parent": trainer.parent_version, "pass_rates": rates,
+              "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
+              "rule": rule, "rule_why": why, "confidence": cfg.confidence,
+              "domains": {r.domain: {k: v for k, v in dataclasses.asdict(r).items() if k != "domain"}
+                          for r in rows},
+              "pass_at_k": {"k": cfg.pass_k, "rates": pass_k} if cfg.pass_k else None,
+              "weakest_slice": dataclasses.asdict(worst) if worst else None}
+    ctx.write_json("report", report)
+    # On the evaluation run too: the decision as its description, the report as an artifact.
+    tracking.client().set_tag(ctx.mlflow_run_id, "mlflow.note.content", described)
+    tracking.client().log_dict(ctx.mlflow_run_id, report, f"{ctx.stage}/report.json")
     say(f"iter {ctx.iteration} | evaluation | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
         + (f" | weakest {worst.name} {worst.pass_rate:.3f}" if worst else "")
         + f" | {'promoted' if promoted else 'held'} ({rule}): {reason}")

@@ -120,6 +120,9 @@ def run(ctx: StageContext) -> dict[str, float]:
         "posttrain.run_root": ctx.store.uri,
     }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.whole.evaluation.max_new_tokens)
     models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
+    # The run's description (shown first on its page): where the checkpoint is, and its version.
+    tracking.client().set_tag(run_id, "mlflow.note.content", f"Checkpoint: `{uri}`\n\nRegistered as "
+                              f"`{models.model_name(ctx.pipeline)}` version {version}, trained from version {start.policy_version}.")
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups | registered version {version}")
