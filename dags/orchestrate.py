@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from components.core import lease, preflight, settings, tracking
+from components.core import lease, preflight, runner, settings, tracking
 from components.core.context import read_manifest
 from components.core.errors import UserError
 from components.core.facts import Decision, Scored, Slice
@@ -227,9 +227,22 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
         k = plan(store, recipe, holder, stale=other_local_run)
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
         state = run_iteration(recipe_path, store.uri, holder)
+        if runner.stopping():  # SIGTERM: the command says so itself (no task of ours failed)
+            raise tracking.Terminated()
         if state != "success":
             say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
             return 1
         print_table(summary_rows(store, recipe, k), list(recipe.domains))
-    say(f"MLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri()} --port 5000")
+    # A process killed as it ended the last iteration left that iteration's MLflow run
+    # RUNNING; nothing later would end it (finished iterations are skipped).
+    runner.close_finished_iterations(store, recipe.pipeline)
+    say(f"MLflow UI: {ui_hint(tracking.tracking_uri())}")
     return 0
+
+
+def ui_hint(uri: str) -> str:
+    """How to open the MLflow UI: a tracking server's own address, or the command that
+    serves the embedded SQLite tracking."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri.rstrip('/')}"
+    return f"mlflow ui --backend-store-uri {uri} --port 5000"
