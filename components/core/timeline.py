@@ -3,7 +3,8 @@
 When an iteration ends (``runner._end_iteration``, after evaluation), ``record`` reads its
 manifests from the store and logs, with ``step`` = the iteration, on the iteration's
 parent run and on the pipeline's summary run (``<pipeline> · timeline``, one per
-pipeline and run root, ``tracking.pipeline_run``; the iteration runs nest under it):
+pipeline and run root, ``tracking.pipeline_run``; the iteration runs nest under it;
+the summary run also gets bootstrap's ``pass_at_1/*`` as step 0):
 
 | metric | from |
 |---|---|
@@ -180,8 +181,16 @@ def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> d
     import matplotlib.pyplot as plt
 
     metrics = headline(store, pipeline, iteration)
-    runs = [r for r in (parent_run_id, tracking.pipeline_run(pipeline, store.uri)) if r]
-    fig = plot(history(store, pipeline, iteration), pipeline)
+    summary = tracking.pipeline_run(pipeline, store.uri)
+    runs = [r for r in (parent_run_id, summary) if r]
+    points = history(store, pipeline, iteration)
+    start = next((p for p in points if p.iteration == 0), None)
+    if start is not None and start.pass_rates and not _logged(summary, "pass_at_1/mean", 0):
+        # the base policy's scores as step 0, so the charts start where training started
+        rates = {f"pass_at_1/{d}": v for d, v in start.pass_rates.items()}
+        rates["pass_at_1/mean"] = sum(start.pass_rates.values()) / len(start.pass_rates)
+        tracking.log_metrics(summary, rates, step=0)
+    fig = plot(points, pipeline)
     try:
         for run_id in runs:
             if metrics and not _logged(run_id, next(iter(metrics)), iteration):

@@ -52,7 +52,7 @@ def night(s3_server: S3Server, mlflow_server: MlflowServer, tmp_path_factory: py
     run_root = f"s3://{s3_server.bucket}/{unique_prefix('lineage-ui')}"
     env = {k: v for k, v in cli_env(tmp / ".posttrain").items() if not k.startswith("AWS_")}
     env.update({**s3_server.env(), "POSTTRAIN_RUN_ROOT": run_root, "MLFLOW_TRACKING_URI": mlflow_server.uri})
-    recipe = os.environ.get("POSTTRAIN_LINEAGE_RECIPE") or str(TINY)
+    recipe = str(Path(os.environ.get("POSTTRAIN_LINEAGE_RECIPE") or TINY).resolve())
     iterations = os.environ.get("POSTTRAIN_LINEAGE_ITERATIONS") or "2"
     proc = run_posttrain(["run", "--recipe", recipe, "--iterations", iterations], tmp, env, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -190,7 +190,7 @@ def test_a_reviewer_walks_from_the_champion_to_the_evaluation_artifacts(night: N
     page.goto(f"{night.server.uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}")
     timeline = client.get_run(parent.data.tags["mlflow.parentRunId"])
     history = client.get_metric_history(timeline.info.run_id, "pass_at_1/mean")
-    assert sorted(m.step for m in history) == list(range(1, int(os.environ.get("POSTTRAIN_LINEAGE_ITERATIONS") or 2) + 1))
+    assert sorted(m.step for m in history) == list(range(int(os.environ.get("POSTTRAIN_LINEAGE_ITERATIONS") or 2) + 1))
     page.get_by_role("link", name=timeline.info.run_name, exact=True).first.click()
     see(page, "Child runs")
     page.get_by_role("tab", name="Model metrics").or_(page.get_by_role("link", name="Model metrics")).first.click()

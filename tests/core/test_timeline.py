@@ -152,8 +152,18 @@ def test_logging_an_iteration_again_adds_nothing(ran: Ran) -> None:
     before = histories()
     assert timeline.record(ran.store, "tiny", 2, parent) == pytest.approx(expected(ran.store, 2))
     assert histories() == before
-    assert [m.step for m in ran.client.get_metric_history(summary, "pass_at_1/mean")] == [1, 2]
+    assert [m.step for m in ran.client.get_metric_history(summary, "pass_at_1/mean")] == [0, 1, 2]
     assert ran.client.get_run(summary).info.status == "FINISHED"
+
+
+def test_the_summary_run_starts_at_the_base_policys_scores(ran: Ran) -> None:
+    summary = by_name(ran)["tiny · timeline"].info.run_id
+    boot = manifest(ran.store, "bootstrap")["info"]["pass_rates"]
+    for domain, rate in boot.items():
+        steps = {m.step: m.value for m in ran.client.get_metric_history(summary, f"pass_at_1/{domain}")}
+        assert steps[0] == pytest.approx(rate)
+    mean = {m.step: m.value for m in ran.client.get_metric_history(summary, "pass_at_1/mean")}
+    assert mean[0] == pytest.approx(sum(boot.values()) / len(boot))
 
 
 # Kept after the tests that read the runs: it leaves a KILLED run behind.
