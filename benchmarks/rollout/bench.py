@@ -6,9 +6,13 @@ short arithmetic-style prompts with long code-style ones, then times the same
 generation with ``HFEngine(bucket=True)`` and ``HFEngine(bucket=False)``, alternating
 the two ``--repeats`` times in one process so both see the same machine load. It prints
 completions/s of each and the ratio of the best runs (and of the medians) and writes
-``benchmarks/rollout/results.json`` and ``results.md``.
+``benchmarks/rollout/results.json`` and ``results.md`` (or into ``--out``).
 
     python benchmarks/rollout/bench.py [--prompts 96] [--batch-size 16] [--max-new-tokens 24] [--repeats 5] [--threads 1]
+    python benchmarks/rollout/bench.py --quick [--out DIR]
+
+``--quick`` is a smoke run through the same code (32 prompts, 8 new tokens, 2 repeats):
+it prints the same ratio line and writes no results unless ``--out`` is given.
 
 Not measured: vLLM (GPU) and the HTTP engine (its cost is the server's), and sampling
 with early EOS (a random policy rarely stops, so every completion runs to the cap).
@@ -49,7 +53,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by other load)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 32 prompts, 8 new tokens, 2 repeats; writes results only with --out")
+    ap.add_argument("--out", default=None, help="folder for results.json/results.md (default: beside this script; "
+                    "with --quick: none written unless given)")
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.repeats = 32, 8, 2
+    out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -81,8 +92,11 @@ def main() -> None:
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
                  "threads": torch.get_num_threads()},
     }
-    (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (HERE / "results.md").write_text(
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "results.md").write_text(
         "# Rollout: length-bucketed vs unbucketed generation\n\n"
         f"`python benchmarks/rollout/bench.py --prompts {args.prompts} --batch-size {args.batch_size} "
         f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats} --threads {args.threads}` — demo-size random policy "

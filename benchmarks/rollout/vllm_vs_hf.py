@@ -22,7 +22,10 @@ loads it back with ``load_policy`` and then
   of ``--batch-size``, vLLM its own scheduler on the one core its CPU build binds by
   default on this 2-core machine (the other is reserved for its front end).
 
-It writes ``benchmarks/rollout/vllm_results.json`` and ``vllm_results.md``. vLLM's engine
+It writes ``benchmarks/rollout/vllm_results.json`` and ``vllm_results.md`` (or into
+``--out``). ``--quick`` is a smoke run through the same code (16 prompts, 8 new tokens,
+1 repeat): it prints the same ratio line and writes no results unless ``--out`` is given.
+vLLM's engine
 start-up (tens of seconds) is reported separately and not part of completions/s. Not
 measured: GPU vLLM, vLLM with ``torch.compile`` (the engine runs with ``enforce_eager``).
 """
@@ -52,7 +55,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of HFEngine")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 16 prompts, 8 new tokens, 1 repeat; writes results only with --out")
+    ap.add_argument("--out", default=None, help="folder for vllm_results.json/.md (default: beside this script; "
+                    "with --quick: none written unless given)")
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.repeats = 16, 8, 1
+    out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
 
     import torch
     import transformers
@@ -125,8 +135,12 @@ def main() -> None:
                  "torch": torch.__version__, "transformers": transformers.__version__, "hf_threads": args.threads,
                  "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
     }
-    (HERE / "vllm_results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (HERE / "vllm_results.md").write_text(
+    if out_dir is None:
+        tmp.cleanup()
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "vllm_results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / "vllm_results.md").write_text(
         "# Rollout: vLLM (CPU build) vs HFEngine\n\n"
         f"`.venv-vllm/bin/python benchmarks/rollout/vllm_vs_hf.py --prompts {args.prompts} --max-new-tokens "
         f"{args.max_new_tokens} --repeats {args.repeats} --threads {args.threads}` on {result['date']}, "

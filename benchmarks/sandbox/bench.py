@@ -12,8 +12,10 @@ per-job latency p50/p95 (sequential), jobs/s at concurrency = CPU count and 2x C
 (each mode's ratio uses its best level: a warm job waits on namespace teardown for part
 of its wall time, so one more job per CPU keeps the CPUs busy, while bare Python start-up
 is CPU-bound either way), and how far the wall clock of timed-out jobs lands from the
-limit. Writes results.json and results.md beside this file and prints the ratios against
-the goals (strict p50 <= 2x bare, warm throughput >= 3x bare, timeouts within 200 ms).
+limit. Writes results.json and results.md beside this file (or into ``--out``) and prints
+the ratios against the goals (strict p50 <= 2x bare, warm throughput >= 3x bare, timeouts
+within 200 ms). ``--quick`` is a smoke run through the same code with fewer samples: it
+prints the same tables and writes no results unless ``--out`` is given.
 
 Fairness: every mode runs the same job at the same concurrency (bare through a thread
 pool of that size, the sandbox through ``run_many`` with as many warm workers), rounds
@@ -134,8 +136,11 @@ def timeout_accuracy(executors: dict, n: int, limit_s: float = 1.0) -> dict[str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run); writes results only with --out")
+    parser.add_argument("--out", default=None, help="folder for results.json/results.md (default: beside this script; "
+                        "with --quick: none written unless given)")
     args = parser.parse_args()
+    out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
     n_lat, n_tp, rounds, n_to = (10, 40, 1, 2) if args.quick else (40, 200, 5, 5)
     concurrency = os.cpu_count() or 2
     levels = (concurrency, 2 * concurrency)
@@ -184,8 +189,10 @@ def main() -> int:
         "warm_throughput_ge_3x_bare": all(r["warm_throughput_over_bare"] >= 3.0 for r in ratios.values()),
         "timeouts_within_200ms": worst_timeout <= 200.0,
     }
-    (HERE / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    (HERE / "results.md").write_text(markdown(report))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out_dir / "results.md").write_text(markdown(report))
     print(markdown(report))
     return 0
 

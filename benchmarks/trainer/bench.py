@@ -24,9 +24,14 @@ Seconds per step are the gaps between successive step ends (generation, reward a
 update included; the first step excluded as warm-up), reported as the median. Accuracy
 is greedy pass@1 on a fixed held-out set of ``--eval-tasks`` arithmetic tasks (never
 trained on), scored by the same code for both. Writes ``benchmarks/trainer/results.json``
-and ``results.md``.
+and ``results.md`` (or into ``--out``).
 
     python benchmarks/trainer/bench.py [--steps 30] [--seeds 3] [--eval-tasks 200] [--threads 1] [--lr 1e-4]
+    python benchmarks/trainer/bench.py --quick [--out DIR]
+
+``--quick`` is a smoke run through the same code (a short SFT warm start cached apart from
+the full run's, 3 RL steps, one seed, 20 held-out tasks): it prints the same ratio line and
+writes no results unless ``--out`` is given.
 
 Needs ``trl`` (``pip install -e '.[bench]'``). Known differences that remain: TRL scales
 advantages by the unbiased group std (ddof 1) plus 1e-4, posttrain by the population std
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -70,7 +76,7 @@ def greedy_accuracy(policy, tasks) -> float:
     return sum(domain.verify(t, s.text, None).passed for t, s in zip(tasks, out)) / len(tasks)
 
 
-def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500) -> tuple[Path, dict]:
+def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500, check_every: int = 25) -> tuple[Path, dict]:
     """SFT on arithmetic reference completions until the check accuracy is in [0.2, 0.5]; cached."""
     import torch
 
@@ -80,6 +86,8 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
 
     cfg = model_config()
     folder = cache / f"sft-h{cfg.hidden_size}-l{cfg.num_layers}-i{cfg.intermediate_size}-s{seed}-e{len(eval_ids)}"
+    if max_steps != 1500:  # a shortened warm start is cached apart from the full one
+        folder = folder.with_name(f"{folder.name}-m{max_steps}")
     info_file = folder / "bench_sft.json"
     if info_file.exists():
         return folder, json.loads(info_file.read_text())
@@ -93,7 +101,7 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3, weight_decay=0.01)
     started, acc, step = time.perf_counter(), 0.0, 0
     for step in range(1, max_steps + 1):
-        tasks = [domain._one(rng, "train", exclude) for _ in range(64)]
+        tasks = [domain.draw(rng, "train", exclude) for _ in range(64)]
         examples = [(policy.encode_prompt(t.prompt),
                      list(tokenizer(domain.reference_completion(t), add_special_tokens=False)["input_ids"]) + [EOS])
                     for t in tasks]
@@ -105,7 +113,7 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.model.parameters(), 1.0)
         optimizer.step()
-        if step % 25 == 0:
+        if step % check_every == 0 or step == max_steps:
             acc = greedy_accuracy(policy, check)
             print(f"sft | step {step} | loss {loss.item():.3f} | check acc {acc:.2f}", flush=True)
             if acc >= 0.2:
@@ -236,7 +244,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (1: least disturbed by other load)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "posttrain-bench-trainer"))
     ap.add_argument("--only", choices=["posttrain", "trl"], default=None, help="run one side only (debugging)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: short warm start, 3 steps, 1 seed, 20 eval tasks; writes results only with --out")
+    ap.add_argument("--out", default=None, help="folder for results.json/results.md (default: beside this script; "
+                    "with --quick: none written unless given)")
     args = ap.parse_args()
+    sft_steps, check_every = 1500, 25
+    if args.quick:
+        args.steps, args.seeds, args.eval_tasks = 3, 1, 20
+        sft_steps, check_every = 40, 20
+    out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
+    if args.only != "posttrain" and importlib.util.find_spec("trl") is None:
+        raise SystemExit("benchmarks/trainer/bench.py needs TRL (the bench extra): pip install -e '.[bench]'")
 
     os.environ["POSTTRAIN_TORCH_THREADS"] = str(args.threads)
     import torch
@@ -249,7 +268,7 @@ def main() -> None:
     configure_torch()
     eval_set = registry.get("arithmetic").eval_set(args.eval_tasks, seed=12345)
     eval_ids = {t.task_id for t in eval_set}
-    folder, sft = warm_start(Path(args.cache), args.seed, eval_ids)
+    folder, sft = warm_start(Path(args.cache), args.seed, eval_ids, sft_steps, check_every)
     start_acc = greedy_accuracy(load_policy(str(folder)), eval_set)
     print(f"warm start: {sft} | held-out greedy accuracy {start_acc:.3f}", flush=True)
 
@@ -308,10 +327,13 @@ def main() -> None:
     noise = (f", but only within noise: the accuracy difference is smaller than the seed-to-seed standard deviation "
              f"({spread:.3f}), so read it as parity, not as an improvement" if abs(diff) < spread else "")
     result["accuracy_seed_std"] = spread
-    (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     per_seed = "".join(f"| {n} | {r['seed']} | {r['s_per_step_median']:.3f} | {r['first_step_s']:.2f} | {r['accuracy']:.3f} | "
                        f"{statistics.mean(r['train_reward']):.3f} |\n" for n, rs in runs.items() for r in rs)
-    (HERE / "results.md").write_text(
+    (out_dir / "results.md").write_text(
         "# Trainer: posttrain GRPO vs TRL GRPOTrainer\n\n"
         f"`python benchmarks/trainer/bench.py --steps {args.steps} --seeds {args.seeds} --eval-tasks {args.eval_tasks} "
         f"--lr {args.lr} --threads {args.threads}` on {result['date']}, {platform.machine()} with {os.cpu_count()} CPUs "

@@ -1,0 +1,77 @@
+"""Every benchmark script runs in its ``--quick`` smoke mode and prints its ratio line.
+
+These guard the benchmarks against refactors of the project (a renamed function, a
+changed signature): each runs in a subprocess from the repo root with a private
+``POSTTRAIN_HOME``. Timing values are never asserted, only that the run finishes and
+prints the line its full run ends with. ``--quick`` writes no results files, so the
+committed ones stay as they are.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def run_quick(script: str, tmp_path: Path, python: str = sys.executable, timeout: int = 280) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
+    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([python, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def assert_line(output: str, pattern: str) -> None:
+    assert re.search(pattern, output), f"no line matching {pattern!r} in:\n{output[-4000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_iteration(tmp_path):
+    out = run_quick("iteration.py", tmp_path)
+    assert_line(out, r"real scheduler / dag\.test\(\): \d+\.\d+x of the `posttrain run` process, \d+\.\d+x of its DAG run")
+    assert_line(out, r"dag\.test / direct: \d+\.\d+x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sandbox(tmp_path):
+    out = run_quick("sandbox/bench.py", tmp_path)
+    for mode in ("strict", "warm"):
+        assert_line(out, rf"\| {mode} \|.*\| \d+\.\d+x \| \d+\.\d+x \|")
+    assert_line(out, r"Goals: strict_p50_le_2x_bare: ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_rollout(tmp_path):
+    out = run_quick("rollout/bench.py", tmp_path)
+    assert_line(out, r"bucketed \d+\.\d+/s vs unbucketed \d+\.\d+/s \(best of \d+\) -> \d+\.\d+x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer(tmp_path):
+    if importlib.util.find_spec("trl") is None:
+        pytest.fail("benchmarks/trainer/bench.py needs TRL, which is not installed: pip install -e '.[bench]'")
+    out = run_quick("trainer/bench.py", tmp_path)
+    assert_line(out, r"posttrain/TRL s/step = \d+\.\d+x \(goal <= 1\.0\) \| accuracy posttrain - TRL = [+-]\d+\.\d+")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="needs the vLLM venv .venv-vllm (make vllm); .venv-vllm/bin/python is missing")
+def test_vllm_vs_hf(tmp_path):
+    out = run_quick("rollout/vllm_vs_hf.py", tmp_path, python=str(VLLM_PYTHON))
+    assert_line(out, r"vLLM \d+\.\d+/s vs HF \d+\.\d+/s \(best of \d+\) -> \d+\.\d+x")
