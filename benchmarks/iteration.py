@@ -1,8 +1,8 @@
 """Iteration wall time by stage: a real Airflow scheduler, Airflow's in-process test
 runner and direct stage calls, side by side, with each task's start-up overhead.
 
-Bootstraps a pipeline once (not timed), copies that state, then runs iteration 1 four
-ways in the same run of this script, one after the other:
+Bootstraps a pipeline once (not timed), then runs iteration 1 four
+ways, each from a fresh copy of that state at the bootstrap's run root, in the same run of this script, one after the other:
 
 - ``direct``: every stage called through ``run_stage`` in one Python process, shards one
   after the other (no orchestrator at all);
@@ -28,8 +28,12 @@ times the imports a task process pays when nothing is preloaded, one module afte
 other in a fresh interpreter.
 
     python benchmarks/iteration.py [--recipe recipes/demo.yaml] [--sft-steps 50]
+    python benchmarks/iteration.py --quick [--out PATH]
 
-Writes ``benchmarks/results/iteration.json`` and ``.md``. Not covered: Postgres, Celery or
+Writes ``benchmarks/results/iteration.json`` and ``.md`` (or ``--out`` .json/.md).
+``--quick`` is a smoke run through the same four ways on ``recipes/tiny.yaml`` with 5 SFT
+steps: it prints the same tables and summary line and writes no results unless ``--out``
+is given. Not covered: Postgres, Celery or
 Kubernetes executors, and more than one iteration per server start.
 """
 
@@ -223,12 +227,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "demo.yaml"))
     parser.add_argument("--sft-steps", type=int, default=50, help="bootstrap SFT steps (quality is not measured here)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "iteration"))
+    parser.add_argument("--out", default=None, help="results path without suffix (default: benchmarks/results/iteration; "
+                        "with --quick: none written unless given)")
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json (no runs)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: recipes/tiny.yaml, 5 SFT steps; writes results only with --out")
     args = parser.parse_args()
+    if args.quick:
+        args.recipe, args.sft_steps = str(REPO / "recipes" / "tiny.yaml"), 5
+    out = Path(args.out) if args.out else (None if args.quick else REPO / "benchmarks" / "results" / "iteration")
     if args.render:
-        result = json.loads(Path(args.out).with_suffix(".json").read_text())
-        write(Path(args.out), result, result["load_avg_before"])
+        out = out or REPO / "benchmarks" / "results" / "iteration"
+        result = json.loads(out.with_suffix(".json").read_text())
+        write(out, result, result["load_avg_before"])
         return
 
     work = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
@@ -240,12 +251,19 @@ def main() -> None:
     posttrain = [sys.executable, "-m", "components.cli"]
     load = os.getloadavg()
 
-    base = work / "base"
+    # Every way runs in the same folder (``active``, a fresh copy of the bootstrapped state
+    # each time) and is moved aside afterwards: the registered model belongs to the run root
+    # that bootstrapped it, and a run from any other run root is refused.
+    active, base = work / "active", work / "base"
     print(f"bootstrapping {pipeline} once (not timed) in {work}", flush=True)
-    timed([*posttrain, "stage", "bootstrap", "--recipe", str(recipe), "--run-root", str(base / "store")], work, env_for(base))
+    timed([*posttrain, "stage", "bootstrap", "--recipe", str(recipe), "--run-root", str(active / "store")], work,
+          env_for(active))
+    shutil.move(active, base)
     homes = {name: work / name.replace(", ", "-").replace(" ", "-").replace(".", "-") for name in COLUMNS}
-    for home in homes.values():
-        shutil.copytree(base, home)
+
+    def fresh() -> Path:
+        shutil.copytree(base, active)
+        return active
 
     print("imports a task process pays without preloading ...", flush=True)
     proc = subprocess.run([sys.executable, "-c", IMPORT_TIMES, *IMPORTS], cwd=REPO, env=env_for(work / "imports"),
@@ -255,18 +273,22 @@ def main() -> None:
     wall, timing = {}, {}
     print("iteration 1 with stages called directly ...", flush=True)
     script = DIRECT.format(stages=STAGES, sharded=sorted(SHARDED))
-    wall["direct"] = timed([sys.executable, "-c", script, str(recipe), str(homes["direct"] / "store")], work,
-                           env_for(homes["direct"]))
+    home = fresh()
+    wall["direct"] = timed([sys.executable, "-c", script, str(recipe), str(home / "store")], work, env_for(home))
+    shutil.move(home, homes["direct"])
     print("iteration 1 through dag.test() (posttrain run) ...", flush=True)
-    process_s = timed([*posttrain, "run", "--recipe", str(recipe), "--run-root", str(homes["dag.test"] / "store"),
-                       "--iterations", "1"], work, env_for(homes["dag.test"]))
-    timing["dag.test"] = {"process_s": process_s, **task_timings(homes["dag.test"] / "airflow" / "airflow.db",
-                                                                  homes["dag.test"] / "store", pipeline)}
+    home = fresh()
+    process_s = timed([*posttrain, "run", "--recipe", str(recipe), "--run-root", str(home / "store"),
+                       "--iterations", "1"], work, env_for(home))
+    timing["dag.test"] = {"process_s": process_s, **task_timings(home / "airflow" / "airflow.db", home / "store", pipeline)}
     wall["dag.test"] = process_s
+    shutil.move(home, homes["dag.test"])
     for name, preload in (("scheduler", True), ("scheduler, no preload", False)):
         print(f"iteration 1 through a real scheduler ({'preloading' if preload else 'plain'} LocalExecutor) ...", flush=True)
-        timing[name] = run_scheduler(homes[name], recipe, preload)
+        home = fresh()
+        timing[name] = run_scheduler(home, recipe, preload)
         wall[name] = timing[name]["queued_to_end_s"]
+        shutil.move(home, homes[name])
 
     result = {
         "recipe": args.recipe, "sft_steps": args.sft_steps, "machine": f"{platform.machine()} {os.cpu_count()} cores",
@@ -278,12 +300,12 @@ def main() -> None:
         "dag_test_over_direct": wall["dag.test"] / wall["direct"],
         "median_overhead_s": {c: median([r["overhead_s"] for r in timing[c]["tasks"].values()]) for c in timing},
     }
-    write(Path(args.out), result, load)
+    write(out, result, load)
     shutil.rmtree(work, ignore_errors=True)
 
 
-def write(out: Path, result: dict, load: list[float]) -> None:
-    """Print the tables and write ``out``.json and ``out``.md."""
+def write(out: Path | None, result: dict, load: list[float]) -> None:
+    """Print the tables and write ``out``.json and ``out``.md (nothing written when ``out`` is None)."""
     timing = result["tasks"]
     table = report(result)
     summary = (f"real scheduler / dag.test(): {result['scheduler_over_dag_test']:.2f}x of the `posttrain run` process, "
@@ -295,6 +317,8 @@ def write(out: Path, result: dict, load: list[float]) -> None:
                f"{timing['scheduler']['startup_s']:.1f} s ({timing['scheduler, no preload']['startup_s']:.1f} s without preload)")
     print(table)
     print(summary)
+    if out is None:
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(
