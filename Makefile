@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'  # bench: the benchmarks' smoke runs in make test compare with TRL
 	# checkov pins versions that conflict with Airflow and s3fs: it gets its own venv.
 	test -x $(VENV)/tools/bin/checkov || { python3 -m venv $(VENV)/tools && $(VENV)/tools/bin/pip install -q checkov==3.3.30; }
 	touch $(STAMP)
