@@ -33,16 +33,15 @@ run), and statistical tests between iterations (the bands are per iteration).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from components.core import tracking
 from components.core.context import read_manifest, read_manifests
+from components.core.intervals import wilson
 from components.core.manifest import Manifest, stage_prefix
 from components.core.storage import Store
 
 PLOT = "timeline/pass_rates.png"
-Z95 = 1.959963984540054  # the two-sided 95% standard normal quantile
 
 
 @dataclass(frozen=True)
@@ -52,20 +51,6 @@ class Scores:
     iteration: int
     pass_rates: dict[str, float]
     tasks_per_domain: int  # 0 when the manifest does not say (no band is drawn)
-
-
-def wilson(rate: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of a pass rate over ``n`` tasks ((0, 1) for n = 0).
-
-    >>> [round(x, 4) for x in wilson(0.8, 10)]
-    [0.4902, 0.9433]
-    """
-    if n <= 0:
-        return 0.0, 1.0
-    denom = 1 + z * z / n
-    centre = (rate + z * z / (2 * n)) / denom
-    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, min(centre - half, rate)), min(1.0, max(centre + half, rate))
 
 
 def _metrics(m: Manifest) -> dict[str, float]:
@@ -156,7 +141,10 @@ def plot(points: list[Scores], pipeline: str):
         xs = [p.iteration for p in mine]
         rates = [p.pass_rates[domain] for p in mine]
         line, = ax.plot(xs, rates, marker="o", label=domain)
-        banded = [(p.iteration, *wilson(p.pass_rates[domain], p.tasks_per_domain)) for p in mine if p.tasks_per_domain]
+        sized = [p for p in mine if p.tasks_per_domain]
+        low, high = wilson([p.pass_rates[domain] * p.tasks_per_domain for p in sized],
+                           [p.tasks_per_domain for p in sized], 0.95)
+        banded = list(zip([p.iteration for p in sized], low, high))
         if banded:
             ax.fill_between([b[0] for b in banded], [b[1] for b in banded], [b[2] for b in banded],
                             color=line.get_color(), alpha=0.15, linewidth=0)

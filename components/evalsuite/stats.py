@@ -1,7 +1,8 @@
 """Statistics of eval-suite pass rates: Wilson intervals, a paired bootstrap, pass@k.
 
-- ``wilson(passed, tasks, confidence)``: the Wilson score interval of a pass rate
-  (vectorised over arrays of counts); the layered report puts one on every slice.
+- ``wilson(passed, tasks, confidence)`` (from :mod:`components.core.intervals`, which the
+  timeline plot shares): the Wilson score interval of a pass rate, vectorised; the
+  layered report puts one on every slice.
 - ``paired_bootstrap(candidate, baseline, confidence, resamples, seed)``: the difference of
   two policies' pass rates on the *same* tasks (``candidate[i]`` and ``baseline[i]`` are
   one task's outcomes) and its percentile interval. Resampling tasks with replacement
@@ -29,29 +30,10 @@ import zlib
 
 import numpy as np
 from scipy.special import gammaln
-from scipy.stats import norm
 
+from components.core.intervals import wilson, z_value
 
-def z_value(confidence: float) -> float:
-    """The two-sided standard normal quantile for ``confidence`` (1.95996... for 0.95)."""
-    return float(norm.ppf(0.5 + confidence / 2))
-
-
-def wilson(passed, tasks, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-    """(low, high) of the Wilson score interval for ``passed`` successes out of ``tasks``;
-    arrays broadcast. A slice of 0 tasks gets (0, 1): it says nothing."""
-    k = np.asarray(passed, dtype=float)
-    n = np.asarray(tasks, dtype=float)
-    z = z_value(confidence)
-    safe = np.where(n > 0, n, 1.0)
-    p = k / safe
-    denom = 1 + z * z / safe
-    centre = (p + z * z / (2 * safe)) / denom
-    half = z * np.sqrt(p * (1 - p) / safe + z * z / (4 * safe * safe)) / denom
-    # the interval contains p; min/max only remove rounding (e.g. 1 - 1e-17 at p = 1)
-    low = np.where(n > 0, np.clip(np.minimum(centre - half, p), 0.0, 1.0), 0.0)
-    high = np.where(n > 0, np.clip(np.maximum(centre + half, p), 0.0, 1.0), 1.0)
-    return low, high
+__all__ = ["domain_seed", "paired_bootstrap", "pass_at_k", "wilson", "z_value"]
 
 
 def domain_seed(seed: int, domain: str) -> np.random.Generator:

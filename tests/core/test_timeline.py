@@ -183,12 +183,3 @@ def test_a_finished_iteration_left_running_is_ended_by_the_next_plan(ran: Ran) -
     assert status == {parent: "FINISHED", evaluation: "FINISHED", attempt: "KILLED"}
     assert [m.step for m in ran.client.get_metric_history(parent, "pass_at_1/mean")] == [2]  # not logged twice
     assert close_finished_iterations(ran.store, "tiny") == []
-
-
-@pytest.mark.parametrize(("rate", "n"), [(0.0, 8), (0.8, 10), (1.0, 8), (0.37, 100), (0.5, 1)])
-def test_the_wilson_band_agrees_with_the_eval_suites(rate: float, n: int) -> None:
-    from components.evalsuite.stats import wilson
-
-    low, high = wilson(round(rate * n), n, 0.95)
-    assert timeline.wilson(round(rate * n) / n, n) == pytest.approx((float(low), float(high)), abs=1e-9)
-    assert timeline.wilson(0.5, 0) == (0.0, 1.0)
