@@ -156,7 +156,7 @@ def run(ctx: StageContext) -> dict[str, float]:
                                            run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens)
     policy.version = version
     results, rates, worst = evaluate_and_log(ctx, policy)
-    models.set_version_tags(ctx.pipeline, version, {**eval_tags(rates), "posttrain.promoted": "True"})
+    models.set_version_tags(ctx.pipeline, version, eval_tags(rates))
     record_decision(ctx.pipeline, version, promoted=True, reason="bootstrap: the first policy",
                     rows=unpaired(rates, {}, Counter(r.domain for r in results)), run_id=ctx.mlflow_run_id,
                     checkpoint_uri=uri)

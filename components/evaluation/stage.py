@@ -152,7 +152,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     baseline_version, baseline = iteration_baseline(ctx, trainer)
     rows, missing = comparisons(ctx, results, rates, baseline)
     rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
-    models.set_version_tags(ctx.pipeline, trainer.version, {**eval_tags(rates), "posttrain.promoted": str(promoted)})
+    models.set_version_tags(ctx.pipeline, trainer.version, eval_tags(rates))  # the decision: record_decision below
     trained = ctx.upstream("trainer")[0]
     described = record_decision(ctx.pipeline, trainer.version, promoted=promoted, reason=reason, rows=rows,
                     baseline_version=baseline_version, parent_version=trainer.parent_version, run_id=trained.mlflow_run_id,

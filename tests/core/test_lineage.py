@@ -105,7 +105,7 @@ def test_aliases_follow_the_evaluation_decision(iteration: Iteration, client) ->
     assert str(client.get_model_version_by_alias(MODEL, "candidate").version) == "2"
     assert str(client.get_model_version_by_alias(MODEL, "champion").version) == ("2" if promoted else "1")
     assert models.resolve_alias("tiny", "champion")[0] == ("2" if promoted else "1")
-    assert client.get_model_version(MODEL, "2").tags["posttrain.promoted"] == str(promoted)
+    assert client.get_model_version(MODEL, "2").tags["posttrain.decision"] == ("promoted" if promoted else "held")
 
 
 def test_every_stage_run_hangs_under_the_iteration_run(iteration: Iteration, client) -> None:
