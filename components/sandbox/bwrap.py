@@ -3,7 +3,8 @@
 ``sandbox.mode``: "strict" starts a fresh sandbox per job (strict.py; the launch for
 the next job of the same shape is parked ahead of time); "warm" keeps one pre-started
 sandboxed worker per concurrency slot that forks a child per job in fresh per-job
-namespaces (pool.py); a ``SessionJob`` runs in a sandbox session (session.py). All
+namespaces (pool.py); a ``SessionJob`` runs in a sandbox session (session.py: in warm
+mode on a session worker kept by the executor and reset between sessions). All
 record the isolation string from detect.py in every ``JobResult.isolation``.
 
 On start the executor, like a session, probes the host (``host_support``). If a required
@@ -56,7 +57,7 @@ class BwrapExecutor(Closing):
         self.mode = getattr(config, "mode", "strict")
         cgroups.sweep_stale()
         self.limits = Limits.from_config(config)
-        self._fallback = self._runner = None
+        self._fallback = self._runner = self._sessions = None
         if not self.support.bwrap or not self.support.namespaces_ok:
             self._fallback = SubprocessExecutor(config)
             self.isolation = self._fallback.isolation = self.support.isolation
@@ -65,7 +66,10 @@ class BwrapExecutor(Closing):
         if self.mode == "warm":
             from components.sandbox.pool import WarmPool
 
+            from components.sandbox.session import SessionPool
+
             self._runner = WarmPool(self.support, self.python, self.limits, int(config.concurrency), self.isolation)
+            self._sessions = SessionPool(config, int(config.concurrency))
         else:
             self._runner = StrictRunner(self.support, self.python, self.limits, self.isolation)
 
@@ -75,11 +79,11 @@ class BwrapExecutor(Closing):
         if isinstance(job, SessionJob):
             from components.sandbox.session import run_session_job
 
-            return run_session_job(self.config, job)
+            return run_session_job(self.config, job, pool=self._sessions)
         return self._runner.run(job, self.name)
 
     def close(self) -> None:
-        for part in (self._runner, self._fallback):
+        for part in (self._runner, self._sessions, self._fallback):
             if part is not None:
                 part.close()
         cgroups.REAPER.drain()  # strict: a parked launch's group is removed on the reaper's thread

@@ -193,6 +193,26 @@ class Worker:
         finally:
             fds.close_all()
 
+    def reset(self) -> bool:
+        """Session workers only: fresh, empty ``/work`` and ``/tmp`` for the next session
+        (zygote.py's ``reset_session``). False, with the worker killed, when it did not
+        confirm within ``START_TIMEOUT_S``: it must then not serve another session."""
+        assert self.session, "only a session worker keeps /work between jobs"
+        if not self.alive or self.ctl is None:
+            return False
+        key = uuid.uuid4().hex
+        try:
+            self.ctl.send(marshal.dumps({"op": "reset", "id": key, "limits": plain_limits(self.limits.as_dict())},
+                                        WIRE_VERSION))
+            ready, _, _ = select.select([self.ctl], [], [], START_TIMEOUT_S)
+            got = json.loads(self.ctl.recv(65536) or b"{}") if ready else {}
+        except (OSError, ValueError):
+            got = {}
+        if got.get("id") != key or got.get("op") != "reset" or "error" in got:
+            self._die()
+            return False
+        return True
+
     def _oom_delta(self, before: int, code: int) -> int:
         """OOM kills during this job; only read when the job died by a signal (saves a sysfs read)."""
         if not self.group or code <= 128:

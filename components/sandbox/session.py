@@ -10,7 +10,9 @@ return a ``timeout`` result without running anything).
 
 ``run_session_job(config, job)`` runs a ``SessionJob`` (core/jobs.py) in one session:
 the setup files, each step as its own ``exec``, then the check (backends without
-sessions run ``core.jobs.flatten(job)`` instead).
+sessions run ``core.jobs.flatten(job)`` instead). A warm executor passes its
+``SessionPool``: the session then runs on a kept worker, reset between sessions, instead
+of a sandbox started for it.
 
 Not covered: background processes that outlive one command (use one ``exec`` for a
 server and its client), network access, sessions that survive the host process.
@@ -24,6 +26,7 @@ from dataclasses import replace
 
 from components.core.jobs import Job, JobResult, SessionJob
 from components.sandbox.bwrap import host_support
+from components.sandbox.detect import Support
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.outcome import infra_error
@@ -32,21 +35,72 @@ from components.sandbox.pool import Worker
 DEFAULT_SESSION_TIMEOUT_S = 600.0
 
 
+def session_support(config) -> tuple[str, Support]:
+    """``host_support``, refusing hosts without bubblewrap namespaces (``UserError``)."""
+    from components.core.errors import UserError
+
+    python, support = host_support(config)
+    if not support.bwrap or not support.namespaces_ok:
+        raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
+                        "install bubblewrap and allow unprivileged user namespaces (see components/sandbox/README.md)")
+    return python, support
+
+
+class SessionPool:
+    """Session workers kept between sessions, at most ``size`` idle (a warm executor's
+    ``SessionJob``s). A worker given back is reset (fresh ``/work`` and ``/tmp``) before it
+    waits for the next session, so an idle worker holds no session's files; one that is
+    dead or fails the reset is closed. Workers start on demand."""
+
+    def __init__(self, config, size: int) -> None:
+        self.python, self.support = session_support(config)
+        self.isolation = self.support.isolation + "+mode:session"
+        self.limits = Limits.from_config(config)
+        self.size = size
+        self._idle: list[Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> Worker:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return Worker(self.support, self.python, self.limits, self.isolation, session=True)
+
+    def give_back(self, worker: Worker) -> None:
+        if worker.alive and not self._closed and worker.reset():
+            with self._lock:
+                if not self._closed and len(self._idle) < self.size:
+                    self._idle.append(worker)
+                    return
+        worker.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.close()
+
+
 class SandboxSession(Closing):
     name = "bwrap"
 
-    def __init__(self, config, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S) -> None:
-        from components.core.errors import UserError
-
-        python, support = host_support(config)
-        if not support.bwrap or not support.namespaces_ok:
-            raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
-                            "install bubblewrap and allow unprivileged user namespaces (see components/sandbox/README.md)")
+    def __init__(self, config, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S,
+                 pool: SessionPool | None = None) -> None:
+        """``pool``: take the session's worker from it and give it back (reset) on close,
+        instead of starting and stopping a sandbox of its own."""
         self.config = config
-        self.isolation = support.isolation + "+mode:session"
         self.limits = Limits.from_config(config)
+        self._pool = pool
+        if pool is not None:
+            self.isolation = pool.isolation
+            self._worker: Worker | None = pool.take()
+        else:
+            python, support = session_support(config)
+            self.isolation = support.isolation + "+mode:session"
+            self._worker = Worker(support, python, self.limits, self.isolation, session=True)
         self._lock = threading.Lock()
-        self._worker: Worker | None = Worker(support, python, self.limits, self.isolation, session=True)
         self._expires = time.monotonic() + session_timeout_s
         self._timer = threading.Timer(session_timeout_s, self.close)
         self._timer.daemon = True
@@ -78,7 +132,10 @@ class SandboxSession(Closing):
 
     def _close_locked(self) -> None:
         if self._worker is not None:
-            self._worker.close()
+            if self._pool is not None:
+                self._pool.give_back(self._worker)
+            else:
+                self._worker.close()
             self._worker = None
 
     def close(self) -> None:
@@ -87,12 +144,14 @@ class SandboxSession(Closing):
             self._close_locked()
 
 
-def run_session_job(config, job: SessionJob, session_timeout_s: float | None = None) -> JobResult:
+def run_session_job(config, job: SessionJob, session_timeout_s: float | None = None,
+                    pool: SessionPool | None = None) -> JobResult:
     """Steps then check, in one sandbox session; the host adds each step's exit code and
-    status to the check's result (``result["steps"]``), so nothing inside can forge them."""
+    status to the check's result (``result["steps"]``), so nothing inside can forge them.
+    ``pool``: the session runs on a pooled worker (see ``SessionPool``)."""
     budget = session_timeout_s or (len(job.steps) + 2) * float(job.step_timeout_s or config.timeout_s) + 30.0
     done: list[JobResult] = []
-    with SandboxSession(config, session_timeout_s=budget) as session:
+    with SandboxSession(config, session_timeout_s=budget, pool=pool) as session:
         for i, step in enumerate(job.steps):
             done.append(session.exec(["bash", "-c", step], timeout_s=job.step_timeout_s,
                                      files=job.files if i == 0 else None))

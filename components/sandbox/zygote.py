@@ -4,6 +4,10 @@ Started by pool.py as ``python3 -I -S /sandbox/zygote.py CTL_FD BPF_PATH PYTHON 
 Stdlib only (it runs on the sandbox's /usr/bin/python3, not the project's venv); the
 host never imports it.
 
+A session worker (``session``) also takes ``{"op": "reset"}`` between two sessions:
+fresh ``/work`` and ``/tmp`` (``reset_session``), so a pooled session worker carries no
+files from one session into the next.
+
 Per job the host sends one SEQPACKET message on CTL_FD: a header plus fds (spec memfd,
 stdout, stderr, the result pipe if the job has a ``{result_fd}``). Header and spec are
 ``marshal`` data (format 4: dicts, lists, strings and numbers only) written by the
@@ -127,6 +131,7 @@ def check(ret, what):
 # is; converting through argtypes would touch ~15 more pages per job (each one a
 # copy-on-write fault in J).
 PRCTL, UNSHARE, SETNS, MOUNT, CAPSET = libc.prctl, libc.unshare, libc.setns, libc.mount, libc.capset
+UMOUNT2, MNT_DETACH = libc.umount2, 2
 TMPFS_FLAGS, PROC_FLAGS = MS_NOSUID | MS_NODEV, MS_NOSUID | MS_NODEV | MS_NOEXEC
 
 
@@ -381,6 +386,20 @@ def private_mounts(fresh, tmpfs):
     mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
 
 
+def reset_session(tmpfs):
+    """A session worker between two sessions: fresh, empty tmpfs ``/work`` and ``/tmp`` in
+    the worker's own mount namespace, which every later command's namespace copies. The
+    old ones are detached (their memory goes once nothing holds them: every command of
+    the last session has exited, its pid namespace with it). The same mounts, options
+    and sizes a fresh warm job gets; the worker's cwd moves off ``/work`` first."""
+    os.chdir("/")
+    for target, options in ((b"/work", tmpfs[0]), (b"/tmp", tmpfs[1])):
+        if UMOUNT2(target, MNT_DETACH) != 0:
+            check(-1, f"umount {target!r}")
+        mount(b"tmpfs", target, b"tmpfs", TMPFS_FLAGS, options)
+    os.chdir("/work")
+
+
 def job_pid1(job_args, fresh, tmpfs):
     """The forked child: J, pid 1 of its own pid namespace. Never returns (and never
     unwinds back into the worker's loop); J closes the worker's fds in job_main."""
@@ -491,6 +510,15 @@ def serve(ctl, bpf, python, fresh):
         if not msg:
             return
         req = marshal.loads(msg)
+        if req.get("op") == "reset" and not fresh and not fds:
+            try:
+                reset_session(tmpfs_options(req["limits"]))
+                report = {"op": "reset"}
+            except OSError:
+                report = {"op": "reset", "error": format_exc()[-2000:]}
+            report["id"] = req["id"]
+            ctl.send(json.dumps(report).encode())
+            continue
         if req.get("op") != "run":
             for fd in fds:
                 os.close(fd)

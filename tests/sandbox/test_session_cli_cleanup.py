@@ -126,3 +126,33 @@ def test_battery_leaves_nothing_behind(mode):
     assert sandbox_pids_after() == []
     assert cgroups.leftovers(mine_only=True) == []
     assert set(glob.glob("/tmp/posttrain-result-*")) <= before_dirs
+
+
+def test_warm_executor_session_worker_carries_nothing_into_the_next_session():
+    """A warm executor keeps its session workers; each is reset between sessions, so the
+    next session finds empty /work and /tmp, and a leftover mount or file in either is
+    gone (the worker itself is the same one: same uid)."""
+    from components.core.jobs import PYTHON, RESULT_FD, SessionJob
+
+    lister = ("import json, os, sys\n"
+              "os.write(int(sys.argv[1]), json.dumps({'work': sorted(os.listdir('/work')), "
+              "'tmp': sorted(os.listdir('/tmp'))}).encode())\n")
+    check = Job("check", {"list.py": lister}, [PYTHON, "-I", "-S", "list.py", RESULT_FD])
+    dirty = SessionJob("dirty", {"secret.txt": "s3cret"},
+                       ["echo left > /tmp/left; mkdir -p deep/er; echo x > deep/er/f", "chmod 000 deep"], check)
+    clean = SessionJob("clean", {}, ["true"], check)
+    config = sandbox_config(mode="warm", concurrency=1)
+    executor = get_executor(config)
+    try:
+        first = executor.run(dirty)
+        second = executor.run(clean)
+        third = executor.run(dirty)
+    finally:
+        executor.close()
+    assert first.status == "ok", first.stderr
+    assert first.result["work"] == ["deep", "list.py", "secret.txt"] and first.result["tmp"] == ["left"]
+    assert second.status == "ok", second.stderr
+    assert second.result == {"work": ["list.py"], "tmp": [], "steps": [{"exit": 0, "status": "ok"}]}
+    assert third.result == first.result
+    assert second.extra["uid"] == first.extra["uid"] == third.extra["uid"]  # one kept worker served all three
+    assert sandbox_pids_after() == []
