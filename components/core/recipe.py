@@ -147,7 +147,11 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the iteration's starting policy")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     micro_batch_size: int = Field(64, ge=1, le=BIG, description="sequences per forward pass (gradient accumulation)")
-    micro_batch_tokens: int = Field(0, ge=0, le=100 * BIG, description="padded tokens per forward pass (0: only micro_batch_size caps it)")
+    micro_batch_tokens: int = Field(0, ge=0, le=100 * BIG, description="tokens per forward pass, rows x row width with "
+                                                                      "padding or packing filler (0: only micro_batch_size caps it)")
+    packing: bool = Field(True, description="pack sequences end to end in each forward pass (position ids restart per "
+                                            "sequence, block-diagonal causal attention, no padding); false: one right-padded "
+                                            "row per sequence")
     loss_aggregation: Literal["token_mean", "sequence_mean", "seq_mean_token_sum"] = Field(
         "token_mean", description="token_mean: over all tokens of a step; sequence_mean: per-sequence token mean, "
                                   "then mean over sequences; seq_mean_token_sum: per-sequence token sum, then mean")
