@@ -198,3 +198,106 @@ def token_logprobs(model, ids: Tensor, attn: Tensor, temperature: float = 1.0) -
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Sequences laid end to end in rows of equal width, without padding between them.
+
+    ``position_ids`` restart at 0 at each sequence, which is what makes transformers
+    build a block-diagonal causal mask (each sequence attends only to its own earlier
+    tokens) when no attention mask is passed. The tail of a row that no sequence fills
+    is a filler segment of ``fill_id`` tokens with its own positions from 0: it attends
+    only to itself and is never scored. ``targets`` are the flat indices (row * width +
+    column) of the positions whose logits predict a completion token, in sample order,
+    one per completion token; ``spans[k]`` is sample k's (offset, length) in ``targets``.
+    """
+
+    ids: Tensor
+    position_ids: Tensor
+    targets: Tensor
+    spans: list[tuple[int, int]]
+    placement: list[tuple[int, int]]  # per sample: (row, first column)
+
+
+def pack_rows(lengths: list[int], width: int, max_per_row: int = 0) -> list[list[int]]:
+    """Indices of ``lengths`` in rows of at most ``width`` tokens (first-fit decreasing;
+    at most ``max_per_row`` sequences per row when > 0). A length over ``width`` is an
+    error: the caller chooses a width at least the longest sequence."""
+    too_long = [n for n in lengths if n > width]
+    if too_long:
+        raise ValueError(f"a sequence of {max(too_long)} tokens does not fit rows of width {width}; "
+                         "use a width of at least the longest sequence")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room and (not max_per_row or len(rows[r]) < max_per_row):
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(width - lengths[i])
+    return rows
+
+
+def pack_batch(samples: list[tuple[list[int], list[int]]], rows: list[list[int]], fill_id: int) -> PackedBatch:
+    """The ``PackedBatch`` of (prompt, completion) pairs laid out as ``rows`` (lists of
+    sample indices, e.g. from ``pack_rows``); the width is the fullest row's length.
+    Every sample must have a non-empty prompt (its last token's logits predict the first
+    completion token) and appear in exactly one row."""
+    import torch
+
+    placed = sorted(i for row in rows for i in row)
+    if placed != list(range(len(samples))):
+        raise ValueError(f"rows place samples {placed}, not each of the {len(samples)} samples once; "
+                         "pass rows from pack_rows over these samples")
+    if any(not p for p, _ in samples):
+        raise ValueError("a sample with an empty prompt has no position to predict its first token; "
+                         "start every prompt with at least one token (the BOS)")
+    width = max(sum(len(samples[i][0]) + len(samples[i][1]) for i in row) for row in rows)
+    ids = torch.full((len(rows), width), fill_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    placement: list[tuple[int, int]] = [(0, 0)] * len(samples)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            seq = samples[i][0] + samples[i][1]
+            ids[r, col : col + len(seq)] = torch.tensor(seq)
+            pos[r, col : col + len(seq)] = torch.arange(len(seq))
+            placement[i] = (r, col)
+            col += len(seq)
+        pos[r, col:] = torch.arange(width - col)  # the filler: a segment of its own
+    targets: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for i, (p, c) in enumerate(samples):
+        r, col = placement[i]
+        first = r * width + col + len(p) - 1  # the logits at the prompt's last token predict completion token 0
+        spans.append((len(targets), len(c)))
+        targets.extend(range(first, first + len(c)))
+    return PackedBatch(ids=ids, position_ids=pos, targets=torch.tensor(targets, dtype=torch.long), spans=spans,
+                       placement=placement)
+
+
+def packed_token_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(logprob, entropy) of each completion token of a ``PackedBatch``, flat in the
+    order of ``batch.targets``, under softmax(logits/T): the same values ``token_logprobs``
+    gives at those positions of the padded batch.
+
+    The forward pass gets ``position_ids`` and no attention mask, so transformers builds
+    the block-diagonal causal mask from the restarting positions (sdpa and eager
+    attention). Only the scored positions go through the output layer. Not covered:
+    models that change logits after the output embedding (soft-capping, logit scaling)
+    and attention kernels that ignore packed position ids."""
+    import torch
+
+    # use_cache=False: with a cache, transformers ignores packed position ids and masks causally across sequences
+    hidden = model.get_decoder()(input_ids=batch.ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets)
+    logits = model.get_output_embeddings()(picked).float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    next_ids = batch.ids.reshape(-1).index_select(0, batch.targets + 1)
+    logp = logp_all.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

@@ -13,10 +13,19 @@ Aggregation over one optimizer step (all micro-batches), ``loss_aggregation``:
 or ``seq_mean_token_sum`` (per-sequence token sum, then mean over sequences: Dr. GRPO's
 length-unbiased form up to a constant). Each is a per-token weight, so the loss does not
 depend on how a step is cut into micro-batches (``micro_batch_size`` sequences and, if
-set, ``micro_batch_tokens`` padded tokens per forward pass).
+set, ``micro_batch_tokens`` tokens per forward pass).
+
+Micro-batches are packed by default (``packing=True``, recipe ``trainer.packing``): the
+step's sequences are laid end to end in rows as wide as its longest sequence (first-fit
+decreasing), position ids restart at each sequence, and the forward pass gets no
+attention mask, so each sequence attends only to itself, causally; only completion
+positions reach the output layer. No pad token enters the loss or any sequence's
+attention, and the loss, clipping, KL and sample masks are the padded path's, token for
+token. ``packing=False`` keeps one right-padded row per sequence.
 
 Not covered here: PPO value functions (GRPO needs none), a separate reference model for
-the KL, and sequence packing without padding.
+the KL, and packing for attention kernels that ignore packed position ids (flash-attention
+needs its own varlen arguments; sdpa and eager are what the trainer's models use).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components.core.policy import pad_batch, token_logprobs
+from components.core.policy import pack_batch, pack_rows, packed_token_logprobs, pad_batch, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,8 @@ def token_weights(samples: list[Sample], aggregation: str) -> list[float]:
 
 def micro_batches(samples: list[Sample], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
     """Indices of ``samples`` cut into micro-batches of at most ``max_rows`` rows and, when
-    ``max_tokens`` > 0, at most ``max_tokens`` padded tokens (rows x longest sequence).
+    ``max_tokens`` > 0, at most ``max_tokens`` padded tokens (rows x longest sequence), for
+    the padded path.
     Samples are taken longest first so each micro-batch pads little; a single sample
     longer than the budget forms its own micro-batch."""
     order = sorted(range(len(samples)), key=lambda i: (-(len(samples[i].prompt_ids) + len(samples[i].completion_ids)), i))
@@ -108,24 +118,85 @@ def micro_batches(samples: list[Sample], max_rows: int, max_tokens: int = 0) -> 
     return batches
 
 
+def packed_micro_batches(samples: list[Sample], max_rows: int, max_tokens: int = 0) -> list[list[list[int]]]:
+    """Per micro-batch, its rows of sample indices: every sequence in rows as wide as the
+    step's longest one (first-fit decreasing, at most ``max_rows`` sequences per row),
+    then consecutive rows while a micro-batch holds at most ``max_rows`` sequences and,
+    when ``max_tokens`` > 0, at most ``max_tokens`` tokens (rows x width). A row is never
+    split, so a row wider than the budget forms its own micro-batch."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    width = max(lengths)
+    batches: list[list[list[int]]] = []
+    current: list[list[int]] = []
+    count = 0
+    for row in pack_rows(lengths, width, max_rows):
+        if current and (count + len(row) > max_rows or (max_tokens and (len(current) + 1) * width > max_tokens)):
+            batches.append(current)
+            current, count = [], 0
+        current.append(row)
+        count += len(row)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _padded_forward(model, chunk: list[Sample], weights: list[float], pad_id: int, temperature: float):
+    """(new logprobs, entropy, old logprobs, mask, advantage, weight), each (rows, width - 1) or broadcastable."""
+    ids, attn, mask = pad_batch([(s.prompt_ids, s.completion_ids) for s in chunk], pad_id)
+    mask = apply_sample_masks(chunk, mask)
+    new, entropy = token_logprobs(model, ids, attn, temperature)
+    old = old_logprob_tensor(chunk, mask)
+    adv = torch.tensor([s.advantage for s in chunk]).unsqueeze(-1)
+    w = torch.tensor(weights).unsqueeze(-1)
+    return new, entropy, old, mask, adv, w
+
+
+def _packed_forward(model, chunk: list[Sample], rows: list[list[int]], weights: list[float], pad_id: int,
+                    temperature: float):
+    """The same six tensors, flat over the chunk's completion tokens (sample order). Old
+    logprobs and sample masks are cut or extended to the completion as the padded path
+    reads them: a missing old logprob is 0, a missing mask entry is 1."""
+    batch = pack_batch([(s.prompt_ids, s.completion_ids) for s in chunk], rows, pad_id)
+    new, entropy = packed_token_logprobs(model, batch, temperature)
+    old: list[float] = []
+    mask: list[float] = []
+    adv: list[float] = []
+    w: list[float] = []
+    for s, weight in zip(chunk, weights):
+        n = len(s.completion_ids)
+        old.extend(list(s.old_logprobs[:n]) + [0.0] * (n - len(s.old_logprobs)))
+        mask.extend((list(s.mask[:n]) + [1] * (n - len(s.mask))) if s.mask else [1] * n)
+        adv.extend([s.advantage] * n)
+        w.extend([weight] * n)
+    return new, entropy, torch.tensor(old), torch.tensor(mask, dtype=torch.float32), torch.tensor(adv), torch.tensor(w)
+
+
 def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps: float, kl_coef: float,
               temperature: float, micro_batch_size: int, max_grad_norm: float, micro_batch_tokens: int = 0,
-              loss_aggregation: str = "token_mean", scheduler=None) -> StepStats:
-    """One optimizer step over ``samples`` with gradient accumulation (then one scheduler step)."""
+              loss_aggregation: str = "token_mean", scheduler=None, packing: bool = True) -> StepStats:
+    """One optimizer step over ``samples`` with gradient accumulation (then one scheduler step);
+    ``packing`` chooses packed micro-batches (the default) or right-padded ones."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     total_tokens = sum(s.trained_tokens for s in samples)
     weights = token_weights(samples, loss_aggregation)
     lr = float(optimizer.param_groups[0]["lr"])
     sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
-    for idx in micro_batches(samples, micro_batch_size, micro_batch_tokens):
+    if packing:
+        layouts = []
+        for rows in packed_micro_batches(samples, micro_batch_size, micro_batch_tokens):
+            idx = [i for row in rows for i in row]
+            local = {i: k for k, i in enumerate(idx)}
+            layouts.append((idx, [[local[i] for i in row] for row in rows]))
+    else:
+        layouts = [(idx, []) for idx in micro_batches(samples, micro_batch_size, micro_batch_tokens)]
+    for idx, rows in layouts:
         chunk = [samples[i] for i in idx]
-        ids, attn, mask = pad_batch([(s.prompt_ids, s.completion_ids) for s in chunk], pad_id)
-        mask = apply_sample_masks(chunk, mask)
-        new, entropy = token_logprobs(model, ids, attn, temperature)
-        old = old_logprob_tensor(chunk, mask)
-        adv = torch.tensor([s.advantage for s in chunk]).unsqueeze(-1)
-        w = torch.tensor([weights[i] for i in idx]).unsqueeze(-1)
+        chunk_weights = [weights[i] for i in idx]
+        if packing:
+            new, entropy, old, mask, adv, w = _packed_forward(model, chunk, rows, chunk_weights, pad_id, temperature)
+        else:
+            new, entropy, old, mask, adv, w = _padded_forward(model, chunk, chunk_weights, pad_id, temperature)
         ratio = torch.exp(new - old)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
         log_ref_ratio = old - new

@@ -12,7 +12,8 @@ Optimizer state is carried across iterations: ``trainer_state.pt`` (AdamW moment
 schedule position, RNG states, data position; see ``state.py``) is saved beside the
 new checkpoint, and the next iteration's trainer loads it from the checkpoint it starts
 from when present (``trainer.carry_optimizer_state``). Per step it logs
-``trainer/step/{loss,clip_frac,kl,entropy,grad_norm,lr}``.
+``trainer/step/{loss,clip_frac,kl,entropy,grad_norm,lr}``. Micro-batches are packed
+without padding unless ``trainer.packing`` is false (``grpo.py``).
 
 Not covered: resuming half-way through one trainer stage (a killed stage re-runs from
 its starting checkpoint, by the stage contract) and distributed data parallelism.
@@ -95,7 +96,8 @@ def run(ctx: StageContext) -> dict[str, float]:
             stats = grpo_step(model, optimizer, batch, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                               temperature=temperature, micro_batch_size=cfg.micro_batch_size,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-                              loss_aggregation=cfg.loss_aggregation, scheduler=scheduler)
+                              loss_aggregation=cfg.loss_aggregation, scheduler=scheduler,
+                              packing=cfg.packing)
             tokens += stats.tokens
             for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr"):
                 totals[k] += getattr(stats, k)
