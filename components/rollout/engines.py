@@ -6,6 +6,11 @@ Each engine lives in its own module and is listed by name in
 (``vllm_engine.py``; needs the ``vllm`` package). A module is imported only when its
 engine is picked.
 
+A rollout asks for G samples of each task's prompt through ``generate_groups``: by
+default it repeats each prompt G times and calls ``generate`` (``openai`` and ``vllm``
+do this), while ``hf`` prefills each prompt once and shares that KV cache among its G
+samples.
+
 Not covered here: stop strings other than the EOS token.
 """
 
@@ -57,3 +62,13 @@ class Engine(ABC):
     def generate(self, policy: Policy, prompts: list[str], max_new_tokens: int, temperature: float, seed: int,
                  batch_size: int, greedy: bool = False, progress: Callable[[int], None] | None = None) -> list[Generation]:
         """One sample per prompt, in the caller's order, with per-token logprobs."""
+
+    def generate_groups(self, policy: Policy, prompts: list[str], group_size: int, max_new_tokens: int,
+                        temperature: float, seed: int, batch_size: int, greedy: bool = False,
+                        progress: Callable[[int], None] | None = None) -> list[Generation]:
+        """``group_size`` samples of each prompt, grouped in the caller's order: item
+        ``i * group_size + g`` is sample ``g`` of ``prompts[i]``. This default sends every
+        prompt ``group_size`` times through ``generate``; engines that can reuse a prompt's
+        prefill override it."""
+        repeated = [p for p in prompts for _ in range(group_size)]
+        return self.generate(policy, repeated, max_new_tokens, temperature, seed, batch_size, greedy, progress)

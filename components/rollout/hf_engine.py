@@ -1,14 +1,29 @@
-"""The ``hf`` engine: sampling with transformers' ``model.generate`` (the CPU default).
+"""The ``hf`` engine: sampling from a transformers causal LM on the CPU (the default engine).
 
 It records the log-probability of every sampled token under the sampling distribution
 (``log_softmax(logits / temperature)``), which is what the trainer's importance ratio
 needs. Prompts are sorted by token length and batched in that order ("length buckets"),
 so short prompts never wait behind long ones and padding stays small; results come back
-in the caller's order. ``HFEngine(bucket=False)`` batches in the caller's order instead
-(the baseline of ``benchmarks/rollout/bench.py``).
+in the caller's order. ``HFEngine(bucket=False)`` batches in the caller's order instead.
+
+Prefix sharing (the default): ``generate_groups`` prefills each distinct prompt once and
+repeats its KV cache (``DynamicCache.batch_repeat_interleave``) for its G samples, so a
+batch holds ``batch_size // G`` prompts (at least one) times G rows. Decoding is a short
+loop over the model's forward with the HF cache rather than ``model.generate``: the loop
+prefills the whole prompt (``generate`` cannot continue from a cache that already holds
+the last prompt token), takes the first token's logits from that prefill, and drops rows
+that stopped on EOS from the batch and the cache (``batch_select_indices``, once a
+quarter of the rows stopped: each drop copies the cache), which ``generate`` keeps
+computing until the last row stops. Greedy decoding (G = 1) goes
+through the same loop: the same forward passes as ``generate``, argmax of the same logits.
+
+``HFEngine(prefix_sharing=False)`` is the previous path, kept as the baseline of
+``benchmarks/rollout/bench.py`` and of the equivalence tests: ``model.generate`` on G
+copies of each prompt.
 
 Not covered: top-k/top-p truncation (the recorded logprobs would then need the truncated
-distribution), and stop strings other than the EOS token.
+distribution), stop strings other than the EOS token, and cache types other than
+transformers' ``DynamicCache`` (models with sliding-window or linear-attention layers).
 """
 
 from __future__ import annotations
@@ -19,10 +34,89 @@ from components.rollout.engines import Engine, Generation
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, bucket: bool = True) -> None:
+    def __init__(self, bucket: bool = True, prefix_sharing: bool = True) -> None:
         self.bucket = bucket  # batch prompts by token length (True) or in the caller's order
+        self.prefix_sharing = prefix_sharing  # one prefill per prompt + lean loop (True) or model.generate on copies
 
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
+        if self.prefix_sharing:
+            return self.generate_groups(policy, prompts, 1, max_new_tokens, temperature, seed, batch_size, greedy, progress)
+        return self._generate_copies(policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress)
+
+    def generate_groups(self, policy, prompts, group_size, max_new_tokens, temperature, seed, batch_size, greedy=False,
+                        progress=None):
+        if not self.prefix_sharing:
+            return super().generate_groups(policy, prompts, group_size, max_new_tokens, temperature, seed, batch_size,
+                                           greedy, progress)
+        import torch
+
+        encoded = [policy.encode_prompt(p) for p in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), i)) if self.bucket else list(range(len(prompts)))
+        per_batch = max(1, batch_size // group_size)  # prompts per batch; a group is never split
+        limit = getattr(policy.model.config, "max_position_embeddings", 10**9)
+        results: list[Generation | None] = [None] * (len(prompts) * group_size)
+        with torch.inference_mode():
+            for b, start in enumerate(range(0, len(order), per_batch)):
+                idx = order[start:start + per_batch]
+                width = max(len(encoded[i]) for i in idx)
+                torch.manual_seed(seed + b)
+                rows = self._sample(policy, [encoded[i] for i in idx], group_size,
+                                    max(1, min(max_new_tokens, limit - width)), temperature, greedy)
+                for k, (comp, logprobs) in enumerate(rows):
+                    i, g = idx[k // group_size], k % group_size
+                    results[i * group_size + g] = _generation(policy, encoded[i], comp, logprobs)
+                if progress:
+                    progress(len(rows))
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _sample(policy, prompts: list[list[int]], group: int, new_tokens: int, temperature: float,
+                greedy: bool) -> list[tuple[list[int], list[float]]]:
+        """(completion ids, logprobs) for ``group`` samples of each prompt, grouped per prompt."""
+        import torch
+
+        model, eos, pad = policy.model, policy.eos_id, policy.pad_id
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() sets them
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+        if group > 1:  # the shared prefill, expanded to G rows per prompt
+            cache.batch_repeat_interleave(group)
+            logits, mask = logits.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+        rows = logits.shape[0]
+        live = torch.arange(rows)  # original row of each row still in the batch
+        done = torch.zeros(rows, dtype=torch.bool)  # rows in the batch that already stopped
+        next_pos = mask.sum(-1)
+        tokens = torch.full((rows, new_tokens), pad, dtype=torch.long)
+        logps = torch.zeros((rows, new_tokens))
+        lengths = torch.full((rows,), new_tokens, dtype=torch.long)  # tokens past a row's length are ignored
+        for step in range(new_tokens):
+            logp = torch.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)
+            tok = logits.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1).squeeze(1)
+            tokens[live, step] = tok
+            logps[live, step] = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            stopped = (tok == eos) & ~done
+            if bool(stopped.any()):
+                lengths[live[stopped]] = step + 1
+                done |= stopped
+                if bool(done.all()):
+                    break
+                if 4 * int(done.sum()) >= len(done):  # dropping rows copies the cache: only when a quarter stopped
+                    keep = (~done).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    live, tok, mask, next_pos, done = live[keep], tok[keep], mask[keep], next_pos[keep], done[keep]
+            if step + 1 == new_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            out = model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
+                        past_key_values=cache, use_cache=True)
+            logits, next_pos = out.logits[:, -1].float(), next_pos + 1
+        return [(tokens[r, :n].tolist(), logps[r, :n].tolist()) for r, n in enumerate(lengths.tolist())]
+
+    def _generate_copies(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress):
+        """The previous path: ``model.generate`` on the prompts as given (G copies for a group)."""
         import torch
 
         encoded = [policy.encode_prompt(p) for p in prompts]
@@ -56,13 +150,16 @@ class HFEngine(Engine):
                 for row, i in enumerate(idx):
                     toks = gen[row].tolist()
                     stop = toks.index(eos) + 1 if eos in toks else len(toks)
-                    comp = toks[:stop]
-                    text_ids = comp[:-1] if comp and comp[-1] == eos else comp
-                    results[i] = Generation(
-                        prompt_ids=encoded[i], completion_ids=comp, logprobs=[float(x) for x in logp[row, :stop]],
-                        text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
-                        finish_reason="stop" if comp and comp[-1] == eos else "length",
-                    )
+                    results[i] = _generation(policy, encoded[i], toks[:stop], [float(x) for x in logp[row, :stop]])
                 if progress:
                     progress(len(idx))
         return results  # type: ignore[return-value]
+
+
+def _generation(policy, prompt_ids: list[int], comp: list[int], logprobs: list[float]) -> Generation:
+    stopped = bool(comp) and comp[-1] == policy.eos_id
+    return Generation(
+        prompt_ids=prompt_ids, completion_ids=comp, logprobs=logprobs,
+        text=policy.tokenizer.decode(comp[:-1] if stopped else comp, skip_special_tokens=True),
+        finish_reason="stop" if stopped else "length",
+    )

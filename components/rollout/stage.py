@@ -2,6 +2,8 @@
 
 Shard ``i/n`` takes tasks ``i, i+n, i+2n, ...`` of taskgen's list, so every group of G
 samples of one task lands in one shard and group-relative advantages need no shuffle.
+The engine gets each task's prompt once with the group size (``Engine.generate_groups``),
+so an engine that can shares one prefill among the group's samples.
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ def run(ctx: StageContext) -> dict[str, float]:
     tasks = shard_tasks(ctx)
     policy = load_policy(start.policy_uri, start.policy_version)
     engine = get_engine(cfg.engine)
-    prompts = [t.prompt for t in tasks for _ in range(cfg.group_size)]
-    with bar(f"rollout[{ctx.shard}]", len(prompts)) as advance:
-        samples = engine.generate(policy, prompts, cfg.max_new_tokens, cfg.temperature, ctx.seed(), cfg.batch_size,
-                                  progress=advance)
+    with bar(f"rollout[{ctx.shard}]", len(tasks) * cfg.group_size) as advance:
+        samples = engine.generate_groups(policy, [t.prompt for t in tasks], cfg.group_size, cfg.max_new_tokens,
+                                         cfg.temperature, ctx.seed(), cfg.batch_size, progress=advance)
     rollouts = []
     for k, sample in enumerate(samples):
         task = tasks[k // cfg.group_size]
