@@ -21,6 +21,14 @@ Fairness: every mode runs the same job at the same concurrency (bare through a t
 pool of that size, the sandbox through ``run_many`` with as many warm workers), rounds
 interleaved; the method is also written into results.md.
 
+The demo mix: the jobs the sandbox stage runs for ``recipes/demo.yaml`` (its domains, its
+sandbox section: warm, concurrency 2), from tasks drawn with ``Domain.draw`` and G
+completions each (half reference answers, a quarter another task's reference, a quarter
+garbage), run (a) through the stage's own path (``components.domains.execute.execute``
+with the stage's executor, then the ``Execution`` records) and (b) as the same jobs
+straight on that executor's warm pool (``run_many``), rounds interleaved. It prints both
+jobs/s and ``stage vs pool on the demo mix: N.NNx`` (pool jobs/s over stage jobs/s).
+
 Not covered: memory-heavy jobs, multi-host scaling, start-up cost of the warm pool
 (reported once, not amortised).
 """
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -42,8 +51,12 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from components.core.jobs import PYTHON, RESULT_FD, Job  # noqa: E402
-from components.core.recipe import SandboxConfig  # noqa: E402
+from components.core.jobs import PYTHON, RESULT_FD, Job, SessionJob, to_execution  # noqa: E402
+from components.core.recipe import SandboxConfig, load_recipe  # noqa: E402
+from components.core.records import Rollout, Task  # noqa: E402
+from components.domains import registry  # noqa: E402
+from components.domains.base import malformed  # noqa: E402
+from components.domains.execute import execute  # noqa: E402
 from components.sandbox.executor import get_executor, run_many  # noqa: E402
 from components.sandbox.harness import python_tests_job  # noqa: E402
 
@@ -134,6 +147,82 @@ def timeout_accuracy(executors: dict, n: int, limit_s: float = 1.0) -> dict[str,
     return out
 
 
+DEMO_RECIPE = ROOT / "recipes" / "demo.yaml"
+GARBAGE = "abcxyz019 ()+*-=<>/.\n'\"$&|;"
+
+
+def demo_mix(tasks_per_domain: int, group: int, seed: int = 7) -> list[tuple[Rollout, Task]]:
+    """Rollouts as the stage reads them for the demo recipe's domains: ``group``
+    completions per drawn task, half the reference, a quarter another task's reference
+    (a wrong but well-formed answer), a quarter garbage."""
+    rng = random.Random(seed)
+    pairs = []
+    for name in load_recipe(DEMO_RECIPE).domains:
+        domain = registry.get(name)
+        tasks = [domain.draw(rng, "train", set()) for _ in range(tasks_per_domain)]
+        for n, task in enumerate(tasks):
+            for g in range(group):
+                u = rng.random()
+                if u < 0.5:
+                    completion = domain.reference_completion(task)
+                elif u < 0.75:
+                    completion = domain.reference_completion(rng.choice(tasks))
+                else:
+                    completion = "".join(rng.choice(GARBAGE) for _ in range(rng.randint(1, 24)))
+                rollout = Rollout(rollout_id=f"{task.task_id}-{g}", task_id=task.task_id, domain=name, group_index=g,
+                                  policy_version="bench", engine="bench", prompt=task.prompt, completion=completion,
+                                  prompt_token_ids=[], completion_token_ids=[], logprobs=[], finish_reason="stop",
+                                  prompt_tokens=0, completion_tokens=0)
+                pairs.append((rollout, task))
+    return pairs
+
+
+def plans(pairs: list[tuple[Rollout, Task]]) -> list[Job | SessionJob]:
+    """The jobs the stage's path builds for ``pairs`` (domains' execution plans)."""
+    jobs = []
+    for rollout, task in pairs:
+        if malformed(rollout.completion) is None:
+            job = registry.get(task.domain).execution_plan(task, rollout.completion)
+            if job is not None:
+                jobs.append(job)
+    return jobs
+
+
+def stage_path(pairs: list[tuple[Rollout, Task]], executor, concurrency: int) -> list:
+    """What the sandbox stage does with its rollouts: ``execute``, then ``Execution`` records."""
+    results = execute([(r.rollout_id, task, r.completion) for r, task in pairs], executor, concurrency, "stage")
+    return [to_execution(r, results[r.rollout_id]) for r, _ in pairs if r.rollout_id in results]
+
+
+def demo_mix_throughput(tasks_per_domain: int, group: int, rounds: int) -> dict:
+    """Stage path vs the same jobs straight on the pool, interleaved rounds, medians."""
+    sandbox = load_recipe(DEMO_RECIPE).sandbox
+    pairs = demo_mix(tasks_per_domain, group)
+    jobs = plans(pairs)
+    kinds: dict[str, int] = {}
+    for job in jobs:
+        kind = "session" if isinstance(job, SessionJob) else ("terminal" if "driver.py" in job.files else "code")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    samples: dict[str, list[float]] = {"stage": [], "pool": []}
+    statuses: dict[str, int] = {}
+    with get_executor(sandbox) as executor:
+        run_many(executor, jobs[:4 * sandbox.concurrency], sandbox.concurrency)  # warm-up: start every worker
+        for _ in range(rounds):
+            start = time.perf_counter()
+            executions = stage_path(pairs, executor, sandbox.concurrency)
+            samples["stage"].append(len(executions) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            results = run_many(executor, jobs, sandbox.concurrency)
+            samples["pool"].append(len(results) / (time.perf_counter() - start))
+            assert len(executions) == len(results) == len(jobs), (len(executions), len(results), len(jobs))
+        for e in executions:
+            statuses[e.status] = statuses.get(e.status, 0) + 1
+    stage, pool = statistics.median(samples["stage"]), statistics.median(samples["pool"])
+    return {"rollouts": len(pairs), "jobs": len(jobs), "kinds": kinds, "statuses": statuses, "rounds": rounds,
+            "mode": sandbox.mode, "concurrency": sandbox.concurrency, "stage_jobs_per_s": stage,
+            "pool_jobs_per_s": pool, "stage_vs_pool": pool / stage, "samples": samples}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run); writes results only with --out")
@@ -142,6 +231,7 @@ def main() -> int:
     args = parser.parse_args()
     out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
     n_lat, n_tp, rounds, n_to = (10, 40, 1, 2) if args.quick else (40, 200, 5, 5)
+    mix_tasks, mix_group, mix_rounds = (6, 4, 1) if args.quick else (40, 8, 3)
     concurrency = os.cpu_count() or 2
     levels = (concurrency, 2 * concurrency)
     load_before = os.getloadavg()
@@ -171,6 +261,7 @@ def main() -> int:
     finally:
         strict.close()
         warm.close()
+    report["demo_mix"] = demo_mix_throughput(mix_tasks, mix_group, mix_rounds)
     report["machine"]["load_after"] = os.getloadavg()
     report["wall_s"] = time.perf_counter() - start
     ratios = {}
@@ -188,6 +279,7 @@ def main() -> int:
         "strict_p50_le_2x_bare": all(r["strict_p50_over_bare"] <= 2.0 for r in ratios.values()),
         "warm_throughput_ge_3x_bare": all(r["warm_throughput_over_bare"] >= 3.0 for r in ratios.values()),
         "timeouts_within_200ms": worst_timeout <= 200.0,
+        "stage_within_1_25x_pool": report["demo_mix"]["stage_vs_pool"] <= 1.25,
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +323,18 @@ def markdown(report: dict) -> str:
               "slot), rounds interleaved, median of the rounds; each mode's jobs/s above is its best level. "
               "Bare writes the job's files to a temp folder and "
               "captures its output, as the sandbox does; it runs no isolation at all.",
-              "", "Goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()), ""]
+              ""]
+    mix = report["demo_mix"]
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(mix["kinds"].items()))
+    statuses = ", ".join(f"{k} {v}" for k, v in sorted(mix["statuses"].items()))
+    lines += ["The sandbox stage's job mix (recipes/demo.yaml: its domains, sandbox mode "
+              f"{mix['mode']}, concurrency {mix['concurrency']}): {mix['rollouts']} rollouts -> {mix['jobs']} jobs "
+              f"({kinds}; statuses: {statuses}), median of {mix['rounds']} interleaved rounds:", "",
+              "| path | jobs/s |", "|---|---|",
+              f"| stage (execute + Execution records) | {mix['stage_jobs_per_s']:.1f} |",
+              f"| pool (run_many, same jobs) | {mix['pool_jobs_per_s']:.1f} |", "",
+              "Goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()), "",
+              f"stage vs pool on the demo mix: {mix['stage_vs_pool']:.2f}x", ""]
     return "\n".join(lines)
 
 
