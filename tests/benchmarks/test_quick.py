@@ -53,6 +53,8 @@ def test_sandbox(tmp_path):
     for mode in ("strict", "warm"):
         assert_line(out, rf"\| {mode} \|.*\| \d+\.\d+x \| \d+\.\d+x \|")
     assert_line(out, r"Goals: strict_p50_le_2x_bare: ")
+    assert_line(out, r"\| stage \(execute \+ Execution records\) \| \d+\.\d+ \|")
+    assert_line(out, r"stage vs pool on the demo mix: \d+\.\d+x")
 
 
 @pytest.mark.slow
@@ -69,6 +71,9 @@ def test_trainer(tmp_path):
         pytest.fail("benchmarks/trainer/bench.py needs TRL, which is not installed: pip install -e '.[bench]'")
     out = run_quick("trainer/bench.py", tmp_path)
     assert_line(out, r"posttrain/TRL s/step = \d+\.\d+x \(goal <= 1\.0\) \| accuracy posttrain - TRL = [+-]\d+\.\d+")
+    assert_line(out, r"accuracy at equal wall-clock time \(TRL's \d+-step time, \d+\.\d+ s of training")
+    # stdout's last line: learning per second, posttrain's time to TRL's final accuracy over TRL's time.
+    assert_line(out, r"(?m)^time to TRL's \d+-step accuracy: posttrain / TRL = >?\d+\.\d+x \(goal <= 0\.7\)")
 
 
 @pytest.mark.slow
