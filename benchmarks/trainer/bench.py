@@ -1,6 +1,8 @@
 """posttrain's GRPO against TRL's ``GRPOTrainer``, side by side on the same policy.
 
-Goal (issue): at least TRL's held-out accuracy at no more than TRL's seconds per step.
+Goals (issues): at least TRL's held-out accuracy at no more than TRL's seconds per step; and
+learning per second: posttrain reaches TRL's 30-step held-out accuracy in at most 0.7x TRL's
+30-step training time (mean of the seeds).
 
 Both trainers start from the SAME warm-started policy: a small Llama-architecture model
 (``ModelConfig(hidden 128, 4 layers, 4 heads, intermediate 384)``, the demo's character
@@ -14,24 +16,50 @@ per batch (the same optimizer: AdamW betas (0.9, 0.99), no weight decay, constan
 grad-norm clip 1), one forward/backward of all 128 sequences, same seed and torch
 threads. Rewards come from the arithmetic verifier for both.
 
-- ``posttrain``: ``HFEngine`` sampling with recorded logprobs, the arithmetic verifier,
+- ``posttrain``: ``HFEngine.generate_groups`` sampling with recorded logprobs (as the rollout
+  stage calls it: each prompt once with the group size), the arithmetic verifier,
   ``group_advantages``, the trainer's group filter (groups whose advantages are all 0 are
   dropped, as ``components/trainer/stage.py`` does) and ``grpo_step``, all in process.
 - ``trl``: ``trl.GRPOTrainer`` (transformers generation, ``steps_per_generation=1``,
   ``num_iterations=1``, so one generation and one optimizer step per batch).
 
-Seconds per step are the gaps between successive step ends (generation, reward and
-update included; the first step excluded as warm-up), reported as the median. Accuracy
-is greedy pass@1 on a fixed held-out set of ``--eval-tasks`` arithmetic tasks (never
-trained on), scored by the same code for both. Writes ``benchmarks/trainer/results.json``
-and ``results.md`` (or into ``--out``).
+posttrain calls ``grpo_step`` (the trainer stage's update, public API) with every
+``TrainerConfig`` setting it takes at the recipe default, except the shared ones above and
+one micro-batch of 128 sequences (as TRL runs it), so a faster trainer path that the
+pipeline gets by default (packing, say) is what this benchmark measures too.
 
-    python benchmarks/trainer/bench.py [--steps 30] [--seeds 3] [--eval-tasks 200] [--threads 1] [--lr 1e-4]
+The training clock counts each step from the end of the previous one (generation, reward
+and update). Held-out accuracy is greedy pass@1 on a fixed set of ``--eval-tasks``
+arithmetic tasks (never trained on), scored by the same code for both, evaluated every
+``--eval-every`` steps along each run; each evaluation is left out of the training clock,
+caches nothing and restores the Python/NumPy/torch RNG states (the engine reseeds torch),
+so it changes neither side's sampling. Each run thus gives a (training seconds, accuracy)
+curve. Reported:
+
+- equal steps: seconds per step (median, the first step of each run excluded as warm-up)
+  and the accuracy after ``--steps`` steps, mean of seeds (the line ``posttrain/TRL s/step``);
+- equal wall-clock time: posttrain's accuracy at TRL's ``--steps``-step training time (the
+  last evaluation of posttrain's seed-mean curve at or before it). For this posttrain trains
+  past ``--steps`` until its clock passes 1.2x TRL's time (TRL runs first on even seeds, so
+  the budget is that seed's TRL time, else the mean of the TRL times so far);
+- time to TRL's accuracy: the first evaluation, not interpolated, at which posttrain's
+  seed-mean curve (at each evaluated step: the mean of the seeds' accuracies and of their
+  training seconds) is at or above TRL's seed-mean accuracy after ``--steps`` steps; its
+  seconds over TRL's seed-mean ``--steps``-step seconds. The last line reads
+  ``time to TRL's 30-step accuracy: posttrain / TRL = N.NNx (goal <= 0.7)``. The same rule on
+  TRL's own curve is printed beside it: with noisy evaluations a first crossing comes early,
+  so that value (below 1.00x) is the rule's noise floor. Per-seed crossings are listed too.
+
+Writes ``benchmarks/trainer/results.json``, ``results.md`` and the curves as
+``results.svg`` (or into ``--out``). The machine's 1-minute load average before and after
+each run is recorded: other load slows whichever trainer it hits, so the two alternate.
+
+    python benchmarks/trainer/bench.py [--steps 30] [--seeds 3] [--eval-tasks 200] [--eval-every 2] [--threads 1] [--lr 1e-4]
     python benchmarks/trainer/bench.py --quick [--out DIR]
 
 ``--quick`` is a smoke run through the same code (a short SFT warm start cached apart from
-the full run's, 3 RL steps, one seed, 20 held-out tasks): it prints the same ratio line and
-writes no results unless ``--out`` is given.
+the full run's, 3 RL steps, one seed, 20 held-out tasks evaluated after every step): it
+prints the same ratio lines and writes no results unless ``--out`` is given.
 
 Needs ``trl`` (``pip install -e '.[bench]'``). Known differences that remain: TRL scales
 advantages by the unbiased group std (ddof 1) plus 1e-4, posttrain by the population std
@@ -58,6 +86,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROMPTS_PER_STEP, SAMPLES = 16, 8
 MAX_NEW_TOKENS = 8
+EXTRA_STEPS = 4  # posttrain runs at most this many times --steps, to reach TRL's training time
+BUDGET_MARGIN = 1.2  # ... and stops once its clock passes this multiple of TRL's --steps time
+TIME_GOAL = 0.7  # posttrain's time to TRL's --steps accuracy, as a share of TRL's --steps time
+TIME_DEFINITION = ("the first evaluation (not interpolated) at which posttrain's seed-mean curve is at or above TRL's "
+                   "seed-mean accuracy after --steps steps; its seed-mean training seconds there, divided by TRL's "
+                   "seed-mean training seconds for --steps steps.")
 
 
 def model_config():
@@ -74,6 +108,41 @@ def greedy_accuracy(policy, tasks) -> float:
     policy.model.eval()
     out = HFEngine().generate(policy, [t.prompt for t in tasks], MAX_NEW_TOKENS, 1.0, seed=0, batch_size=100, greedy=True)
     return sum(domain.verify(t, s.text, None).passed for t, s in zip(tasks, out)) / len(tasks)
+
+
+class Evaluator:
+    """Greedy held-out accuracy during a run, off the training clock.
+
+    The engine reseeds torch's global generator, so the Python, NumPy and torch RNG states
+    are saved before and restored after: an evaluation never changes what a trainer samples
+    next. The model's train/eval mode is restored too. Nothing is cached between calls;
+    every evaluation generates all ``eval_set`` completions afresh, for both trainers alike.
+    """
+
+    def __init__(self, eval_set) -> None:
+        self.eval_set = eval_set
+        self.seconds = 0.0  # time spent evaluating (excluded from the training clock)
+
+    def __call__(self, policy) -> float:
+        import numpy as np
+        import torch
+
+        started = time.perf_counter()
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        was_training = policy.model.training
+        try:
+            return greedy_accuracy(policy, self.eval_set)
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+            policy.model.train(was_training)
+            self.seconds += time.perf_counter() - started
+
+
+def eval_due(step: int, steps: int, every: int) -> bool:
+    """Evaluate after optimizer step ``step`` (1-based): every ``every`` steps and at ``steps``."""
+    return step % every == 0 or step == steps
 
 
 def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500, check_every: int = 25) -> tuple[Path, dict]:
@@ -137,7 +206,29 @@ class Cfg:  # the trainer settings both sides use (build_optimizer reads learnin
         self.learning_rate = lr
 
 
-def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int) -> tuple[object, list[float], list[float]]:
+def trainer_options(micro_batch_size: int) -> dict:
+    """``grpo_step``'s keyword settings as the pipeline's trainer stage passes them: every
+    ``TrainerConfig`` field that ``grpo_step`` takes by name, at the recipe default, so an
+    option the trainer gains (and its default) reaches this benchmark too. Overridden here:
+    the benchmark's shared settings (clip, no KL, grad clip, token mean) and one micro-batch
+    for the whole step, as TRL runs it."""
+    import inspect
+
+    from components.core.recipe import TrainerConfig
+    from components.trainer.grpo import grpo_step
+
+    cfg = TrainerConfig()
+    params = inspect.signature(grpo_step).parameters
+    options = {k: getattr(cfg, k) for k in type(cfg).model_fields if k in params}
+    options.update(clip_eps=0.2, kl_coef=0.0, max_grad_norm=1.0, loss_aggregation="token_mean",
+                   micro_batch_size=micro_batch_size)
+    return {k: v for k, v in options.items() if k in params}
+
+
+def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluate: Evaluator, every: int,
+                  budget_s: float = 0.0, max_steps: int = 0) -> dict:
+    """``steps`` optimizer steps, then more (up to ``max_steps``) until the training clock
+    reaches ``budget_s``: the accuracy curve must reach TRL's training time."""
     import torch
 
     from components.core.policy import load_policy
@@ -151,12 +242,22 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int) -> tupl
     torch.manual_seed(seed)
     domain, engine = registry.get("arithmetic"), HFEngine()
     optimizer = build_optimizer(policy.model, Cfg(lr))
-    ends, rewards = [time.perf_counter()], []
-    for step in range(steps):
+    options = trainer_options(PROMPTS_PER_STEP * SAMPLES)
+    max_steps = max(steps, min(max_steps or steps, len(tasks) // PROMPTS_PER_STEP))
+    step_s, rewards, curve, train_s = [], [], [], 0.0
+    phases: dict[str, list[float]] = {"generate": [], "reward": [], "update": []}  # seconds per step
+    for step in range(max_steps):
+        started = time.perf_counter()
         batch = tasks[step * PROMPTS_PER_STEP:(step + 1) * PROMPTS_PER_STEP]
-        prompts = [t.prompt for t in batch for _ in range(SAMPLES)]
         policy.model.eval()
-        out = engine.generate(policy, prompts, MAX_NEW_TOKENS, 1.0, seed=seed + 1000 * step, batch_size=len(prompts))
+        # As the rollout stage asks: each prompt once, with the group size (the engine may share its prefill).
+        if hasattr(engine, "generate_groups"):
+            out = engine.generate_groups(policy, [t.prompt for t in batch], SAMPLES, MAX_NEW_TOKENS, 1.0,
+                                         seed=seed + 1000 * step, batch_size=PROMPTS_PER_STEP * SAMPLES)
+        else:  # an engine from before generate_groups: the same prompts repeated
+            out = engine.generate(policy, [t.prompt for t in batch for _ in range(SAMPLES)], MAX_NEW_TOKENS, 1.0,
+                                  seed=seed + 1000 * step, batch_size=PROMPTS_PER_STEP * SAMPLES)
+        generated = time.perf_counter()
         scores = [domain.verify(batch[i // SAMPLES], s.text, None).score for i, s in enumerate(out)]
         samples = []
         for g in range(PROMPTS_PER_STEP):
@@ -165,16 +266,26 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int) -> tupl
             if any(a != 0 for a in adv):
                 samples += [Sample(s.prompt_ids, s.completion_ids, s.logprobs, a)
                             for s, a in zip(out[g * SAMPLES:(g + 1) * SAMPLES], adv)]
+        rewarded = time.perf_counter()
         if samples:
-            grpo_step(policy.model, optimizer, samples, pad_id=policy.pad_id, clip_eps=0.2, kl_coef=0.0, temperature=1.0,
-                      micro_batch_size=PROMPTS_PER_STEP * SAMPLES, max_grad_norm=1.0, loss_aggregation="token_mean")
+            grpo_step(policy.model, optimizer, samples, pad_id=policy.pad_id, temperature=1.0, **options)
         rewards.append(sum(scores) / len(scores))
-        ends.append(time.perf_counter())
+        step_s.append(time.perf_counter() - started)
+        for k, v in (("generate", generated - started), ("reward", rewarded - generated),
+                     ("update", started + step_s[-1] - rewarded)):
+            phases[k].append(round(v, 4))
+        train_s += step_s[-1]
+        done = step + 1 >= steps and (train_s >= budget_s or step + 1 == max_steps)
+        if eval_due(step + 1, steps, every) or done:
+            curve.append((step + 1, round(train_s, 4), evaluate(policy)))
+        if done:
+            break
     policy.model.eval()
-    return policy, [b - a for a, b in zip(ends, ends[1:])], rewards
+    return {"step_s": step_s, "rewards": rewards, "curve": curve, "phases": phases}
 
 
-def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int) -> tuple[object, list[float], list[float]]:
+def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int, evaluate: Evaluator,
+            every: int) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -200,14 +311,24 @@ def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int)
         return scores
 
     class Clock(TrainerCallback):
+        """The training clock: each step's time from the end of the previous one (or the
+        start of training), with the held-out evaluation after a step left out of it."""
+
         def __init__(self) -> None:
-            self.ends: list[float] = []
+            self.resumed, self.train_s = 0.0, 0.0
+            self.step_s: list[float] = []
+            self.curve: list[tuple[int, float, float]] = []
 
         def on_train_begin(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
+            self.resumed = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kw):
-            self.ends.append(time.perf_counter())
+        def on_step_end(self, args, state, control, model=None, **kw):
+            self.step_s.append(time.perf_counter() - self.resumed)
+            self.train_s += self.step_s[-1]
+            if eval_due(state.global_step, steps, every):
+                policy.model = model if model is not None else trainer.model
+                self.curve.append((state.global_step, round(self.train_s, 4), evaluate(policy)))
+            self.resumed = time.perf_counter()
 
     clock = Clock()
     out_dir = tempfile.mkdtemp(prefix="posttrain-bench-trl-")
@@ -228,10 +349,9 @@ def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int)
     rewards = [r for _, r in calls]
     expected = [list(range(k * PROMPTS_PER_STEP, (k + 1) * PROMPTS_PER_STEP)) for k in range(steps)]
     assert [i for i, _ in calls] == expected, "TRL did not see the same prompts in the same order"
-    model = trainer.model
-    model.eval()
-    policy.model = model
-    return policy, [b - a for a, b in zip(clock.ends, clock.ends[1:])], rewards
+    trainer.model.eval()
+    assert [c[0] for c in clock.curve][-1:] == [steps], "TRL's last step was not evaluated"
+    return {"step_s": clock.step_s, "rewards": rewards, "curve": clock.curve}
 
 
 def main() -> None:
@@ -243,6 +363,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (1: least disturbed by other load)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "posttrain-bench-trainer"))
+    ap.add_argument("--eval-every", type=int, default=2, help="held-out evaluation every N optimizer steps (off the clock)")
     ap.add_argument("--only", choices=["posttrain", "trl"], default=None, help="run one side only (debugging)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: short warm start, 3 steps, 1 seed, 20 eval tasks; writes results only with --out")
@@ -251,7 +372,7 @@ def main() -> None:
     args = ap.parse_args()
     sft_steps, check_every = 1500, 25
     if args.quick:
-        args.steps, args.seeds, args.eval_tasks = 3, 1, 20
+        args.steps, args.seeds, args.eval_tasks, args.eval_every = 3, 1, 20, 1
         sft_steps, check_every = 40, 20
     out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
     if args.only != "posttrain" and importlib.util.find_spec("trl") is None:
@@ -274,33 +395,60 @@ def main() -> None:
 
     names = [n for n in ("posttrain", "trl") if not args.only or n == args.only]
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    trl_times: dict[int, float] = {}
     for seed in range(args.seed, args.seed + args.seeds):
-        tasks = train_tasks(seed, args.steps, eval_ids)
-        # Alternate which trainer goes first, so slow drifts in the machine's load hit both alike.
-        for name in names if seed % 2 == 0 else names[::-1]:
+        tasks = train_tasks(seed, args.steps * EXTRA_STEPS, eval_ids)
+        # Alternate which trainer goes first, so slow drifts in the machine's load hit both alike
+        # (TRL first on even seeds: posttrain's time budget is then this seed's TRL time).
+        for name in names[::-1] if (seed - args.seed) % 2 == 0 else names:
             torch.set_num_threads(args.threads)
-            started = time.perf_counter()
+            evaluate = Evaluator(eval_set)
+            load_before, started = os.getloadavg()[0], time.perf_counter()
             if name == "posttrain":
-                policy, step_s, rewards = run_posttrain(folder, tasks, args.steps, args.lr, seed)
+                known = trl_times.get(seed) or (statistics.mean(trl_times.values()) if trl_times else 0.0)
+                budget = BUDGET_MARGIN * known
+                run = run_posttrain(folder, tasks, args.steps, args.lr, seed, evaluate, args.eval_every, budget,
+                                    args.steps * EXTRA_STEPS)
             else:
-                policy, step_s, rewards = run_trl(folder, tasks, args.steps, args.lr, seed, args.threads)
+                run = run_trl(folder, tasks[:args.steps * PROMPTS_PER_STEP], args.steps, args.lr, seed, args.threads,
+                              evaluate, args.eval_every)
             wall = time.perf_counter() - started
-            acc = greedy_accuracy(policy, eval_set)
-            steady = step_s[1:]
-            runs[name].append({"seed": seed, "accuracy": acc, "s_per_step_median": statistics.median(steady),
-                               "s_per_step_mean": statistics.mean(steady), "first_step_s": round(step_s[0], 4),
-                               "step_s": [round(x, 4) for x in step_s], "train_reward": [round(r, 4) for r in rewards],
-                               "wall_s": round(wall, 1)})
+            curve = [(0, 0.0, start_acc)] + run["curve"]  # both start from the same checkpoint, evaluated once
+            at_steps = point_at_step(curve, args.steps)
+            if name == "trl":
+                trl_times[seed] = at_steps[1]
+            step_s, rewards = run["step_s"], run["rewards"]
+            steady = step_s[1:args.steps]
+            runs[name].append({
+                "seed": seed, "accuracy": at_steps[2], "train_s_at_steps": at_steps[1],
+                "s_per_step_median": statistics.median(steady), "s_per_step_mean": statistics.mean(steady),
+                "first_step_s": round(step_s[0], 4), "steps_run": len(step_s), "step_s": [round(x, 4) for x in step_s],
+                "train_reward": [round(r, 4) for r in rewards[:args.steps]],
+                "train_reward_after_steps": [round(r, 4) for r in rewards[args.steps:]],
+                "curve": [{"step": k, "train_s": t, "accuracy": a} for k, t, a in curve],
+                "eval_s": round(evaluate.seconds, 1), "wall_s": round(wall, 1), "phases": run.get("phases"),
+                "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]})
             print(f"seed {seed} | {name:9s} | {statistics.median(steady):.3f} s/step (median of {len(steady)}, first "
-                  f"{step_s[0]:.2f} s) | held-out accuracy {start_acc:.3f} -> {acc:.3f} | mean train reward "
-                  f"{statistics.mean(rewards):.3f}", flush=True)
-    summary = {n: {"s_per_step": statistics.median([x for r in rs for x in r["step_s"][1:]]),
+                  f"{step_s[0]:.2f} s) | held-out accuracy {start_acc:.3f} -> {at_steps[2]:.3f} after {args.steps} steps "
+                  f"({at_steps[1]:.1f} s of training; {len(step_s)} steps run, {curve[-1][2]:.3f} after the last) | "
+                  f"mean train reward {statistics.mean(rewards[:args.steps]):.3f} | {len(curve) - 1} evaluations, "
+                  f"{evaluate.seconds:.1f} s off the clock | load {load_before:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)
+    summary = {n: {"s_per_step": statistics.median([x for r in rs for x in r["step_s"][1:args.steps]]),
                    "accuracy_mean": statistics.mean(r["accuracy"] for r in rs),
                    "accuracies": [r["accuracy"] for r in rs],
+                   "train_s_at_steps_mean": statistics.mean(r["train_s_at_steps"] for r in rs),
                    "train_reward_mean": statistics.mean(x for r in rs for x in r["train_reward"])} for n, rs in runs.items()}
     for n, v in summary.items():
         print(f"{n:9s} | {v['s_per_step']:.3f} s/step (median over all seeds) | accuracy {v['accuracy_mean']:.3f} "
-              f"(per seed {', '.join(f'{a:.3f}' for a in v['accuracies'])})")
+              f"(per seed {', '.join(f'{a:.3f}' for a in v['accuracies'])}) after {args.steps} steps, "
+              f"{v['train_s_at_steps_mean']:.1f} s of training (mean)")
+    phase_text = ""
+    if "posttrain" in runs:
+        phase = {k: statistics.median(x for r in runs["posttrain"] for x in r["phases"][k][1:args.steps])
+                 for k in ("generate", "reward", "update")}
+        summary["posttrain"]["phase_s_median"] = phase
+        phase_text = ", ".join(f"{k} {v:.3f} s" for k, v in phase.items())
+        print(f"posttrain step by phase (median over steps 2..{args.steps} of all seeds): {phase_text}")
     if len(runs) < 2:
         return
     p, t = summary["posttrain"], summary["trl"]
@@ -309,16 +457,62 @@ def main() -> None:
     met = ratio <= 1.0 and diff >= 0.0
     print(f"posttrain/TRL s/step = {ratio:.2f}x (goal <= 1.0) | accuracy posttrain - TRL = {diff:+.3f} (goal >= 0) | "
           f"goal {'MET' if met else 'NOT met'}")
+
+    # Learning per second: the seed-mean curves, accuracy against training seconds.
+    curves = {n: mean_curve([[(c["step"], c["train_s"], c["accuracy"]) for c in r["curve"]] for r in rs])
+              for n, rs in runs.items()}
+    trl_time = t["train_s_at_steps_mean"]  # TRL's 30-step time (mean of seeds)
+    target = t["accuracy_mean"]  # TRL's 30-step accuracy (mean of seeds)
+    eq = point_at_time(curves["posttrain"], trl_time)
+    eq_seeds = [point_at_time([(c["step"], c["train_s"], c["accuracy"]) for c in r["curve"]], trl_times[r["seed"]])
+                for r in runs["posttrain"]]
+    reach = first_at_or_above(curves["posttrain"], target)
+    reach_trl = first_at_or_above(curves["trl"], target)  # the same rule on TRL's own curve: its noise floor
+    reach_seeds = [first_at_or_above([(c["step"], c["train_s"], c["accuracy"]) for c in r["curve"]], target)
+                   for r in runs["posttrain"]]
+    covered = curves["posttrain"][-1][1]
+    time_ratio = reach[1] / trl_time if reach else None
+    time_met = time_ratio is not None and time_ratio <= TIME_GOAL
+    ratio_text = f"{time_ratio:.2f}x" if reach else f">{covered / trl_time:.2f}x"
+    print(f"accuracy at equal wall-clock time (TRL's {args.steps}-step time, {trl_time:.1f} s of training, mean of seeds): "
+          f"posttrain {eq[2]:.3f} (its step {eq[0]}, {eq[1]:.1f} s) vs TRL {target:.3f} | difference {eq[2] - target:+.3f} "
+          f"| per seed at that seed's TRL time: {', '.join(f'{x[2]:.3f} (step {x[0]})' for x in eq_seeds)}")
+    print(f"time to TRL's {args.steps}-step accuracy ({target:.3f}), first evaluation of the seed-mean curve at or above "
+          f"it, not interpolated: posttrain " + (f"step {reach[0]}, {reach[1]:.1f} s" if reach else
+                                                 f"not reached in {covered:.1f} s ({curves['posttrain'][-1][0]} steps)")
+          + f" | TRL itself by the same rule: step {reach_trl[0]}, {reach_trl[1] / trl_time:.2f}x | per posttrain seed: "
+          + ", ".join(f"{x[1] / trl_times[r['seed']]:.2f}x (step {x[0]})" if x else "not reached"
+                      for x, r in zip(reach_seeds, runs["posttrain"])))
+    if target <= start_acc:
+        print(f"note: TRL's {args.steps}-step accuracy is not above the starting accuracy ({start_acc:.3f}), so the "
+              "starting checkpoint already reaches it: the time below is trivially 0")
+    print(f"time to TRL's {args.steps}-step accuracy: posttrain / TRL = {ratio_text} (goal <= {TIME_GOAL}) | "
+          f"goal {'MET' if time_met else 'NOT met'}")
     cfg = model_config()
     import trl
 
+    loads = [x for rs in runs.values() for r in rs for x in r["load_1min"]]
     result = {
         "benchmark": "trainer: posttrain GRPO vs TRL GRPOTrainer", "date": dt.date.today().isoformat(),
         "model": cfg.model_dump(), "parameters": sum(x.numel() for x in load_policy(str(folder)).model.parameters()),
         "warm_start": sft, "start_accuracy": start_acc, "steps": args.steps, "seeds": list(range(args.seed, args.seed + args.seeds)),
         "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
-        "lr": args.lr, "eval_tasks": args.eval_tasks, "summary": summary, "runs": runs, "s_per_step_ratio": ratio,
-        "accuracy_diff": diff, "goal": "posttrain s/step <= TRL s/step and accuracy >= TRL accuracy", "goal_met": met,
+        "lr": args.lr, "eval_tasks": args.eval_tasks, "eval_every": args.eval_every,
+        "posttrain_trainer_options": trainer_options(PROMPTS_PER_STEP * SAMPLES), "summary": summary, "runs": runs,
+        "s_per_step_ratio": ratio, "accuracy_diff": diff,
+        "goal": "posttrain s/step <= TRL s/step and accuracy >= TRL accuracy", "goal_met": met,
+        "mean_curves": {n: [{"step": k, "train_s": s_, "accuracy": a} for k, s_, a in c] for n, c in curves.items()},
+        "trl_time_at_steps": trl_time, "trl_accuracy_at_steps": target,
+        "equal_time": {"posttrain_step": eq[0], "posttrain_train_s": eq[1], "posttrain_accuracy": eq[2],
+                       "per_seed": [{"seed": r["seed"], "trl_time": trl_times[r["seed"]], "step": x[0], "accuracy": x[2]}
+                                    for x, r in zip(eq_seeds, runs["posttrain"])]},
+        "time_to_trl_accuracy": {"definition": TIME_DEFINITION, "posttrain_step": reach[0] if reach else None,
+                                 "posttrain_train_s": reach[1] if reach else None, "ratio": time_ratio,
+                                 "trl_same_rule_ratio": reach_trl[1] / trl_time,
+                                 "per_seed_ratio": [x[1] / trl_times[r["seed"]] if x else None
+                                                    for x, r in zip(reach_seeds, runs["posttrain"])],
+                                 "goal": f"<= {TIME_GOAL}", "goal_met": time_met},
+        "load_1min_range": [min(loads), max(loads)],
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                  "threads": args.threads},
@@ -331,32 +525,115 @@ def main() -> None:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    plotted = plot_curves(runs, curves, trl_time, target, args.steps, out_dir / "results.svg")
     per_seed = "".join(f"| {n} | {r['seed']} | {r['s_per_step_median']:.3f} | {r['first_step_s']:.2f} | {r['accuracy']:.3f} | "
-                       f"{statistics.mean(r['train_reward']):.3f} |\n" for n, rs in runs.items() for r in rs)
+                       f"{r['train_s_at_steps']:.1f} | {r['steps_run']} | {r['curve'][-1]['accuracy']:.3f} | "
+                       f"{statistics.mean(r['train_reward']):.3f} | {r['load_1min'][0]:.2f} -> {r['load_1min'][1]:.2f} |\n"
+                       for n, rs in runs.items() for r in rs)
+    curve_rows = "".join(f"| {k} | {s_:.1f} | {a:.3f} | " + (
+        f"{trl_row[1]:.1f} | {trl_row[2]:.3f} |" if (trl_row := next((c for c in curves['trl'] if c[0] == k), None)) else " | |")
+        + "\n" for k, s_, a in curves["posttrain"])
     (out_dir / "results.md").write_text(
         "# Trainer: posttrain GRPO vs TRL GRPOTrainer\n\n"
         f"`python benchmarks/trainer/bench.py --steps {args.steps} --seeds {args.seeds} --eval-tasks {args.eval_tasks} "
         f"--lr {args.lr} --threads {args.threads}` on {result['date']}, {platform.machine()} with {os.cpu_count()} CPUs "
-        f"(shared with other load), {args.threads} torch thread(s), torch {torch.__version__}, transformers "
+        f"shared with other load (1-minute load average {min(loads):.2f}-{max(loads):.2f} at the starts and ends of "
+        f"the runs), {args.threads} torch thread(s), torch {torch.__version__}, transformers "
         f"{transformers.__version__}, trl {trl.__version__}.\n\n"
         f"Policy: Llama-architecture, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
         f"intermediate {cfg.intermediate_size} ({result['parameters']:,} parameters), character tokenizer, warm-started "
         f"by {sft['sft_steps']} SFT steps on arithmetic (held-out greedy accuracy {start_acc:.3f}); every run starts "
         f"from that same checkpoint. Per step: {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, temperature 1, no "
         f"top-k/top-p, <= {MAX_NEW_TOKENS} new tokens, beta 0, clip 0.2, token-mean loss, one AdamW step "
-        f"(lr {args.lr}, betas (0.9, 0.99)); for each seed both trainers see the same prompts in the same order.\n\n"
+        f"(lr {args.lr}, betas (0.9, 0.99)); for each seed both trainers see the same prompts in the same order. "
+        f"posttrain calls `grpo_step` with the pipeline trainer's settings (`{result['posttrain_trainer_options']}`).\n\n"
+        f"## Equal steps\n\n"
         f"| trainer | s/step (median, first step of each run excluded) | held-out accuracy after {args.steps} steps "
-        "(mean over seeds) | per seed | mean train reward |\n|---|---:|---:|---|---:|\n"
+        f"(mean over seeds) | per seed | training s for {args.steps} steps (mean) | mean train reward |\n"
+        "|---|---:|---:|---|---:|---:|\n"
         + "".join(f"| {n} | {v['s_per_step']:.3f} | {v['accuracy_mean']:.3f} | {', '.join(f'{a:.3f}' for a in v['accuracies'])} "
-                  f"| {v['train_reward_mean']:.3f} |\n" for n, v in summary.items())
+                  f"| {v['train_s_at_steps_mean']:.1f} | {v['train_reward_mean']:.3f} |\n" for n, v in summary.items())
         + f"\n**posttrain s/step / TRL s/step = {ratio:.2f}x** (goal <= 1.0); **accuracy difference posttrain - TRL = "
           f"{diff:+.3f}** (goal >= 0) on {args.eval_tasks} held-out tasks. Goal {'met' if met else 'not met'}"
-          f"{noise}.\n\n"
-          "Per run:\n\n| trainer | seed | s/step (median) | first step s | accuracy | mean train reward |\n"
-          "|---|---:|---:|---:|---:|---:|\n" + per_seed +
+          f"{noise}.\n\nposttrain's step by phase (median over steps 2..{args.steps} of all seeds): {phase_text}.\n\n"
+          "## Equal wall-clock time\n\n"
+          f"Held-out accuracy is evaluated every {args.eval_every} steps along each run (greedy, all {args.eval_tasks} "
+          "tasks, nothing cached, RNG states restored afterwards) and the evaluation time is left out of the training "
+          "clock; the clock counts generation, reward and update of every step, the first included. posttrain keeps "
+          f"training past step {args.steps} until its clock passes {BUDGET_MARGIN}x TRL's {args.steps}-step time (at most "
+          f"{EXTRA_STEPS * args.steps} steps). The seed-mean curve averages, at each evaluated step, the seeds' accuracies "
+          f"and their training seconds.\n\n"
+          f"- TRL's {args.steps}-step time: **{trl_time:.1f} s** of training (mean of seeds); its {args.steps}-step "
+          f"accuracy: **{target:.3f}**.\n"
+          f"- posttrain's accuracy at that time (the last evaluation of its seed-mean curve at or before it): "
+          f"**{eq[2]:.3f}** (step {eq[0]}, {eq[1]:.1f} s), {eq[2] - target:+.3f} against TRL; per seed at that seed's "
+          f"TRL time: {', '.join(f'{x[2]:.3f} (step {x[0]})' for x in eq_seeds)}.\n"
+          f"- Time to TRL's {args.steps}-step accuracy: {TIME_DEFINITION} posttrain: "
+          + (f"step {reach[0]}, {reach[1]:.1f} s" if reach else f"not reached in {covered:.1f} s")
+          + f", so **posttrain / TRL = {ratio_text}** (goal <= {TIME_GOAL}: {'met' if time_met else 'not met'}). "
+          f"The same rule applied to TRL's own curve gives {reach_trl[1] / trl_time:.2f}x (step {reach_trl[0]}), below "
+          f"1.00x only through evaluation noise. Per posttrain seed (first evaluation at or above the same target, "
+          f"against that seed's TRL time): "
+          + ", ".join(f"{x[1] / trl_times[r['seed']]:.2f}x (step {x[0]})" if x else "not reached"
+                      for x, r in zip(reach_seeds, runs["posttrain"])) + ".\n"
+          + (f"\n![held-out accuracy against training seconds](results.svg)\n" if plotted else "")
+          + "\nSeed-mean curves (training seconds, held-out accuracy):\n\n"
+          "| step | posttrain s | posttrain accuracy | TRL s | TRL accuracy |\n|---:|---:|---:|---:|---:|\n" + curve_rows +
+          "\nPer run:\n\n| trainer | seed | s/step (median) | first step s | accuracy after "
+          f"{args.steps} steps | training s for {args.steps} steps | steps run | accuracy after the last | mean train "
+          "reward | load (1 min) before -> after |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n" + per_seed +
           "\nRemaining differences: TRL scales advantages by the unbiased group std (+1e-4), posttrain by the population "
           "std (+1e-6); TRL keeps all-zero-advantage groups in the token-mean denominator, posttrain drops those groups "
           "(as its trainer stage does); posttrain records sampling logprobs during generation.\n")
+
+
+def point_at_step(curve, step: int):
+    return next(c for c in curve if c[0] == step)
+
+
+def mean_curve(curves: list[list[tuple[int, float, float]]]) -> list[tuple[int, float, float]]:
+    """At each step every curve evaluated: (step, mean training seconds, mean accuracy)."""
+    common = sorted(set.intersection(*({c[0] for c in curve} for curve in curves)))
+    by_step = [{c[0]: c for c in curve} for curve in curves]
+    return [(k, round(statistics.mean(b[k][1] for b in by_step), 4), round(statistics.mean(b[k][2] for b in by_step), 4))
+            for k in common]
+
+
+def point_at_time(curve, seconds: float):
+    """The last evaluation at or before ``seconds`` of training (the checkpoint one would have then)."""
+    return [c for c in curve if c[1] <= seconds][-1]
+
+
+def first_at_or_above(curve, target: float):
+    """The first evaluation at or above ``target`` (not interpolated); None if there is none."""
+    return next((c for c in curve if c[2] >= target - 1e-9), None)
+
+
+def plot_curves(runs, curves, trl_time: float, target: float, steps: int, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colours = {"posttrain": "tab:blue", "trl": "tab:orange"}
+    for n, rs in runs.items():
+        for r in rs:
+            ax.plot([c["train_s"] for c in r["curve"]], [c["accuracy"] for c in r["curve"]], color=colours[n], alpha=0.25, lw=1)
+        ax.plot([c[1] for c in curves[n]], [c[2] for c in curves[n]], color=colours[n], lw=2.2, marker="o", ms=3,
+                label=f"{n} (mean of {len(rs)} seeds)")
+    ax.axvline(trl_time, color="grey", ls="--", lw=1)
+    ax.axhline(target, color="grey", ls=":", lw=1)
+    ax.set_xlabel("training seconds (evaluation excluded)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(f"GRPO on arithmetic: posttrain vs TRL (dashed: TRL's {steps}-step time, dotted: its accuracy)", fontsize=9)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
