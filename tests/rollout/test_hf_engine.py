@@ -1,4 +1,5 @@
-"""HFEngine: rollout logprobs equal the trainer's recomputed ones; bucketing keeps order."""
+"""HFEngine: rollout logprobs equal the trainer's recomputed ones (prefix-shared and previous
+path); bucketing keeps order."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ def recomputed(policy, samples, temperature: float) -> list[list[float]]:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
-@pytest.mark.parametrize("bucket", [True, False])
-def test_rollout_logprobs_match_trainer(policy, temperature: float, bucket: bool) -> None:
-    samples = HFEngine(bucket=bucket).generate(policy, PROMPTS, max_new_tokens=12, temperature=temperature, seed=11,
-                                               batch_size=3)
+@pytest.mark.parametrize("bucket,prefix_sharing", [(True, True), (False, True), (True, False)])
+def test_rollout_logprobs_match_trainer(policy, temperature: float, bucket: bool, prefix_sharing: bool) -> None:
+    engine = HFEngine(bucket=bucket, prefix_sharing=prefix_sharing)
+    samples = engine.generate(policy, PROMPTS, max_new_tokens=12, temperature=temperature, seed=11, batch_size=3)
     assert [s.prompt_ids for s in samples] == [policy.encode_prompt(p) for p in PROMPTS]
     for s, ref in zip(samples, recomputed(policy, samples, temperature)):
         assert len(s.logprobs) == len(s.completion_ids) == len(ref)
