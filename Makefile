@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
 ITERATIONS ?= 3
 
-.PHONY: setup demo test test-fast test-all models vllm test-vllm bench images clean screenshots
+.PHONY: setup demo test test-fast test-all models vllm test-vllm bench profile images clean screenshots
 
 $(STAMP): pyproject.toml
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -61,6 +61,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/sandbox/bench.py
 	$(PY) benchmarks/rollout/bench.py
 	$(PY) benchmarks/trainer/bench.py
+
+# One demo iteration under py-spy (after a short bootstrap that is not profiled): the flame
+# graph docs/profile/iteration.svg and docs/profile/summary.md (stage shares, top functions).
+profile: $(STAMP)
+	$(PY) docs/profile/iteration_profile.py
 
 # Every image (posttrain-base and posttrain-<stage>, tag = project.version) with podman from
 # a Debian-made base (no image registry needed), CPU torch from pip's local wheel folder;

@@ -30,7 +30,20 @@ other in a fresh interpreter.
     python benchmarks/iteration.py [--recipe recipes/demo.yaml] [--sft-steps 50]
     python benchmarks/iteration.py --quick [--out PATH]
 
+    python benchmarks/iteration.py --baseline REF [--repeats 2] [--quick] [--out PATH]
+
 Writes ``benchmarks/results/iteration.json`` and ``.md`` (or ``--out`` .json/.md).
+
+``--baseline REF`` instead compares this checkout (uncommitted changes included) with
+commit REF, checked out in a temporary ``git worktree`` that is removed afterwards: each side
+runs with its own code first on PYTHONPATH and this venv, its own copy of the recipe (SFT
+shortened through its own schema), a private ``POSTTRAIN_HOME`` and run root; it is
+bootstrapped once (not timed), then iteration 1 runs as ``posttrain run --iterations 1``,
+baseline first, the order reversed on each further repeat. It reports each stage's seconds
+(manifests, summed over shards), the DAG run's span, the process wall time and both sides'
+iteration-1 eval pass rates, writes ``benchmarks/results/iteration_baseline.json``/``.md``
+and ends with ``iteration vs baseline: N.NNx`` (current / baseline process wall time,
+medians over repeats). A REF that names no commit is one error line and exit status 2.
 ``--quick`` is a smoke run through the same four ways on ``recipes/tiny.yaml`` with 5 SFT
 steps: it prints the same tables and summary line and writes no results unless ``--out``
 is given. Not covered: Postgres, Celery or
@@ -50,6 +63,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -223,6 +239,211 @@ def report(result: dict) -> str:
     return "\n".join(out)
 
 
+# --- ``--baseline REF``: this checkout against a baseline commit, side by side --------------
+
+SCHEMA_PROBE = """
+import json
+from components.core.recipe import Recipe
+import components
+section = Recipe.model_fields["bootstrap"].annotation
+print(json.dumps({"fields": sorted(section.model_fields), "package": components.__path__[0]}))
+"""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of the comparison: the code folder put first on PYTHONPATH and its own recipe file."""
+
+    name: str
+    root: Path
+    recipe: Path
+
+
+def git(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def resolve_commit(ref: str) -> str:
+    """The full sha of ``ref``; one error line and exit status 2 when it names no commit."""
+    proc = git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    if proc.returncode != 0:
+        print(f"error: --baseline {ref!r} names no commit in {REPO}; give a commit sha, tag or branch "
+              "(for example --baseline 9cebcb7)", file=sys.stderr)
+        sys.exit(2)
+    return proc.stdout.strip()
+
+
+@contextmanager
+def worktree(sha: str, parent: Path) -> Iterator[Path]:
+    """A detached ``git worktree`` of ``sha`` under ``parent``, removed afterwards, also on failure."""
+    path = parent / f"baseline-{sha[:9]}"
+    proc = git("worktree", "add", "--detach", "--quiet", str(path), sha)
+    if proc.returncode != 0:
+        sys.exit(f"git worktree add {path} {sha} failed: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        git("worktree", "remove", "--force", str(path))
+        git("worktree", "prune")
+
+
+def side_env(side: Side, home: Path) -> dict[str, str]:
+    env = env_for(home)
+    return {**env, "PYTHONPATH": os.pathsep.join([str(side.root), *filter(None, [env.get("PYTHONPATH")])])}
+
+
+def side_recipe(side: Side, sft_steps: int, work: Path) -> tuple[Path, str]:
+    """Write ``side``'s own recipe with its SFT shortened through that side's schema; returns (path, pipeline).
+
+    Only ``max_steps`` and ``eval_every`` are known SFT-length keys; a schema with neither stops the run."""
+    proc = subprocess.run([sys.executable, "-c", SCHEMA_PROBE], cwd=side.root, env=side_env(side, work / "probe"),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"reading the {side.name} recipe schema failed:\n{proc.stderr[-2000:]}")
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    if Path(probe["package"]).resolve() != (side.root / "components").resolve():
+        sys.exit(f"the {side.name} side imported components from {probe['package']}, not {side.root}: "
+                 "an install shadows PYTHONPATH; reinstall the venv's posttrain as editable (pip install -e .)")
+    steps = [k for k in ("max_steps", "steps") if k in probe["fields"]]
+    if not steps:
+        sys.exit(f"the {side.name} recipe schema has no SFT step key in bootstrap ({', '.join(probe['fields'])}); "
+                 "teach side_recipe() its name")
+    data = yaml.safe_load(side.recipe.read_text())
+    data.setdefault("bootstrap", {}).update({steps[0]: sft_steps, **({"eval_every": sft_steps}
+                                                                     if "eval_every" in probe["fields"] else {})})
+    path = work / f"{side.name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, data["pipeline"]
+
+
+def eval_rates(run_root: Path, pipeline: str) -> dict[str, float]:
+    """Iteration 1's per-domain pass@1 from its evaluation manifest (``evaluation/<domain>/pass_at_1``)."""
+    manifest = json.loads((run_root / pipeline / "iter-000001" / "evaluation" / "_MANIFEST.json").read_text())
+    return {k.removeprefix("evaluation/").removesuffix("/pass_at_1"): v for k, v in manifest["metrics"].items()
+            if k.endswith("/pass_at_1") and not k.startswith("evaluation/mean/")}
+
+
+def dag_run_span(db_path: Path) -> float | None:
+    """The one DAG run's start -> end (seconds) from the Airflow DB ``posttrain run`` left; None if it has none."""
+    if not db_path.exists():
+        return None
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        rows = db.execute("select start_date, end_date from dag_run").fetchall()
+    finally:
+        db.close()
+    return stamp(rows[-1][1]) - stamp(rows[-1][0]) if len(rows) == 1 and all(rows[0]) else None
+
+
+def run_side_once(side: Side, recipe: Path, pipeline: str, base: Path, active: Path) -> dict:
+    """Iteration 1 (``posttrain run --iterations 1``) from a fresh copy of ``side``'s bootstrapped state."""
+    shutil.copytree(base, active)
+    load = os.getloadavg()
+    wall = timed([sys.executable, "-m", "components.cli", "run", "--recipe", str(recipe), "--run-root",
+                  str(active / "store"), "--iterations", "1"], side.root, side_env(side, active))
+    out = {"wall_s": wall, "dag_run_s": dag_run_span(active / "airflow" / "airflow.db"),
+           "stage_s": stage_seconds(active / "store", pipeline),
+           "eval": eval_rates(active / "store", pipeline), "load_avg_before": load, "load_avg_after": os.getloadavg()}
+    shutil.rmtree(active, ignore_errors=True)
+    return out
+
+
+def compare_baseline(ref: str, recipe_rel: Path, sft_steps: int, repeats: int) -> dict:
+    """Bootstrap each side once (not timed), then time iteration 1 of each, baseline first and the order
+    reversed on every repeat (ABBA) so that a drifting machine load falls on both sides.
+
+    Not covered: a baseline whose CLI lacks ``stage bootstrap`` / ``run --iterations`` or whose
+    dependencies differ from this venv's (it runs with this venv's packages)."""
+    sha = resolve_commit(ref)
+    head = git("rev-parse", "HEAD").stdout.strip()
+    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").stdout.splitlines() if line]
+    work = Path(tempfile.mkdtemp(prefix="posttrain-baseline-"))
+    try:
+        with worktree(sha, work) as tree:
+            sides = [Side("baseline", tree, tree / recipe_rel), Side("current", REPO, REPO / recipe_rel)]
+            for side in sides:
+                if not side.recipe.exists():
+                    sys.exit(f"{side.name} has no recipe {recipe_rel} (at {side.recipe}); pick one both commits have")
+            prepared = {}
+            for side in sides:
+                recipe, pipeline = side_recipe(side, sft_steps, work)
+                active, base = work / side.name / "active", work / side.name / "base"
+                print(f"{side.name}: bootstrapping {pipeline} ({sft_steps} SFT steps, not timed)", flush=True)
+                timed([sys.executable, "-m", "components.cli", "stage", "bootstrap", "--recipe", str(recipe),
+                       "--run-root", str(active / "store")], side.root, side_env(side, active))
+                shutil.move(active, base)
+                prepared[side.name] = (side, recipe, pipeline, base, active)
+            runs: dict[str, list[dict]] = {"baseline": [], "current": []}
+            for r in range(repeats):
+                for name in (["baseline", "current"] if r % 2 == 0 else ["current", "baseline"]):
+                    print(f"{name}: iteration 1, repeat {r + 1}/{repeats} ...", flush=True)
+                    runs[name].append(run_side_once(*prepared[name]))
+                    print(f"{name}: {runs[name][-1]['wall_s']:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    wall = {name: median([r["wall_s"] for r in rs]) for name, rs in runs.items()}
+    spans = {name: [r["dag_run_s"] for r in rs if r["dag_run_s"] is not None] for name, rs in runs.items()}
+    return {
+        "baseline_ref": ref, "baseline_sha": sha, "current_sha": head, "current_uncommitted_files": len(dirty), "current_uncommitted": dirty,
+        "recipe": str(recipe_rel), "sft_steps": sft_steps, "repeats": repeats,
+        "machine": f"{platform.machine()} {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "runs": runs, "wall_s": wall,
+        "stage_s": {name: {s: median([r["stage_s"].get(s, 0.0) for r in rs]) for s in STAGES} for name, rs in runs.items()},
+        "dag_run_s": {name: median(v) for name, v in spans.items()},
+        "ratio": wall["current"] / wall["baseline"],
+    }
+
+
+def baseline_report(result: dict) -> str:
+    """The per-stage table (medians over repeats) and both sides' eval tables (every repeat)."""
+    st, wall = result["stage_s"], result["wall_s"]
+    lines = ["| stage | baseline (s) | current (s) | current / baseline |", "|---|---:|---:|---:|"]
+    for s in STAGES:
+        b, c = st["baseline"][s], st["current"][s]
+        lines.append(f"| {s} | {b:.2f} | {c:.2f} | {c / b:.2f}x |" if b else f"| {s} | {b:.2f} | {c:.2f} | - |")
+    sums = {n: sum(st[n].values()) for n in ("baseline", "current")}
+    lines.append(f"| stages summed | {sums['baseline']:.2f} | {sums['current']:.2f} | {sums['current'] / sums['baseline']:.2f}x |")
+    lines.append(f"| outside stages (process start, Airflow DB set-up, task glue) | {wall['baseline'] - sums['baseline']:.2f} | "
+                 f"{wall['current'] - sums['current']:.2f} | - |")
+    span = result["dag_run_s"]
+    lines.append(f"| DAG run span (Airflow's start -> end, inside the process) | {span['baseline']:.1f} | {span['current']:.1f} | "
+                 f"{span['current'] / span['baseline']:.2f}x |")
+    lines.append(f"| **iteration wall time** | **{wall['baseline']:.1f}** | **{wall['current']:.1f}** | **{result['ratio']:.2f}x** |")
+    out = ["\n".join(lines), ""]
+    domains = sorted({d for rs in result["runs"].values() for r in rs for d in r["eval"]})
+    lines = ["| side, repeat | " + " | ".join(domains) + " | mean | wall (s) | load avg (1 min) before |",
+             "|---|" + "---:|" * (len(domains) + 3)]
+    for name, rs in result["runs"].items():
+        for i, r in enumerate(rs, 1):
+            ev = r["eval"]
+            lines.append(f"| {name} {i} | " + " | ".join(f"{ev[d]:.3f}" if d in ev else "-" for d in domains)
+                         + f" | {sum(ev.values()) / max(1, len(ev)):.3f} | {r['wall_s']:.1f} | {r['load_avg_before'][0]:.2f} |")
+    out += ["Iteration 1 eval pass@1 per domain (the fixed held-out suite) and wall time, every run:", "", "\n".join(lines)]
+    return "\n".join(out)
+
+
+def write_baseline(out: Path | None, result: dict) -> None:
+    """Print the tables and the ratio line (last); write ``out``.json and ``.md`` unless ``out`` is None."""
+    table = baseline_report(result)
+    line = f"iteration vs baseline: {result['ratio']:.2f}x"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        loads = [r["load_avg_before"] for rs in result["runs"].values() for r in rs]
+        out.with_suffix(".md").write_text(
+            f"# Iteration against baseline {result['baseline_sha'][:7]} ({result['date']}, {result['machine']})\n\n"
+            f"`python benchmarks/iteration.py --baseline {result['baseline_ref']}` on `{result['recipe']}` "
+            f"(each side's own copy) with {result['sft_steps']} SFT steps, {result['repeats']} repeat(s) per side "
+            f"(median shown). Current = HEAD {result['current_sha'][:7]} plus {result['current_uncommitted_files']} "
+            "uncommitted tracked file(s) in the working tree. Each side: its code first on PYTHONPATH, the same venv, "
+            "a private POSTTRAIN_HOME and run root, `posttrain run --iterations 1` after an untimed bootstrap. "
+            "Stage seconds come from the manifests (summed over shards; shards run one after the other). "
+            f"Load average (1/5/15 min) before each run: {', '.join('/'.join(f'{x:.2f}' for x in lo) for lo in loads)}.\n\n"
+            f"{table}\n\n{line}\n")
+    print(table)
+    print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "demo.yaml"))
@@ -232,9 +453,17 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json (no runs)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: recipes/tiny.yaml, 5 SFT steps; writes results only with --out")
+    parser.add_argument("--baseline", default=None, metavar="REF",
+                        help="compare this checkout with commit REF instead (results: iteration_baseline.json/.md)")
+    parser.add_argument("--repeats", type=int, default=1, help="with --baseline: timed iterations per side (ABBA order)")
     args = parser.parse_args()
     if args.quick:
         args.recipe, args.sft_steps = str(REPO / "recipes" / "tiny.yaml"), 5
+    if args.baseline is not None:
+        recipe_rel = Path(args.recipe).resolve().relative_to(REPO)
+        out = Path(args.out) if args.out else (None if args.quick else REPO / "benchmarks" / "results" / "iteration_baseline")
+        write_baseline(out, compare_baseline(args.baseline, recipe_rel, args.sft_steps, max(1, args.repeats)))
+        return
     out = Path(args.out) if args.out else (None if args.quick else REPO / "benchmarks" / "results" / "iteration")
     if args.render:
         out = out or REPO / "benchmarks" / "results" / "iteration"

@@ -82,3 +82,22 @@ def test_trainer(tmp_path):
 def test_vllm_vs_hf(tmp_path):
     out = run_quick("rollout/vllm_vs_hf.py", tmp_path, python=str(VLLM_PYTHON))
     assert_line(out, r"vLLM \d+\.\d+/s vs HF \d+\.\d+/s \(best of \d+\) -> \d+\.\d+x")
+
+
+# This checkout against commit 9cebcb7 in a temporary git worktree, recipes/tiny.yaml on both
+# sides (each its own copy): two bootstraps and two iterations, about 3 minutes on 2 busy cores.
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_iteration_baseline(tmp_path):
+    baseline = "9cebcb7"
+    if subprocess.run(["git", "cat-file", "-e", f"{baseline}^{{commit}}"], cwd=REPO).returncode != 0:
+        pytest.skip(f"commit {baseline} is not in this clone (shallow?): git fetch --unshallow")
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
+    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "benchmarks/iteration.py", "--baseline", baseline, "--quick"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=580)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"iteration.py --baseline {baseline} --quick exited {proc.returncode}:\n{output[-4000:]}"
+    assert re.fullmatch(r"iteration vs baseline: \d+\.\d+x", proc.stdout.strip().splitlines()[-1]), output[-4000:]
+    assert subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout == worktrees
