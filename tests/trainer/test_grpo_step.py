@@ -1,5 +1,6 @@
 """One GRPO step on a tiny policy: parameters change, the batch's loss drops, the
-loss value and its aggregation modes are what the formula says."""
+loss value and its aggregation modes are what the formula says, in packed and padded
+micro-batches alike (``test_packing.py`` compares the two directly)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,15 @@ def test_one_step_changes_parameters_and_lowers_the_loss() -> None:
     assert loss_after < loss_before - 1e-3
 
 
+@pytest.mark.parametrize("packing", [True, False])
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "seq_mean_token_sum"])
-def test_gradient_does_not_depend_on_micro_batching(aggregation: str) -> None:
+def test_gradient_does_not_depend_on_micro_batching(aggregation: str, packing: bool) -> None:
     grads = []
     for rows, budget in ((8, 0), (1, 0), (8, 40)):
         policy = tiny_policy()
         samples = rollout_batch(policy)
         stats = step(policy.model, samples, lr=0.0, micro_batch_size=rows, micro_batch_tokens=budget,
-                     loss_aggregation=aggregation)
+                     loss_aggregation=aggregation, packing=packing)
         grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters()]))
         assert stats.loss == pytest.approx(sum(-s.advantage * w * len(s.completion_ids) for s, w in
                                                zip(samples, token_weights(samples, aggregation))), abs=1e-5)
