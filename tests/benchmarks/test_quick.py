@@ -101,3 +101,10 @@ def test_iteration_baseline(tmp_path):
     assert proc.returncode == 0, f"iteration.py --baseline {baseline} --quick exited {proc.returncode}:\n{output[-4000:]}"
     assert re.fullmatch(r"iteration vs baseline: \d+\.\d+x", proc.stdout.strip().splitlines()[-1]), output[-4000:]
     assert subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout == worktrees
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_packing(tmp_path):
+    out = run_quick("trainer/packing.py", tmp_path)
+    assert_line(out, r"packed vs padded: \d+\.\d+x tokens/s")
