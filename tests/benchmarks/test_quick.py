@@ -62,6 +62,7 @@ def test_sandbox(tmp_path):
 def test_rollout(tmp_path):
     out = run_quick("rollout/bench.py", tmp_path)
     assert_line(out, r"bucketed \d+\.\d+/s vs unbucketed \d+\.\d+/s \(best of \d+\) -> \d+\.\d+x")
+    assert_line(out, r"prefix-shared \d+\.\d+/s vs previous \d+\.\d+/s \(best of \d+\) -> \d+\.\d+x")
 
 
 @pytest.mark.slow
