@@ -73,7 +73,7 @@ def list_state():
 """.replace("MAX", str(MAX_ENTRIES))
 
 DRIVER = r"""
-import json, os, signal, sys, time
+import json, os, select, signal, sys
 
 RESULT_FD = int(sys.argv[1])
 TIMEOUT = float(sys.argv[2])
@@ -102,19 +102,13 @@ if pid == 0:
     os.setpgid(0, 0)
     os.chdir("ws")
     os.execvp("bash", ["bash", "-c", CMD])
-# ---- trusted parent ----
-deadline = time.monotonic() + TIMEOUT
-code, timed_out = None, False
-while code is None:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        code = os.waitstatus_to_exitcode(status)
-    elif time.monotonic() > deadline:
-        timed_out = True
-        os.killpg(pid, signal.SIGKILL)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    else:
-        time.sleep(0.005)
+# ---- trusted parent: woken when the command exits (a pidfd), not on a polling tick ----
+pidfd = os.pidfd_open(pid)
+timed_out = not select.select([pidfd], [], [], TIMEOUT)[0]
+if timed_out:
+    os.killpg(pid, signal.SIGKILL)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+os.close(pidfd)
 try:
     os.killpg(pid, signal.SIGKILL)  # stragglers the command left in its group
 except ProcessLookupError:
