@@ -242,9 +242,42 @@ def pack_rows(lengths: list[int], width: int, max_per_row: int = 0) -> list[list
     return rows
 
 
+def pack_levels(lengths: list[int], max_per_row: int = 0) -> list[tuple[int, list[list[int]]]]:
+    """(width, rows) per level: rows as narrow as the sequences in them allow, since
+    attention over a packed row costs its width squared however it is cut up.
+
+    Level widths halve at least: sequences longest first, each goes into the first row of
+    the current level with room (at most ``max_per_row`` sequences per row when > 0);
+    one longer than half the level's width opens a new row, a shorter one that fits no
+    row waits for the next level, whose width is the longest waiting sequence. So short
+    sequences fill the gaps beside long ones first, and the rest share narrow rows."""
+    levels: list[tuple[int, list[list[int]]]] = []
+    waiting = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    while waiting:
+        width = lengths[waiting[0]]
+        rows: list[list[int]] = []
+        free: list[int] = []
+        later: list[int] = []
+        for i in waiting:
+            for r, room in enumerate(free):
+                if lengths[i] <= room and (not max_per_row or len(rows[r]) < max_per_row):
+                    rows[r].append(i)
+                    free[r] -= lengths[i]
+                    break
+            else:
+                if 2 * lengths[i] > width or not later and not rows:
+                    rows.append([i])
+                    free.append(width - lengths[i])
+                else:
+                    later.append(i)
+        levels.append((width, rows))
+        waiting = later
+    return levels
+
+
 def pack_batch(samples: list[tuple[list[int], list[int]]], rows: list[list[int]], fill_id: int) -> PackedBatch:
     """The ``PackedBatch`` of (prompt, completion) pairs laid out as ``rows`` (lists of
-    sample indices, e.g. from ``pack_rows``); the width is the fullest row's length.
+    sample indices, e.g. one level of ``pack_levels``); the width is the fullest row's length.
     Every sample must have a non-empty prompt (its last token's logits predict the first
     completion token) and appear in exactly one row."""
     import torch

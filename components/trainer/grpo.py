@@ -16,8 +16,8 @@ depend on how a step is cut into micro-batches (``micro_batch_size`` sequences a
 set, ``micro_batch_tokens`` tokens per forward pass).
 
 Micro-batches are packed by default (``packing=True``, recipe ``trainer.packing``): the
-step's sequences are laid end to end in rows as wide as its longest sequence (first-fit
-decreasing), position ids restart at each sequence, and the forward pass gets no
+step's sequences are laid end to end in rows (first-fit decreasing, short sequences in
+narrower rows once the gaps beside long ones are full), position ids restart at each sequence, and the forward pass gets no
 attention mask, so each sequence attends only to itself, causally; only completion
 positions reach the output layer. No pad token enters the loss or any sequence's
 attention, and the loss, clipping, KL and sample masks are the padded path's, token for
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components.core.policy import pack_batch, pack_rows, packed_token_logprobs, pad_batch, token_logprobs
+from components.core.policy import pack_batch, pack_levels, packed_token_logprobs, pad_batch, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -119,24 +119,25 @@ def micro_batches(samples: list[Sample], max_rows: int, max_tokens: int = 0) -> 
 
 
 def packed_micro_batches(samples: list[Sample], max_rows: int, max_tokens: int = 0) -> list[list[list[int]]]:
-    """Per micro-batch, its rows of sample indices: every sequence in rows as wide as the
-    step's longest one (first-fit decreasing, at most ``max_rows`` sequences per row),
-    then consecutive rows while a micro-batch holds at most ``max_rows`` sequences and,
-    when ``max_tokens`` > 0, at most ``max_tokens`` tokens (rows x width). A row is never
-    split, so a row wider than the budget forms its own micro-batch."""
+    """Per micro-batch, its rows of sample indices: the sequences packed in rows of
+    narrowing width (``pack_levels``: short ones fill the gaps beside long ones first, at
+    most ``max_rows`` per row), then consecutive rows of one width while a micro-batch
+    holds at most ``max_rows`` sequences and, when ``max_tokens`` > 0, at most
+    ``max_tokens`` tokens (rows x width). A row is never split, so a row wider than the
+    budget forms its own micro-batch."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    width = max(lengths)
     batches: list[list[list[int]]] = []
-    current: list[list[int]] = []
-    count = 0
-    for row in pack_rows(lengths, width, max_rows):
-        if current and (count + len(row) > max_rows or (max_tokens and (len(current) + 1) * width > max_tokens)):
+    for width, rows in pack_levels(lengths, max_rows):
+        current: list[list[int]] = []
+        count = 0
+        for row in rows:
+            if current and (count + len(row) > max_rows or (max_tokens and (len(current) + 1) * width > max_tokens)):
+                batches.append(current)
+                current, count = [], 0
+            current.append(row)
+            count += len(row)
+        if current:
             batches.append(current)
-            current, count = [], 0
-        current.append(row)
-        count += len(row)
-    if current:
-        batches.append(current)
     return batches
 
 

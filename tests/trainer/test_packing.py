@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from components.core.policy import pack_batch, pack_rows, packed_token_logprobs, pad_batch, token_logprobs
+from components.core.policy import pack_batch, pack_levels, pack_rows, packed_token_logprobs, pad_batch, token_logprobs
 from components.core.recipe import TrainerConfig
 from components.trainer.grpo import AGGREGATIONS, Sample, grpo_step, packed_micro_batches
 from components.trainer.state import build_optimizer
@@ -96,16 +96,27 @@ def test_each_packed_sequence_attends_only_to_itself(attention: str) -> None:
     assert (leaky_logp[start:start + n] - logp[start:start + n]).abs().max() > 1e-3
 
 
+def test_pack_levels_fill_gaps_then_narrow_rows() -> None:
+    # 12 and 9 open rows of width 12; 3 fills the gap beside 9; 5 (not over half of 12) and
+    # the rest wait for a level of width 5, where 5 and 3 open rows and a 2 fills beside 3.
+    lengths = [12, 5, 3, 3, 2, 2, 2, 9]
+    assert pack_levels(lengths) == [(12, [[0], [7, 2]]), (5, [[1], [3, 4]]), (2, [[5], [6]])]
+    assert pack_levels([4, 4, 4, 4, 2]) == [(4, [[0], [1], [2], [3]]), (2, [[4]])]
+    assert pack_levels([6, 4, 1, 1, 1]) == [(6, [[0], [1, 2, 3]]), (1, [[4]])]
+    assert pack_levels([6, 4, 1, 1, 1], max_per_row=2) == [(6, [[0], [1, 2]]), (1, [[3], [4]])]
+
+
 def test_packed_micro_batches_budgets() -> None:
     def sample(n: int) -> Sample:
         return Sample([1] * (n - 1), [2], [0.0], 1.0)
 
-    samples = [sample(n) for n in (10, 4, 6, 3, 7, 2)]  # width 10
-    assert packed_micro_batches(samples, max_rows=8) == [[[0], [4, 3], [2, 1], [5]]]
-    assert packed_micro_batches(samples, max_rows=3) == [[[0], [4, 3]], [[2, 1], [5]]]
-    assert packed_micro_batches(samples, max_rows=8, max_tokens=20) == [[[0], [4, 3]], [[2, 1], [5]]]
-    assert packed_micro_batches(samples, max_rows=8, max_tokens=5) == [[[0]], [[4, 3]], [[2, 1]], [[5]]]
-    assert packed_micro_batches(samples, max_rows=1) == [[[0]], [[4]], [[2]], [[1]], [[3]], [[5]]]
+    samples = [sample(n) for n in (12, 5, 3, 3, 2, 2, 2, 9)]
+    # rows of one width per micro-batch
+    assert packed_micro_batches(samples, max_rows=8) == [[[0], [7, 2]], [[1], [3, 4]], [[5], [6]]]
+    assert packed_micro_batches(samples, max_rows=2) == [[[0]], [[7, 2]], [[1]], [[3, 4]], [[5], [6]]]
+    # 12 tokens: one row of width 12, two of width 5
+    assert packed_micro_batches(samples, max_rows=8, max_tokens=12) == [[[0]], [[7, 2]], [[1], [3, 4]], [[5], [6]]]
+    assert packed_micro_batches(samples, max_rows=8, max_tokens=4) == [[[0]], [[7, 2]], [[1]], [[3, 4]], [[5], [6]]]
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
