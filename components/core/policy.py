@@ -6,7 +6,9 @@ character plus newline is one token). Checkpoints are plain Hugging Face folders
 (``config.json``, ``model.safetensors``, tokenizer files), so transformers and vLLM load
 them as they are. Any other Hugging Face causal LM folder also loads through
 ``load_policy``. ``pad_batch`` and ``token_logprobs`` score (prompt, completion) pairs
-under a policy, for SFT (bootstrap) and the policy-gradient trainer alike.
+under a policy, for SFT (bootstrap), evaluation and the trainer's padded path;
+``pack_levels``, ``pack_batch`` and ``packed_token_logprobs`` score them packed end to
+end without padding, for the trainer.
 
 A checkpoint a stage wrote is verified before it is loaded: ``load_policy`` finds the
 producing stage's manifest in the folder above the checkpoint (``<stage prefix>/checkpoint``
