@@ -244,19 +244,15 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
     optimizer = build_optimizer(policy.model, Cfg(lr))
     options = trainer_options(PROMPTS_PER_STEP * SAMPLES)
     max_steps = max(steps, min(max_steps or steps, len(tasks) // PROMPTS_PER_STEP))
-    step_s, rewards, curve, train_s = [], [], [], 0.0
+    step_s, rewards, curve, train_s, cpu_s = [], [], [], 0.0, 0.0
     phases: dict[str, list[float]] = {"generate": [], "reward": [], "update": []}  # seconds per step
     for step in range(max_steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         batch = tasks[step * PROMPTS_PER_STEP:(step + 1) * PROMPTS_PER_STEP]
         policy.model.eval()
         # As the rollout stage asks: each prompt once, with the group size (the engine may share its prefill).
-        if hasattr(engine, "generate_groups"):
-            out = engine.generate_groups(policy, [t.prompt for t in batch], SAMPLES, MAX_NEW_TOKENS, 1.0,
-                                         seed=seed + 1000 * step, batch_size=PROMPTS_PER_STEP * SAMPLES)
-        else:  # an engine from before generate_groups: the same prompts repeated
-            out = engine.generate(policy, [t.prompt for t in batch for _ in range(SAMPLES)], MAX_NEW_TOKENS, 1.0,
-                                  seed=seed + 1000 * step, batch_size=PROMPTS_PER_STEP * SAMPLES)
+        out = engine.generate_groups(policy, [t.prompt for t in batch], SAMPLES, MAX_NEW_TOKENS, 1.0,
+                                     seed=seed + 1000 * step, batch_size=PROMPTS_PER_STEP * SAMPLES)
         generated = time.perf_counter()
         scores = [domain.verify(batch[i // SAMPLES], s.text, None).score for i, s in enumerate(out)]
         samples = []
@@ -275,9 +271,10 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
                      ("update", started + step_s[-1] - rewarded)):
             phases[k].append(round(v, 4))
         train_s += step_s[-1]
+        cpu_s += time.process_time() - cpu_started
         done = step + 1 >= steps and (train_s >= budget_s or step + 1 == max_steps)
         if eval_due(step + 1, steps, every) or done:
-            curve.append((step + 1, round(train_s, 4), evaluate(policy)))
+            curve.append((step + 1, round(train_s, 4), evaluate(policy), round(cpu_s, 4)))
         if done:
             break
     policy.model.eval()
@@ -315,20 +312,21 @@ def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int,
         start of training), with the held-out evaluation after a step left out of it."""
 
         def __init__(self) -> None:
-            self.resumed, self.train_s = 0.0, 0.0
+            self.resumed, self.train_s, self.cpu_resumed, self.cpu_s = 0.0, 0.0, 0.0, 0.0
             self.step_s: list[float] = []
-            self.curve: list[tuple[int, float, float]] = []
+            self.curve: list[tuple[int, float, float, float]] = []  # (step, seconds, accuracy, CPU seconds)
 
         def on_train_begin(self, args, state, control, **kw):
-            self.resumed = time.perf_counter()
+            self.resumed, self.cpu_resumed = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, model=None, **kw):
             self.step_s.append(time.perf_counter() - self.resumed)
             self.train_s += self.step_s[-1]
+            self.cpu_s += time.process_time() - self.cpu_resumed
             if eval_due(state.global_step, steps, every):
                 policy.model = model if model is not None else trainer.model
-                self.curve.append((state.global_step, round(self.train_s, 4), evaluate(policy)))
-            self.resumed = time.perf_counter()
+                self.curve.append((state.global_step, round(self.train_s, 4), evaluate(policy), round(self.cpu_s, 4)))
+            self.resumed, self.cpu_resumed = time.perf_counter(), time.process_time()
 
     clock = Clock()
     out_dir = tempfile.mkdtemp(prefix="posttrain-bench-trl-")
@@ -378,6 +376,7 @@ def main() -> None:
     if args.only != "posttrain" and importlib.util.find_spec("trl") is None:
         raise SystemExit("benchmarks/trainer/bench.py needs TRL (the bench extra): pip install -e '.[bench]'")
 
+    names = [n for n in ("posttrain", "trl") if not args.only or n == args.only]
     os.environ["POSTTRAIN_TORCH_THREADS"] = str(args.threads)
     import torch
     import transformers
@@ -386,6 +385,11 @@ def main() -> None:
     from components.core.seeds import configure_torch
     from components.domains import registry
 
+    # Everything both sides use, imported once before the first run: one run, one version of the code.
+    for module in ("components.reward.advantages", "components.rollout.hf_engine", "components.trainer.grpo",
+                   "components.trainer.state", "trl", "datasets"):
+        if module not in ("trl", "datasets") or "trl" in names:
+            importlib.import_module(module)
     configure_torch()
     eval_set = registry.get("arithmetic").eval_set(args.eval_tasks, seed=12345)
     eval_ids = {t.task_id for t in eval_set}
@@ -393,7 +397,6 @@ def main() -> None:
     start_acc = greedy_accuracy(load_policy(str(folder)), eval_set)
     print(f"warm start: {sft} | held-out greedy accuracy {start_acc:.3f}", flush=True)
 
-    names = [n for n in ("posttrain", "trl") if not args.only or n == args.only]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     trl_times: dict[int, float] = {}
     for seed in range(args.seed, args.seed + args.seeds):
@@ -413,7 +416,7 @@ def main() -> None:
                 run = run_trl(folder, tasks[:args.steps * PROMPTS_PER_STEP], args.steps, args.lr, seed, args.threads,
                               evaluate, args.eval_every)
             wall = time.perf_counter() - started
-            curve = [(0, 0.0, start_acc)] + run["curve"]  # both start from the same checkpoint, evaluated once
+            curve = [(0, 0.0, start_acc, 0.0)] + run["curve"]  # both start from the same checkpoint, evaluated once
             at_steps = point_at_step(curve, args.steps)
             if name == "trl":
                 trl_times[seed] = at_steps[1]
@@ -425,7 +428,7 @@ def main() -> None:
                 "first_step_s": round(step_s[0], 4), "steps_run": len(step_s), "step_s": [round(x, 4) for x in step_s],
                 "train_reward": [round(r, 4) for r in rewards[:args.steps]],
                 "train_reward_after_steps": [round(r, 4) for r in rewards[args.steps:]],
-                "curve": [{"step": k, "train_s": t, "accuracy": a} for k, t, a in curve],
+                "curve": [{"step": k, "train_s": t, "accuracy": a, "cpu_s": c} for k, t, a, c in curve],
                 "eval_s": round(evaluate.seconds, 1), "wall_s": round(wall, 1), "phases": run.get("phases"),
                 "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]})
             print(f"seed {seed} | {name:9s} | {statistics.median(steady):.3f} s/step (median of {len(steady)}, first "
@@ -486,6 +489,17 @@ def main() -> None:
     if target <= start_acc:
         print(f"note: TRL's {args.steps}-step accuracy is not above the starting accuracy ({start_acc:.3f}), so the "
               "starting checkpoint already reaches it: the time below is trivially 0")
+    # The same on the process-CPU-time clock (evaluation excluded too): less sensitive to other load on the machine.
+    cpu_curves = {n: mean_curve([[(c["step"], c["cpu_s"], c["accuracy"]) for c in r["curve"]] for r in rs])
+                  for n, rs in runs.items()}
+    trl_cpu = point_at_step(cpu_curves["trl"], args.steps)[1]
+    reach_cpu = first_at_or_above(cpu_curves["posttrain"], target)
+    cpu_ratio = reach_cpu[1] / trl_cpu if reach_cpu else None
+    cpu_step_ratio = point_at_step(cpu_curves["posttrain"], args.steps)[1] / trl_cpu
+    print(f"on the CPU-time clock (process CPU seconds, evaluation excluded): {args.steps} steps posttrain / TRL = "
+          f"{cpu_step_ratio:.2f}x ({trl_cpu:.1f} s for TRL) | time to TRL's {args.steps}-step accuracy posttrain / TRL = "
+          + (f"{cpu_ratio:.2f}x (step {reach_cpu[0]})" if reach_cpu else
+             f">{cpu_curves['posttrain'][-1][1] / trl_cpu:.2f}x (not reached)"))
     print(f"time to TRL's {args.steps}-step accuracy: posttrain / TRL = {ratio_text} (goal <= {TIME_GOAL}) | "
           f"goal {'MET' if time_met else 'NOT met'}")
     cfg = model_config()
@@ -512,6 +526,9 @@ def main() -> None:
                                  "per_seed_ratio": [x[1] / trl_times[r["seed"]] if x else None
                                                     for x, r in zip(reach_seeds, runs["posttrain"])],
                                  "goal": f"<= {TIME_GOAL}", "goal_met": time_met},
+        "cpu_clock": {"trl_cpu_s_at_steps": trl_cpu, "steps_ratio": cpu_step_ratio, "time_to_trl_accuracy_ratio": cpu_ratio,
+                      "mean_curves": {n: [{"step": k, "cpu_s": s_, "accuracy": a} for k, s_, a in c]
+                                      for n, c in cpu_curves.items()}},
         "load_1min_range": [min(loads), max(loads)],
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
@@ -576,6 +593,11 @@ def main() -> None:
           f"against that seed's TRL time): "
           + ", ".join(f"{x[1] / trl_times[r['seed']]:.2f}x (step {x[0]})" if x else "not reached"
                       for x, r in zip(reach_seeds, runs["posttrain"])) + ".\n"
+          + f"- On the process CPU-time clock instead (the same evaluations; CPU seconds of the benchmark process, "
+          f"evaluation excluded, which other load on the machine inflates less than wall time): {args.steps} steps take "
+          f"posttrain {cpu_step_ratio:.2f}x TRL's CPU time ({trl_cpu:.1f} s for TRL), and posttrain reaches TRL's "
+          f"{args.steps}-step accuracy in " + (f"{cpu_ratio:.2f}x TRL's {args.steps}-step CPU time (step {reach_cpu[0]})"
+                                              if reach_cpu else "(not reached)") + ".\n"
           + (f"\n![held-out accuracy against training seconds](results.svg)\n" if plotted else "")
           + "\nSeed-mean curves (training seconds, held-out accuracy):\n\n"
           "| step | posttrain s | posttrain accuracy | TRL s | TRL accuracy |\n|---:|---:|---:|---:|---:|\n" + curve_rows +
