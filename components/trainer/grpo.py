@@ -17,15 +17,15 @@ set, ``micro_batch_tokens`` tokens per forward pass).
 
 Micro-batches are packed by default (``packing=True``, recipe ``trainer.packing``): the
 step's sequences are laid end to end in rows (first-fit decreasing, short sequences in
-narrower rows once the gaps beside long ones are full), position ids restart at each sequence, and the forward pass gets no
-attention mask, so each sequence attends only to itself, causally; only completion
-positions reach the output layer. No pad token enters the loss or any sequence's
+narrower rows once the gaps beside long ones are full), position ids restart at each
+sequence, and the forward pass gets no attention mask, so each sequence attends only to
+itself, causally; only completion positions reach the output layer. No pad token enters the loss or any sequence's
 attention, and the loss, clipping, KL and sample masks are the padded path's, token for
 token. ``packing=False`` keeps one right-padded row per sequence.
 
 Not covered here: PPO value functions (GRPO needs none), a separate reference model for
-the KL, and packing for attention kernels that ignore packed position ids (flash-attention
-needs its own varlen arguments; sdpa and eager are what the trainer's models use).
+the KL, and packing under attention implementations other than sdpa and eager (what the
+trainer's models load with; others are refused rather than trusted).
 """
 
 from __future__ import annotations

@@ -106,6 +106,18 @@ def test_pack_levels_fill_gaps_then_narrow_rows() -> None:
     assert pack_levels([6, 4, 1, 1, 1], max_per_row=2) == [(6, [[0], [1, 2]]), (1, [[3], [4]])]
 
 
+def test_unverified_attention_and_logit_scaling_are_refused() -> None:
+    batch = pack_batch(PAIRS, pack_rows([len(p) + len(c) for p, c in PAIRS], 11), fill_id=0)
+    policy = tiny_policy()
+    policy.model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="not 'flex_attention'.*trainer.packing: false"):
+        packed_token_logprobs(policy.model, batch)
+    policy = tiny_policy()
+    policy.model.config.logits_scaling = 4.0
+    with pytest.raises(ValueError, match="logits_scaling=4.0; set trainer.packing: false"):
+        packed_token_logprobs(policy.model, batch)
+
+
 def test_packed_micro_batches_budgets() -> None:
     def sample(n: int) -> Sample:
         return Sample([1] * (n - 1), [2], [0.0], 1.0)
