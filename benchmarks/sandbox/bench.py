@@ -160,7 +160,7 @@ def demo_mix(tasks_per_domain: int, group: int, seed: int = 7) -> list[tuple[Rol
     for name in load_recipe(DEMO_RECIPE).domains:
         domain = registry.get(name)
         tasks = [domain.draw(rng, "train", set()) for _ in range(tasks_per_domain)]
-        for n, task in enumerate(tasks):
+        for task in tasks:
             for g in range(group):
                 u = rng.random()
                 if u < 0.5:

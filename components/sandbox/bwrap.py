@@ -65,7 +65,6 @@ class BwrapExecutor(Closing):
         self.isolation = self.support.isolation + f"+mode:{self.mode}"
         if self.mode == "warm":
             from components.sandbox.pool import WarmPool
-
             from components.sandbox.session import SessionPool
 
             self._runner = WarmPool(self.support, self.python, self.limits, int(config.concurrency), self.isolation)

@@ -20,6 +20,7 @@ server and its client), network access, sessions that survive the host process.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from dataclasses import replace
@@ -60,6 +61,7 @@ class SessionPool:
         self._idle: list[Worker] = []
         self._lock = threading.Lock()
         self._closed = False
+        atexit.register(self.close)  # as WarmPool: idle workers' leases and cgroups go at exit too
 
     def take(self) -> Worker:
         with self._lock:
@@ -76,6 +78,7 @@ class SessionPool:
         worker.close()
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
