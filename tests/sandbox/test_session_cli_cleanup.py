@@ -156,3 +156,23 @@ def test_warm_executor_session_worker_carries_nothing_into_the_next_session():
     assert third.result == first.result
     assert second.extra["uid"] == first.extra["uid"] == third.extra["uid"]  # one kept worker served all three
     assert sandbox_pids_after() == []
+
+
+def test_kept_session_worker_frees_each_sessions_files():
+    """A session that fills /work and /tmp to their caps leaves nothing behind: the reset
+    detaches both tmpfs (their memory counts against the worker's cgroup), so session
+    after session on one kept worker still has the full space."""
+    from components.core.jobs import PYTHON, RESULT_FD, SessionJob
+
+    check = Job("check", {"df.py": "import os, sys\nos.write(int(sys.argv[1]), b'{\"ok\": true}')\n"},
+                [PYTHON, "-I", "-S", "df.py", RESULT_FD])
+    fill = SessionJob("fill", {}, ["set -e; for d in /work /tmp; do for i in 1 2 3 4; do "  # files of 15 MB: under RLIMIT_FSIZE
+                                   "head -c 15000000 /dev/zero > $d/big$i; done; done"], check)
+    executor = get_executor(sandbox_config(mode="warm", concurrency=1, memory_mb=256))
+    try:
+        results = [executor.run(fill) for _ in range(8)]  # 8 x 120 MB: past the worker cgroup's 512 MB if kept
+    finally:
+        executor.close()
+    assert [r.result for r in results] == [{"ok": True, "steps": [{"exit": 0, "status": "ok"}]}] * 8, \
+        [(r.status, r.result, r.stderr[-300:]) for r in results]
+    assert len({r.extra["uid"] for r in results}) == 1  # one kept worker served them all
