@@ -7,28 +7,31 @@ so short prompts never wait behind long ones and padding stays small; results co
 in the caller's order. ``HFEngine(bucket=False)`` batches in the caller's order instead.
 
 Prefix sharing (the default): ``generate_groups`` prefills each distinct prompt once and
-repeats its KV cache (``DynamicCache.batch_repeat_interleave``) for its G samples, so a
-batch holds ``batch_size // G`` prompts (at least one) times G rows. On the demo's
-prompts the G-fold prefill was about 70% of the previous path's time (cProfile).
+repeats its keys and values G times in the batch dimension, so a batch holds
+``batch_size // G`` prompts (at least one) times G rows. On the demo's prompts the G-fold
+prefill was about 70% of the previous path's time (cProfile).
 
-Decoding is a short loop over the model's forward with the HF cache rather than
-``model.generate``, for two things ``generate`` cannot do: continue from a cache that
-already holds the whole prompt (it needs at least one uncached token, so the loop takes
-the first token's logits from the prefill itself), and drop rows that stopped on EOS
-from the batch and the cache (``batch_select_indices``, once a quarter of the rows
-stopped, since each drop copies the cache), where ``generate`` computes every row until
-the last one stops. Greedy decoding (G = 1) goes through the same loop: the same forward
-passes as ``generate``, argmax of the same logits.
+Decoding is a short loop over the model's forward rather than ``model.generate``, for
+what ``generate`` cannot do: continue from a cache that already holds the whole prompt
+(it needs at least one uncached token, so the loop takes the first token's logits from
+the prefill itself), and drop rows that stopped on EOS from the batch and the cache
+(once a quarter of the rows stopped, since each drop copies the cache), where
+``generate`` computes every row until the last one stops. The cache is transformers'
+``StaticCache``, preallocated for prompt plus completion: the default ``DynamicCache``
+concatenates, i.e. copies itself, at every step (about 8% of the time on the demo's
+prompts, measured side by side; more under memory contention and for longer
+completions). Greedy decoding (G = 1) goes through the same loop: argmax of the logits
+of the forward passes ``generate`` makes, up to float rounding from the masked cache.
 
 ``HFEngine(prefix_sharing=False)`` is the previous path, kept as the baseline of
 ``benchmarks/rollout/bench.py`` and of the equivalence tests: ``model.generate`` on G
 copies of each prompt.
 
 Not covered: top-k/top-p truncation (the recorded logprobs would then need the truncated
-distribution), stop strings other than the EOS token, cache types other than
-transformers' ``DynamicCache`` (models with sliding-window or linear-attention layers),
-and sharing the prefix in memory: after the repeat each of the G rows holds its own copy
-of the prompt's keys and values, and decoding attends over each copy.
+distribution), stop strings other than the EOS token, models whose layers are not plain
+full attention (sliding-window or linear-attention layers), and sharing the prefix in
+memory: after the repeat each of the G rows holds its own copy of the prompt's keys and
+values, and decoding attends over each copy.
 """
 
 from __future__ import annotations
@@ -86,14 +89,17 @@ class HFEngine(Engine):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() sets them
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
-        if group > 1:  # the shared prefill, expanded to G rows per prompt
-            cache.batch_repeat_interleave(group)
-            logits, mask = logits.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+        logits = out.logits[:, -1].float().repeat_interleave(group, 0)
+        # The prompt's keys and values, G rows per prompt, in a cache preallocated for the whole
+        # completion (a DynamicCache would concatenate, i.e. copy itself, at every step).
+        length = width + new_tokens
+        cache = static_cache(model, [(layer.keys.repeat_interleave(group, 0), layer.values.repeat_interleave(group, 0))
+                                     for layer in out.past_key_values.layers], length)
+        mask = torch.cat([mask, mask.new_ones((len(prompts), new_tokens))], dim=1).repeat_interleave(group, 0)
         rows = logits.shape[0]
         live = torch.arange(rows)  # original row of each row still in the batch
         done = torch.zeros(rows, dtype=torch.bool)  # rows in the batch that already stopped
-        next_pos = mask.sum(-1)
+        next_pos = mask[:, :width].sum(-1)
         tokens = torch.full((rows, new_tokens), pad, dtype=torch.long)
         logps = torch.zeros((rows, new_tokens))
         lengths = torch.full((rows,), new_tokens, dtype=torch.long)  # tokens past a row's length are ignored
@@ -110,13 +116,13 @@ class HFEngine(Engine):
                     break
                 if 4 * int(done.sum()) >= len(done):  # dropping rows copies the cache: only when a quarter stopped
                     keep = (~done).nonzero().squeeze(1)
-                    cache.batch_select_indices(keep)
+                    cache = static_cache(model, [(layer.keys[keep, :, :width + step], layer.values[keep, :, :width + step])
+                                                 for layer in cache.layers], length)
                     live, tok, mask, next_pos, done = live[keep], tok[keep], mask[keep], next_pos[keep], done[keep]
             if step + 1 == new_tokens:
                 break
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             out = model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
-                        past_key_values=cache, use_cache=True)
+                        past_key_values=cache, cache_position=torch.tensor([width + step]), use_cache=True)
             logits, next_pos = out.logits[:, -1].float(), next_pos + 1
         return [(tokens[r, :n].tolist(), logps[r, :n].tolist()) for r, n in enumerate(lengths.tolist())]
 
@@ -159,6 +165,17 @@ class HFEngine(Engine):
                 if progress:
                     progress(len(idx))
         return results  # type: ignore[return-value]
+
+
+def static_cache(model, layers, max_len: int):
+    """A transformers ``StaticCache`` of ``max_len`` positions holding ``layers`` ((keys, values)
+    per layer, batch first) at its first positions."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
+    return cache
 
 
 def _generation(policy, prompt_ids: list[int], comp: list[int], logprobs: list[float]) -> Generation:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
 from components.core.policy import pad_batch, token_logprobs
+from components.rollout import hf_engine
 from components.rollout.engines import Engine, Generation
 from components.rollout.hf_engine import HFEngine
 from tests.rollout.helpers import PROMPTS
 
-TOLERANCE = 1e-5  # max abs difference of float32 logprobs (observed: < 1e-6; greedy vs the previous path: 0)
+TOLERANCE = 1e-5  # max abs difference of float32 logprobs (observed: < 1e-6, greedy vs the previous path too)
 
 
 def teacher_forced(policy, samples: list[Generation], temperature: float) -> list[list[float]]:
@@ -46,17 +46,18 @@ def test_shared_prefill_logprobs_equal_teacher_forced(policy, temperature: float
 def test_stopped_rows_dropped_from_the_cache_keep_logprobs(policy, monkeypatch) -> None:
     # At temperature 50 the random policy is near uniform over ~100 tokens: about half the
     # samples stop on EOS within the 72 tokens left, so stopped rows are dropped mid-batch.
-    drops: list[int] = []
-    select = DynamicCache.batch_select_indices
+    caches: list[int] = []  # rows of each cache built: one per batch, then one per drop
+    build = hf_engine.static_cache
 
-    def counting(self, indices):
-        drops.append(len(indices))
-        return select(self, indices)
+    def counting(model, layers, max_len):
+        caches.append(len(layers[0][0]))
+        return build(model, layers, max_len)
 
-    monkeypatch.setattr(DynamicCache, "batch_select_indices", counting)
+    monkeypatch.setattr(hf_engine, "static_cache", counting)
     samples = HFEngine().generate_groups(policy, PROMPTS, 8, max_new_tokens=200, temperature=50.0, seed=1,
                                          batch_size=64)
-    assert drops, "seed 1 stops a quarter of the rows before the cap"
+    assert caches[0] == 8 * len(PROMPTS) and len(caches) > 1, "seed 1 stops a quarter of the rows before the cap"
+    assert caches == sorted(caches, reverse=True) and caches[-1] < caches[0]
     stopped = [s for s in samples if s.finish_reason == "stop"]
     assert len(stopped) >= len(samples) // 4
     assert all(s.completion_ids[-1] == policy.eos_id and policy.eos_id not in s.completion_ids[:-1] for s in stopped)
