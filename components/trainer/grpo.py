@@ -19,9 +19,10 @@ Micro-batches are packed by default (``packing=True``, recipe ``trainer.packing`
 step's sequences are laid end to end in rows (first-fit decreasing, short sequences in
 narrower rows once the gaps beside long ones are full), position ids restart at each
 sequence, and the forward pass gets no attention mask, so each sequence attends only to
-itself, causally; only completion positions reach the output layer. No pad token enters the loss or any sequence's
-attention, and the loss, clipping, KL and sample masks are the padded path's, token for
-token. ``packing=False`` keeps one right-padded row per sequence.
+itself, causally; only completion positions reach the output layer. No pad token enters
+the loss or any sequence's attention, and the loss, clipping, KL and sample masks are
+the padded path's, token for token. ``packing=False`` keeps one right-padded row per
+sequence.
 
 Not covered here: PPO value functions (GRPO needs none), a separate reference model for
 the KL, and packing under attention implementations other than sdpa and eager (what the
