@@ -22,7 +22,7 @@ def mixed_samples(policy, n: int = 14, seed: int = 0) -> list[Sample]:
     logprobs off the policy's own by up to +-0.4 (so ratios differ from 1 and some clip)."""
     rng = random.Random(seed)
     pairs = []
-    for k in range(n):
+    for _ in range(n):
         prompt = [1] + [rng.randrange(4, 100) for _ in range(rng.choice([0, 2, 5, 12, 25, 39]))]
         pairs.append((prompt, [rng.randrange(4, 100) for _ in range(rng.randint(1, 12))]))
     ids, attn, comp = pad_batch(pairs, 0)
