@@ -38,10 +38,11 @@ curve. Reported:
 
 - equal steps: seconds per step (median, the first step of each run excluded as warm-up)
   and the accuracy after ``--steps`` steps, mean of seeds (the line ``posttrain/TRL s/step``);
-- equal wall-clock time: posttrain's accuracy at TRL's ``--steps``-step training time (the
-  last evaluation of posttrain's seed-mean curve at or before it). For this posttrain trains
-  past ``--steps`` until its clock passes 1.2x TRL's time (TRL runs first on even seeds, so
-  the budget is that seed's TRL time, else the mean of the TRL times so far);
+- equal wall-clock time: posttrain's accuracy at TRL's ``--steps``-step training time: per
+  seed, posttrain's last evaluation at or before that seed's TRL time, then the mean of the
+  seeds. For this posttrain trains past ``--steps`` until its clock passes 1.3x TRL's time
+  (TRL runs first on even seeds, so the budget is that seed's TRL time, else the longest
+  TRL time so far);
 - time to TRL's accuracy: the first evaluation, not interpolated, at which posttrain's
   seed-mean curve (at each evaluated step: the mean of the seeds' accuracies and of their
   training seconds) is at or above TRL's seed-mean accuracy after ``--steps`` steps; its
@@ -87,7 +88,7 @@ HERE = Path(__file__).resolve().parent
 PROMPTS_PER_STEP, SAMPLES = 16, 8
 MAX_NEW_TOKENS = 8
 EXTRA_STEPS = 4  # posttrain runs at most this many times --steps, to reach TRL's training time
-BUDGET_MARGIN = 1.2  # ... and stops once its clock passes this multiple of TRL's --steps time
+BUDGET_MARGIN = 1.3  # ... and stops once its clock passes this multiple of TRL's --steps time
 TIME_GOAL = 0.7  # posttrain's time to TRL's --steps accuracy, as a share of TRL's --steps time
 TIME_DEFINITION = ("the first evaluation (not interpolated) at which posttrain's seed-mean curve is at or above TRL's "
                    "seed-mean accuracy after --steps steps; its seed-mean training seconds there, divided by TRL's "
@@ -408,7 +409,7 @@ def main() -> None:
             evaluate = Evaluator(eval_set)
             load_before, started = os.getloadavg()[0], time.perf_counter()
             if name == "posttrain":
-                known = trl_times.get(seed) or (statistics.mean(trl_times.values()) if trl_times else 0.0)
+                known = trl_times.get(seed) or max(trl_times.values(), default=0.0)
                 budget = BUDGET_MARGIN * known
                 run = run_posttrain(folder, tasks, args.steps, args.lr, seed, evaluate, args.eval_every, budget,
                                     args.steps * EXTRA_STEPS)
@@ -466,20 +467,23 @@ def main() -> None:
               for n, rs in runs.items()}
     trl_time = t["train_s_at_steps_mean"]  # TRL's 30-step time (mean of seeds)
     target = t["accuracy_mean"]  # TRL's 30-step accuracy (mean of seeds)
-    eq = point_at_time(curves["posttrain"], trl_time)
     eq_seeds = [point_at_time([(c["step"], c["train_s"], c["accuracy"]) for c in r["curve"]], trl_times[r["seed"]])
                 for r in runs["posttrain"]]
     reach = first_at_or_above(curves["posttrain"], target)
     reach_trl = first_at_or_above(curves["trl"], target)  # the same rule on TRL's own curve: its noise floor
     reach_seeds = [first_at_or_above([(c["step"], c["train_s"], c["accuracy"]) for c in r["curve"]], target)
                    for r in runs["posttrain"]]
+    eq_acc = statistics.mean(x[2] for x in eq_seeds)  # each seed at its own TRL run's time: same prompts, same hour
+    short = [r["seed"] for r in runs["posttrain"] if r["curve"][-1]["train_s"] < trl_times[r["seed"]]]
+    short_text = f" (posttrain's run ended before that time for seed(s) {short}: their last evaluation)" if short else ""
     covered = curves["posttrain"][-1][1]
     time_ratio = reach[1] / trl_time if reach else None
     time_met = time_ratio is not None and time_ratio <= TIME_GOAL
     ratio_text = f"{time_ratio:.2f}x" if reach else f">{covered / trl_time:.2f}x"
     print(f"accuracy at equal wall-clock time (TRL's {args.steps}-step time, {trl_time:.1f} s of training, mean of seeds): "
-          f"posttrain {eq[2]:.3f} (its step {eq[0]}, {eq[1]:.1f} s) vs TRL {target:.3f} | difference {eq[2] - target:+.3f} "
-          f"| per seed at that seed's TRL time: {', '.join(f'{x[2]:.3f} (step {x[0]})' for x in eq_seeds)}")
+          f"posttrain {eq_acc:.3f} vs TRL {target:.3f} | difference {eq_acc - target:+.3f} | per seed, posttrain's last "
+          f"evaluation at or before that seed's TRL time: {', '.join(f'{x[2]:.3f} (step {x[0]})' for x in eq_seeds)}"
+          + short_text)
     print(f"time to TRL's {args.steps}-step accuracy ({target:.3f}), first evaluation of the seed-mean curve at or above "
           f"it, not interpolated: posttrain " + (f"step {reach[0]}, {reach[1]:.1f} s" if reach else
                                                  f"not reached in {covered:.1f} s ({curves['posttrain'][-1][0]} steps)")
@@ -500,6 +504,11 @@ def main() -> None:
           f"{cpu_step_ratio:.2f}x ({trl_cpu:.1f} s for TRL) | time to TRL's {args.steps}-step accuracy posttrain / TRL = "
           + (f"{cpu_ratio:.2f}x (step {reach_cpu[0]})" if reach_cpu else
              f">{cpu_curves['posttrain'][-1][1] / trl_cpu:.2f}x (not reached)"))
+    noise_x = ratio_noise(curves["posttrain"], trl_time, target, args.eval_tasks, len(runs["trl"]))
+    if noise_x is not None:
+        print(f"evaluation noise alone moves that ratio by about +-{noise_x:.2f}x (binomial standard error of a "
+              f"{len(runs['trl'])}-seed mean accuracy on {args.eval_tasks} tasks, in the target and in posttrain's curve, "
+              f"over the slope of posttrain's seed-mean curve)")
     print(f"time to TRL's {args.steps}-step accuracy: posttrain / TRL = {ratio_text} (goal <= {TIME_GOAL}) | "
           f"goal {'MET' if time_met else 'NOT met'}")
     cfg = model_config()
@@ -517,10 +526,10 @@ def main() -> None:
         "goal": "posttrain s/step <= TRL s/step and accuracy >= TRL accuracy", "goal_met": met,
         "mean_curves": {n: [{"step": k, "train_s": s_, "accuracy": a} for k, s_, a in c] for n, c in curves.items()},
         "trl_time_at_steps": trl_time, "trl_accuracy_at_steps": target,
-        "equal_time": {"posttrain_step": eq[0], "posttrain_train_s": eq[1], "posttrain_accuracy": eq[2],
+        "equal_time": {"posttrain_accuracy": eq_acc, "trl_accuracy": target, "runs_ended_before": short,
                        "per_seed": [{"seed": r["seed"], "trl_time": trl_times[r["seed"]], "step": x[0], "accuracy": x[2]}
                                     for x, r in zip(eq_seeds, runs["posttrain"])]},
-        "time_to_trl_accuracy": {"definition": TIME_DEFINITION, "posttrain_step": reach[0] if reach else None,
+        "time_to_trl_accuracy": {"definition": TIME_DEFINITION, "evaluation_noise_ratio": noise_x, "posttrain_step": reach[0] if reach else None,
                                  "posttrain_train_s": reach[1] if reach else None, "ratio": time_ratio,
                                  "trl_same_rule_ratio": reach_trl[1] / trl_time,
                                  "per_seed_ratio": [x[1] / trl_times[r["seed"]] if x else None
@@ -582,14 +591,17 @@ def main() -> None:
           f"and their training seconds.\n\n"
           f"- TRL's {args.steps}-step time: **{trl_time:.1f} s** of training (mean of seeds); its {args.steps}-step "
           f"accuracy: **{target:.3f}**.\n"
-          f"- posttrain's accuracy at that time (the last evaluation of its seed-mean curve at or before it): "
-          f"**{eq[2]:.3f}** (step {eq[0]}, {eq[1]:.1f} s), {eq[2] - target:+.3f} against TRL; per seed at that seed's "
-          f"TRL time: {', '.join(f'{x[2]:.3f} (step {x[0]})' for x in eq_seeds)}.\n"
+          f"- posttrain's accuracy at equal wall-clock time (per seed, its last evaluation at or before that seed's "
+          f"TRL {args.steps}-step time; mean of seeds): **{eq_acc:.3f}**, {eq_acc - target:+.3f} against TRL's "
+          f"{target:.3f}; per seed: {', '.join(f'{x[2]:.3f} (step {x[0]})' for x in eq_seeds)}{short_text}.\n"
           f"- Time to TRL's {args.steps}-step accuracy: {TIME_DEFINITION} posttrain: "
           + (f"step {reach[0]}, {reach[1]:.1f} s" if reach else f"not reached in {covered:.1f} s")
           + f", so **posttrain / TRL = {ratio_text}** (goal <= {TIME_GOAL}: {'met' if time_met else 'not met'}). "
-          f"The same rule applied to TRL's own curve gives {reach_trl[1] / trl_time:.2f}x (step {reach_trl[0]}), below "
-          f"1.00x only through evaluation noise. Per posttrain seed (first evaluation at or above the same target, "
+          + (f"Evaluation noise alone moves this ratio by about +-{noise_x:.2f}x (the binomial standard error of a "
+             f"{len(runs['trl'])}-seed mean accuracy on {args.eval_tasks} tasks, in the target and in posttrain's curve, "
+             f"over the least-squares slope of posttrain's seed-mean curve). " if noise_x is not None else "")
+          + f"The same rule applied to TRL's own curve gives {reach_trl[1] / trl_time:.2f}x (step {reach_trl[0]}); anything "
+          f"below 1.00x there is evaluation noise. Per posttrain seed (first evaluation at or above the same target, "
           f"against that seed's TRL time): "
           + ", ".join(f"{x[1] / trl_times[r['seed']]:.2f}x (step {x[0]})" if x else "not reached"
                       for x, r in zip(reach_seeds, runs["posttrain"])) + ".\n"
@@ -631,6 +643,22 @@ def first_at_or_above(curve, target: float):
     return next((c for c in curve if c[2] >= target - 1e-9), None)
 
 
+def ratio_noise(curve, trl_time: float, target: float, eval_tasks: int, seeds: int) -> float | None:
+    """About how far evaluation noise alone moves the time-to-accuracy ratio: the binomial
+    standard error of a seed-mean accuracy (in the target and in the curve: sqrt 2 of it),
+    turned into seconds by the least-squares slope of the seed-mean curve up to TRL's time."""
+    points = [(t, a) for _, t, a in curve if t <= trl_time]
+    if len(points) < 3:
+        return None
+    mt, ma = statistics.mean(t for t, _ in points), statistics.mean(a for _, a in points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    slope = sum((t - mt) * (a - ma) for t, a in points) / var if var else 0.0
+    if slope <= 0:
+        return None
+    se = (target * (1 - target) / eval_tasks / seeds) ** 0.5
+    return 2 ** 0.5 * se / slope / trl_time
+
+
 def plot_curves(runs, curves, trl_time: float, target: float, steps: int, path: Path) -> bool:
     try:
         import matplotlib
@@ -653,7 +681,7 @@ def plot_curves(runs, curves, trl_time: float, target: float, steps: int, path: 
     ax.set_title(f"GRPO on arithmetic: posttrain vs TRL (dashed: TRL's {steps}-step time, dotted: its accuracy)", fontsize=9)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, format="svg", metadata={"Date": None})
+    fig.savefig(path, format=path.suffix[1:], **({"metadata": {"Date": None}} if path.suffix == ".svg" else {}))
     plt.close(fig)
     return True
 
