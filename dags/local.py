@@ -43,6 +43,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from components.core.stages import SANDBOX_POOL
+
 DAG_ID = "post_training_iteration"
 DAGS_FOLDER = Path(__file__).resolve().parent
 PRELOAD = ("torch", "transformers:AutoModelForCausalLM", "transformers:AutoTokenizer",
@@ -52,6 +54,7 @@ PRELOAD = ("torch", "transformers:AutoModelForCausalLM", "transformers:AutoToken
 """Imported by the scheduler before its workers fork, then every stage module and the
 domains, engine and sandbox backend of ``POSTTRAIN_RECIPE``; ``module:name`` also gets
 ``name`` from it (transformers and MLflow load most of their code lazily)."""
+SANDBOX_POOL_NOTE = "caps concurrent sandbox tasks"
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
 
@@ -78,7 +81,11 @@ def airflow_env(home: Path) -> dict[str, str]:
 
 def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -> None:
     """Migrate the SQLite metadata DB (once) and size the sandbox pool. Without ``env``
-    the settings go into this process's environment (dag.test() reads them there)."""
+    the settings go into this process's environment (dag.test() reads them there) and the
+    pool is set in this process (an ``airflow pools set`` process costs seconds of
+    start-up on every ``posttrain run``); with ``env`` (another home: ``LocalAirflow``)
+    both go through the ``airflow`` CLI."""
+    in_process = env is None
     env = env if env is not None else {**os.environ, **airflow_env(home)}
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     marker = Path(env["AIRFLOW_HOME"]) / ".migrated"
@@ -86,7 +93,14 @@ def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -
     if not marker.exists():
         subprocess.run([*airflow, "db", "migrate"], env=env, check=True, capture_output=True)
         marker.write_text("ok\n")
-    subprocess.run([*airflow, "pools", "set", "posttrain_sandbox", str(sandbox_slots), "caps concurrent sandbox tasks"],
+    if in_process:
+        from airflow.models.pool import Pool
+
+        current = Pool.get_pool(SANDBOX_POOL)
+        if current is None or current.slots != sandbox_slots:
+            Pool.create_or_update_pool(SANDBOX_POOL, sandbox_slots, SANDBOX_POOL_NOTE, include_deferred=False)
+        return
+    subprocess.run([*airflow, "pools", "set", SANDBOX_POOL, str(sandbox_slots), SANDBOX_POOL_NOTE],
                    env=env, check=True, capture_output=True)
 
 
