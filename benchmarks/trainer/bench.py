@@ -40,9 +40,9 @@ curve. Reported:
   and the accuracy after ``--steps`` steps, mean of seeds (the line ``posttrain/TRL s/step``);
 - equal wall-clock time: posttrain's accuracy at TRL's ``--steps``-step training time: per
   seed, posttrain's last evaluation at or before that seed's TRL time, then the mean of the
-  seeds. For this posttrain trains past ``--steps`` until its clock passes 1.3x TRL's time
-  (TRL runs first on even seeds, so the budget is that seed's TRL time, else the longest
-  TRL time so far);
+  seeds. For this posttrain trains past ``--steps`` until its clock passes 1.3x that seed's
+  TRL time (TRL runs first on even seeds) or, where posttrain runs first, 2x the longest
+  TRL time so far (the machine's load swings);
 - time to TRL's accuracy: the first evaluation, not interpolated, at which posttrain's
   seed-mean curve (at each evaluated step: the mean of the seeds' accuracies and of their
   training seconds) is at or above TRL's seed-mean accuracy after ``--steps`` steps; its
@@ -409,8 +409,9 @@ def main() -> None:
             evaluate = Evaluator(eval_set)
             load_before, started = os.getloadavg()[0], time.perf_counter()
             if name == "posttrain":
-                known = trl_times.get(seed) or max(trl_times.values(), default=0.0)
-                budget = BUDGET_MARGIN * known
+                # This seed's TRL time when TRL went first; else twice the longest so far (load swings).
+                budget = (BUDGET_MARGIN * trl_times[seed] if seed in trl_times
+                          else 2 * max(trl_times.values(), default=0.0))
                 run = run_posttrain(folder, tasks, args.steps, args.lr, seed, evaluate, args.eval_every, budget,
                                     args.steps * EXTRA_STEPS)
             else:
@@ -586,7 +587,8 @@ def main() -> None:
           f"Held-out accuracy is evaluated every {args.eval_every} steps along each run (greedy, all {args.eval_tasks} "
           "tasks, nothing cached, RNG states restored afterwards) and the evaluation time is left out of the training "
           "clock; the clock counts generation, reward and update of every step, the first included. posttrain keeps "
-          f"training past step {args.steps} until its clock passes {BUDGET_MARGIN}x TRL's {args.steps}-step time (at most "
+          f"training past step {args.steps} until its clock passes {BUDGET_MARGIN}x that seed's TRL {args.steps}-step time "
+          f"(where posttrain runs first: 2x the longest TRL time so far; at most "
           f"{EXTRA_STEPS * args.steps} steps). The seed-mean curve averages, at each evaluated step, the seeds' accuracies "
           f"and their training seconds.\n\n"
           f"- TRL's {args.steps}-step time: **{trl_time:.1f} s** of training (mean of seeds); its {args.steps}-step "
