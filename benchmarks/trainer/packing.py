@@ -30,6 +30,7 @@ import argparse
 import copy
 import datetime as dt
 import json
+import os
 import platform
 import random
 import statistics
@@ -149,6 +150,7 @@ def main() -> None:
 
     # Per repeat, both paths train from the same start on the same batches, one step of
     # each in turn (which goes first alternates), so both see the same machine load.
+    load_before = os.getloadavg()[0]
     rates: dict[str, list[float]] = {"packed": [], "padded": []}
     cpu_rates: dict[str, list[float]] = {"packed": [], "padded": []}
     for r in range(repeats):
@@ -169,6 +171,7 @@ def main() -> None:
               f"padded {rates['padded'][-1]:.0f} tokens/s (per CPU second: {cpu_rates['packed'][-1]:.0f} vs "
               f"{cpu_rates['padded'][-1]:.0f})", flush=True)
 
+    load = (round(load_before, 2), round(os.getloadavg()[0], 2))  # 1-minute load average before and after
     best = {m: max(v) for m, v in rates.items()}
     median = {m: statistics.median(v) for m, v in rates.items()}
     ratio_median, ratio_best = median["packed"] / median["padded"], best["packed"] / best["padded"]
@@ -179,6 +182,7 @@ def main() -> None:
     if not args.quick:
         results = {
             "date": dt.date.today().isoformat(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpus": os.cpu_count(), "load_average_before_after": load,
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(), "repeats": repeats, "steps_per_repeat": steps,
             "model": "hidden 128, 4 layers, 4 heads, intermediate 384", "domains": DOMAINS,
@@ -198,7 +202,9 @@ def main() -> None:
             f"{results['torch']} on {results['torch_threads']} thread, transformers {results['transformers']}. "
             f"Demo shapes: {results['model']}; {PROMPTS_PER_STEP} groups x {GROUP} completions (up to "
             f"{MAX_NEW_TOKENS} tokens) of {', '.join(DOMAINS)} tasks per step; micro_batch_size {MICRO_BATCH}. "
-            f"{repeats} interleaved repeats of {steps} optimizer steps per path.\n\n"
+            f"{repeats} interleaved repeats of {steps} optimizer steps per path, on {results['cpus']} CPUs with a "
+            f"1-minute load average of {load[0]} before and {load[1]} after (other work shared the machine: wall-clock "
+            f"rates swing with it, the rates per CPU second much less).\n\n"
             f"Tokens per step: {shapes['real_tokens_per_step']} real, {shapes['padded_tokens_per_step']} in the "
             f"padded layout, {shapes['packed_tokens_per_step']} in the packed one.\n\n"
             f"| path | best tokens/s | median tokens/s |\n|---|---:|---:|\n"
