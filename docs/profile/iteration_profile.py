@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 import yaml
 
@@ -98,20 +99,51 @@ def function_name(title: str) -> str:
     return re.sub(r":\d+\)$", ")", title)
 
 
-def top_functions(frames: list[Frame]) -> tuple[int, Counter, Counter]:
-    """Total samples, own samples per function and total samples per function (each stack counted once)."""
-    total = sum(f.w for f in frames if f.parent is None)
-    own, inclusive = Counter(), Counter()
+def process_of(frames: list[Frame]) -> dict[int, Frame]:
+    """Each frame's process: its nearest ``process <pid>:...`` frame, itself included (by ``id``)."""
+    owner: dict[int, Frame] = {}
+    for f in frames:  # sorted by level: a parent's owner is known first
+        if f.title.startswith("process "):
+            owner[id(f)] = f
+        elif f.parent is not None and id(f.parent) in owner:
+            owner[id(f)] = owner[id(f.parent)]
+    return owner
+
+
+def command_line(frame: Frame) -> str:
+    return re.sub(r"^process \d+:", "", frame.title).strip('"')
+
+
+def top_functions(frames: list[Frame]) -> tuple[int, Counter, Counter, Counter]:
+    """For the profiled (outermost) process alone: its samples, own samples per function and total
+    samples per function (each stack counted once); and samples per child command line.
+
+    Child processes are kept apart: py-spy cannot tell that a sandbox zygote blocked in a read is
+    idle (it runs in another PID namespace), so their samples measure their lifetime, not CPU."""
+    owner = process_of(frames)
+    roots = [f for f in frames if f.title.startswith("process ") and f.level == 1]
+    main = max(roots, key=lambda f: f.w)
+    own, inclusive, children = Counter(), Counter(), Counter()
+    total = 0
     for f in frames:
+        proc = owner.get(id(f))
+        if proc is None:
+            continue
+        if proc is not main:
+            children[re.sub(r" \d+ /sandbox/", " N /sandbox/", command_line(proc))[:100]] += f.self_w
+            continue
+        total += f.self_w
+        if f is main:
+            continue
         name = function_name(f.title)
         own[name] += f.self_w
         ancestors, p = set(), f.parent
-        while p is not None:
+        while p is not None and p is not main:
             ancestors.add(function_name(p.title))
             p = p.parent
         if name not in ancestors:
-            inclusive[name] += f.w
-    return total, own, inclusive
+            inclusive[name] += f.w - sum(c.w for c in frames if c.parent is f and c.title.startswith("process "))
+    return total, own, inclusive, children
 
 
 def stage_seconds(run_root: Path, pipeline: str) -> dict[str, float]:
@@ -123,7 +155,7 @@ def stage_seconds(run_root: Path, pipeline: str) -> dict[str, float]:
 
 
 def summary(meta: dict, stages: dict[str, float], svg: str) -> str:
-    total, own, inclusive = top_functions(frames_of(svg))
+    total, own, inclusive, children = top_functions(frames_of(svg))
     wall = meta["wall_s"]
     lines = [f"# Where one demo iteration's time goes ({meta['date']}, {meta['machine']})", "",
              f"`make profile` (`python docs/profile/iteration_profile.py`): `{meta['recipe']}` bootstrapped with {meta['sft_steps']} SFT "
@@ -138,21 +170,23 @@ def summary(meta: dict, stages: dict[str, float], svg: str) -> str:
     outside = wall - sum(stages.values())
     lines += [f"| outside stages (interpreter start, imports, Airflow DB set-up, task glue) | {outside:.2f} | {outside / wall:.1%} |",
               f"| **process wall time** | **{wall:.2f}** | 100% |", "",
-              f"## Top functions by own samples ({total} samples in all, running threads of every sampled process)", "",
+              f"## Top functions of the `posttrain run` process by own samples ({total} samples at {meta['rate']}/s "
+              "on its running threads; its child processes are apart, below)", "",
               "| function (file) | own samples | share |", "|---|---:|---:|"]
     lines += [f"| `{name}` | {n} | {n / total:.1%} |" for name, n in own.most_common(TOP)]
-    processes = Counter()
-    for f in frames_of(svg):
-        if f.level == 1:
-            processes[re.sub(r"^process \d+:", "", f.title).strip('"')[:120]] += f.w
-    lines += ["", "## Sampled processes (pid dropped, same command line merged)", "",
-              "| command line | samples | share |", "|---|---:|---:|"]
-    lines += [f"| `{cmd}` | {n} | {n / total:.1%} |" for cmd, n in processes.most_common(8)]
+    lines += ["", "## Child processes (py-spy cannot tell a sandbox zygote blocked in a read from a running one: "
+              "these samples measure how long they lived, not CPU)", "",
+              "| command line (pids and fds dropped, same ones merged) | samples |", "|---|---:|"]
+    lines += [f"| `{cmd}` | {n} |" for cmd, n in children.most_common(6)]
     project = [(name, n) for name, n in inclusive.most_common()
                if re.search(r"\((components|dags)/", name)][:TOP]
-    lines += ["", "## Top project functions by total samples (own + callees)", "",
+    lines += ["", "## Top project functions of the `posttrain run` process by total samples (own + callees)", "",
               "| function (file) | samples | share |", "|---|---:|---:|"]
     lines += [f"| `{name}` | {n} | {n / total:.1%} |" for name, n in project]
+    imports, policy = inclusive["_find_and_load (<frozen importlib._bootstrap>)"], inclusive["load_policy (components/core/policy.py)"]
+    lines += ["", f"Imports (`_find_and_load`, with callees) take {imports} samples ({imports / total:.1%}) of the process, "
+              f"policy loading (`load_policy`, imports inside it included) {policy} ({policy / total:.1%}). A stage that waits "
+              "on its sandbox processes spends wall time with few samples here: compare with the stage shares above."]
     return "\n".join(lines) + "\n"
 
 
@@ -190,6 +224,7 @@ def main() -> None:
         wall = run([py_spy, "record", "--subprocesses", "--format", "flamegraph", "--rate", str(args.rate),
                     "--output", str(svg_path), "--", *cli, "run", *store, "--iterations", "1"], env)
         svg = svg_path.read_text()
+        ElementTree.fromstring(svg)  # a well-formed SVG, or this raises before anything is written
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                                text=True).stdout.splitlines()
         meta = {"recipe": str(Path(args.recipe).resolve().relative_to(REPO)), "sft_steps": args.sft_steps, "rate": args.rate,
