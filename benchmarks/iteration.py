@@ -57,6 +57,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -275,7 +276,8 @@ def resolve_commit(ref: str) -> str:
 
 @contextmanager
 def worktree(sha: str, parent: Path) -> Iterator[Path]:
-    """A detached ``git worktree`` of ``sha`` under ``parent``, removed afterwards, also on failure."""
+    """A detached ``git worktree`` of ``sha`` under ``parent``, removed afterwards, also on failure or
+    SIGTERM; after a SIGKILL, ``git worktree prune`` drops the stale entry once the folder is gone."""
     path = parent / f"baseline-{sha[:9]}"
     proc = git("worktree", "add", "--detach", "--quiet", str(path), sha)
     if proc.returncode != 0:
@@ -355,6 +357,7 @@ def compare_baseline(ref: str, recipe_rel: Path, sft_steps: int, repeats: int) -
     Not covered: a baseline whose CLI lacks ``stage bootstrap`` / ``run --iterations`` or whose
     dependencies differ from this venv's (it runs with this venv's packages)."""
     sha = resolve_commit(ref)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped by SIGTERM; the baseline worktree is removed"))
     head = git("rev-parse", "HEAD").stdout.strip()
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").stdout.splitlines() if line]
     work = Path(tempfile.mkdtemp(prefix="posttrain-baseline-"))
