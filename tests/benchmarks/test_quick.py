@@ -93,7 +93,11 @@ def test_iteration_baseline(tmp_path):
     baseline = "9cebcb7"
     if subprocess.run(["git", "cat-file", "-e", f"{baseline}^{{commit}}"], cwd=REPO).returncode != 0:
         pytest.skip(f"commit {baseline} is not in this clone (shallow?): git fetch --unshallow")
-    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    def worktrees() -> set[str]:  # paths only: HEAD moves while other commits land
+        listing = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+        return {line for line in listing.splitlines() if line.startswith("worktree ")}
+
+    before = worktrees()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
     env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "benchmarks/iteration.py", "--baseline", baseline, "--quick"], cwd=REPO, env=env,
@@ -101,7 +105,7 @@ def test_iteration_baseline(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"iteration.py --baseline {baseline} --quick exited {proc.returncode}:\n{output[-4000:]}"
     assert re.fullmatch(r"iteration vs baseline: \d+\.\d+x", proc.stdout.strip().splitlines()[-1]), output[-4000:]
-    assert subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout == worktrees
+    assert worktrees() == before, "the baseline's git worktree was not removed"
 
 
 @pytest.mark.slow
