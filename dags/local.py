@@ -82,7 +82,7 @@ def airflow_env(home: Path) -> dict[str, str]:
 def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -> None:
     """Migrate the SQLite metadata DB (once) and size the sandbox pool. Without ``env``
     the settings go into this process's environment (dag.test() reads them there) and the
-    pool is set in this process (an ``airflow pools set`` process costs seconds of
+    migration and pool run in this process (an ``airflow`` CLI process costs seconds of
     start-up on every ``posttrain run``); with ``env`` (another home: ``LocalAirflow``)
     both go through the ``airflow`` CLI."""
     in_process = env is None
@@ -91,7 +91,12 @@ def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -
     marker = Path(env["AIRFLOW_HOME"]) / ".migrated"
     airflow = [sys.executable, "-m", "airflow"]
     if not marker.exists():
-        subprocess.run([*airflow, "db", "migrate"], env=env, check=True, capture_output=True)
+        if in_process:
+            from airflow.utils import db
+
+            db.upgradedb()  # what `airflow db migrate` runs, without a second interpreter's start-up
+        else:
+            subprocess.run([*airflow, "db", "migrate"], env=env, check=True, capture_output=True)
         marker.write_text("ok\n")
     if in_process:
         from airflow.models.pool import Pool
