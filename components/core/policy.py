@@ -327,19 +327,21 @@ def packed_token_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -
 
     The forward pass gets ``position_ids`` and no attention mask, so transformers builds
     the block-diagonal causal mask from the restarting positions (sdpa and eager
-    attention; any other implementation is a ValueError). Only the scored positions go
+    attention; any other implementation is a UserError naming trainer.packing). Only the scored positions go
     through the output layer, so a model whose config changes logits after it
-    (soft-capping, logit scaling) is a ValueError too: those are not covered."""
+    (soft-capping, logit scaling) is a UserError too: those are not covered."""
     import torch
 
     attention = getattr(model.config, "_attn_implementation", None)
     if attention not in PACKED_ATTENTION:
-        raise ValueError(f"packed scoring is verified for attention {PACKED_ATTENTION}, not {attention!r}; load the "
-                         "model with attn_implementation='sdpa' or set trainer.packing: false")
+        raise UserError("trainer.packing", True, f"packed scoring is verified for attention {PACKED_ATTENTION}, "
+                        f"not the model's {attention!r}", "load the model with attn_implementation='sdpa' or set "
+                        "trainer.packing: false")
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):  # applied after the output layer
         if getattr(model.config, key, None) not in (None, 1, 1.0):
-            raise ValueError(f"packed scoring applies only the output embedding, but the model's config sets {key}="
-                             f"{getattr(model.config, key)!r}; set trainer.packing: false for this model")
+            raise UserError("trainer.packing", True, f"packed scoring applies only the output embedding, but the "
+                            f"model's config sets {key}={getattr(model.config, key)!r}",
+                            "set trainer.packing: false for this model")
     # use_cache=False: with a cache, transformers ignores packed position ids and masks causally across sequences
     hidden = model.get_decoder()(input_ids=batch.ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets)

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from components.core.errors import UserError
 from components.core.policy import pack_batch, pack_levels, pack_rows, packed_token_logprobs, pad_batch, token_logprobs
 from components.core.recipe import TrainerConfig
 from components.trainer.grpo import AGGREGATIONS, Sample, grpo_step, packed_micro_batches
@@ -110,11 +111,11 @@ def test_unverified_attention_and_logit_scaling_are_refused() -> None:
     batch = pack_batch(PAIRS, pack_rows([len(p) + len(c) for p, c in PAIRS], 11), fill_id=0)
     policy = tiny_policy()
     policy.model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="not 'flex_attention'.*trainer.packing: false"):
+    with pytest.raises(UserError, match=r"^trainer\.packing='True': .*not the model's 'flex_attention'.*fix: .*trainer\.packing: false"):
         packed_token_logprobs(policy.model, batch)
     policy = tiny_policy()
     policy.model.config.logits_scaling = 4.0
-    with pytest.raises(ValueError, match="logits_scaling=4.0; set trainer.packing: false"):
+    with pytest.raises(UserError, match="logits_scaling=4.0; fix: set trainer.packing: false"):
         packed_token_logprobs(policy.model, batch)
 
 
