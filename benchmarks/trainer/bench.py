@@ -622,7 +622,7 @@ def main() -> None:
           f"posttrain {cpu_step_ratio:.2f}x TRL's CPU time ({trl_cpu:.1f} s for TRL), and posttrain reaches TRL's "
           f"{args.steps}-step accuracy in " + (f"{cpu_ratio:.2f}x TRL's {args.steps}-step CPU time (step {reach_cpu[0]})"
                                               if reach_cpu else "(not reached)") + ".\n"
-          + (f"\n![held-out accuracy against training seconds](results.svg)\n" if plotted else "")
+          + ("\n![held-out accuracy against training seconds](results.svg)\n" if plotted else "")
           + "\nSeed-mean curves (training seconds, held-out accuracy):\n\n"
           "| step | posttrain s | posttrain accuracy | TRL s | TRL accuracy |\n|---:|---:|---:|---:|---:|\n" + curve_rows +
           "\nPer run:\n\n| trainer | seed | s/step (median) | first step s | accuracy after "
