@@ -112,6 +112,9 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(24, ge=1, le=BIG, description="completion length cap")
     temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature")
     batch_size: int = Field(256, ge=1, le=BIG, description="sequences per generation batch")
+    workers: int = Field(1, ge=1, le=64, description="processes that sample generation batches side by side (hf engine, "
+                         "forked, one torch thread each; the same samples as one), in rollout and the eval suite: the "
+                         "cores a shard has to itself")
 
 
 class SandboxConfig(_Section):

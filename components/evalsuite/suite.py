@@ -24,7 +24,7 @@ from components.domains import registry
 from components.domains.base import judge
 from components.domains.execute import execute
 from components.evalsuite.stats import pass_at_k
-from components.rollout.engines import get_engine
+from components.rollout.engines import Engine, get_engine
 from components.sandbox.executor import Executor
 
 
@@ -44,8 +44,15 @@ def context_bucket(tokens: int) -> str:
     return ">8192"
 
 
+def engine_of(recipe: Recipe) -> Engine:
+    """The recipe's generation engine, with ``rollout.workers`` processes."""
+    engine = get_engine(recipe.rollout.engine)
+    engine.workers = recipe.rollout.workers
+    return engine
+
+
 def run_suite(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, label: str = "eval") -> list[EvalResult]:
-    samples = get_engine(recipe.rollout.engine).generate(
+    samples = engine_of(recipe).generate(
         policy, [t.prompt for t in tasks], recipe.evaluation.max_new_tokens, 1.0, 0, recipe.rollout.batch_size, greedy=True,
     )
     results = execute([(t.task_id, t, s.text) for t, s in zip(tasks, samples)], executor, recipe.sandbox.concurrency, label)
@@ -73,7 +80,7 @@ def sampled_pass_at_k(policy: Policy, tasks: list[Task], recipe: Recipe, executo
     """Per domain, the mean unbiased pass@k over ``tasks`` from ``k`` completions per task
     sampled at ``temperature`` (reproducible from ``seed``)."""
     prompts = [t.prompt for t in tasks for _ in range(k)]
-    samples = get_engine(recipe.rollout.engine).generate(
+    samples = engine_of(recipe).generate(
         policy, prompts, recipe.evaluation.max_new_tokens, temperature, seed, recipe.rollout.batch_size,
     )
     jobs = [(f"{t.task_id}#{j}", t, samples[i * k + j].text) for i, t in enumerate(tasks) for j in range(k)]

@@ -57,6 +57,7 @@ def get_engine(name: str) -> Engine:
 
 class Engine(ABC):
     name: str
+    workers: int = 1  # processes sampling side by side (``rollout.workers``); engines that sample elsewhere ignore it
 
     @abstractmethod
     def generate(self, policy: Policy, prompts: list[str], max_new_tokens: int, temperature: float, seed: int,

@@ -23,6 +23,12 @@ prompts, measured side by side; more under memory contention and for longer
 completions). Greedy decoding (G = 1) goes through the same loop: argmax of the logits
 of the forward passes ``generate`` makes, up to float rounding from the masked cache.
 
+``workers`` > 1 (``rollout.workers``) spreads the batches over that many processes
+(``forked.forked_map``): each batch is seeded by its index, so the samples are the
+same as with one process; only the wall time changes. Only with one torch thread
+(``POSTTRAIN_TORCH_THREADS=1``, the default): a fork of a multi-threaded OpenMP pool can
+hang, so with more threads the batches stay in this process.
+
 ``HFEngine(prefix_sharing=False)`` is the previous path, kept as the baseline of
 ``benchmarks/rollout/bench.py`` and of the equivalence tests: ``model.generate`` on G
 copies of each prompt.
@@ -37,14 +43,16 @@ values, and decoding attends over each copy.
 from __future__ import annotations
 
 from components.rollout.engines import Engine, Generation
+from components.rollout.forked import forked_map
 
 
 class HFEngine(Engine):
     name = "hf"
 
-    def __init__(self, bucket: bool = True, prefix_sharing: bool = True) -> None:
+    def __init__(self, bucket: bool = True, prefix_sharing: bool = True, workers: int = 1) -> None:
         self.bucket = bucket  # batch prompts by token length (True) or in the caller's order
         self.prefix_sharing = prefix_sharing  # one prefill per prompt + lean loop (True) or model.generate on copies
+        self.workers = workers  # processes sampling batches side by side (prefix-shared path; forked_map)
 
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
         if self.prefix_sharing:
@@ -62,19 +70,26 @@ class HFEngine(Engine):
         order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), i)) if self.bucket else list(range(len(prompts)))
         per_batch = max(1, batch_size // group_size)  # prompts per batch; a group is never split
         limit = getattr(policy.model.config, "max_position_embeddings", 10**9)
-        results: list[Generation | None] = [None] * (len(prompts) * group_size)
-        with torch.inference_mode():
-            for b, start in enumerate(range(0, len(order), per_batch)):
-                idx = order[start:start + per_batch]
-                width = max(len(encoded[i]) for i in idx)
-                torch.manual_seed(seed + b)
-                rows = self._sample(policy, [encoded[i] for i in idx], group_size,
+        batches = [order[start:start + per_batch] for start in range(0, len(order), per_batch)]
+
+        def sample_batch(b: int) -> list[tuple[list[int], list[float]]]:
+            idx = batches[b]
+            width = max(len(encoded[i]) for i in idx)
+            torch.manual_seed(seed + b)  # a batch's samples depend on its index, not on the process that runs it
+            with torch.inference_mode():
+                return self._sample(policy, [encoded[i] for i in idx], group_size,
                                     max(1, min(max_new_tokens, limit - width)), temperature, greedy)
-                for k, (comp, logprobs) in enumerate(rows):
-                    i, g = idx[k // group_size], k % group_size
-                    results[i * group_size + g] = _generation(policy, encoded[i], comp, logprobs)
-                if progress:
-                    progress(len(rows))
+
+        # A forked child of a process whose OpenMP pool has more than one thread can hang in
+        # its first parallel region: spread batches only when torch runs one thread (the default).
+        workers = self.workers if torch.get_num_threads() == 1 else 1
+        sampled = forked_map(sample_batch, len(batches), workers,
+                             done=(lambda b: progress(len(batches[b]) * group_size)) if progress else None)
+        results: list[Generation | None] = [None] * (len(prompts) * group_size)
+        for idx, rows in zip(batches, sampled, strict=True):
+            for k, (comp, logprobs) in enumerate(rows):
+                i, g = idx[k // group_size], k % group_size
+                results[i * group_size + g] = _generation(policy, encoded[i], comp, logprobs)
         return results  # type: ignore[return-value]
 
     @staticmethod

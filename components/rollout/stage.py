@@ -34,6 +34,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     tasks = shard_tasks(ctx)
     policy = load_policy(start.policy_uri, start.policy_version)
     engine = get_engine(cfg.engine)
+    engine.workers = cfg.workers
     with bar(f"rollout[{ctx.shard}]", len(tasks) * cfg.group_size) as advance:
         samples = engine.generate_groups(policy, [t.prompt for t in tasks], cfg.group_size, cfg.max_new_tokens,
                                          cfg.temperature, ctx.seed(), cfg.batch_size, progress=advance)
