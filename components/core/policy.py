@@ -233,15 +233,21 @@ def pack_rows(lengths: list[int], width: int, max_per_row: int = 0) -> list[list
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
-        for r, room in enumerate(free):
-            if lengths[i] <= room and (not max_per_row or len(rows[r]) < max_per_row):
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
-        else:
+        if not _fit(i, lengths[i], rows, free, max_per_row):
             rows.append([i])
             free.append(width - lengths[i])
     return rows
+
+
+def _fit(i: int, length: int, rows: list[list[int]], free: list[int], max_per_row: int) -> bool:
+    """Put sequence ``i`` into the first row with room (``free``: tokens left per row; at
+    most ``max_per_row`` sequences per row when > 0); False when none has room."""
+    for r, room in enumerate(free):
+        if length <= room and (not max_per_row or len(rows[r]) < max_per_row):
+            rows[r].append(i)
+            free[r] -= length
+            return True
+    return False
 
 
 def pack_levels(lengths: list[int], max_per_row: int = 0) -> list[tuple[int, list[list[int]]]]:
@@ -261,17 +267,13 @@ def pack_levels(lengths: list[int], max_per_row: int = 0) -> list[tuple[int, lis
         free: list[int] = []
         later: list[int] = []
         for i in waiting:
-            for r, room in enumerate(free):
-                if lengths[i] <= room and (not max_per_row or len(rows[r]) < max_per_row):
-                    rows[r].append(i)
-                    free[r] -= lengths[i]
-                    break
+            if _fit(i, lengths[i], rows, free, max_per_row):
+                continue
+            if 2 * lengths[i] > width or not later and not rows:
+                rows.append([i])
+                free.append(width - lengths[i])
             else:
-                if 2 * lengths[i] > width or not later and not rows:
-                    rows.append([i])
-                    free.append(width - lengths[i])
-                else:
-                    later.append(i)
+                later.append(i)
         levels.append((width, rows))
         waiting = later
     return levels

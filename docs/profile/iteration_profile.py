@@ -37,7 +37,10 @@ from xml.etree import ElementTree
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ["taskgen", "rollout", "sandbox", "reward", "validation", "trainer", "evaluation"]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.iteration import STAGES, stage_seconds  # noqa: E402  (stage seconds from the manifests, as the benchmark reads them)
+
 FRAME = re.compile(r'<g><title>(?P<title>.*?) \((?P<n>[\d,]+) samples?, [\d.]+%\)</title><rect [^>]*?y="(?P<y>[\d.]+)"'
                    r'[^>]*?fg:x="(?P<x>\d+)" fg:w="(?P<w>\d+)"')
 TOP = 15
@@ -144,14 +147,6 @@ def top_functions(frames: list[Frame]) -> tuple[int, Counter, Counter, Counter]:
         if name not in ancestors:
             inclusive[name] += f.w - sum(c.w for c in frames if c.parent is f and c.title.startswith("process "))
     return total, own, inclusive, children
-
-
-def stage_seconds(run_root: Path, pipeline: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for stage in STAGES:
-        for m in (run_root / pipeline / "iter-000001" / stage).rglob("_MANIFEST.json"):
-            out[stage] = out.get(stage, 0.0) + json.loads(m.read_text())["timings"]["duration_s"]
-    return out
 
 
 def summary(meta: dict, stages: dict[str, float], svg: str) -> str:
