@@ -42,6 +42,7 @@ values, and decoding attends over each copy.
 
 from __future__ import annotations
 
+from components.core.progress import say
 from components.rollout.engines import Engine, Generation
 from components.rollout.forked import forked_map
 
@@ -83,6 +84,9 @@ class HFEngine(Engine):
         # A forked child of a process whose OpenMP pool has more than one thread can hang in
         # its first parallel region: spread batches only when torch runs one thread (the default).
         workers = self.workers if torch.get_num_threads() == 1 else 1
+        if workers < self.workers:
+            say(f"rollout.workers={self.workers} ignored: torch runs {torch.get_num_threads()} threads "
+                "(POSTTRAIN_TORCH_THREADS); forked sampling needs 1, so batches stay in this process")
         sampled = forked_map(sample_batch, len(batches), workers,
                              done=(lambda b: progress(len(batches[b]) * group_size)) if progress else None)
         results: list[Generation | None] = [None] * (len(prompts) * group_size)
