@@ -94,6 +94,15 @@ class TaskgenConfig(_Section):
         default_factory=list, max_length=1000, description="weights by iteration: the first step whose 'until' >= k applies to "
                                           "iteration k; after the last step, domain_weights")
     task_file: str = Field("", max_length=4096, description="Parquet/JSONL/JSON task file (path or URI) to sample from instead of generating")
+    oversample: float = Field(1.0, ge=1.0, le=16.0, description="draw this many times tasks_per_iteration tasks: the surplus "
+                                                                 "dynamic sampling (trainer.dynamic_sampling) refills from")
+    adaptive_difficulty: bool = Field(False, description="within each domain, sample difficulty pools by weights that follow "
+                                                         "each pool's recent pass rate (persisted across iterations), so tasks "
+                                                         "stay near the edge of competence; false: the domain's own mix")
+    difficulty_memory: float = Field(0.5, ge=0.0, lt=1.0, description="adaptive_difficulty: share of a pool's earlier pass "
+                                                                       "rate kept when the latest iteration's is blended in")
+    difficulty_floor: float = Field(0.05, gt=0.0, le=1.0, description="adaptive_difficulty: least sampling weight of any pool, "
+                                                                       "so a solved or hopeless pool is still visited")
 
     def weights_for(self, iteration: int, domains: list[str]) -> dict[str, float]:
         """Each domain's weight at ``iteration``: the curriculum step that covers it (unlisted
@@ -112,6 +121,9 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(24, ge=1, le=BIG, description="completion length cap")
     temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature")
     batch_size: int = Field(256, ge=1, le=BIG, description="sequences per generation batch")
+    max_turns: int = Field(4, ge=1, le=64, description="most actions of one multi-turn episode (a task may declare fewer)")
+    observation_chars: int = Field(256, ge=16, le=1 << 20, description="characters of a command's output an episode's "
+                                                                       "policy sees per turn (the rest is cut)")
     workers: int = Field(1, ge=1, le=64, description="processes that sample generation batches side by side (hf engine, "
                          "forked, one torch thread each; the same samples as one), in rollout and the eval suite: the "
                          "cores a shard has to itself")
@@ -135,6 +147,11 @@ class RewardConfig(_Section):
     normalize: Literal["none", "domain_zscore"] = Field("none", description="per-domain normalisation")
     advantage_eps: float = Field(1e-6, gt=0, description="added to the group std")
     scale_by_std: bool = Field(True, description="divide advantages by the group std (GRPO) or only centre them")
+    domain_weights: dict[str, float] = Field(default_factory=dict, description="loss weight per domain (unlisted: 1): "
+                                             "multiplies each sample's advantage after group scaling, so it acts on the "
+                                             "update, not only on sampling")
+    control: Literal["none", "shuffled"] = Field("none", description="shuffled: permute raw rewards within each domain "
+                                                                      "before advantages (a control run that must not learn)")
 
 
 class ValidationConfig(_Section):
@@ -162,6 +179,10 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0, le=10 * BIG, description="optimizer steps of linear warmup from 0 (counted across iterations)")
     decay_steps: int = Field(1000, ge=1, le=10 * BIG, description="steps (across iterations) over which linear/cosine decay to min_lr_ratio")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed learning rate, as a share of learning_rate")
+    dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and fill every step with "
+                                                       "exactly prompts_per_step informative groups (DAPO), refilling from "
+                                                       "taskgen.oversample's surplus; false: every group with signal, last "
+                                                       "step partial")
     carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting checkpoint")
 
 
@@ -297,6 +318,10 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         DOMAINS.check(name, f"{source}: domains[{i}]")
     ENGINES.check(recipe.rollout.engine, f"{source}: rollout.engine")
     BACKENDS.check(recipe.sandbox.backend, f"{source}: sandbox.backend")
+    _weights(recipe.reward.domain_weights, f"{source}: reward.domain_weights")
+    for name in recipe.reward.domain_weights:
+        if name not in recipe.domains:
+            raise UserError(f"{source}: reward.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
     for name in recipe.taskgen.domain_weights:
         if name not in recipe.domains:
             raise UserError(f"{source}: taskgen.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
