@@ -12,10 +12,12 @@ recipe's ``reward`` section, and writes a new versioned output beside the origin
 ``digest`` covers the reward config and the code version, so a changed config or
 verifier code gets its own folder and the same one re-run overwrites itself. Each shard
 is normalised with the running statistics its original run started from, so only the
-config or verifier differs. The report holds per-domain means and pass rates before
-and after, and every rollout whose raw reward or status changed. The original reward
-files and manifests are never written (readers of the reward stage see only
-``shard-*`` folders, so a replay folder is invisible to the pipeline).
+config or verifier differs; with ``reward.control: shuffled`` each shard permutes with
+the seed its stage run derived, so a replay under the original config reproduces it.
+The report holds per-domain means and pass rates before and after, and every rollout
+whose raw reward or status changed. The original reward files and manifests are never
+written (readers of the reward stage see only ``shard-*`` folders, so a replay folder
+is invisible to the pipeline).
 
 Not covered: re-running the sandbox (a verifier that needs a new execution plan cannot
 be replayed), or feeding replayed rewards into training.
@@ -28,7 +30,7 @@ import hashlib
 import json
 
 from components.core.context import read_manifests
-from components.core.manifest import Manifest, iteration_prefix
+from components.core.manifest import Manifest, Shard, iteration_prefix
 from components.core.records import Execution, Reward, Rollout, Task, from_table, to_table
 from components.core.storage import Store
 from components.reward.normalize import STATS_OUTPUT, Stats, from_json
@@ -61,7 +63,7 @@ def _read(store: Store, manifest: Manifest | None, name: str, cls: type) -> list
 def replay(recipe, store: Store, iteration: int) -> dict:
     """Re-score iteration ``iteration``; returns the report (also written to the store)."""
     from components.core.runner import code_version
-    from components.reward.stage import score
+    from components.reward.stage import control_seed, score
 
     pipeline = recipe.pipeline
     originals = _by_shard(store, pipeline, iteration, "reward")  # UserError when the iteration has none
@@ -75,7 +77,8 @@ def replay(recipe, store: Store, iteration: int) -> dict:
         executions = {e.rollout_id: e for e in _read(store, sandbox_m.get(shard), "executions", Execution)}
         prior: Stats = from_json(store.read_json(m.outputs[STATS_OUTPUT].path)["prior"]) if STATS_OUTPUT in m.outputs else {}
         old.extend(_read(store, m, "rewards", Reward))
-        new.extend(score(tasks, rollouts, executions, recipe.reward, prior))
+        seed = control_seed(recipe.seed, pipeline, iteration, Shard.parse(shard).index)
+        new.extend(score(tasks, rollouts, executions, recipe.reward, prior, seed))
     digest = replay_digest(recipe.reward.model_dump(), code_version())
     base = f"{iteration_prefix(pipeline, iteration)}/reward/replay-{digest[:8]}"
     _, rewards_sha = store.write_table(f"{base}/rewards.parquet", to_table(new, Reward))

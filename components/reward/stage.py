@@ -17,16 +17,34 @@ wrong answer (reason says why; metric ``malformed``). A verifier that raises (or
 a score outside [0, 1]) is ``verifier_error`` for that sample alone: status
 ``verifier_error``, weight 0, out of normalisation and advantages like an infra error,
 counted in the metric ``verifier_errors`` and logged with the exception.
+
+Per-domain loss weights (``reward.domain_weights``, unlisted domains 1): an ``ok``
+sample's ``weight`` is its domain's weight (excluded samples keep 0). The trainer
+multiplies ``advantage * weight``, so the weight acts *after* group-std scaling and
+survives ``domain_zscore`` (which group scaling would otherwise cancel).
+
+The shuffled control (``reward.control: shuffled``): within each domain, the scores of
+the samples that are not excluded are permuted (seeded by ``control_seed``; the stage
+derives it from (pipeline, iteration, stage, shard)) before normalisation and group
+advantages, so the update carries no information about which completion was right; a
+run with it must not learn. The recorded ``raw_reward`` stays the verifier's true
+score (pass-rate metrics stay truthful); ``normalized_reward`` and ``advantage`` come
+from the shuffled score. Domains are never mixed and the per-domain running statistics
+are unchanged (the same multiset). Metric ``control_shuffled`` is 1.0 when on.
+
+Not covered: shuffling across shards (each shard permutes its own samples).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections import defaultdict
 
 from components.core.context import StageContext
 from components.core.facts import NormPrior
 from components.core.records import Execution, Reward, Rollout, Task
+from components.core.seeds import derive_seed
 from components.domains import registry
 from components.domains.base import Verdict, judge
 from components.reward.advantages import group_advantages
@@ -68,12 +86,34 @@ def batch_stats(rewards: list[Reward]) -> Stats:
     return {d: RunningStats.of(v) for d, v in sorted(by.items())}
 
 
+def control_seed(base_seed: int, pipeline: str, iteration: int, shard_index: int) -> int:
+    """The shuffled control's seed for one reward shard (the stage's ``ctx.seed("control")``)."""
+    return derive_seed(base_seed, pipeline, iteration, "reward", shard_index, "control")
+
+
+def shuffled_scores(rollouts: list[Rollout], scores: dict[str, float], seed: int) -> dict[str, float]:
+    """``scores`` (rollout id -> score, excluded samples absent) permuted within each domain."""
+    by: dict[str, list[str]] = defaultdict(list)
+    for r in rollouts:
+        if r.rollout_id in scores:
+            by[r.domain].append(r.rollout_id)
+    rng = random.Random(seed)
+    out: dict[str, float] = {}
+    for domain in sorted(by):
+        ids = by[domain]
+        values = [scores[i] for i in ids]
+        rng.shuffle(values)
+        out.update(zip(ids, values))
+    return out
+
+
 def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str, Execution], cfg,
-          prior: Stats | None = None) -> list[Reward]:
+          prior: Stats | None = None, seed: int = 0) -> list[Reward]:
     """Rewards for a shard's rollouts; pure, so replay can call it with another config.
 
     ``prior`` is the running per-domain statistics before this batch (used by
-    ``cfg.normalize == "domain_zscore"``; merged with this batch's own raw rewards)."""
+    ``cfg.normalize == "domain_zscore"``; merged with this batch's own raw rewards).
+    ``seed`` drives the permutation of ``cfg.control == "shuffled"`` (unused otherwise)."""
     verdicts: dict[str, Verdict] = {}
     domains = {}
     errors = 0
@@ -94,6 +134,10 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
         if verdicts[r.rollout_id].status not in EXCLUDED_VERDICTS:
             raw_by[r.domain].append(verdicts[r.rollout_id].score)
     running = merge_all(prior or {}, {d: RunningStats.of(v) for d, v in raw_by.items()})
+    trained = {r.rollout_id: verdicts[r.rollout_id].score for r in rollouts
+               if verdicts[r.rollout_id].status not in EXCLUDED_VERDICTS}
+    if cfg.control == "shuffled":
+        trained = shuffled_scores(rollouts, trained, seed)
 
     def normalized(domain: str, raw: float) -> float:
         return zscore(raw, running[domain], cfg.advantage_eps) if cfg.normalize == "domain_zscore" else raw
@@ -103,8 +147,7 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
         groups[r.task_id].append(r)
     rewards = []
     for task_id, members in groups.items():
-        norm = [None if verdicts[m.rollout_id].status in EXCLUDED_VERDICTS
-                else normalized(m.domain, verdicts[m.rollout_id].score) for m in members]
+        norm = [normalized(m.domain, trained[m.rollout_id]) if m.rollout_id in trained else None for m in members]
         adv = group_advantages(norm, cfg.advantage_eps, cfg.scale_by_std)
         for m, a, value in zip(members, adv, norm):
             v = verdicts[m.rollout_id]
@@ -116,7 +159,8 @@ def score(tasks: dict[str, Task], rollouts: list[Rollout], executions: dict[str,
             rewards.append(Reward(
                 rollout_id=m.rollout_id, task_id=task_id, domain=m.domain, group_index=m.group_index,
                 raw_reward=0.0 if excluded else v.score, components=dict(v.components),
-                normalized_reward=0.0 if excluded else value, weight=0.0 if excluded else 1.0,
+                normalized_reward=0.0 if excluded else value,
+                weight=0.0 if excluded else float(cfg.domain_weights.get(m.domain, 1.0)),
                 advantage=a, status=status, reason=reason,
             ))
     return rewards
@@ -146,12 +190,15 @@ def run(ctx: StageContext) -> dict[str, float]:
                                                              shard_only=ctx.aligned("sandbox"))}
     facts: NormPrior = ctx.facts
     prior = from_json(facts.norm_prior)
-    rewards = score(tasks, rollouts, executions, ctx.recipe.reward, prior)
+    cfg = ctx.recipe.reward
+    rewards = score(tasks, rollouts, executions, cfg, prior, ctx.seed("control"))
     ctx.write_records("rewards", rewards, Reward)
     batch = batch_stats(rewards)
     ctx.write_json(STATS_OUTPUT, {"prior_iteration": facts.norm_prior_iteration, "prior": to_json(prior),
                                   "batch": to_json(batch)})
     metrics = summarize(rewards)
+    if cfg.control == "shuffled":
+        metrics["control_shuffled"] = 1.0
     for domain, s in sorted(merge_all(prior, batch).items()):
         metrics[f"{domain}/running_mean"] = s.mean
         metrics[f"{domain}/running_std"] = s.std
