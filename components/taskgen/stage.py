@@ -6,6 +6,16 @@ file (validated by ``components.domains.taskfile``; its content digest is an inp
 editing the file re-runs taskgen) instead of generated: each domain's share is drawn
 without replacement while the file has enough tasks of it, then with replacement.
 
+It draws ``round(tasks_per_iteration * oversample)`` tasks (``taskgen.oversample``, 1 by
+default): the surplus is what ``trainer.dynamic_sampling`` refills from. Within a domain
+the generator's own difficulty mix applies, unless ``taskgen.adaptive_difficulty`` is on:
+then difficulty pools are weighted by their recent pass rate, read from the latest
+earlier iteration's rewards and persisted as ``curriculum.json`` (rule and state in
+``components.taskgen.curriculum``; not applied to a task file's tasks). Metrics: tasks and
+weight per domain, tasks per pool (``curriculum/<domain>/d<k>/tasks``) and, with adaptive
+difficulty, each pool's weight (``curriculum/<domain>/d<k>``) and pass rate
+(``curriculum/<domain>/d<k>/pass_rate``).
+
 Also resolves, once per iteration, which policy the iteration starts from (see
 ``components.core.lineage``) and the baseline evaluation will compare the candidate
 with (the champion at iteration start, and its pass rates), and opens the iteration's
@@ -19,6 +29,7 @@ import dataclasses
 import random
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 from components.core import models, tracking
 from components.core.context import StageContext, read_manifest
@@ -33,6 +44,8 @@ from components.domains import registry
 from components.domains.taskfile import load_tasks, read_bytes
 from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
+from components.taskgen import curriculum
+from components.taskgen.curriculum import largest_remainder
 
 SECTIONS = ("taskgen", "rollout", "evaluation")
 """Recipe sections read: sampling, the starting policy (``rollout.policy``), and the eval
@@ -41,13 +54,7 @@ suite's size (its tasks are kept out of training)."""
 
 def domain_counts(domains: list[str], weights: dict[str, float], total: int) -> dict[str, int]:
     """Split ``total`` tasks by weight (largest remainder), every listed domain weight 1 by default."""
-    w = {d: float(weights.get(d, 1.0)) for d in domains}
-    norm = sum(w.values()) or 1.0
-    exact = {d: total * w[d] / norm for d in domains}
-    counts = {d: int(exact[d]) for d in domains}
-    for d in sorted(domains, key=lambda d: (counts[d] - exact[d], d))[: total - sum(counts.values())]:
-        counts[d] += 1
-    return counts
+    return largest_remainder({d: float(weights.get(d, 1.0)) for d in domains}, total)
 
 
 def starting_baseline(pipeline: str, policy_version: str) -> tuple[str, dict[str, float]]:
@@ -84,6 +91,8 @@ def inputs(ctx: StageContext) -> None:
         source = ctx.recipe.taskgen.task_file
         uri = source if "://" in source else Path(source).resolve().as_uri()
         ctx.inputs["task_file"] = InputRef(uri=uri, digest=sha256_bytes(read_bytes(source)))
+    elif ctx.recipe.taskgen.adaptive_difficulty:  # the earlier rewards it reads are inputs: new ones re-run taskgen
+        curriculum.prior(ctx, ctx.iteration - 1, ctx.recipe.taskgen.difficulty_memory)
 
 
 def from_file(path: str, domains: list[str], weights: dict[str, float], total: int, r: random.Random,
@@ -108,20 +117,60 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
     return tasks
 
 
+def generate(ctx: StageContext, counts: dict[str, int], r: random.Random,
+             exclude: set[str]) -> tuple[list[Task], dict[str, Any] | None]:
+    """Each domain's tasks from its generator: its own difficulty mix, or with
+    ``taskgen.adaptive_difficulty`` its pools' weights (then also the state, written to
+    ``curriculum.json``; else None)."""
+    cfg = ctx.recipe.taskgen
+    if not cfg.adaptive_difficulty:
+        return [t for name, n in counts.items() if n for t in registry.get(name).train_tasks(r, n, exclude)], None
+    prior = curriculum.prior(ctx, ctx.iteration - 1, cfg.difficulty_memory)
+    tasks: list[Task] = []
+    weights: dict[str, dict[int, float]] = {}
+    for name, n in counts.items():
+        domain = registry.get(name)
+        weights[name] = curriculum.pool_weights(curriculum.pools(domain), prior.pass_rates.get(name, {}),
+                                                cfg.difficulty_floor)
+        tasks.extend(curriculum.draw(domain, r, n, exclude, weights[name]) if n else [])
+    state = curriculum.to_json(prior, weights, pool_counts(tasks))
+    ctx.write_json(curriculum.OUTPUT, state)
+    return tasks, state
+
+
+def pool_counts(tasks: list[Task]) -> dict[str, dict[int, int]]:
+    by: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for t in tasks:
+        by[t.domain][t.difficulty] += 1
+    return {d: dict(sorted(v.items())) for d, v in sorted(by.items())}
+
+
+def curriculum_metrics(tasks: list[Task], state: dict[str, Any] | None) -> dict[str, float]:
+    """``curriculum/<domain>/d<k>/tasks`` always; with adaptive difficulty also each pool's
+    normalised weight (``curriculum/<domain>/d<k>``) and blended pass rate (``/pass_rate``)."""
+    metrics = {f"curriculum/{d}/d{k}/tasks": float(n) for d, by in pool_counts(tasks).items() for k, n in by.items()}
+    if state is not None:
+        for d, by in state["weights"].items():
+            metrics.update({f"curriculum/{d}/d{k}": float(w) for k, w in by.items()})
+        for d, by in state["pass_rates"].items():
+            metrics.update({f"curriculum/{d}/d{k}/pass_rate": float(p) for k, p in by.items()})
+    return metrics
+
+
 def run(ctx: StageContext) -> dict[str, float]:
     recipe, cfg = ctx.recipe, ctx.recipe.taskgen
     exclude = {t.task_id for t in eval_tasks(recipe)}
     weights = cfg.weights_for(ctx.iteration, list(recipe.domains))
+    total = round(cfg.tasks_per_iteration * cfg.oversample)  # the surplus feeds trainer.dynamic_sampling
     r = rng(ctx.seed())
-    tasks: list[Task] = []
+    state: dict[str, Any] | None = None
     if cfg.task_file:
-        tasks = from_file(cfg.task_file, list(recipe.domains), weights, cfg.tasks_per_iteration, r, exclude)
+        tasks = from_file(cfg.task_file, list(recipe.domains), weights, total, r, exclude)
     else:
-        for name, n in domain_counts(recipe.domains, weights, cfg.tasks_per_iteration).items():
-            tasks.extend(registry.get(name).train_tasks(r, n, exclude) if n else [])
+        tasks, state = generate(ctx, domain_counts(recipe.domains, weights, total), r, exclude)
     r.shuffle(tasks)  # so shards get a mix of domains
     ctx.write_records("tasks", tasks, Task)
     ctx.facts = dataclasses.replace(ctx.facts, parent_run_id=ctx.parent_run_id)
     by = Counter(t.domain for t in tasks)
     return {"tasks": len(tasks), **{f"{d}/tasks": float(by[d]) for d in sorted(by)},
-            **{f"{d}/weight": w for d, w in sorted(weights.items())}}
+            **{f"{d}/weight": w for d, w in sorted(weights.items())}, **curriculum_metrics(tasks, state)}
