@@ -17,6 +17,21 @@ Verifiers are total: model output of any size, depth or encoding gets a verdict.
 result)``, which also turns a verifier's own exception (or a score outside [0, 1]) into
 status ``verifier_error``. ``reference_problem`` checks a task's reference shape when a
 task file is parsed, so a wrong-shaped reference never reaches a verifier.
+
+Interactive tasks: ``Domain.interactive(task)`` returns an ``Interactive`` declaration
+(None for a one-shot task): the files laid out in the session's work folder before the
+first action, the prefix each action runs under, the most actions, and the final check
+(a ``Job`` run in the same session after the last action, whose result the verifier
+reads). Each action is one bash command (the first line of what the policy wrote);
+``DONE`` or an empty action ends the episode. The rollout stage plays such tasks as
+episodes (``components/rollout/episode.py``) and records the commands, one per line, as
+the completion; ``Interactive.replay`` turns that completion back into the ``SessionJob``
+the sandbox stage runs (same setup, same commands, then the check), so the verdict comes
+from a fresh session the episode's policy never touched. ``observation_text`` is the one
+format of what the policy sees after a command, shared by the episode runner and the
+domains' reference episodes. Not covered: tools other than bash, and tasks whose outcome
+depends on more than the commands (clock, randomness): a replay of those may differ from
+the episode.
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from components.core.jobs import Job, Outcome
+from components.core.jobs import Job, Outcome, SessionJob
 from components.core.records import Task
 
 VerdictStatus = Literal["ok", "infra_error", "malformed", "verifier_error"]
@@ -54,8 +69,58 @@ class Verdict:
     detail: str = ""
 
 
+DONE = "DONE"
+"""The action that ends an interactive episode."""
+
+
+def observation_text(exit_code: int, status: str, output: str, limit: int) -> str:
+    """What the policy sees after a command: exit code, status and the first ``limit``
+    characters of stdout + stderr (``components/rollout/episode.py`` formats every
+    observation with it; reference episodes must too, so SFT learns the same text)."""
+    return f"\n[exit {exit_code} {status}]\n{output[:limit]}\n"
+
+
+def action_command(text: str) -> str:
+    """The command of an action text: its first non-empty line, stripped; "" for ``DONE``
+    or nothing (the episode ends)."""
+    lines = [line.strip() for line in text.split("\n") if line.strip()]
+    if not lines or lines[0].split()[0] == DONE:
+        return ""
+    return lines[0]
+
+
+@dataclass(frozen=True)
+class Interactive:
+    """An interactive task's session: what is laid out, how actions run, how it is checked."""
+
+    files: dict[str, str]  # relative path -> text, in the session's work folder before the first action
+    check: Job  # run in the same session after the last action; its result is what the verifier reads
+    max_turns: int  # most actions (the recipe's rollout.max_turns may allow fewer)
+    step_prefix: str = ""  # prepended to every action (e.g. "cd ws || exit 97\n")
+    step_timeout_s: float | None = None  # per action; None: the sandbox's default
+
+    def command(self, action: str) -> str:
+        """The bash script one action runs as."""
+        return self.step_prefix + action
+
+    def actions(self, completion: str) -> list[str]:
+        """The commands recorded in an episode's completion (one per line), at most ``max_turns``."""
+        return [line.strip() for line in completion.split("\n") if line.strip()][: self.max_turns]
+
+    def replay(self, job_id: str, completion: str) -> SessionJob:
+        """The episode again in a fresh session: the setup, each recorded command, then the check."""
+        return SessionJob(job_id=job_id, files=dict(self.files),
+                          steps=[self.command(a) for a in self.actions(completion)],
+                          check=self.check, step_timeout_s=self.step_timeout_s)
+
+
 class Domain(ABC):
     name: ClassVar[str]
+
+    def interactive(self, task: Task) -> Interactive | None:
+        """The session of an interactive task (played as a multi-turn episode); None for
+        a task answered in one completion (the default)."""
+        return None
 
     @abstractmethod
     def make_task(self, rng: random.Random, split: str) -> Task:

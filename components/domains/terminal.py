@@ -29,8 +29,23 @@ Multi-step tasks (``metadata["multi_step"]``, difficulty 3) run in a sandbox ses
 persists between them, and a lister written after the last step reports the state; the
 host adds every step's exit code (component ``exit_ok`` needs all of them 0). The policy
 writes all steps in one completion; it does not see a step's output before the next
-(episodes that do are ``components/rollout/episode.py``). Not covered: permissions, file modes, symlink targets,
+(episodes that do are the interactive tasks below). Not covered: permissions, file modes, symlink targets,
 processes left running, or anything outside the work folder.
+
+Interactive tasks (``metadata["interactive"]``, difficulty 3, from ``make_interactive_task``;
+the ``terminal-interactive`` class draws only these, ``terminal`` never draws them, so its
+one-shot train and eval mix is unchanged): the goal names a file only by what it holds,
+so the policy must read an observation before it can act. ``pick``: "del the file that
+says ok" among three files; ``note``: "new dir named in n", where file ``n`` holds the
+name. ``interactive(task)`` declares the session: the start files under ``ws/``, each
+action run in ``ws/``, at most ``MAX_STEPS`` actions, and ``LISTER`` as the final check.
+The completion the sandbox replays is the episode's commands, one per line
+(``Interactive.replay``: a fresh session from the same start, then the lister), judged
+by the same state comparison as every terminal task. The reference
+(``reference["episode"]``) is a correct episode, ``[[action, observation], ...]`` ending
+in ``["DONE", ""]``, each observation formatted by ``observation_text`` as the episode
+runner formats it (outputs here are far shorter than any ``rollout.observation_chars``).
+Start states of interactive tasks hold files only (no empty directories).
 """
 
 from __future__ import annotations
@@ -40,7 +55,17 @@ import random
 
 from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 from components.core.records import Task
-from components.domains.base import MAX_REFERENCE_ITEMS, Domain, Verdict, is_text, make_task, malformed
+from components.domains.base import (
+    DONE,
+    MAX_REFERENCE_ITEMS,
+    Domain,
+    Interactive,
+    Verdict,
+    is_text,
+    make_task,
+    malformed,
+    observation_text,
+)
 
 NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
@@ -128,6 +153,9 @@ os.write(int(sys.argv[1]), json.dumps({"ok": ok, "exit": 0, "timed_out": False, 
 MAX_STEPS = 3
 # Each step of a multi-step task runs in ws/ (made by the first step: d3 tasks start empty).
 STEP_PREFIX = "mkdir -p ws && cd ws || exit 97\n"
+# Each action of an interactive task runs in ws/ (laid out with the start files).
+ACTION_PREFIX = "cd ws || exit 97\n"
+REFERENCE_OBSERVATION_CHARS = 256  # the recipe's default rollout.observation_chars
 
 
 def _two(rng: random.Random) -> tuple[str, str]:
@@ -177,10 +205,45 @@ class Terminal(Domain):
         reference = {"solution": solution, "start": start, "expected": expected}
         return make_task(self.name, split, difficulty, prompt, reference, trap=trap, multi_step=difficulty == 3)
 
+    def make_interactive_task(self, rng: random.Random, split: str) -> Task:
+        """One interactive task: its goal needs what a command shows (see the module docstring)."""
+        kind = rng.choice(("pick", "note"))
+        if kind == "pick":
+            names = sorted(rng.sample(NAMES, 3))
+            target = rng.choice(names)
+            others = [w for w in WORDS if w != "ok"]
+            start = {n: "file:" + ("ok" if n == target else rng.choice(others)) + "\n" for n in names}
+            goal = "del the file that says ok"
+            steps = [("grep -l ok *", f"{target}\n"), (f"rm {target}", "")]
+            expected = {k: v for k, v in start.items() if k != target}
+        else:
+            note, name = _two(rng)
+            start = {note: f"file:{name}\n"}
+            goal = f"new dir named in {note}"
+            steps = [(f"cat {note}", f"{name}\n"), (f"mkdir {name}", "")]
+            expected = {**start, name: "dir"}
+        episode = [[action, observation_text(0, "ok", out, REFERENCE_OBSERVATION_CHARS)] for action, out in steps]
+        reference = {"solution": "\n".join(a for a, _ in steps), "start": start, "expected": expected,
+                     "episode": episode + [[DONE, ""]]}
+        return make_task(self.name, split, 3, f"{goal}\n{_shown(start)}$ ", reference, trap=False, multi_step=False,
+                         interactive=True, kind=kind)
+
+    def interactive(self, task: Task) -> Interactive | None:
+        if not task.metadata.get("interactive"):
+            return None
+        start = task.reference.get("start", {})
+        return Interactive(
+            files={f"ws/{path}": kind[len("file:"):] for path, kind in start.items() if kind.startswith("file:")},
+            check=Job(job_id=task.task_id, files={"lister.py": LISTER}, argv=[PYTHON, "-I", "-S", "lister.py", RESULT_FD]),
+            max_turns=MAX_STEPS, step_prefix=ACTION_PREFIX, step_timeout_s=COMMAND_TIMEOUT_S,
+        )
+
     def reference_completion(self, task: Task) -> str:
         return task.reference["solution"]
 
     def execution_plan(self, task: Task, completion: str) -> Job | SessionJob | None:
+        if (spec := self.interactive(task)) is not None:
+            return spec.replay(task.task_id, completion)
         if task.metadata.get("multi_step"):
             steps = [line for line in completion.split("\n") if line.strip()][:MAX_STEPS] or [""]
             start = task.reference["start"]
@@ -210,6 +273,10 @@ class Terminal(Domain):
                     return f"{name}[{path!r:.40}]", "must be a relative path inside the work folder (no '/', '..', '//')"
                 if not is_text(kind) or not (kind == "dir" or kind == "link" or kind.startswith("file:")):
                     return f"{name}[{path!r:.40}]", "must be 'dir', 'link' or 'file:<text>'"
+        episode = reference.get("episode", [])
+        if not isinstance(episode, list) or len(episode) > MAX_REFERENCE_ITEMS or not all(
+                isinstance(turn, list) and len(turn) == 2 and all(is_text(x) for x in turn) for turn in episode):
+            return "episode", "must be a list of [action, observation] pairs of text"
         return None
 
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
@@ -238,3 +305,14 @@ class Terminal(Domain):
             components=components,
             detail=result.status,
         )
+
+
+class TerminalInteractive(Terminal):
+    """The terminal domain's interactive tasks only (``make_interactive_task``), under their
+    own domain name, so they are weighted, rewarded and reported apart from one-shot
+    terminal tasks."""
+
+    name = "terminal-interactive"
+
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        return self.make_interactive_task(rng, split)
