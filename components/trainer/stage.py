@@ -1,12 +1,24 @@
 """Stage ``trainer``: GRPO updates on the iteration's batch -> checkpoint k+1.
 
 Reads every shard's rollouts and rewards (only after validation passed), drops excluded
-samples and groups with no learning signal (all advantages 0), runs
-``trainer.epochs`` passes of ``prompts_per_step`` groups per optimizer step, saves the
-new policy in Hugging Face format under this stage's prefix, registers it as a new
-version of ``<pipeline>-policy`` and moves the ``candidate`` alias to it. The trainer's
-MLflow run logs the rollout and reward files it trained on as datasets and the policy
-version it started from, which is the lineage the registry version points back to.
+samples, chooses the groups to train on (``sampling.py``), runs ``trainer.epochs``
+passes of ``prompts_per_step`` groups per optimizer step, saves the new policy in
+Hugging Face format under this stage's prefix, registers it as a new version of
+``<pipeline>-policy`` and moves the ``candidate`` alias to it. The trainer's MLflow run
+logs the rollout and reward files it trained on as datasets and the policy version it
+started from, which is the lineage the registry version points back to.
+
+Which groups train: by default every group with learning signal (some weighted
+advantage not 0), the last step partial. With ``trainer.dynamic_sampling`` (DAPO),
+groups whose raw rewards are all equal are dropped and every step holds exactly
+``prompts_per_step`` informative groups, for ``taskgen.tasks_per_iteration //
+prompts_per_step`` steps per epoch (fewer, whole ones, when too few groups are
+informative); a seeded shuffle picks them, and the informative groups beyond the target
+(``taskgen.oversample``'s surplus) are left unused. Either way the stage returns
+``groups_kept``, ``groups_dropped``, ``groups_unused`` and per domain
+``<domain>/groups_kept`` and ``<domain>/groups_dropped``, logged as ``trainer/...``.
+Dynamic sampling with ``prompts_per_step`` above ``tasks_per_iteration`` is a
+``UserError`` (no step could ever be filled).
 
 Optimizer state is carried across iterations: ``trainer_state.pt`` (AdamW moments, LR
 schedule position, RNG states, data position; see ``state.py``) is saved beside the
@@ -16,7 +28,9 @@ from when present (``trainer.carry_optimizer_state``). Per step it logs
 without padding unless ``trainer.packing`` is false (``grpo.py``).
 
 Not covered: resuming half-way through one trainer stage (a killed stage re-runs from
-its starting checkpoint, by the stage contract) and distributed data parallelism.
+its starting checkpoint, by the stage contract), distributed data parallelism, and
+drawing fresh rollouts when too few groups are informative (dynamic sampling refills
+only from what taskgen oversampled).
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from collections import defaultdict
 
 from components.core import models, tracking
 from components.core.context import StageContext
+from components.core.errors import UserError
 from components.core.facts import Checkpoint, StartingPolicy
 from components.core.manifest import InputRef
 from components.core.policy import load_policy, save_policy
@@ -33,31 +48,27 @@ from components.core.progress import bar, say
 from components.core.records import Reward, Rollout
 from components.core.seeds import seed_everything
 from components.core.storage import Store
-from components.trainer.grpo import Sample, grpo_step, step_batches
+from components.trainer.grpo import grpo_step, step_batches
+from components.trainer.sampling import collect_groups, select_groups
 from components.trainer.state import DataPosition, build_optimizer, build_scheduler, load_trainer_state, save_trainer_state
 
-SECTIONS = ("trainer", "rollout")
-"""Recipe sections read: the optimizer settings, and the sampling temperature of the rollouts."""
+SECTIONS = ("trainer", "rollout", "taskgen")
+"""Recipe sections read: the optimizer settings, the sampling temperature of the rollouts,
+and taskgen's tasks per iteration (the steps dynamic sampling aims at)."""
 
 
 def inputs(ctx: StageContext) -> None:
+    cfg, tasks = ctx.recipe.trainer, ctx.recipe.taskgen.tasks_per_iteration
+    if cfg.dynamic_sampling and cfg.prompts_per_step > tasks:
+        # Dynamic sampling trains whole steps only, tasks_per_iteration // prompts_per_step of them.
+        raise UserError("trainer.prompts_per_step", cfg.prompts_per_step,
+                        f"is more than taskgen.tasks_per_iteration ({tasks}), so dynamic sampling would never fill a step",
+                        f"set trainer.prompts_per_step to at most {tasks}, or trainer.dynamic_sampling to false")
     ctx.depend_on("validation")
     ctx.depend_on("rollout")
     ctx.depend_on("reward")
     start = ctx.facts_of("taskgen", StartingPolicy)
     ctx.inputs["policy"] = InputRef(uri=start.policy_uri, digest=f"version:{start.policy_version}")
-
-
-def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sample]]:
-    by_id = {r.rollout_id: r for r in rewards}
-    groups: dict[str, list[Sample]] = defaultdict(list)
-    for ro in rollouts:
-        rw = by_id[ro.rollout_id]
-        if rw.status != "ok" or not ro.completion_token_ids or (ro.completion_mask and not any(ro.completion_mask)):
-            continue
-        groups[ro.task_id].append(Sample(ro.prompt_token_ids, ro.completion_token_ids, ro.logprobs,
-                                         rw.advantage * rw.weight, list(ro.completion_mask)))
-    return [g for _, g in sorted(groups.items()) if any(s.advantage != 0 for s in g)]
 
 
 def run(ctx: StageContext) -> dict[str, float]:
@@ -76,7 +87,13 @@ def run(ctx: StageContext) -> dict[str, float]:
     tracking.client().set_tag(run_id, "posttrain.parent_policy_version", start.policy_version)
     tracking.client().set_tag(run_id, "posttrain.parent_policy_uri", start.policy_uri)
 
-    groups = build_groups(ctx.read_records("rollout", "rollouts", Rollout), ctx.read_records("reward", "rewards", Reward))
+    # Steps per epoch dynamic sampling aims at: the iteration's tasks before oversampling.
+    target_steps = ctx.recipe.taskgen.tasks_per_iteration // cfg.prompts_per_step
+    selection = select_groups(collect_groups(ctx.read_records("rollout", "rollouts", Rollout),
+                                             ctx.read_records("reward", "rewards", Reward)),
+                              dynamic=cfg.dynamic_sampling, prompts_per_step=cfg.prompts_per_step,
+                              target_steps=target_steps, seed=ctx.seed("dynamic_sampling"))
+    groups = selection.groups
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     carried = None
@@ -127,11 +144,12 @@ def run(ctx: StageContext) -> dict[str, float]:
                               f"`{models.model_name(ctx.pipeline)}` version {version}, trained from version {start.policy_version}.")
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
-    say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups | registered version {version}")
+    say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups "
+        f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | registered version {version}")
     return {
         "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
         "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "lr": totals["lr"] / n, "global_step": float(global_step + len(batches)),
-        "carried_optimizer_state": float(carried is not None),
+        "carried_optimizer_state": float(carried is not None), **selection.metrics(),
     }
