@@ -17,7 +17,8 @@ prime-rl's difficulty pools and ROLL's difficulty masks):
 - **draw**: the domain's n tasks are split across pools by weight (largest remainder) and
   drawn by rejection from ``make_task`` (distinct ids, none in the eval suite). A pool that
   yields nothing new in ``TRIES`` draws is exhausted and its remaining share moves to the
-  others by weight.
+  others by weight. From a task file the pools are the difficulties of the domain's rows
+  (sampled by the taskgen stage).
 
 State persists as taskgen's ``curriculum.json`` (a manifested output)::
 
@@ -29,10 +30,9 @@ reached it is skipped), ``latest`` what j scored, and ``pass_rates`` the estimat
 taskgen j's own ``pass_rates`` (the estimate before j) blended with ``latest``. Every
 manifest read is recorded as an input, so new rewards re-run taskgen.
 
-Not covered: a task file's tasks (``taskgen.task_file`` keeps the file's own mix), pass
-rates from the bootstrap's held-out check (iteration 1 starts uniform), and a chain that
-skips an iteration whose taskgen ran without adaptive difficulty (the estimate restarts
-from that iteration's rewards).
+Not covered: pass rates from the bootstrap's held-out check (iteration 1 starts
+uniform), and a chain through an iteration whose taskgen ran without adaptive difficulty
+(the estimate restarts from that iteration's rewards).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ default): the surplus is what ``trainer.dynamic_sampling`` refills from. Within 
 the generator's own difficulty mix applies, unless ``taskgen.adaptive_difficulty`` is on:
 then difficulty pools are weighted by their recent pass rate, read from the latest
 earlier iteration's rewards and persisted as ``curriculum.json`` (rule and state in
-``components.taskgen.curriculum``; not applied to a task file's tasks). Metrics: tasks and
-weight per domain, tasks per pool (``curriculum/<domain>/d<k>/tasks``) and, with adaptive
-difficulty, each pool's weight (``curriculum/<domain>/d<k>``) and pass rate
-(``curriculum/<domain>/d<k>/pass_rate``).
+``components.taskgen.curriculum``; a task file's pools are the difficulties its rows
+have). Metrics: tasks and weight per domain, tasks per pool
+(``curriculum/<domain>/d<k>/tasks``) and, with adaptive difficulty, each pool's weight
+(``curriculum/<domain>/d<k>``) and pass rate (``curriculum/<domain>/d<k>/pass_rate``).
 
 Also resolves, once per iteration, which policy the iteration starts from (see
 ``components.core.lineage``) and the baseline evaluation will compare the candidate
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +92,23 @@ def inputs(ctx: StageContext) -> None:
         source = ctx.recipe.taskgen.task_file
         uri = source if "://" in source else Path(source).resolve().as_uri()
         ctx.inputs["task_file"] = InputRef(uri=uri, digest=sha256_bytes(read_bytes(source)))
-    elif ctx.recipe.taskgen.adaptive_difficulty:  # the earlier rewards it reads are inputs: new ones re-run taskgen
+    if ctx.recipe.taskgen.adaptive_difficulty:  # the earlier rewards it reads are inputs: new ones re-run taskgen
         curriculum.prior(ctx, ctx.iteration - 1, ctx.recipe.taskgen.difficulty_memory)
 
 
+Weigh = Callable[[str, tuple[int, ...]], dict[int, float]]
+"""(domain, its difficulty pools) -> each pool's share of the domain's tasks."""
+
+
+def sample(pool: list[Task], n: int, r: random.Random) -> list[Task]:
+    """``n`` tasks of ``pool``: without replacement while it has enough, then with."""
+    return r.sample(pool, n) if n <= len(pool) else pool + r.choices(pool, k=n - len(pool))
+
+
 def from_file(path: str, domains: list[str], weights: dict[str, float], total: int, r: random.Random,
-              exclude: set[str]) -> list[Task]:
-    """``total`` train tasks sampled by domain weight from a user's task file."""
+              exclude: set[str], weigh: Weigh | None = None) -> list[Task]:
+    """``total`` train tasks sampled by domain weight from a user's task file; with ``weigh``
+    each domain's share is split across the difficulties its rows have."""
     pools: dict[str, list[Task]] = defaultdict(list)
     for t in load_tasks(path):
         if t.domain not in domains:
@@ -112,30 +123,27 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
                         "add tasks of those domains (tasks equal to eval-suite tasks are skipped) or change the weights")
     tasks: list[Task] = []
     for name, n in domain_counts(present, weights, total).items():
-        pool = pools[name]
-        tasks.extend(r.sample(pool, n) if n <= len(pool) else pool + r.choices(pool, k=n - len(pool)))
+        if weigh is None:
+            tasks.extend(sample(pools[name], n, r))
+            continue
+        levels: dict[int, list[Task]] = defaultdict(list)
+        for t in pools[name]:
+            levels[t.difficulty].append(t)
+        for difficulty, k in largest_remainder(weigh(name, tuple(sorted(levels))), n).items():
+            tasks.extend(sample(levels[difficulty], k, r))
     return tasks
 
 
-def generate(ctx: StageContext, counts: dict[str, int], r: random.Random,
-             exclude: set[str]) -> tuple[list[Task], dict[str, Any] | None]:
-    """Each domain's tasks from its generator: its own difficulty mix, or with
-    ``taskgen.adaptive_difficulty`` its pools' weights (then also the state, written to
-    ``curriculum.json``; else None)."""
-    cfg = ctx.recipe.taskgen
-    if not cfg.adaptive_difficulty:
-        return [t for name, n in counts.items() if n for t in registry.get(name).train_tasks(r, n, exclude)], None
-    prior = curriculum.prior(ctx, ctx.iteration - 1, cfg.difficulty_memory)
+def generate(counts: dict[str, int], r: random.Random, exclude: set[str], weigh: Weigh | None) -> list[Task]:
+    """Each domain's tasks from its generator: its own difficulty mix, or with ``weigh``
+    split across the difficulty pools it generates."""
+    if weigh is None:
+        return [t for name, n in counts.items() if n for t in registry.get(name).train_tasks(r, n, exclude)]
     tasks: list[Task] = []
-    weights: dict[str, dict[int, float]] = {}
     for name, n in counts.items():
         domain = registry.get(name)
-        weights[name] = curriculum.pool_weights(curriculum.pools(domain), prior.pass_rates.get(name, {}),
-                                                cfg.difficulty_floor)
-        tasks.extend(curriculum.draw(domain, r, n, exclude, weights[name]) if n else [])
-    state = curriculum.to_json(prior, weights, pool_counts(tasks))
-    ctx.write_json(curriculum.OUTPUT, state)
-    return tasks, state
+        tasks.extend(curriculum.draw(domain, r, n, exclude, weigh(name, curriculum.pools(domain))) if n else [])
+    return tasks
 
 
 def pool_counts(tasks: list[Task]) -> dict[str, dict[int, int]]:
@@ -164,10 +172,22 @@ def run(ctx: StageContext) -> dict[str, float]:
     total = round(cfg.tasks_per_iteration * cfg.oversample)  # the surplus feeds trainer.dynamic_sampling
     r = rng(ctx.seed())
     state: dict[str, Any] | None = None
+    weigh: Weigh | None = None
+    chosen: dict[str, dict[int, float]] = {}
+    if cfg.adaptive_difficulty:
+        prior = curriculum.prior(ctx, ctx.iteration - 1, cfg.difficulty_memory)
+
+        def weigh(domain: str, difficulties: tuple[int, ...]) -> dict[int, float]:
+            chosen[domain] = curriculum.pool_weights(difficulties, prior.pass_rates.get(domain, {}),
+                                                     cfg.difficulty_floor)
+            return chosen[domain]
     if cfg.task_file:
-        tasks = from_file(cfg.task_file, list(recipe.domains), weights, total, r, exclude)
+        tasks = from_file(cfg.task_file, list(recipe.domains), weights, total, r, exclude, weigh)
     else:
-        tasks, state = generate(ctx, domain_counts(recipe.domains, weights, total), r, exclude)
+        tasks = generate(domain_counts(recipe.domains, weights, total), r, exclude, weigh)
+    if cfg.adaptive_difficulty:
+        state = curriculum.to_json(prior, chosen, pool_counts(tasks))
+        ctx.write_json(curriculum.OUTPUT, state)
     r.shuffle(tasks)  # so shards get a mix of domains
     ctx.write_records("tasks", tasks, Task)
     ctx.facts = dataclasses.replace(ctx.facts, parent_run_id=ctx.parent_run_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections import Counter
 
@@ -193,3 +194,20 @@ def test_half_scored_previous_iteration_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as err:
         run_taskgen(store, r, 2)
     assert "only shards ['0/2'] of 2" in err.value.problem
+
+
+def test_adaptive_difficulty_weighs_a_task_files_difficulties(tmp_path):
+    rows = [{"domain": "math", "prompt": f"{i}*2-1=", "reference": {"answer": str(2 * i - 1)}, "difficulty": 1 + i % 2}
+            for i in range(30, 50)]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    store = Store(str(tmp_path / "store"))
+    r = recipe(adaptive_difficulty=True, task_file=str(path), tasks_per_iteration=20)
+    _, _, tasks1 = run_taskgen(store, r, 1)
+    assert Counter(t.difficulty for t in tasks1) == {1: 10, 2: 10}  # the file's two pools, equal before any data
+    score(store, 1, tasks1, {1: 1.0, 2: 0.5})
+    ctx2, _, tasks2 = run_taskgen(store, r, 2)
+    assert Counter(t.difficulty for t in tasks2) == {1: 1, 2: 19}  # weights .05/1.05 and 1/1.05
+    assert len({t.task_id for t in tasks2 if t.difficulty == 2}) == 10  # all 10 rows, then repeats
+    assert store.read_json(ctx2.outputs["curriculum"].path)["weights"] == {
+        "math": {"1": pytest.approx(0.05 / 1.05), "2": pytest.approx(1 / 1.05)}}
