@@ -1,66 +1,92 @@
 """Multi-turn agent episodes: policy -> sandbox session -> observation, until done.
 
-``run_episodes(policy, tasks_prompts, session_factory, ...)`` plays one episode per
-prompt, all in lockstep (each turn is one batched ``HFEngine`` call over the episodes
-still running). A turn is:
+``run_episodes(actor, prompts, session_factory, ...)`` plays ``group_size`` episodes per
+prompt, all in lockstep. ``actor`` is a ``Policy`` (the default, model-driven path: each
+turn is one batched ``HFEngine`` call over the episodes still running, and the first turn
+goes through ``generate_groups`` so the G episodes of a prompt share its prefill) or any
+function ``context text -> action text`` (a scripted policy: no model, no tokens). A turn is:
 
-1. the policy generates an action from the whole context so far (prompt, its earlier
-   actions and the observations), stopping on EOS or ``max_action_tokens``;
-2. ``parse_action`` turns the action text into a tool call; ``DONE`` (or an empty
-   action) ends the episode, otherwise the command runs in that episode's session
-   (``SandboxSession.exec`` from ``components/sandbox/session.py``, or anything with the
-   same ``exec(cmd) -> JobResult`` / ``close()`` shape);
-3. the observation (exit status and capped output, ``format_observation``) is tokenised
-   and appended to the context.
+1. the actor writes an action from the whole context so far (prompt, its earlier
+   actions and the observations); a policy stops on EOS or ``max_action_tokens``;
+2. ``parse_action`` turns the action text into a tool call: its first non-empty line is
+   one bash command; ``DONE`` (or an empty action) ends the episode. Otherwise the
+   command runs in that episode's session (``session_factory(prompt_index)``: anything
+   with ``exec(cmd) -> JobResult`` and ``close()``; ``TaskSession`` wraps a sandbox session
+   with a task's ``Interactive`` declaration). The commands of one turn run at most
+   ``concurrency`` at once;
+3. the observation (exit status and the first ``observation_chars`` characters of the
+   output, ``format_observation``) is tokenised and appended to the context.
 
-The episode ends on ``DONE``, after ``max_steps`` actions, or when the context would
-exceed ``max_context_tokens``. Each episode becomes one ``Episode``: the completion is
-every token after the prompt (actions and observations), ``logprobs`` are the sampling
-logprobs of action tokens (0.0 for observation tokens) and ``completion_mask`` is 1 on
-the policy's tokens and 0 on observation tokens, so the trainer trains only on what the
-policy produced (``grpo.Sample.mask``). Each action becomes a ``Turn`` record.
+The episode ends on ``DONE``, after its ``max_steps`` actions (one limit for all, or one
+per prompt), or when the context would exceed ``max_context_tokens``. Each episode
+becomes one ``Episode``: the completion is every token after the prompt (actions and
+observations), ``logprobs`` are the sampling logprobs of action tokens (0.0 for
+observation tokens) and ``completion_mask`` is 1 on the policy's tokens and 0 on
+observation tokens, so the trainer trains only on what the policy produced
+(``grpo.Sample.mask``). Each action becomes a ``Turn`` record; ``Episode.commands`` are
+the commands that ran, in order (the rollout stage stores them, one per line, as the
+completion the sandbox stage replays).
 
-Not covered: wiring into the rollout stage (no domain defines multi-turn tasks yet; a
-domain would pass its tasks' prompts and a session factory), tool formats other than
-one bash command per action, observations that the tokenizer cannot round-trip
-(characters outside the vocabulary become ``<unk>``), and parallel sessions (the
-commands of one turn run one after another).
+Not covered: tool formats other than one bash command per action, observations that the
+tokenizer cannot round-trip (characters outside the vocabulary become ``<unk>``), and
+engines other than ``hf`` (contexts are token ids).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from components.core.policy import Policy
 from components.core.records import Turn
-from components.rollout.engines import TokenPromptPolicy
+from components.domains.base import Interactive, action_command, observation_text
+from components.rollout.engines import Generation, TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
 
-DONE = "DONE"
+Actor = Callable[[str], str]
+"""A scripted policy: the context text so far (prompt, actions, observations) -> the next action."""
 
 
 class Session(Protocol):
-    def exec(self, cmd: str, timeout_s: float | None = None): ...
+    def exec(self, cmd, timeout_s: float | None = None): ...
 
     def close(self) -> None: ...
 
 
+class TaskSession:
+    """A sandbox session playing one interactive task: the first command lays out the
+    task's files, every command runs under its ``step_prefix`` and per-action time limit."""
+
+    def __init__(self, session, spec: Interactive) -> None:
+        self.session = session
+        self.spec = spec
+        self._laid_out = False
+
+    def exec(self, cmd: str, timeout_s: float | None = None):
+        files = None if self._laid_out else dict(self.spec.files)
+        self._laid_out = True
+        return self.session.exec(["bash", "-c", self.spec.command(cmd)], timeout_s=timeout_s or self.spec.step_timeout_s,
+                                 files=files)
+
+    def close(self) -> None:
+        self.session.close()
+
+
 def parse_action(text: str) -> tuple[str, str, bool]:
     """(tool, command, done) for an action text: ``DONE`` or nothing ends the episode,
-    anything else is one bash command."""
-    command = text.strip()
-    if not command or command.split()[0] == DONE:
+    otherwise the first non-empty line is one bash command."""
+    command = action_command(text)
+    if not command:
         return "done", "", True
     return "bash", command, False
 
 
 def format_observation(result, limit: int = 512) -> str:
     """What the policy sees after a command: exit status and the capped output."""
-    output = (result.stdout + result.stderr)[:limit]
-    return f"\n[exit {result.exit_code} {result.status}]\n{output}\n"
+    return observation_text(result.exit_code, result.status, result.stdout + result.stderr, limit)
 
 
 @dataclass
@@ -72,55 +98,98 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     finish_reason: str = "length"  # "stop": the policy said DONE; "length": step or context limit
     text: str = ""  # the decoded completion (actions and observations)
+    commands: list[str] = field(default_factory=list)  # the commands that ran, in order
 
 
-def run_episodes(policy: Policy, prompts: list[str], session_factory: Callable[[], Session], *, max_steps: int,
-                 max_action_tokens: int, temperature: float, seed: int, batch_size: int = 64,
-                 max_context_tokens: int | None = None, greedy: bool = False,
-                 parse: Callable[[str], tuple[str, str, bool]] = parse_action) -> list[Episode]:
-    """Play one episode per prompt; sessions are opened per episode and always closed."""
-    engine = HFEngine()
-    limit = max_context_tokens or getattr(policy.model.config, "max_position_embeddings", 10**9)
-    episodes = [Episode(prompt_ids=policy.encode_prompt(p)) for p in prompts]
-    sessions: list[Session | None] = [None] * len(prompts)
-    active = list(range(len(prompts)))
+def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Callable[[int], Session], *,
+                 max_steps: int | Sequence[int], max_action_tokens: int = 24, temperature: float = 1.0, seed: int = 0,
+                 batch_size: int = 64, max_context_tokens: int | None = None, greedy: bool = False,
+                 parse: Callable[[str], tuple[str, str, bool]] = parse_action, group_size: int = 1,
+                 observation_chars: int = 512, concurrency: int = 1,
+                 progress: Callable[[int], None] | None = None, engine: HFEngine | None = None) -> list[Episode]:
+    """Play ``group_size`` episodes per prompt (episode ``i * group_size + g`` is sample
+    ``g`` of ``prompts[i]``); sessions are opened on an episode's first command and always
+    closed. ``progress`` is called with how many episodes just ended. ``engine``: the
+``HFEngine`` a policy samples through (a default one when None)."""
+    scripted = not isinstance(actor, Policy)
+    engine = engine or HFEngine()
+    n = len(prompts) * group_size
+    owner = [k // group_size for k in range(n)]
+    steps = [max_steps] * len(prompts) if isinstance(max_steps, int) else list(max_steps)
+    if scripted:
+        episodes = [Episode(prompt_ids=[]) for _ in range(n)]
+        limit = 10**9
+    else:
+        policy: Policy = actor  # type: ignore[assignment]
+        episodes = [Episode(prompt_ids=policy.encode_prompt(prompts[owner[k]])) for k in range(n)]
+        limit = max_context_tokens or getattr(policy.model.config, "max_position_embeddings", 10**9)
+    sessions: list[Session | None] = [None] * n
+    active = list(range(n))
     try:
-        for step in range(max_steps):
-            active = [i for i in active if len(episodes[i].prompt_ids) + len(episodes[i].completion_ids)
-                      + max_action_tokens <= limit]
-            if not active:
-                break
-            contexts = [episodes[i].prompt_ids + episodes[i].completion_ids for i in active]
-            samples = engine.generate(TokenPromptPolicy(policy), contexts, max_action_tokens, temperature,  # type: ignore[arg-type]
-                                      seed + 1000 * step, batch_size, greedy=greedy)
-            still = []
-            for i, sample in zip(active, samples):
-                ep = episodes[i]
-                ep.completion_ids += sample.completion_ids
-                ep.logprobs += sample.logprobs
-                ep.completion_mask += [1] * len(sample.completion_ids)
-                tool, command, done = parse(sample.text)
-                if done:
-                    ep.turns.append(Turn(action=sample.text, observation="", tool_call=tool, duration_s=0.0))
-                    ep.finish_reason = "stop"
-                    continue
-                if sessions[i] is None:
-                    sessions[i] = session_factory()
-                started = time.perf_counter()
-                result = sessions[i].exec(command)  # type: ignore[union-attr]
-                observation = format_observation(result)
-                ep.turns.append(Turn(action=sample.text, observation=observation, tool_call=tool,
-                                     duration_s=time.perf_counter() - started))
-                obs_ids = list(policy.tokenizer(observation, add_special_tokens=False)["input_ids"])
-                ep.completion_ids += obs_ids
-                ep.logprobs += [0.0] * len(obs_ids)
-                ep.completion_mask += [0] * len(obs_ids)
-                still.append(i)
-            active = still
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            for step in range(max(steps, default=0)):
+                ended = [k for k in active if step >= steps[owner[k]] or (not scripted and len(episodes[k].prompt_ids)
+                         + len(episodes[k].completion_ids) + max_action_tokens > limit)]
+                active = [k for k in active if k not in set(ended)]
+                if progress and ended:
+                    progress(len(ended))
+                if not active:
+                    break
+                if scripted:
+                    texts = [actor(prompts[owner[k]] + episodes[k].text) for k in active]  # type: ignore[operator]
+                    samples = [Generation([], [], [], t, "stop") for t in texts]
+                elif step == 0 and len(active) == n:
+                    samples = engine.generate_groups(policy, prompts, group_size, max_action_tokens, temperature,
+                                                         seed, batch_size, greedy=greedy)
+                else:
+                    contexts = [episodes[k].prompt_ids + episodes[k].completion_ids for k in active]
+                    samples = engine.generate(TokenPromptPolicy(policy), contexts, max_action_tokens,  # type: ignore[arg-type]
+                                                  temperature, seed + 1000 * step, batch_size, greedy=greedy)
+                running = []
+                for k, sample in zip(active, samples):
+                    ep = episodes[k]
+                    ep.completion_ids += sample.completion_ids
+                    ep.logprobs += sample.logprobs
+                    ep.completion_mask += [1] * len(sample.completion_ids)
+                    ep.text += sample.text
+                    tool, command, done = parse(sample.text)
+                    if done:
+                        ep.turns.append(Turn(action=sample.text, observation="", tool_call=tool, duration_s=0.0))
+                        ep.finish_reason = "stop"
+                    else:
+                        running.append((k, sample.text, tool, command))
+                results = list(pool.map(lambda item: _run(sessions, session_factory, owner, item[0], item[3]), running))
+                for (k, text, tool, command), (result, seconds) in zip(running, results):
+                    ep = episodes[k]
+                    observation = format_observation(result, observation_chars)
+                    ep.turns.append(Turn(action=text, observation=observation, tool_call=tool, duration_s=seconds))
+                    ep.commands.append(command)
+                    ep.text += observation
+                    if not scripted:
+                        obs_ids = list(policy.tokenizer(observation, add_special_tokens=False)["input_ids"])
+                        ep.completion_ids += obs_ids
+                        ep.logprobs += [0.0] * len(obs_ids)
+                        ep.completion_mask += [0] * len(obs_ids)
+                if progress and len(running) < len(active):
+                    progress(len(active) - len(running))
+                active = [k for k, *_ in running]
+            if progress and active:
+                progress(len(active))
     finally:
         for s in sessions:
             if s is not None:
                 s.close()
-    for ep in episodes:
-        ep.text = policy.tokenizer.decode([t for t in ep.completion_ids if t != policy.eos_id], skip_special_tokens=True)
+    if not scripted:
+        for ep in episodes:
+            ep.text = policy.tokenizer.decode([t for t in ep.completion_ids if t != policy.eos_id],
+                                              skip_special_tokens=True)
     return episodes
+
+
+def _run(sessions: list[Session | None], factory: Callable[[int], Session], owner: list[int], k: int, command: str):
+    """Run ``command`` in episode ``k``'s session (opened on first use); (result, seconds)."""
+    started = time.perf_counter()
+    if sessions[k] is None:
+        sessions[k] = factory(owner[k])
+    result = sessions[k].exec(command)  # type: ignore[union-attr]
+    return result, time.perf_counter() - started

@@ -4,6 +4,14 @@ Shard ``i/n`` takes tasks ``i, i+n, i+2n, ...`` of taskgen's list, so every grou
 samples of one task lands in one shard and group-relative advantages need no shuffle.
 The engine gets each task's prompt once with the group size (``Engine.generate_groups``),
 so an engine that can shares one prefill among the group's samples.
+
+Tasks whose domain declares them interactive (``Domain.interactive``) are played as
+multi-turn episodes against sandbox sessions instead (``components/rollout/interactive.py``:
+G per task, in lockstep batches, at most ``rollout.max_turns`` actions, observations cut
+to ``rollout.observation_chars``, the ``sandbox`` section's backend, limits and
+concurrency); every other task goes through the one-shot path above, unchanged. Their
+rollouts are written in the tasks' order either way. Metrics: ``episodes`` (episodes
+played) and ``turns_mean`` (mean commands per episode; 0 without episodes).
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ from components.core.policy import load_policy
 from components.core.progress import bar
 from components.core.records import Rollout, Task
 from components.rollout.engines import get_engine
+from components.rollout.interactive import interactive_specs, play
 
-SECTIONS = ("rollout",)
-"""Recipe sections read: the engine, group size and sampling settings."""
+SECTIONS = ("rollout", "sandbox")
+"""Recipe sections read: the engine, group size and sampling settings; the sandbox that
+runs interactive tasks' episodes."""
 
 
 def inputs(ctx: StageContext) -> None:
@@ -33,14 +43,20 @@ def run(ctx: StageContext) -> dict[str, float]:
     start = ctx.facts_of("taskgen", StartingPolicy)
     tasks = shard_tasks(ctx)
     policy = load_policy(start.policy_uri, start.policy_version)
+    sandbox = ctx.recipe.sandbox
     engine = get_engine(cfg.engine)
     engine.workers = cfg.workers
+    specs = interactive_specs(tasks)
+    one_shot = [t for t in tasks if t.task_id not in specs]
+    played = [t for t in tasks if t.task_id in specs]
     with bar(f"rollout[{ctx.shard}]", len(tasks) * cfg.group_size) as advance:
-        samples = engine.generate_groups(policy, [t.prompt for t in tasks], cfg.group_size, cfg.max_new_tokens,
+        samples = engine.generate_groups(policy, [t.prompt for t in one_shot], cfg.group_size, cfg.max_new_tokens,
                                          cfg.temperature, ctx.seed(), cfg.batch_size, progress=advance)
+        episodes = play(policy, played, specs, cfg, sandbox, seed=ctx.seed("episodes"), iteration=ctx.iteration,
+                        engine=engine, engine_name=cfg.engine, progress=advance) if played else []
     rollouts = []
     for k, sample in enumerate(samples):
-        task = tasks[k // cfg.group_size]
+        task = one_shot[k // cfg.group_size]
         g = k % cfg.group_size
         rollouts.append(Rollout(
             rollout_id=f"{task.task_id}-i{ctx.iteration}-g{g}", task_id=task.task_id, domain=task.domain, group_index=g,
@@ -49,10 +65,14 @@ def run(ctx: StageContext) -> dict[str, float]:
             finish_reason=sample.finish_reason, prompt_tokens=len(sample.prompt_ids),
             completion_tokens=len(sample.completion_ids),
         ))
+    order = {t.task_id: i for i, t in enumerate(tasks)}
+    rollouts = sorted(rollouts + episodes, key=lambda r: (order[r.task_id], r.group_index))
     ctx.write_records("rollouts", rollouts, Rollout)
     n = max(1, len(rollouts))
     return {
         "rollouts": len(rollouts),
+        "episodes": len(episodes),
+        "turns_mean": sum(sum(t.tool_call == "bash" for t in r.turns) for r in episodes) / max(1, len(episodes)),
         "completion_tokens_mean": sum(r.completion_tokens for r in rollouts) / n,
         "stop_fraction": sum(r.finish_reason == "stop" for r in rollouts) / n,
     }

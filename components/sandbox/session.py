@@ -12,7 +12,9 @@ return a ``timeout`` result without running anything).
 the setup files, each step as its own ``exec``, then the check (backends without
 sessions run ``core.jobs.flatten(job)`` instead). A warm executor passes its
 ``SessionPool``: the session then runs on a kept worker, reset between sessions, instead
-of a sandbox started for it.
+of a sandbox started for it. ``SessionPool.open()`` hands out such a session directly:
+the rollout stage's multi-turn episodes take theirs that way (found by backend name in
+``components.core.sessions.SESSIONS``).
 
 Not covered: background processes that outlive one command (use one ``exec`` for a
 server and its client), network access, sessions that survive the host process.
@@ -54,6 +56,7 @@ class SessionPool:
     dead or fails the reset is closed. Workers start on demand."""
 
     def __init__(self, config, size: int) -> None:
+        self.config = config
         self.python, self.support = session_support(config)
         self.isolation = self.support.isolation + "+mode:session"
         self.limits = Limits.from_config(config)
@@ -68,6 +71,16 @@ class SessionPool:
             if self._idle:
                 return self._idle.pop()
         return Worker(self.support, self.python, self.limits, self.isolation, session=True)
+
+    def open(self, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S) -> SandboxSession:
+        """A session on a worker of this pool (given back, reset, when the session closes)."""
+        return SandboxSession(self.config, session_timeout_s=session_timeout_s, pool=self)
+
+    def __enter__(self) -> SessionPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def give_back(self, worker: Worker) -> None:
         if worker.alive and not self._closed and worker.reset():

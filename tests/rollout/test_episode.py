@@ -44,7 +44,7 @@ def test_episode_through_a_sandbox_session() -> None:
         opened.append(s)
         return s
 
-    episodes = run_episodes(policy, ["task A:", "task B, longer prompt:"], session, max_steps=6, max_action_tokens=4,
+    episodes = run_episodes(policy, ["task A:", "task B, longer prompt:"], lambda _: session(), max_steps=6, max_action_tokens=4,
                             temperature=1.0, seed=2, parse=scripted(2))
     assert len(opened) == 2 and all(s.closed for s in opened)
     for ep in episodes:
