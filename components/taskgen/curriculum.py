@@ -205,3 +205,21 @@ def to_json(p: Prior, weights: Mapping[str, Mapping[int, float]], tasks: Mapping
 
     return {"after_iteration": p.after_iteration, "pass_rates": keyed(p.pass_rates), "latest": keyed(p.latest),
             "weights": keyed(weights), "tasks": keyed(tasks)}
+
+
+@dataclass
+class Weigher:
+    """Pool weights from an estimate (``weigh(domain, difficulties)``), remembering each
+    domain's for the persisted state."""
+
+    prior: Prior
+    floor: float
+    chosen: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def __call__(self, domain: str, difficulties: tuple[int, ...]) -> dict[int, float]:
+        self.chosen[domain] = pool_weights(difficulties, self.prior.pass_rates.get(domain, {}), self.floor)
+        return self.chosen[domain]
+
+    def state(self, tasks: Mapping[str, Mapping[int, int]]) -> dict[str, Any]:
+        """``curriculum.json``: the estimate, the weights chosen and the tasks drawn per pool."""
+        return to_json(self.prior, self.chosen, tasks)

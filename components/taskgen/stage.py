@@ -171,22 +171,14 @@ def run(ctx: StageContext) -> dict[str, float]:
     weights = cfg.weights_for(ctx.iteration, list(recipe.domains))
     total = round(cfg.tasks_per_iteration * cfg.oversample)  # the surplus feeds trainer.dynamic_sampling
     r = rng(ctx.seed())
-    state: dict[str, Any] | None = None
-    weigh: Weigh | None = None
-    chosen: dict[str, dict[int, float]] = {}
-    if cfg.adaptive_difficulty:
-        prior = curriculum.prior(ctx, ctx.iteration - 1, cfg.difficulty_memory)
-
-        def weigh(domain: str, difficulties: tuple[int, ...]) -> dict[int, float]:
-            chosen[domain] = curriculum.pool_weights(difficulties, prior.pass_rates.get(domain, {}),
-                                                     cfg.difficulty_floor)
-            return chosen[domain]
+    weigh = (curriculum.Weigher(curriculum.prior(ctx, ctx.iteration - 1, cfg.difficulty_memory), cfg.difficulty_floor)
+             if cfg.adaptive_difficulty else None)
     if cfg.task_file:
         tasks = from_file(cfg.task_file, list(recipe.domains), weights, total, r, exclude, weigh)
     else:
         tasks = generate(domain_counts(recipe.domains, weights, total), r, exclude, weigh)
-    if cfg.adaptive_difficulty:
-        state = curriculum.to_json(prior, chosen, pool_counts(tasks))
+    state = weigh.state(pool_counts(tasks)) if weigh is not None else None
+    if state is not None:
         ctx.write_json(curriculum.OUTPUT, state)
     r.shuffle(tasks)  # so shards get a mix of domains
     ctx.write_records("tasks", tasks, Task)
