@@ -1,0 +1,105 @@
+"""The rollout stage plays interactive tasks as episodes and leaves one-shot tasks as they were.
+
+A tiny random policy (saved as a checkpoint, loaded by the stage as in a run) meets a
+taskgen output holding one one-shot terminal task and one interactive terminal task;
+the stage runs as the runner runs it, against real bwrap sessions.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from components.core.facts import StartingPolicy
+from components.core.policy import save_policy
+from components.core.recipe import parse_recipe
+from components.core.records import Rollout, Task
+from components.core.runner import make_context
+from components.core.storage import Store
+from components.domains.base import judge
+from components.domains.execute import execute
+from components.domains.terminal import Terminal
+from components.sandbox.executor import get_executor
+from tests.reward.builders import write_stage
+from tests.rollout.helpers import tiny_policy
+from tests.sandbox.helpers import bwrap_unavailable
+
+pytestmark = pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"needs bubblewrap sessions: {bwrap_unavailable()}")
+TERMINAL = Terminal()
+G = 2
+
+
+def one_shot_task() -> Task:
+    for seed in range(50):
+        task = TERMINAL.make_task(random.Random(seed), "train")
+        if task.difficulty == 1:
+            return task
+    raise AssertionError("no difficulty-1 task")
+
+
+def rollout_stage(root, tasks: list[Task], **rollout) -> tuple[dict, list[Rollout], object]:
+    store = Store(str(root), "test")
+    if not store.exists("ckpt/config.json"):
+        tiny = tiny_policy(seed=3)
+        save_policy(tiny.model, tiny.tokenizer, store, "ckpt")
+    recipe = parse_recipe({"pipeline": "p", "rollout": {"group_size": G, "shards": 1, "max_new_tokens": 6,
+                                                        "observation_chars": 16, "batch_size": 8, **rollout},
+                           "sandbox": {"timeout_s": 5.0}})
+    write_stage(store, "p", 1, "taskgen", None, {"tasks": (tasks, Task)},
+                StartingPolicy(policy_version="1", policy_uri=store.url("ckpt")))
+    from components.rollout import stage
+
+    ctx = make_context("rollout", recipe, store.uri, 1, "0/1")
+    stage.inputs(ctx)
+    metrics = stage.run(ctx)
+    return metrics, _written(store, ctx), recipe
+
+
+def _written(store: Store, ctx) -> list[Rollout]:
+    from components.core.records import from_table
+
+    return from_table(Rollout, store.read_table(ctx.outputs["rollouts"].path))
+
+
+def test_interactive_tasks_become_episodes_and_one_shot_tasks_do_not_change(tmp_path) -> None:
+    plain = one_shot_task()
+    played = TERMINAL.make_interactive_task(random.Random(1), "train")
+    metrics, rollouts, recipe = rollout_stage(tmp_path, [plain, played], max_turns=2)
+    alone_metrics, alone, _ = rollout_stage(tmp_path / "alone", [plain], max_turns=2)
+
+    assert [r.task_id for r in rollouts] == [plain.task_id] * G + [played.task_id] * G
+    assert [r.group_index for r in rollouts] == [0, 1, 0, 1]
+    # The one-shot task went through today's path: the same samples as a run without the episode.
+    assert rollouts[:G] == alone and all(not r.turns and not r.completion_mask for r in alone)
+    assert alone_metrics["episodes"] == 0 and alone_metrics["turns_mean"] == 0.0
+
+    episodes = rollouts[G:]
+    assert metrics["episodes"] == G
+    commands = [[t.action for t in r.turns if t.tool_call == "bash"] for r in episodes]
+    assert metrics["turns_mean"] == sum(len(c) for c in commands) / G
+    for r, cmds in zip(episodes, commands):
+        assert r.turns and len(cmds) <= 2
+        assert r.completion == "\n".join(c.strip().split("\n")[0].strip() for c in cmds)
+        assert len(r.completion_token_ids) == len(r.logprobs) == len(r.completion_mask) == r.completion_tokens
+        assert set(r.completion_mask) <= {0, 1} and 1 in r.completion_mask
+        assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.completion_mask) if m == 0)
+        observed = sum(len(t.observation) for t in r.turns)  # one token per character (character tokenizer)
+        assert r.completion_mask.count(0) == observed
+        for t in r.turns:
+            if t.tool_call == "bash":  # the output the policy saw is capped at rollout.observation_chars
+                assert len(t.observation.split("]\n", 1)[1]) <= 16 + 1
+
+    # The sandbox stage's path replays each episode's commands and the verifier reads the state.
+    with get_executor(recipe.sandbox) as executor:
+        results = execute([(r.rollout_id, played, r.completion) for r in episodes], executor, 2)
+    verdicts = [judge(TERMINAL, played, r.completion, results[r.rollout_id]) for r in episodes]
+    assert all(v.status == "ok" and v.components["ran"] == 1.0 for v in verdicts)
+    assert [v.components["steps"] for v in verdicts] == [float(len(c)) for c in commands]
+
+
+def test_max_turns_caps_the_episode(tmp_path) -> None:
+    played = TERMINAL.make_interactive_task(random.Random(1), "train")
+    _, one, _ = rollout_stage(tmp_path, [played], max_turns=1)
+    assert all(len(r.turns) == 1 for r in one)
+    assert all(r.finish_reason == ("stop" if r.turns[0].tool_call == "done" else "length") for r in one)
