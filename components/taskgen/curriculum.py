@@ -37,7 +37,6 @@ uniform), and a chain through an iteration whose taskgen ran without adaptive di
 
 from __future__ import annotations
 
-import functools
 import random
 from collections import defaultdict
 from collections.abc import Mapping
@@ -70,15 +69,15 @@ def largest_remainder(weights: Mapping[K, float], total: int) -> dict[K, int]:
     return counts
 
 
-@functools.cache
-def _pools(name: str, make_task: Any) -> tuple[int, ...]:
-    rng = random.Random(f"difficulty-pools:{name}")
-    return tuple(sorted({make_task(rng, "train").difficulty for _ in range(SAMPLE)}))
+_POOLS: dict[type[Domain], tuple[int, ...]] = {}  # per domain class: the registry hands out new instances
 
 
 def pools(domain: Domain) -> tuple[int, ...]:
     """The difficulties ``domain`` generates, seen in a fixed seeded sample of its tasks."""
-    return _pools(domain.name, domain.make_task)
+    if type(domain) not in _POOLS:
+        rng = random.Random(f"difficulty-pools:{domain.name}")
+        _POOLS[type(domain)] = tuple(sorted({domain.make_task(rng, "train").difficulty for _ in range(SAMPLE)}))
+    return _POOLS[type(domain)]
 
 
 def pool_weight(p: float | None, floor: float) -> float:
