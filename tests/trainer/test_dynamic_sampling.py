@@ -1,0 +1,179 @@
+"""Dynamic sampling (``trainer.dynamic_sampling``) on a hand-built iteration, then through
+a real trainer stage with MLflow.
+
+The hand-built set: 5 arithmetic groups with mixed rewards, 3 arithmetic groups all 0, 1
+arithmetic group all 1 among its non-excluded samples (its excluded sample's raw reward
+0.0 must not count), 4 code groups with mixed rewards but loss weight 0 (every weighted
+advantage 0), 2 code groups all 1. With dynamic sampling on, the 9 informative groups
+fill whole steps of ``prompts_per_step``; off, the 5 groups with a non-zero weighted
+advantage are cut into steps, the last partial.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlflow
+import pytest
+import yaml
+
+from components.core import tracking
+from components.core.errors import UserError
+from components.core.recipe import parse_recipe
+from components.core.records import Reward, Rollout
+from components.core.runner import make_context, run_stage
+from components.core.storage import Store
+from components.trainer import stage as trainer_stage
+from components.trainer.grpo import Sample, step_batches
+from components.trainer.sampling import collect_groups, select_groups
+from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
+
+G = 4
+
+
+def group(task: int, domain: str, raws: list[float], weight: float = 1.0, excluded: tuple[int, ...] = ()):
+    """One task's rollouts and rewards; the task number is its prompt token, so a batch's
+    samples say which task they came from. Advantages are +-1 around the ok samples' mean
+    (0 when those are all equal), as the reward stage gives them."""
+    ok = [r for k, r in enumerate(raws) if k not in excluded]
+    mean = sum(ok) / len(ok)
+    rollouts, rewards = [], []
+    for k, raw in enumerate(raws):
+        rid = f"t{task:02d}-{k}"
+        rollouts.append(Rollout(rid, f"t{task:02d}", domain, k, "1", "hf", "p", "c", [task], [7, 8], [-0.5, -0.5],
+                                "stop", 1, 2))
+        status = "excluded" if k in excluded else "ok"
+        adv = 0.0 if status != "ok" or raw == mean else (1.0 if raw > mean else -1.0)
+        rewards.append(Reward(rid, f"t{task:02d}", domain, k, raw, {}, raw, weight if status == "ok" else 0.0, adv, status))
+    return rollouts, rewards
+
+
+SPEC = ([(t, "arithmetic", [1, 0, 1, 0], 1.0, ()) for t in range(5)]
+        + [(t, "arithmetic", [0, 0, 0, 0], 1.0, ()) for t in range(5, 8)]
+        + [(8, "arithmetic", [1, 0, 1, 1], 1.0, (1,))]
+        + [(t, "code", [0, 1, 1, 0], 0.0, ()) for t in range(9, 13)]
+        + [(t, "code", [1, 1, 1, 1], 1.0, ()) for t in range(13, 15)])
+INFORMATIVE = set(range(5)) | set(range(9, 13))
+DOMAIN = {t: d for t, d, *_ in SPEC}
+
+
+def iteration() -> tuple[list[Rollout], list[Reward]]:
+    rollouts, rewards = [], []
+    for task, domain, raws, weight, excluded in SPEC:
+        ro, rw = group(task, domain, raws, weight, excluded)
+        rollouts += ro
+        rewards += rw
+    return rollouts, rewards
+
+
+def tasks_of(batch: list[Sample]) -> list[int]:
+    """The tasks of a step's groups, each once, in order."""
+    seen: list[int] = []
+    for s in batch:
+        if s.prompt_ids[0] not in seen:
+            seen.append(s.prompt_ids[0])
+    return seen
+
+
+def select(dynamic: bool, tasks_per_iteration: int = 8, prompts_per_step: int = 4, seed: int = 11):
+    selection = select_groups(collect_groups(*iteration()), dynamic=dynamic, prompts_per_step=prompts_per_step,
+                              target_steps=tasks_per_iteration // prompts_per_step, seed=seed)
+    return selection, step_batches(selection.groups, prompts_per_step, 1, seed)
+
+
+def test_dynamic_sampling_fills_every_step_with_informative_groups() -> None:
+    selection, batches = select(dynamic=True)
+    assert len(batches) == 2  # tasks_per_iteration // prompts_per_step: 8 // 4
+    steps = [tasks_of(b) for b in batches]
+    assert [len(s) for s in steps] == [4, 4] and all(len(b) == 4 * G for b in batches)
+    trained = [t for s in steps for t in s]
+    assert len(set(trained)) == 8 and set(trained) <= INFORMATIVE  # none all-equal, the code groups of weight 0 kept
+    kept = Counter(DOMAIN[t] for t in trained)
+    assert selection.kept == {"arithmetic": kept["arithmetic"], "code": kept["code"]}
+    assert selection.dropped == {"arithmetic": 4, "code": 2}
+    assert selection.unused == 1  # 9 informative groups, 8 trained
+    assert selection.metrics() == {
+        "groups_kept": 8.0, "groups_dropped": 6.0, "groups_unused": 1.0,
+        "arithmetic/groups_kept": float(kept["arithmetic"]), "arithmetic/groups_dropped": 4.0,
+        "code/groups_kept": float(kept["code"]), "code/groups_dropped": 2.0}
+
+
+def test_too_few_informative_groups_give_fewer_whole_steps() -> None:
+    selection, batches = select(dynamic=True, tasks_per_iteration=16)  # aims at 4 steps; 9 groups fill 2
+    assert [len(tasks_of(b)) for b in batches] == [4, 4]
+    assert (sum(selection.kept.values()), selection.unused) == (8, 1)
+    selection, batches = select(dynamic=True, tasks_per_iteration=16, prompts_per_step=5)
+    assert [len(tasks_of(b)) for b in batches] == [5] and selection.unused == 4
+
+
+def test_the_seeded_shuffle_picks_the_surplus_left_out() -> None:
+    left_out = set()
+    for seed in range(12):
+        selection, batches = select(dynamic=True, seed=seed)
+        trained = {t for b in batches for t in tasks_of(b)}
+        assert len(trained) == 8 and trained <= INFORMATIVE
+        left_out |= INFORMATIVE - trained
+    assert {DOMAIN[t] for t in left_out} == {"arithmetic", "code"}  # task order favours no domain
+    again, batches = select(dynamic=True, seed=3)
+    assert again == select(dynamic=True, seed=3)[0]
+
+
+def test_without_dynamic_sampling_groups_with_signal_train_and_the_last_step_is_partial() -> None:
+    selection, batches = select(dynamic=False)
+    steps = [tasks_of(b) for b in batches]
+    assert [len(s) for s in steps] == [4, 1]
+    assert sorted(t for s in steps for t in s) == [0, 1, 2, 3, 4]  # weight 0 is no signal here
+    assert selection.kept == {"arithmetic": 5, "code": 0}
+    assert selection.dropped == {"arithmetic": 4, "code": 6}
+    assert selection.unused == 0
+    assert selection.metrics()["groups_dropped"] == 10.0
+
+
+def test_prompts_per_step_beyond_the_iteration_is_refused(tmp_path) -> None:
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    data["trainer"] = {**data["trainer"], "dynamic_sampling": True, "prompts_per_step": 9}
+    ctx = make_context("trainer", parse_recipe(data), f"file://{tmp_path}", 1)
+    with pytest.raises(UserError, match=r"trainer.prompts_per_step='9': is more than taskgen.tasks_per_iteration \(8\)"):
+        trainer_stage.inputs(ctx)
+
+
+def tiny(dynamic: bool):
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    data["trainer"] = {**data["trainer"], "dynamic_sampling": dynamic}
+    return parse_recipe(data)
+
+
+UPSTREAM = [("taskgen", None), ("rollout", "0/2"), ("rollout", "1/2"), ("sandbox", "0/2"), ("sandbox", "1/2"),
+            ("reward", "0/2"), ("reward", "1/2"), ("validation", None)]
+
+
+def test_the_trainer_stage_logs_the_drop_counts_to_mlflow(tmp_path) -> None:
+    root = f"file://{tmp_path / 'store'}"
+    with pytest.MonkeyPatch.context() as mp:
+        use_home(mp, tmp_path / ".posttrain")
+        run_stage("bootstrap", tiny(False), root, 0)
+        for stage, shard in UPSTREAM:
+            run_stage(stage, tiny(False), root, 1, shard)
+        rewards = [r for path in Store(root).glob("tiny/iter-000001/reward/**/rewards.parquet")
+                   for r in Store(root).read_table(path).to_pylist()]
+        by_task: dict[str, list[dict]] = {}
+        for r in rewards:
+            by_task.setdefault(r["task_id"], []).append(r)
+        all_equal = sum(len({r["raw_reward"] for r in rs if r["status"] == "ok"}) <= 1 for rs in by_task.values())
+        no_signal = sum(not any(r["advantage"] * r["weight"] != 0 for r in rs if r["status"] == "ok")
+                        for rs in by_task.values())
+        on = run_stage("trainer", tiny(True), root, 1)  # upstream stages hit their cache
+        off = run_stage("trainer", tiny(False), root, 1)
+        client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri())  # the home's SQLite store
+        logged_on = client.get_metric_history(on.mlflow_run_id, "trainer/groups_dropped")
+        logged_off = client.get_metric_history(off.mlflow_run_id, "trainer/groups_dropped")
+        domains_on = {d: client.get_metric_history(on.mlflow_run_id, f"trainer/{d}/groups_dropped")[0].value
+                      for d in ("arithmetic", "code")}
+        reset_tracking_clients()
+    # The tiny recipe's policy (20 SFT steps) solves no task: every group is all 0 and dropped.
+    assert (len(by_task), all_equal, no_signal) == (8, 8, 8)
+    assert [m.value for m in logged_on] == [8.0] and [m.value for m in logged_off] == [8.0]
+    assert domains_on == {"arithmetic": 4.0, "code": 4.0}
+    assert {k: on.metrics[f"trainer/{k}"] for k in ("steps", "groups_kept", "groups_unused")} == \
+        {"steps": 0.0, "groups_kept": 0.0, "groups_unused": 0.0}
+    assert on.metrics["trainer/groups_dropped"] == off.metrics["trainer/groups_dropped"] == 8.0
