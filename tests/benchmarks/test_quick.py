@@ -113,3 +113,14 @@ def test_iteration_baseline(tmp_path):
 def test_trainer_packing(tmp_path):
     out = run_quick("trainer/packing.py", tmp_path)
     assert_line(out, r"packed vs padded: \d+\.\d+x tokens/s")
+
+
+# One bootstrap and two one-iteration runs (the demo recipe and its shuffled-reward twin)
+# of the demo recipe cut to a few tasks: about 1.5-2.5 minutes on 2 busy cores.
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_learning(tmp_path):
+    out = run_quick("learning.py", tmp_path, timeout=400)
+    assert_line(out, r"\| math \| 8 \| \d\.\d{3} \| \d\.\d{3} \| [+-]\d\.\d{3} \| \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\] \| (yes|no) \|")
+    # the line the full run ends with: the domains whose pooled interval lies above 0, per arm
+    assert_line(out, r"(?m)^domains above bootstrap: demo [0-5]/5, shuffled [0-5]/5$")
