@@ -7,6 +7,15 @@ finite advantages), shapes (one logprob per completion token), allowed values
 (statuses, domains), uniqueness of ids, and that enough rewards survived infrastructure
 failures to train on.
 
+Multi-turn episodes carry a ``completion_mask`` (1 = the policy's token, 0 = an
+observation the sandbox returned). The token checks count only the policy's tokens:
+``completion_tokens`` is the longest run of policy tokens (one action, capped by
+``rollout.max_new_tokens``; a one-shot rollout's whole completion), ``logprob_max`` is
+over policy tokens, observation tokens must carry logprob 0.0
+(``observation_logprobs_zero``), the mask must be empty or one 0/1 per completion token
+with at least one 1 (``mask_matches_tokens``), and an episode takes at most
+``rollout.max_turns`` actions (``actions``).
+
 The report keeps one row per expectation (``Report.expectations``, columns
 ``COLUMNS``): its table, expectation type, column, kwargs (JSON text), success,
 observed value, unexpected count and percent, and the first few unexpected values (a
@@ -131,13 +140,38 @@ def _row(table: str, expectation: str, column: str | None, kwargs: dict, success
     }
 
 
+def _policy_run(rollout: Rollout) -> int:
+    """The longest run of the policy's tokens (the whole completion without a mask)."""
+    if not rollout.completion_mask:
+        return rollout.completion_tokens
+    longest = run = 0
+    for m in rollout.completion_mask:
+        run = run + 1 if m == 1 else 0
+        longest = max(longest, run)
+    return longest
+
+
+def _mask_ok(rollout: Rollout) -> bool:
+    mask = rollout.completion_mask
+    return not mask or (len(mask) == len(rollout.completion_token_ids) and set(mask) <= {0, 1} and 1 in mask)
+
+
+def _policy_logprobs(rollout: Rollout) -> list[float]:
+    mask = rollout.completion_mask
+    return list(rollout.logprobs) if not mask else [lp for lp, m in zip(rollout.logprobs, mask) if m == 1]
+
+
 def _frames(rollouts: list[Rollout], rewards: list[Reward]) -> tuple[pd.DataFrame, pd.DataFrame]:
     ro = pd.DataFrame({
         "rollout_id": [r.rollout_id for r in rollouts],
         "domain": [r.domain for r in rollouts],
-        "completion_tokens": [r.completion_tokens for r in rollouts],
-        "logprob_max": [max(r.logprobs) if r.logprobs else 0.0 for r in rollouts],
+        "completion_tokens": [_policy_run(r) for r in rollouts],
+        "logprob_max": [max(_policy_logprobs(r), default=0.0) for r in rollouts],
         "logprobs_match_tokens": [len(r.logprobs) == len(r.completion_token_ids) == r.completion_tokens for r in rollouts],
+        "mask_matches_tokens": [_mask_ok(r) for r in rollouts],
+        "observation_logprobs_zero": [all(lp == 0.0 for lp, m in zip(r.logprobs, r.completion_mask) if m == 0)
+                                      for r in rollouts],
+        "actions": [sum(t.tool_call != "done" for t in r.turns) for r in rollouts],
     })
     rw = pd.DataFrame({
         "rollout_id": [r.rollout_id for r in rewards],
@@ -151,7 +185,7 @@ def _frames(rollouts: list[Rollout], rewards: list[Reward]) -> tuple[pd.DataFram
     return ro, rw
 
 
-def _suites(gx, recipe, max_new_tokens: int):
+def _suites(gx, recipe, max_new_tokens: int, max_turns: int):
     E = gx.expectations
     domains = list(recipe.domains)
     rollouts = [
@@ -161,6 +195,9 @@ def _suites(gx, recipe, max_new_tokens: int):
         E.ExpectColumnValuesToBeBetween(column="completion_tokens", min_value=1, max_value=max_new_tokens),
         E.ExpectColumnValuesToBeBetween(column="logprob_max", max_value=1e-6),
         E.ExpectColumnValuesToBeInSet(column="logprobs_match_tokens", value_set=[True]),
+        E.ExpectColumnValuesToBeInSet(column="mask_matches_tokens", value_set=[True]),
+        E.ExpectColumnValuesToBeInSet(column="observation_logprobs_zero", value_set=[True]),
+        E.ExpectColumnValuesToBeBetween(column="actions", min_value=0, max_value=max_turns),
     ]
     rewards = [
         E.ExpectColumnValuesToBeUnique(column="rollout_id"),
@@ -192,7 +229,7 @@ def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
     if not matched:
         report.success = False
         report.failures.append(f"rewards has {len(rewards)} rows but rollouts has {len(rollouts)}: every rollout needs a reward")
-    for name, expectations in _suites(gx, recipe, recipe.rollout.max_new_tokens).items():
+    for name, expectations in _suites(gx, recipe, recipe.rollout.max_new_tokens, recipe.rollout.max_turns).items():
         empty = frames[name].empty
         report.expectations.append(_row(name, CHECK_NOT_EMPTY, None, {"min_rows": 1}, not empty,
                                         {"observed_value": len(frames[name])}))

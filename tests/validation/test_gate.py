@@ -11,7 +11,7 @@ from components.cli import main
 from components.core.facts import StartingPolicy
 from components.core.manifest import MANIFEST, Shard
 from components.core.recipe import parse_recipe
-from components.core.records import Reward, Rollout
+from components.core.records import Reward, Rollout, Turn
 from components.core.storage import Store
 from components.validation.suite import check
 from tests.reward.builders import math_task, rollout, write_stage
@@ -35,7 +35,39 @@ def clean() -> tuple[list[Rollout], list[Reward]]:
 
 def test_clean_batch_passes_every_expectation() -> None:
     report = check(*clean(), RECIPE)
-    assert (report.success, report.failures, report.checked) == (True, [], 13)
+    assert (report.success, report.failures, report.checked) == (True, [], 16)
+
+
+def episode(i: int, actions: int = 3, action_tokens: int = 4, observation_tokens: int = 20) -> Rollout:
+    """A multi-turn rollout: ``actions`` actions of ``action_tokens`` policy tokens, each followed by
+    an observation of ``observation_tokens`` (mask 0, logprob 0.0)."""
+    mask = ([1] * action_tokens + [0] * observation_tokens) * actions
+    logprobs = [-0.5 if m else 0.0 for m in mask]
+    turns = [Turn(action=f"cmd{k}", observation="\n[exit 0 ok]\n\n", tool_call="bash", duration_s=0.1)
+             for k in range(actions)]
+    return dataclasses.replace(rollout(TASK, i, "cmd0\ncmd1"), completion_token_ids=[7] * len(mask), logprobs=logprobs,
+                               completion_tokens=len(mask), completion_mask=mask, turns=turns)
+
+
+def test_observation_tokens_count_neither_for_the_cap_nor_the_logprobs() -> None:
+    rollouts, rewards = clean()
+    rollouts[0] = episode(0)  # 72 completion tokens, max_new_tokens 4: each action is within the cap
+    report = check(rollouts, rewards, RECIPE)
+    assert (report.success, report.failures) == (True, [])
+
+
+@pytest.mark.parametrize(("broken", "expected"), [
+    (episode(0, action_tokens=5), "{'column': 'completion_tokens'"),
+    (dataclasses.replace(episode(0), logprobs=[-0.5] * 4 + [-1.0] + [0.0] * 67), "{'column': 'observation_logprobs_zero'"),
+    (dataclasses.replace(episode(0), completion_mask=[1] * 4 + [0] * 20), "{'column': 'mask_matches_tokens'"),
+    (episode(0, actions=5, observation_tokens=2), "{'column': 'actions'"),
+])
+def test_each_episode_expectation_catches_its_broken_row(broken: Rollout, expected: str) -> None:
+    rollouts, rewards = clean()
+    rollouts[0] = broken
+    report = check(rollouts, rewards, RECIPE)
+    assert report.success is False
+    assert [f.split(" ", 2)[2][: len(expected)] for f in report.failures] == [expected]
 
 
 def _bad_rollout(i: int, **changes):
@@ -100,4 +132,4 @@ def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_h
                                                "expect_column_values_to_be_between {'column': 'raw_reward'")
     assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     report = store.read_json("gate/iter-000001/validation/report.json")
-    assert report["success"] is False and report["checked"] == 13 and len(report["failures"]) == 1
+    assert report["success"] is False and report["checked"] == 16 and len(report["failures"]) == 1

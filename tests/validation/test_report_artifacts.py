@@ -20,7 +20,7 @@ from components.validation.suite import CELL_CHARS, COLUMNS, SAMPLE_VALUES, VALU
 from tests.reward.builders import write_stage
 from tests.validation.test_gate import RECIPE, TASK, clean
 
-ROWS = 16  # 13 GX expectations + rewards-match-rollouts + two non-empty-table checks
+ROWS = 19  # 16 GX expectations + rewards-match-rollouts + two non-empty-table checks
 RAW_REWARD_KWARGS = '{"column": "raw_reward", "max_value": 1.0, "min_value": 0.0}'
 
 
