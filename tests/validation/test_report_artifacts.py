@@ -64,7 +64,7 @@ def test_passing_gate_logs_every_expectation_as_a_success(tmp_path, posttrain_ho
     [mean] = [r for r in rows if r["column"] == "is_ok"]
     assert (mean["observed"], mean["kwargs"]) == ("1.0", '{"column": "is_ok", "max_value": 1.0, "min_value": 0.5}')
     assert page.split("<tbody>")[1].count("<tr>") == ROWS and 'class="fail"' not in page
-    assert "Data-quality gate <span class=\"ok\">passed</span>: 16 checks, 0 failed" in page
+    assert "Data-quality gate <span class=\"ok\">passed</span>: 19 checks, 0 failed" in page
     report = store.read_json("gate/iter-000001/validation/report.json")
     assert report["success"] is True and report["expectations"] == rows
 
