@@ -54,7 +54,7 @@ BUILTIN: tuple[StageSpec, ...] = (
     StageSpec("bootstrap", "components.bootstrap.stage", (), timeout_s=4 * 3600, sandboxed=True, gpus=1, memory="16Gi"),
     StageSpec("taskgen", "components.taskgen.stage", ("bootstrap",), timeout_s=1800),
     StageSpec("rollout", "components.rollout.stage", ("taskgen",), fanout="rollout.shards", timeout_s=4 * 3600,
-              gpus=1, memory="16Gi"),
+              gpus=1, memory="16Gi", sandboxed=True),  # multi-turn episodes run commands in sandbox sessions
     StageSpec("sandbox", "components.sandbox.stage", ("rollout",), fanout="sandbox.shards", pool=SANDBOX_POOL,
               timeout_s=2 * 3600, sandboxed=True, cpu="4"),
     StageSpec("reward", "components.reward.stage", ("sandbox",), fanout="rollout.shards", timeout_s=1800),
