@@ -17,7 +17,12 @@ format, scored on the fixed eval suite, registered as a version of
 With any other ``model.source`` (a Hugging Face folder, a store URI, or a registry URI
 ``models:/<name>@<alias>`` / ``models:/<name>/<version>``) it skips SFT and
 registers that model as it is. Deterministic from the recipe seed; a second call is a
-cache hit. Not covered: LoRA/PEFT warm starts and multi-GPU SFT.
+cache hit.
+
+Interactive tasks (``Domain.interactive``) with a reference episode
+(``reference["episode"]``) are learnt from that episode: actions and their EOS are
+trained on, the observations between them are context only (mask 0 in the loss), as the
+trainer treats an episode's observation tokens (``components.evalsuite.episodes``). Not covered: LoRA/PEFT warm starts and multi-GPU SFT.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from components.core.records import Task
 from components.core.seeds import seed_everything
 from components.domains import registry
 from components.evalsuite.decision import record_decision, unpaired
+from components.evalsuite.episodes import episode_example
 from components.evalsuite.score import eval_tags, evaluate_and_log
 from components.evalsuite.suite import eval_tasks, pass_rates, run_suite
 from components.sandbox.executor import get_executor
@@ -56,22 +62,43 @@ def inputs(ctx: StageContext) -> None:
     return None  # bootstrap depends only on its config (and model.source, part of it)
 
 
-def _examples(policy: Policy, tasks: list[Task]) -> list[tuple[list[int], list[int]]]:
+Example = tuple[list[int], list[int], list[int]]
+"""(prompt ids, completion ids, loss mask per completion token: 1 trained on, 0 context)."""
+
+
+def _examples(policy: Policy, tasks: list[Task]) -> list[Example]:
     out = []
     for t in tasks:
-        completion = registry.get(t.domain).reference_completion(t)
-        ids = policy.tokenizer(completion, add_special_tokens=False)["input_ids"]
-        out.append((policy.encode_prompt(t.prompt), list(ids) + [EOS]))
+        domain = registry.get(t.domain)
+        if domain.interactive(t) is not None and t.reference.get("episode"):
+            ids, mask = episode_example(policy, t.reference["episode"])
+        else:
+            completion = domain.reference_completion(t)
+            ids = list(policy.tokenizer(completion, add_special_tokens=False)["input_ids"]) + [EOS]
+            mask = [1] * len(ids)
+        out.append((policy.encode_prompt(t.prompt), ids, mask))
     return out
 
 
-def token_budget(examples: list[tuple[list[int], list[int]]], budget: int) -> list[tuple[list[int], list[int]]]:
+def sft_batch(policy: Policy, examples: list[Example]):
+    """(ids, attention, loss mask) of a padded batch: the completion positions, with each
+    example's mask-0 tokens (an episode's observations) switched off."""
+    import torch
+
+    ids, attn, mask = pad_batch([(p, c) for p, c, _ in examples], policy.pad_id)
+    for row, (prompt, _, keep) in enumerate(examples):
+        start = len(prompt) - 1
+        mask[row, start:start + len(keep)] *= torch.tensor(keep, dtype=mask.dtype)
+    return ids, attn, mask
+
+
+def token_budget(examples: list[Example], budget: int) -> list[Example]:
     """The first examples whose padded batch (count x longest) fits ``budget`` tokens
     (at least one); all of them when ``budget`` is 0."""
     if budget <= 0:
         return examples
     longest = 0
-    for n, (prompt, completion) in enumerate(examples):
+    for n, (prompt, completion, _) in enumerate(examples):
         longest = max(longest, len(prompt) + len(completion))
         if n and (n + 1) * longest > budget:
             return examples[:n]
@@ -106,7 +133,7 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
         else:
             domain = domains[(step - 1) % len(domains)]
         tasks = [domain.draw(rng, "train", exclude) for _ in range(cfg.batch_size)]
-        ids, attn, mask = pad_batch(token_budget(_examples(policy, tasks), cfg.batch_tokens), policy.pad_id)
+        ids, attn, mask = sft_batch(policy, token_budget(_examples(policy, tasks), cfg.batch_tokens))
         model.train()
         logp, _ = token_logprobs(model, ids, attn)
         loss = -(logp * mask).sum() / mask.sum()

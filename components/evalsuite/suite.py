@@ -7,6 +7,10 @@ promotion compares); ``pass_rates`` averages per domain. ``sampled_pass_at_k`` d
 completions per task at a temperature (seeded) and returns the unbiased pass@k per
 domain, a report figure that never decides promotion.
 
+Interactive tasks (``Domain.interactive``) are scored as greedy episodes
+(``components/evalsuite/episodes.py``), never as one-shot completions, and report as
+their own ``multi_turn`` slices; ``sampled_pass_at_k`` leaves them out.
+
 Not covered: pass@k from more samples than k (n > k), or per-slice pass@k.
 """
 
@@ -23,8 +27,10 @@ from components.core.seeds import derive_seed
 from components.domains import registry
 from components.domains.base import judge
 from components.domains.execute import execute
+from components.evalsuite.episodes import score_episodes
 from components.evalsuite.stats import pass_at_k
 from components.rollout.engines import Engine, get_engine
+from components.rollout.interactive import interactive_specs
 from components.sandbox.executor import Executor
 
 
@@ -52,6 +58,18 @@ def engine_of(recipe: Recipe) -> Engine:
 
 
 def run_suite(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, label: str = "eval") -> list[EvalResult]:
+    """Greedy pass@1 of every task, in the tasks' order (interactive tasks as episodes)."""
+    specs = interactive_specs(tasks)
+    played = [t for t in tasks if t.task_id in specs]
+    by_id = {r.task_id: r for r in score_episodes(policy, played, recipe, executor, policy.version, f"{label} episodes")}
+    by_id.update({r.task_id: r for r in _one_shot(policy, [t for t in tasks if t.task_id not in specs], recipe,
+                                                 executor, label)})
+    return [by_id[t.task_id] for t in tasks]
+
+
+def _one_shot(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, label: str) -> list[EvalResult]:
+    if not tasks:
+        return []
     samples = engine_of(recipe).generate(
         policy, [t.prompt for t in tasks], recipe.evaluation.max_new_tokens, 1.0, 0, recipe.rollout.batch_size, greedy=True,
     )
@@ -78,7 +96,11 @@ def pass_rates(results: list[EvalResult]) -> dict[str, float]:
 def sampled_pass_at_k(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, k: int, temperature: float,
                       seed: int, label: str = "pass@k") -> dict[str, float]:
     """Per domain, the mean unbiased pass@k over ``tasks`` from ``k`` completions per task
-    sampled at ``temperature`` (reproducible from ``seed``)."""
+    sampled at ``temperature`` (reproducible from ``seed``); interactive tasks are left out."""
+    specs = interactive_specs(tasks)
+    tasks = [t for t in tasks if t.task_id not in specs]
+    if not tasks:
+        return {}
     prompts = [t.prompt for t in tasks for _ in range(k)]
     samples = engine_of(recipe).generate(
         policy, prompts, recipe.evaluation.max_new_tokens, temperature, seed, recipe.rollout.batch_size,

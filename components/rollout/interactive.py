@@ -50,12 +50,14 @@ def interactive_specs(tasks: list[Task]) -> dict[str, Interactive]:
 
 def play(actor: Policy | Actor, tasks: list[Task], specs: dict[str, Interactive], rollout_cfg, sandbox_cfg, *,
          seed: int, iteration: int, engine: HFEngine | None = None, engine_name: str = "hf",
-         progress: Callable[[int], None] | None = None) -> list[Rollout]:
-    """``rollout_cfg.group_size`` episode rollouts per task, grouped in the tasks' order."""
+         progress: Callable[[int], None] | None = None, group_size: int | None = None, greedy: bool = False,
+         max_action_tokens: int | None = None) -> list[Rollout]:
+    """``rollout_cfg.group_size`` episode rollouts per task (or ``group_size``), grouped in
+    the tasks' order. ``greedy`` and ``max_action_tokens`` serve the eval suite's greedy episodes."""
     if engine_name != "hf":
         raise UserError("rollout.engine", engine_name, "multi-turn episodes sample through the in-process hf engine",
                         "set rollout.engine: hf, or leave interactive tasks out of the task mix")
-    g = rollout_cfg.group_size
+    g = group_size or rollout_cfg.group_size
     out: list[Rollout] = []
     with SESSIONS.load(sandbox_cfg.backend)(sandbox_cfg, int(sandbox_cfg.concurrency)) as pool:
         per_batch = max(1, rollout_cfg.batch_size // g)
@@ -69,10 +71,10 @@ def play(actor: Policy | Actor, tasks: list[Task], specs: dict[str, Interactive]
             episodes = run_episodes(
                 actor, [t.prompt for t in batch], session,
                 max_steps=[min(s.max_turns, rollout_cfg.max_turns) for s in batch_specs],
-                max_action_tokens=rollout_cfg.max_new_tokens, temperature=rollout_cfg.temperature,
+                max_action_tokens=max_action_tokens or rollout_cfg.max_new_tokens, temperature=rollout_cfg.temperature,
                 seed=seed + start, batch_size=rollout_cfg.batch_size, group_size=g,
                 observation_chars=rollout_cfg.observation_chars, concurrency=int(sandbox_cfg.concurrency),
-                progress=progress, engine=engine)
+                progress=progress, engine=engine, greedy=greedy)
             for k, ep in enumerate(episodes):
                 out.append(to_rollout(batch[k // g], k % g, ep, iteration,
                                       getattr(actor, "version", "scripted"), engine_name))

@@ -30,5 +30,5 @@ def test_weights_follow_the_gap_to_the_band_top(rates, high, expected):
 def test_token_budget_keeps_the_longest_prefix_that_fits(lengths, budget, kept):
     from components.bootstrap.stage import token_budget
 
-    examples = [([1] * p, [2] * c) for p, c in lengths]
+    examples = [([1] * p, [2] * c, [1] * c) for p, c in lengths]
     assert token_budget(examples, budget) == examples[:kept]
