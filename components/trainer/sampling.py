@@ -56,7 +56,8 @@ class Group:
 @dataclass(frozen=True)
 class Selection:
     """The groups to train on (task order), and per domain how many groups were kept and
-    dropped (every domain with a group, 0 included); ``unused`` counts informative groups left out by dynamic sampling."""
+    dropped (every domain with a group, 0 included); ``unused`` counts the informative
+    groups dynamic sampling left out."""
 
     groups: list[list[Sample]]
     kept: dict[str, int] = field(default_factory=dict)
@@ -69,7 +70,7 @@ class Selection:
         out = {"groups_kept": float(sum(self.kept.values())), "groups_dropped": float(sum(self.dropped.values())),
                "groups_unused": float(self.unused)}
         for domain in sorted(self.kept):
-            out[f"{domain}/groups_kept"] = float(self.kept.get(domain, 0))
+            out[f"{domain}/groups_kept"] = float(self.kept[domain])
             out[f"{domain}/groups_dropped"] = float(self.dropped.get(domain, 0))
         return out
 
