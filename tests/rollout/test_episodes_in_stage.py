@@ -103,3 +103,56 @@ def test_max_turns_caps_the_episode(tmp_path) -> None:
     _, one, _ = rollout_stage(tmp_path, [played], max_turns=1)
     assert all(len(r.turns) == 1 for r in one)
     assert all(r.finish_reason == ("stop" if r.turns[0].tool_call == "done" else "length") for r in one)
+
+
+def test_an_iteration_trains_on_interactive_tasks_from_a_task_file(tmp_path, monkeypatch) -> None:
+    """bootstrap -> taskgen (a task file of interactive terminal tasks) -> rollout -> sandbox ->
+    reward -> validation -> trainer, as ``posttrain run`` runs the stages."""
+    import json
+
+    import yaml
+
+    from components.core.records import Reward
+    from components.core.runner import run_stage
+    from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
+
+    tasks = {}
+    for seed in range(40):
+        t = TERMINAL.make_interactive_task(random.Random(seed), "train")
+        tasks[t.task_id] = t
+    file = tmp_path / "tasks.jsonl"
+    file.write_text("".join(json.dumps({"domain": t.domain, "prompt": t.prompt, "reference": t.reference,
+                                        "difficulty": t.difficulty, "metadata": t.metadata}) + "\n"
+                            for t in tasks.values()))
+    recipe = yaml.safe_load(TINY_RECIPE.read_text())
+    recipe.update(domains=["terminal"], taskgen={"tasks_per_iteration": 4, "task_file": str(file)},
+                  rollout={**recipe["rollout"], "shards": 1, "max_turns": 2, "observation_chars": 16})
+    recipe["model"]["max_positions"] = 128
+    recipe["bootstrap"].update(max_steps=2, eval_every=2)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    use_home(monkeypatch, tmp_path / ".posttrain")
+    root = f"file://{tmp_path / 'store'}"
+    try:
+        run_stage("bootstrap", path, root, 0)
+        for stage, shard in [("taskgen", None), ("rollout", "0/1"), ("sandbox", "0/1"), ("reward", "0/1"),
+                             ("validation", None), ("trainer", None)]:
+            run_stage(stage, path, root, 1, shard)
+    finally:
+        reset_tracking_clients()
+    store = Store(root, "test")
+    rollouts = _read(store, "tiny/iter-000001/rollout/shard-00000-of-00001/rollouts.parquet", Rollout)
+    rewards = _read(store, "tiny/iter-000001/reward/shard-00000-of-00001/rewards.parquet", Reward)
+    assert len(rollouts) == 4 * 4 and all(r.task_id in tasks and r.turns and r.completion_mask for r in rollouts)
+    assert {r.rollout_id for r in rewards} == {r.rollout_id for r in rollouts}
+    assert all(r.status == "ok" and "state_match" in r.components for r in rewards)
+    assert store.exists("tiny/iter-000001/trainer/_MANIFEST.json")
+    metrics = store.read_json("tiny/iter-000001/rollout/shard-00000-of-00001/_MANIFEST.json")["metrics"]
+    assert metrics["episodes"] == 16
+    assert metrics["turns_mean"] == sum(sum(t.tool_call == "bash" for t in r.turns) for r in rollouts) / 16
+
+
+def _read(store: Store, rel: str, cls):
+    from components.core.records import from_table
+
+    return from_table(cls, store.read_table(rel))
