@@ -77,7 +77,7 @@ def test_interactive_tasks_become_episodes_and_one_shot_tasks_do_not_change(tmp_
     episodes = rollouts[G:]
     assert metrics["episodes"] == G
     commands = [[t.action for t in r.turns if t.tool_call == "bash"] for r in episodes]
-    assert metrics["turns_mean"] == sum(len(c) for c in commands) / G
+    assert metrics["rollout/turns_mean"] == sum(len(c) for c in commands) / G
     for r, cmds in zip(episodes, commands):
         assert r.turns and len(cmds) <= 2
         assert r.completion == "\n".join(c.strip().split("\n")[0].strip() for c in cmds)
@@ -148,8 +148,8 @@ def test_an_iteration_trains_on_interactive_tasks_from_a_task_file(tmp_path, mon
     assert all(r.status == "ok" and "state_match" in r.components for r in rewards)
     assert store.exists("tiny/iter-000001/trainer/_MANIFEST.json")
     metrics = store.read_json("tiny/iter-000001/rollout/shard-00000-of-00001/_MANIFEST.json")["metrics"]
-    assert metrics["episodes"] == 16
-    assert metrics["turns_mean"] == sum(sum(t.tool_call == "bash" for t in r.turns) for r in rollouts) / 16
+    assert metrics["rollout/episodes"] == 16
+    assert metrics["rollout/turns_mean"] == sum(sum(t.tool_call == "bash" for t in r.turns) for r in rollouts) / 16
 
 
 def _read(store: Store, rel: str, cls):
