@@ -77,7 +77,7 @@ def test_interactive_tasks_become_episodes_and_one_shot_tasks_do_not_change(tmp_
     episodes = rollouts[G:]
     assert metrics["episodes"] == G
     commands = [[t.action for t in r.turns if t.tool_call == "bash"] for r in episodes]
-    assert metrics["rollout/turns_mean"] == sum(len(c) for c in commands) / G
+    assert metrics["turns_mean"] == sum(len(c) for c in commands) / G
     for r, cmds in zip(episodes, commands):
         assert r.turns and len(cmds) <= 2
         assert r.completion == "\n".join(c.strip().split("\n")[0].strip() for c in cmds)
