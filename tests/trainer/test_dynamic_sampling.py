@@ -1,5 +1,5 @@
 """Dynamic sampling (``trainer.dynamic_sampling``) on a hand-built iteration, then through
-a real trainer stage with MLflow.
+a real bootstrap and iteration (trainer on and off) with MLflow.
 
 The hand-built set: 5 arithmetic groups with mixed rewards, 3 arithmetic groups all 0, 1
 arithmetic group all 1 among its non-excluded samples (its excluded sample's raw reward
@@ -137,9 +137,17 @@ def test_prompts_per_step_beyond_the_iteration_is_refused(tmp_path) -> None:
         trainer_stage.inputs(ctx)
 
 
-def tiny(dynamic: bool):
+def recipe(dynamic: bool):
+    """recipes/tiny.yaml with a policy that solves some tasks sometimes (a wider model, 400
+    SFT steps), 8 tasks per iteration drawn 4 times over, 8 samples per task, and code's
+    loss weight 0."""
     data = yaml.safe_load(TINY_RECIPE.read_text())
-    data["trainer"] = {**data["trainer"], "dynamic_sampling": dynamic}
+    data["model"] = {**data["model"], "hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "max_positions": 96}
+    data["bootstrap"] = {**data["bootstrap"], "max_steps": 400, "eval_every": 100}
+    data["taskgen"] = {"tasks_per_iteration": 8, "oversample": 4.0}
+    data["rollout"] = {**data["rollout"], "group_size": 8}
+    data["reward"] = {"domain_weights": {"code": 0.0}}
+    data["trainer"] = {**data["trainer"], "prompts_per_step": 4, "dynamic_sampling": dynamic}
     return parse_recipe(data)
 
 
@@ -147,33 +155,38 @@ UPSTREAM = [("taskgen", None), ("rollout", "0/2"), ("rollout", "1/2"), ("sandbox
             ("reward", "0/2"), ("reward", "1/2"), ("validation", None)]
 
 
-def test_the_trainer_stage_logs_the_drop_counts_to_mlflow(tmp_path) -> None:
+def test_the_trainer_stage_trains_on_informative_groups_and_logs_the_counts_to_mlflow(tmp_path) -> None:
     root = f"file://{tmp_path / 'store'}"
     with pytest.MonkeyPatch.context() as mp:
         use_home(mp, tmp_path / ".posttrain")
-        run_stage("bootstrap", tiny(False), root, 0)
+        run_stage("bootstrap", recipe(False), root, 0)
         for stage, shard in UPSTREAM:
-            run_stage(stage, tiny(False), root, 1, shard)
-        rewards = [r for path in Store(root).glob("tiny/iter-000001/reward/**/rewards.parquet")
-                   for r in Store(root).read_table(path).to_pylist()]
+            run_stage(stage, recipe(False), root, 1, shard)
+        store = Store(root)
         by_task: dict[str, list[dict]] = {}
-        for r in rewards:
-            by_task.setdefault(r["task_id"], []).append(r)
-        all_equal = sum(len({r["raw_reward"] for r in rs if r["status"] == "ok"}) <= 1 for rs in by_task.values())
-        no_signal = sum(not any(r["advantage"] * r["weight"] != 0 for r in rs if r["status"] == "ok")
-                        for rs in by_task.values())
-        on = run_stage("trainer", tiny(True), root, 1)  # upstream stages hit their cache
-        off = run_stage("trainer", tiny(False), root, 1)
+        for path in store.glob("tiny/iter-000001/reward/**/rewards.parquet"):
+            for r in store.read_table(path).to_pylist():
+                by_task.setdefault(r["task_id"], []).append(r)
+        on = run_stage("trainer", recipe(True), root, 1)  # the upstream stages hit their cache
+        off = run_stage("trainer", recipe(False), root, 1)
         client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri())  # the home's SQLite store
-        logged_on = client.get_metric_history(on.mlflow_run_id, "trainer/groups_dropped")
-        logged_off = client.get_metric_history(off.mlflow_run_id, "trainer/groups_dropped")
-        domains_on = {d: client.get_metric_history(on.mlflow_run_id, f"trainer/{d}/groups_dropped")[0].value
-                      for d in ("arithmetic", "code")}
+        logged = {(run, name): [m.value for m in client.get_metric_history(manifest.mlflow_run_id, f"trainer/{name}")]
+                  for run, manifest in (("on", on), ("off", off))
+                  for name in ("groups_dropped", "groups_kept", "groups_unused", "code/groups_kept")}
         reset_tracking_clients()
-    # The tiny recipe's policy (20 SFT steps) solves no task: every group is all 0 and dropped.
-    assert (len(by_task), all_equal, no_signal) == (8, 8, 8)
-    assert [m.value for m in logged_on] == [8.0] and [m.value for m in logged_off] == [8.0]
-    assert domains_on == {"arithmetic": 4.0, "code": 4.0}
-    assert {k: on.metrics[f"trainer/{k}"] for k in ("steps", "groups_kept", "groups_unused")} == \
-        {"steps": 0.0, "groups_kept": 0.0, "groups_unused": 0.0}
-    assert on.metrics["trainer/groups_dropped"] == off.metrics["trainer/groups_dropped"] == 8.0
+    domain = {t: rs[0]["domain"] for t, rs in by_task.items()}
+    informative = {t for t, rs in by_task.items() if len({r["raw_reward"] for r in rs if r["status"] == "ok"}) > 1}
+    signal = {t for t, rs in by_task.items() if any(r["advantage"] * r["weight"] != 0 for r in rs)}
+    assert len(by_task) == 32 and len(informative) > 8  # taskgen drew 8 x 4 tasks; some surplus to leave unused
+    assert {domain[t] for t in signal} == {"arithmetic"}  # code's weight 0: no code group has signal off
+    steps = 2  # tasks_per_iteration // prompts_per_step
+    assert on.metrics["trainer/steps"] == steps and on.metrics["trainer/groups_kept"] == 4 * steps
+    assert logged["on", "groups_dropped"] == [32.0 - len(informative)]
+    assert logged["on", "groups_unused"] == [float(len(informative) - 4 * steps)]
+    for d in ("arithmetic", "code"):
+        assert on.metrics[f"trainer/{d}/groups_dropped"] == sum(domain[t] == d for t in by_task if t not in informative)
+    assert logged["on", "code/groups_kept"][0] > 0  # a loss weight of 0 is not taken for no signal
+    # Off: every group with signal, the last step partial, and no code group.
+    assert off.metrics["trainer/steps"] == -(-len(signal) // 4) and len(signal) % 4 != 0
+    assert logged["off", "groups_kept"] == [float(len(signal))] and logged["off", "code/groups_kept"] == [0.0]
+    assert logged["off", "groups_dropped"] == [32.0 - len(signal)] and logged["off", "groups_unused"] == [0.0]
