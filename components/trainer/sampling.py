@@ -9,9 +9,11 @@ at least one trained token), with the sample's advantage times its domain weight
   weighted advantage is not 0; the rest are dropped. ``step_batches`` cuts them into
   steps of ``prompts_per_step``, the last one partial.
 - ``dynamic=True`` (DAPO's dynamic sampling, Yu et al. 2025): a group is dropped when the
-  raw rewards of its non-excluded samples are all equal (judged on ``raw_reward`` and
-  ``status``, not on the advantage, so a domain whose loss weight is 0 is not mistaken for
-  a group without signal). Of the informative groups, a seeded shuffle (so task order
+  rewards its advantages were computed from are all equal (``normalized_reward`` of the
+  non-excluded samples: the raw score, or its per-domain z-score, or under
+  ``reward.control: shuffled`` the shuffled score, so the control's groups are chosen by
+  the rewards it trains on, not the true ones; judged on rewards, not on the advantage, so a
+  domain whose loss weight is 0 is not mistaken for a group without signal). Of the informative groups, a seeded shuffle (so task order
   favours no domain) picks ``prompts_per_step`` per step for ``target_steps`` steps, or
   as many whole steps as there are informative groups for; the informative groups left
   over (taskgen's oversampled surplus, or too few to fill a step) are unused.
@@ -40,7 +42,8 @@ class Group:
     task_id: str
     domain: str
     samples: list[Sample]
-    raw_rewards: list[float]  # of the samples not excluded (status ``ok``), trainable or not
+    raw_rewards: list[float]  # the rewards behind the advantages (``normalized_reward``) of the samples
+    # not excluded (status ``ok``), trainable or not
 
     @property
     def has_signal(self) -> bool:
@@ -49,7 +52,7 @@ class Group:
 
     @property
     def informative(self) -> bool:
-        """Trainable, and its non-excluded samples' raw rewards are not all equal (DAPO's filter)."""
+        """Trainable, and its non-excluded samples' rewards are not all equal (DAPO's filter)."""
         return bool(self.samples) and len(set(self.raw_rewards)) > 1
 
 
@@ -87,7 +90,7 @@ def collect_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[Group
         samples.setdefault(ro.task_id, [])
         if rw.status != "ok":
             continue
-        raw[ro.task_id].append(rw.raw_reward)
+        raw[ro.task_id].append(rw.normalized_reward)
         if not ro.completion_token_ids or (ro.completion_mask and not any(ro.completion_mask)):
             continue
         samples[ro.task_id].append(Sample(ro.prompt_token_ids, ro.completion_token_ids, ro.logprobs,

@@ -190,3 +190,19 @@ def test_the_trainer_stage_trains_on_informative_groups_and_logs_the_counts_to_m
     assert off.metrics["trainer/steps"] == -(-len(signal) // 4) and len(signal) % 4 != 0
     assert logged["off", "groups_kept"] == [float(len(signal))] and logged["off", "code/groups_kept"] == [0.0]
     assert logged["off", "groups_dropped"] == [32.0 - len(signal)] and logged["off", "groups_unused"] == [0.0]
+
+
+def test_under_the_shuffled_control_groups_are_judged_by_the_rewards_they_train_on() -> None:
+    """``reward.control: shuffled`` keeps the true score in ``raw_reward`` and trains on the
+    shuffled one (``normalized_reward``): a group whose true scores are all 1 but whose
+    shuffled ones differ is informative, and one whose true scores differ but whose
+    shuffled ones are all equal is dropped, so the control never sees the true rewards."""
+    rollouts, rewards = [], []
+    for task, true, shuffled in ((0, [1, 1, 1, 1], [1, 0, 1, 0]), (1, [1, 0, 1, 0], [1, 1, 1, 1])):
+        ro, rw = group(task, "arithmetic", shuffled)
+        rollouts += ro
+        rewards += [Reward(r.rollout_id, r.task_id, r.domain, r.group_index, t, {}, s, r.weight, r.advantage, r.status)
+                    for r, t, s in zip(rw, true, shuffled)]
+    selection = select_groups(collect_groups(rollouts, rewards), dynamic=True, target_steps=1, prompts_per_step=1, seed=3)
+    assert [s.prompt_ids for s in selection.groups[0]] == [[0]] * G
+    assert (selection.kept, selection.dropped) == ({"arithmetic": 1}, {"arithmetic": 1})
