@@ -16,8 +16,10 @@ With ``reward.normalize: domain_zscore`` a reward is normalised as
 ``(raw - mean_d) / (std_d + eps)`` with the domain's running mean and std *including*
 the current shard's batch; with ``none`` the normalised reward is the raw one.
 
-Not covered: decay or windowing (every past iteration weighs the same), and per-domain
-weights other than 0 (excluded) and 1.
+Not covered: decay or windowing (every past iteration weighs the same). Normalisation
+alone does not change how much a domain weighs in the update (under group-std scaling a
+per-domain affine map cancels out); that is ``reward.domain_weights``, applied after the
+group advantages (``components/reward/stage.py``).
 """
 
 from __future__ import annotations
