@@ -33,8 +33,10 @@ writes all steps in one completion; it does not see a step's output before the n
 processes left running, or anything outside the work folder.
 
 Interactive tasks (``metadata["interactive"]``, difficulty 3, from ``make_interactive_task``;
-the ``terminal-interactive`` class draws only these, ``terminal`` never draws them, so its
-one-shot train and eval mix is unchanged): the goal names a file only by what it holds,
+``terminal`` never draws them, so its one-shot train and eval mix is unchanged;
+``TerminalInteractive``, domain name ``terminal-interactive``, draws only these and is
+picked by a recipe once listed in ``components.core.plugins.DOMAINS`` or a plug-in entry
+point; a task file may hold interactive ``terminal`` tasks as they are): the goal names a file only by what it holds,
 so the policy must read an observation before it can act. ``pick``: "del the file that
 says ok" among three files; ``note``: "new dir named in n", where file ``n`` holds the
 name. ``interactive(task)`` declares the session: the start files under ``ws/``, each

@@ -2,10 +2,11 @@
 
 ``interactive_specs(tasks)`` finds the tasks whose domain declares them interactive
 (``Domain.interactive``). ``play(actor, tasks, specs, ...)`` plays ``group_size``
-episodes of each (``episode.run_episodes``, in lockstep batches of
-``rollout.batch_size``) against sandbox sessions from one session pool of the recipe's
-backend (``components.core.sessions.SESSIONS``: the sandbox's limits, at most
-``sandbox.concurrency`` commands at once, at most that many idle sessions kept warm).
+episodes of each (``episode.run_episodes``, in lockstep batches of at most
+``rollout.batch_size`` and ``MAX_LIVE_SESSIONS`` episodes) against sandbox sessions
+from one session pool of the recipe's backend (``components.core.sessions.SESSIONS``:
+the sandbox's limits, at most ``sandbox.concurrency`` commands at once, at most that
+many idle sessions kept warm).
 Each episode takes at most min(the task's ``max_turns``, ``rollout.max_turns``) actions
 and sees at most ``rollout.observation_chars`` characters of each command's output.
 
@@ -34,6 +35,9 @@ from components.rollout.hf_engine import HFEngine
 
 SESSION_TIMEOUT_S = 3600.0
 """Longest an episode's session lives (the policy's generation time between commands counts)."""
+MAX_LIVE_SESSIONS = 64
+"""Most episodes in one lockstep batch: each holds a sandbox session (a sandboxed worker)
+from its first command to its end, so this bounds the sandboxes alive at once."""
 
 
 def interactive_specs(tasks: list[Task]) -> dict[str, Interactive]:
@@ -60,7 +64,7 @@ def play(actor: Policy | Actor, tasks: list[Task], specs: dict[str, Interactive]
     g = group_size or rollout_cfg.group_size
     out: list[Rollout] = []
     with SESSIONS.load(sandbox_cfg.backend)(sandbox_cfg, int(sandbox_cfg.concurrency)) as pool:
-        per_batch = max(1, rollout_cfg.batch_size // g)
+        per_batch = max(1, min(rollout_cfg.batch_size, MAX_LIVE_SESSIONS) // g)
         for start in range(0, len(tasks), per_batch):
             batch = tasks[start:start + per_batch]
             batch_specs = [specs[t.task_id] for t in batch]
