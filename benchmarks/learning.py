@@ -108,8 +108,8 @@ def arm_env(home: Path) -> dict[str, str]:
     return {**env_for(home), **({"POSTTRAIN_TORCH_THREADS": threads} if threads else {})}
 
 
-def run_seed(seed: int, recipe: dict, iterations: int, folder: Path) -> dict:
-    """Bootstrap once, then every arm from a copy of it; each step skipped when its JSON exists."""
+def run_seed(seed: int, recipe: dict, iterations: int, folder: Path, arms: tuple[str, ...] = tuple(ARMS)) -> dict:
+    """Bootstrap once, then each of ``arms`` from a copy of it; each step skipped when its JSON exists."""
     folder.mkdir(parents=True, exist_ok=True)
     data = merged(recipe, {"seed": seed})
     pipeline = data["pipeline"]
@@ -128,7 +128,7 @@ def run_seed(seed: int, recipe: dict, iterations: int, folder: Path) -> dict:
         shutil.move(active, base)
         boot_json.write_text(json.dumps({"seconds": seconds, "outcomes": outcomes}) + "\n")
     out = {"bootstrap": json.loads(boot_json.read_text())}
-    for arm in ARMS:
+    for arm in arms:
         arm_json = folder / f"{arm}.json"
         if not arm_json.exists():
             if not base.exists():
@@ -145,7 +145,8 @@ def run_seed(seed: int, recipe: dict, iterations: int, folder: Path) -> dict:
                                             "outcomes": eval_outcomes(active / "store", pipeline, iterations)}) + "\n")
             shutil.rmtree(active, ignore_errors=True)
         out[arm] = json.loads(arm_json.read_text())
-    shutil.rmtree(base, ignore_errors=True)  # every arm is done: the bootstrapped state is no longer needed
+    if all((folder / f"{arm}.json").exists() for arm in ARMS):
+        shutil.rmtree(base, ignore_errors=True)  # every arm is done: the bootstrapped state is no longer needed
     return out
 
 
@@ -172,10 +173,10 @@ def rows(paired: dict[str, tuple[list[bool], list[bool]]], seed: int) -> list[di
     return out
 
 
-def compare(per_seed: dict[int, dict]) -> dict:
+def compare(per_seed: dict[int, dict], arms: tuple[str, ...] = tuple(ARMS)) -> dict:
     """Per arm: each seed's rows and the pooled rows (per-task differences of all seeds together)."""
     result = {}
-    for arm in ARMS:
+    for arm in arms:
         pooled: dict[str, tuple[list[bool], list[bool]]] = defaultdict(lambda: ([], []))
         seeds = {}
         for seed, runs in per_seed.items():
@@ -241,6 +242,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="results path without suffix (default: benchmarks/results/learning; "
                         "with --quick: none written unless given)")
     parser.add_argument("--quick", action="store_true", help="smoke run: one seed, tiny settings, 1 iteration")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                        help="arms to run (default both; one arm alone is for trying a recipe change, not a result)")
     args = parser.parse_args()
     if args.iterations < 1:
         parser.error(f"--iterations {args.iterations}: give 1 or more")
@@ -253,11 +256,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="posttrain-learning-")) if temporary else Path(args.work or REPO / ".posttrain" / "learning")
     load, started = os.getloadavg(), time.perf_counter()
     try:
-        per_seed = {seed: run_seed(seed, recipe, args.iterations, work / f"seed-{seed}") for seed in args.seeds}
+        per_seed = {seed: run_seed(seed, recipe, args.iterations, work / f"seed-{seed}", tuple(args.arms))
+                    for seed in args.seeds}
     finally:
         if temporary:
             shutil.rmtree(work, ignore_errors=True)
-    arms = compare(per_seed)
+    arms = compare(per_seed, tuple(args.arms))
     head, dirty = commit()
     result = {"command": " ".join(["python benchmarks/learning.py", *sys.argv[1:]]), "quick": args.quick,
               "recipe": os.path.relpath(Path(args.recipe).resolve(), REPO), "seeds": args.seeds,
