@@ -156,3 +156,20 @@ def _read(store: Store, rel: str, cls):
     from components.core.records import from_table
 
     return from_table(cls, store.read_table(rel))
+
+
+def test_episodes_need_the_hf_engine_and_a_backend_with_sessions() -> None:
+    from components.core.errors import UserError
+    from components.rollout.interactive import interactive_specs, play
+
+    played = TERMINAL.make_interactive_task(random.Random(1), "train")
+    recipe = parse_recipe({"pipeline": "p", "sandbox": {"backend": "subprocess", "allow_weak_isolation": True}})
+    specs = interactive_specs([played])
+    with pytest.raises(UserError) as info:
+        play(lambda context: "ls", [played], specs, recipe.rollout, recipe.sandbox, seed=0, iteration=1)
+    assert (info.value.field, info.value.value) == ("sandbox.backend", "subprocess")
+    assert "['bwrap']" in str(info.value)
+    with pytest.raises(UserError) as info:
+        play(lambda context: "ls", [played], specs, recipe.rollout, recipe.sandbox, seed=0, iteration=1,
+             engine_name="openai")
+    assert (info.value.field, info.value.value) == ("rollout.engine", "openai")
