@@ -18,6 +18,7 @@ DOMAINS = Registry("domain", "domains", {
     "code": "components.domains.code:Code",
     "math": "components.domains.math:Math",
     "terminal": "components.domains.terminal:Terminal",
+    "terminal-interactive": "components.domains.terminal:TerminalInteractive",
     "extraction": "components.domains.extraction:Extraction",
     "structured": "components.domains.structured:Structured",
 }, group="posttrain.domains")

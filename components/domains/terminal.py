@@ -32,11 +32,10 @@ writes all steps in one completion; it does not see a step's output before the n
 (episodes that do are the interactive tasks below). Not covered: permissions, file modes, symlink targets,
 processes left running, or anything outside the work folder.
 
-Interactive tasks (``metadata["interactive"]``, difficulty 3, from ``make_interactive_task``;
-``terminal`` never draws them, so its one-shot train and eval mix is unchanged;
-``TerminalInteractive``, domain name ``terminal-interactive``, draws only these and is
-picked by a recipe once listed in ``components.core.plugins.DOMAINS`` or a plug-in entry
-point; a task file may hold interactive ``terminal`` tasks as they are): the goal names a file only by what it holds,
+Interactive tasks (``metadata["interactive"]``, difficulty 3, from ``make_interactive_task``:
+``INTERACTIVE_SHARE`` of ``terminal``'s difficulty-3 tasks, the rest being the blind
+multi-step ones; ``TerminalInteractive``, domain name ``terminal-interactive``, draws only
+these, for a recipe that wants them weighted and reported apart): the goal names a file only by what it holds,
 so the policy must read an observation before it can act. ``pick``: "del the file that
 says ok" among three files; ``note``: "new dir named in n", where file ``n`` holds the
 name. ``interactive(task)`` declares the session: the start files under ``ws/``, each
@@ -158,6 +157,7 @@ STEP_PREFIX = "mkdir -p ws && cd ws || exit 97\n"
 # Each action of an interactive task runs in ws/ (laid out with the start files).
 ACTION_PREFIX = "cd ws || exit 97\n"
 REFERENCE_OBSERVATION_CHARS = 256  # the recipe's default rollout.observation_chars
+INTERACTIVE_SHARE = 0.5  # of terminal's difficulty-3 tasks: multi-turn episodes (the rest: blind multi-step)
 
 
 def _two(rng: random.Random) -> tuple[str, str]:
@@ -200,6 +200,8 @@ class Terminal(Domain):
             else:
                 word = rng.choice(WORDS)
                 goal, solution, expected = f"{a} says {word}", f"echo {word}>{a}", {a: f"file:{word}\n"}
+        elif rng.random() < INTERACTIVE_SHARE:
+            return self.make_interactive_task(rng, split)
         else:
             goal, solution = f"new dir {a}, then file {b} in it", f"mkdir {a}\n>{a}/{b}"
             expected = {a: "dir", f"{a}/{b}": "file:"}

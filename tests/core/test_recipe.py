@@ -90,8 +90,10 @@ def test_stage_digest_covers_only_its_sections() -> None:
     base = parse_recipe({"pipeline": "t"})
     more_tasks = parse_recipe({"pipeline": "t", "taskgen": {"tasks_per_iteration": 7}})
     assert config_digest(base, "taskgen") != config_digest(more_tasks, "taskgen")
-    for stage in ("rollout", "sandbox", "reward", "validation", "trainer", "evaluation", "bootstrap"):
+    for stage in ("rollout", "sandbox", "reward", "validation", "evaluation", "bootstrap"):
         assert config_digest(base, stage) == config_digest(more_tasks, stage), stage
+    # the trainer reads taskgen: dynamic sampling's steps per iteration follow tasks_per_iteration
+    assert config_digest(base, "trainer") != config_digest(more_tasks, "trainer")
     other_seed = parse_recipe({"pipeline": "t", "seed": 1})
     assert all(config_digest(base, s) != config_digest(other_seed, s) for s in ("bootstrap", "taskgen", "trainer"))
     assert config_digest(base, "taskgen") == config_digest(parse_recipe({"pipeline": "t"}), "taskgen")  # deterministic

@@ -121,7 +121,7 @@ def test_pod_fields_follow_the_registry(spec):
 def test_gpu_stages_are_the_registrys():
     """The registry, not this module, says which stages want a GPU or the sandbox's settings."""
     assert {s.id for s in registered() if s.gpus} == {"bootstrap", "rollout", "trainer", "evaluation"}
-    assert {s.id for s in registered() if s.sandboxed} == {"bootstrap", "sandbox", "evaluation"}
+    assert {s.id for s in registered() if s.sandboxed} == {"bootstrap", "rollout", "sandbox", "evaluation"}
 
 
 def test_runtime_class_goes_on_sandboxed_pods_only(monkeypatch):

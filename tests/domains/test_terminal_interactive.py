@@ -64,14 +64,18 @@ def judged(tasks, rollouts, sandbox_cfg):
     return [judge(TERMINAL, by_id[r.task_id], r.completion, results[r.rollout_id]) for r in rollouts]
 
 
-def test_terminal_never_draws_interactive_tasks_and_terminal_interactive_only_those() -> None:
-    rng = random.Random(0)
-    assert not any(t.metadata.get("interactive") for t in TERMINAL.train_tasks(rng, 200, set()))
+def test_terminal_draws_interactive_tasks_at_difficulty_3_and_terminal_interactive_only_those() -> None:
+    drawn_by_terminal = TERMINAL.train_tasks(random.Random(0), 600, set())
+    interactive = [t for t in drawn_by_terminal if t.metadata.get("interactive")]
+    blind = [t for t in drawn_by_terminal if t.metadata.get("multi_step")]
+    assert {t.difficulty for t in interactive} == {3} and {t.domain for t in interactive} == {"terminal"}
+    # INTERACTIVE_SHARE (one half) of difficulty 3: about 100 of each out of 600
+    assert 70 <= len(interactive) <= 130 and 70 <= len(blind) <= 130
     drawn = TerminalInteractive().train_tasks(random.Random(0), 20, set())
     assert {t.domain for t in drawn} == {"terminal-interactive"}
     assert {t.metadata["kind"] for t in drawn} == {"pick", "note"}
     assert all(TerminalInteractive().interactive(t).max_turns == MAX_STEPS for t in drawn)
-    assert TERMINAL.interactive(TERMINAL.make_task(random.Random(3), "train")) is None
+    assert all(TERMINAL.interactive(t) is None for t in blind)
 
 
 def test_reference_episode_shape() -> None:
