@@ -26,7 +26,8 @@ the seeds' differences, and the interval resamples tasks across all of them).
 It prints one table per arm (the pooled rows) and ends with
 ``domains above bootstrap: demo K/5, shuffled M/5``. Results: ``benchmarks/results/
 learning.json`` and ``.md`` (per-seed rows, load average, date, machine, torch threads,
-commit). The work folder (``--work``, default ``.posttrain/learning``) keeps each seed's
+commit), and ``.png`` (each arm's pooled difference per domain with its interval). The
+work folder (``--work``, default ``.posttrain/learning``) keeps each seed's
 bootstrap and each finished arm's per-task results as JSON: a run stopped half-way and
 started again skips what is done (delete the folder to start afresh; a changed recipe
 or setting is not detected). ``--quick``: one seed, 5 SFT steps, 1 iteration of a few
@@ -211,6 +212,35 @@ def commit() -> tuple[str, bool]:
     return head or "unknown", bool(dirty)
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per domain, each arm's pooled pass-rate difference from the bootstrap policy with its
+    95% interval (a bar per arm; the dashed line is no change)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(result["arms"])
+    domains = [r["domain"] for r in result["arms"][arms[0]]["pooled"]]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / len(arms)
+    for k, arm in enumerate(arms):
+        pooled = result["arms"][arm]["pooled"]
+        xs = [i + (k - (len(arms) - 1) / 2) * width for i in range(len(domains))]
+        diffs = [r["diff"] for r in pooled]
+        errors = [[r["diff"] - r["low"] for r in pooled], [r["high"] - r["diff"] for r in pooled]]
+        ax.bar(xs, diffs, width, yerr=errors, capsize=3, label=arm)
+    ax.axhline(0.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(domains)), domains)
+    ax.set_ylabel("pass rate - bootstrap")
+    ax.set_title(f"After {result['iterations']} iteration(s), seeds {result['seeds']} pooled (95% paired bootstrap)",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(out: Path, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -229,6 +259,9 @@ def write(out: Path, result: dict) -> None:
         for seed, seed_rows in a["seeds"].items():
             parts += [f"### {arm}, seed {seed} ({a['seconds'][seed]:.0f} s)", "", table(seed_rows), ""]
     parts += [result["summary"], ""]
+    if not result["quick"]:
+        plot(result, out.with_suffix(".png"))
+        parts += [f"![per-domain change from the bootstrap policy]({out.with_suffix('.png').name})", ""]
     out.with_suffix(".md").write_text("\n".join(parts))
 
 
