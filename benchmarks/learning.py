@@ -62,11 +62,13 @@ from benchmarks.iteration import env_for, timed  # noqa: E402
 from components.core.context import read_manifest, read_manifests  # noqa: E402
 from components.core.manifest import stage_prefix  # noqa: E402
 from components.core.records import EvalResult, from_table  # noqa: E402
+from components.core.stages import stage_ids  # noqa: E402
 from components.core.storage import Store  # noqa: E402
 from components.evalsuite.stats import domain_seed, paired_bootstrap  # noqa: E402
 
 ARMS = {"demo": {}, "shuffled": {"reward": {"control": "shuffled"}}}
 """Each arm's overrides on top of the seed's recipe."""
+STAGE_IDS = [s for s in stage_ids() if s != "bootstrap"]
 CONFIDENCE = 0.95
 RESAMPLES = 10_000
 POOLED_SEED = 0
@@ -94,6 +96,24 @@ def eval_outcomes(run_root: Path, pipeline: str, iteration: int) -> dict[str, di
         sys.exit(f"no eval_results under {store.url(prefix)}: the run did not finish iteration {iteration}")
     rows = from_table(EvalResult, store.read_table(manifest.outputs["eval_results"].path))
     return {r.task_id: {"domain": r.domain, "passed": bool(r.passed), "version": r.policy_version} for r in rows}
+
+
+def timeline(run_root: Path, pipeline: str, iterations: int) -> list[dict]:
+    """Per iteration (0: the bootstrap policy): eval pass@1 per domain, the mean, whether it
+    was promoted, and the stages' seconds: the arm's demo table."""
+    store = Store(str(run_root))
+    out = []
+    for k in range(iterations + 1):
+        stage = "bootstrap" if k == 0 else "evaluation"
+        manifest = read_manifest(store, stage_prefix(pipeline, k, stage))
+        metrics = manifest.metrics if manifest is not None else {}
+        rates = {key.split("/")[1]: value for key, value in metrics.items()
+                 if key.endswith("/pass_at_1") and key.split("/")[1] != "mean"}
+        seconds = sum(m.timings.get("duration_s", 0.0) for s in STAGE_IDS
+                      for m in (read_manifests(store, pipeline, k, s) if k else []))
+        out.append({"iteration": k, "pass_at_1": rates, "mean": sum(rates.values()) / max(1, len(rates)),
+                    "promoted": bool(metrics.get("evaluation/promoted", 1.0)), "stage_seconds": seconds})
+    return out
 
 
 def shuffled_control(run_root: Path, pipeline: str, iterations: int) -> bool:
@@ -143,6 +163,7 @@ def run_seed(seed: int, recipe: dict, iterations: int, folder: Path, arms: tuple
             if control != (arm == "shuffled"):
                 sys.exit(f"seed {seed}: arm {arm} ran with the shuffled control {'on' if control else 'off'}")
             arm_json.write_text(json.dumps({"seconds": seconds, "control_shuffled": control,
+                                            "timeline": timeline(active / "store", pipeline, iterations),
                                             "outcomes": eval_outcomes(active / "store", pipeline, iterations)}) + "\n")
             shutil.rmtree(active, ignore_errors=True)
         out[arm] = json.loads(arm_json.read_text())
@@ -188,7 +209,8 @@ def compare(per_seed: dict[int, dict], arms: tuple[str, ...] = tuple(ARMS)) -> d
                 pooled[domain][1].extend(boot)
         result[arm] = {"seeds": seeds, "pooled": rows(dict(pooled), POOLED_SEED),
                        "seconds": {str(s): r[arm]["seconds"] for s, r in per_seed.items()},
-                       "control_shuffled": {str(s): r[arm]["control_shuffled"] for s, r in per_seed.items()}}
+                       "control_shuffled": {str(s): r[arm]["control_shuffled"] for s, r in per_seed.items()},
+                       "timeline": {str(s): r[arm].get("timeline", []) for s, r in per_seed.items()}}
     return result
 
 
@@ -197,6 +219,18 @@ def table(rows_: list[dict]) -> str:
     for r in rows_:
         lines.append(f"| {r['domain']} | {r['tasks']} | {r['bootstrap']:.3f} | {r['final']:.3f} | {r['diff']:+.3f} | "
                      f"[{r['low']:+.3f}, {r['high']:+.3f}] | {'yes' if r['above'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def timeline_table(rows_: list[dict]) -> str:
+    """An arm's eval pass@1 per iteration (0: the bootstrap policy), as the README's demo table."""
+    domains = sorted({d for r in rows_ for d in r["pass_at_1"]})
+    lines = ["| iteration | " + " | ".join(domains) + " | mean | decision | stage s |",
+             "|---|" + "---:|" * (len(domains) + 1) + "---|---:|"]
+    for r in rows_:
+        decision = "bootstrap" if r["iteration"] == 0 else ("promoted" if r["promoted"] else "held")
+        lines.append(f"| {r['iteration']} | " + " | ".join(f"{r['pass_at_1'].get(d, 0.0):.3f}" for d in domains)
+                     + f" | {r['mean']:.3f} | {decision} | {r['stage_seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -258,6 +292,8 @@ def write(out: Path, result: dict) -> None:
         parts += [f"## {arm}: all seeds pooled", "", table(a["pooled"]), ""]
         for seed, seed_rows in a["seeds"].items():
             parts += [f"### {arm}, seed {seed} ({a['seconds'][seed]:.0f} s)", "", table(seed_rows), ""]
+            if a["timeline"].get(seed):
+                parts += ["Eval pass@1 by iteration:", "", timeline_table(a["timeline"][seed]), ""]
     parts += [result["summary"], ""]
     if not result["quick"]:
         plot(result, out.with_suffix(".png"))
