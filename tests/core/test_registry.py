@@ -36,7 +36,7 @@ def test_builtins_are_listed_without_importing_them() -> None:
     assert "components.rollout.hf_engine" not in sys.modules
     assert fresh.load("hf").__name__ == "HFEngine"
     assert "components.rollout.hf_engine" in sys.modules
-    assert DOMAINS.names() == ["arithmetic", "code", "extraction", "math", "structured", "terminal"]
+    assert DOMAINS.names() == ["arithmetic", "code", "extraction", "math", "structured", "terminal", "terminal-interactive"]
     assert ENGINES.names() == ["hf", "openai", "vllm"] and BACKENDS.names() == ["bwrap", "subprocess"]
 
 
