@@ -48,7 +48,7 @@ from components.core.progress import bar, say
 from components.core.records import Reward, Rollout
 from components.core.seeds import seed_everything
 from components.core.storage import Store
-from components.trainer.grpo import Sample, grpo_step, step_batches
+from components.trainer.grpo import grpo_step, step_batches
 from components.trainer.sampling import collect_groups, select_groups
 from components.trainer.state import DataPosition, build_optimizer, build_scheduler, load_trainer_state, save_trainer_state
 
@@ -69,13 +69,6 @@ def inputs(ctx: StageContext) -> None:
     ctx.depend_on("reward")
     start = ctx.facts_of("taskgen", StartingPolicy)
     ctx.inputs["policy"] = InputRef(uri=start.policy_uri, digest=f"version:{start.policy_version}")
-
-
-def build_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[list[Sample]]:
-    """The groups with learning signal (some weighted advantage not 0), in task order: what
-    the stage trains on without dynamic sampling."""
-    return select_groups(collect_groups(rollouts, rewards), dynamic=False, prompts_per_step=1, target_steps=0,
-                         seed=0).groups
 
 
 def run(ctx: StageContext) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """``reward.domain_weights`` reaches the update: rewards scored by the reward stage's
-``score``, groups built by the trainer's ``build_groups``, one ``grpo_step`` from the same
+``score``, groups the trainer selects without dynamic sampling, one ``grpo_step`` from the same
 init. A changed weight changes the parameters; weight 0 equals leaving the domain out;
 under ``domain_zscore`` (which group-std scaling cancels) the weight still acts."""
 
@@ -14,7 +14,7 @@ from components.core.records import Reward, Rollout, Task
 from components.domains.base import make_task
 from components.reward.stage import score
 from components.trainer.grpo import grpo_step
-from components.trainer.stage import build_groups
+from components.trainer.sampling import collect_groups, select_groups
 from components.trainer.state import build_optimizer
 from tests.rollout.helpers import tiny_policy
 
@@ -25,6 +25,12 @@ GROUPS = [
     (make_task("arithmetic", "train", 1, "4+4=", {"answer": "8"}), ["8", "9", "88", "16"]),
 ]
 TASKS: dict[str, Task] = {t.task_id: t for t, _ in GROUPS}
+
+
+def build_groups(rollouts, rewards):
+    """The groups the trainer stage trains on without dynamic sampling (those with signal)."""
+    return select_groups(collect_groups(rollouts, rewards), dynamic=False, prompts_per_step=1, target_steps=0,
+                         seed=0).groups
 
 
 def rollouts() -> list[Rollout]:
