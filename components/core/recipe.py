@@ -124,6 +124,9 @@ class RolloutConfig(_Section):
     max_turns: int = Field(4, ge=1, le=64, description="most actions of one multi-turn episode (a task may declare fewer)")
     observation_chars: int = Field(256, ge=16, le=1 << 20, description="characters of a command's output an episode's "
                                                                        "policy sees per turn (the rest is cut)")
+    prompt_format: Literal["auto", "raw", "chat"] = Field("auto", description="raw: the task prompt as it is; chat: the "
+                                                          "tokenizer's chat template around it as one user turn; auto: chat "
+                                                          "when the tokenizer has a template")
     workers: int = Field(1, ge=1, le=64, description="processes that sample generation batches side by side (hf engine, "
                          "forked, one torch thread each; the same samples as one), in rollout and the eval suite: the "
                          "cores a shard has to itself")
@@ -158,6 +161,16 @@ class ValidationConfig(_Section):
     min_ok_fraction: float = Field(0.5, ge=0, le=1, description="least share of rewards not excluded as infra errors")
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters (``peft``) on the trainer's model; ``rank: 0`` trains every weight."""
+
+    rank: int = Field(0, ge=0, le=4096, description="adapter rank r; 0 = off (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="adapter scaling numerator (the update is scaled by alpha / rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+                                      max_length=64, description="module names that get adapters (Llama attention projections by default)")
+
+
 class TrainerConfig(_Section):
     algorithm: Literal["grpo"] = Field("grpo", description="policy-gradient objective")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate")
@@ -184,6 +197,17 @@ class TrainerConfig(_Section):
                                                        "taskgen.oversample's surplus; false: every group with signal, last "
                                                        "step partial")
     carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting checkpoint")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the trainer's model lives: auto = cuda when "
+                                                                    "a GPU is visible, else cpu")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32, or bfloat16 autocast of the forward pass "
+                                                                        "(weights and optimizer state stay float32)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, more compute)")
+    processes: int = Field(1, ge=1, le=1024, description="trainer processes under torchrun on one node (gloo on CPU, nccl on "
+                                                         "GPU), each taking its share of every step's global batch")
+    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="with processes > 1: ddp (a full replica per process) or "
+                                                                   "fsdp (FSDP2 fully_shard: parameters, gradients and optimizer "
+                                                                   "state sharded)")
+    lora: LoraConfig = LoraConfig()
 
 
 class EvaluationConfig(_Section):
