@@ -58,6 +58,14 @@ curve. Reported:
   the machine inflates less than the wall clock, and posttrain's step time by phase
   (generate, reward, update).
 
+A third row, ``posttrain-lora``, runs posttrain's trainer with LoRA (``--lora-rank`` 8
+through ``components.trainer.lora.apply_lora``: adapters on the attention projections,
+base weights frozen) at ``--lora-lr`` (default 1e-3: adapters take a larger rate than
+full fine-tuning), on the same prompts, seeds and number of steps, in the same run (the
+order of the three alternates by seed). It reports what the others do at equal steps, and
+for both posttrain rows the trained (completion) tokens per second, of the whole step and
+of its update phase, and the trainable parameter count.
+
 The evaluations do not change either trajectory: a run without them ends at the same
 accuracies (the runs are deterministic for a seed), only the clocks move with the load.
 
@@ -66,6 +74,7 @@ Writes ``benchmarks/trainer/results.json``, ``results.md`` and the curves as
 each run is recorded: other load slows whichever trainer it hits, so the two alternate.
 
     python benchmarks/trainer/bench.py [--steps 30] [--seeds 3] [--eval-tasks 200] [--eval-every 2] [--threads 1] [--lr 1e-4]
+                                       [--lora-rank 8] [--lora-lr 1e-3]
     python benchmarks/trainer/bench.py --quick [--out DIR]
 
 ``--quick`` is a smoke run through the same code (a short SFT warm start cached apart from
@@ -100,6 +109,8 @@ MAX_NEW_TOKENS = 8
 EXTRA_STEPS = 4  # posttrain runs at most this many times --steps, to reach TRL's training time
 BUDGET_MARGIN = 1.3  # ... and stops once its clock passes this multiple of TRL's --steps time
 TIME_GOAL = 0.7  # posttrain's time to TRL's --steps accuracy, as a share of TRL's --steps time
+LORA = "posttrain-lora"
+TRAINERS = (LORA, "posttrain", "trl")  # reversed on even seeds: TRL runs before posttrain there
 TIME_DEFINITION = ("the first evaluation (not interpolated) at which posttrain's seed-mean curve is at or above TRL's "
                    "seed-mean accuracy after --steps steps; its seed-mean training seconds there, divided by TRL's "
                    "seed-mean training seconds for --steps steps.")
@@ -236,26 +247,44 @@ def trainer_options(micro_batch_size: int) -> dict:
     return {k: v for k, v in options.items() if k in params}
 
 
+def throughput(runs: list[dict], steps: int) -> dict:
+    """Trained (completion) tokens per second of a posttrain trainer over steps 2..``steps`` of
+    all its runs: of the whole step, and of its update phase alone. Empty for TRL, whose
+    steps report no token counts."""
+    if not runs or runs[0].get("tokens") is None:
+        return {}
+    tokens = sum(t for r in runs for t in r["tokens"][1:steps])
+    step_s = sum(x for r in runs for x in r["step_s"][1:steps])
+    update_s = sum(x for r in runs for x in r["phases"]["update"][1:steps])
+    return {"tokens_per_s": tokens / step_s, "update_tokens_per_s": tokens / update_s if update_s else 0.0,
+            "trainable_parameters": runs[0]["trainable_parameters"]}
+
+
 def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluate: Evaluator, every: int,
-                  budget_s: float = 0.0, max_steps: int = 0) -> dict:
+                  budget_s: float = 0.0, max_steps: int = 0, lora_rank: int = 0) -> dict:
     """``steps`` optimizer steps, then more (up to ``max_steps``) until the training clock
-    reaches ``budget_s``: the accuracy curve must reach TRL's training time."""
+    reaches ``budget_s``: the accuracy curve must reach TRL's training time. With
+    ``lora_rank`` the policy trains through ``apply_lora`` (the trainer's LoRA: adapters on
+    the attention projections, base frozen) and is evaluated with its adapters on."""
     import torch
 
     from components.core.policy import load_policy
+    from components.core.recipe import LoraConfig
     from components.domains import registry
     from components.reward.advantages import group_advantages
     from components.rollout.hf_engine import HFEngine
     from components.trainer.grpo import Sample, grpo_step
+    from components.trainer.lora import apply_lora, trainable_parameters
     from components.trainer.state import build_optimizer
 
     policy = load_policy(str(folder))
+    policy.model = apply_lora(policy.model, LoraConfig(rank=lora_rank))
     torch.manual_seed(seed)
     domain, engine = registry.get("arithmetic"), HFEngine()
     optimizer = build_optimizer(policy.model, Cfg(lr))
     options = trainer_options(PROMPTS_PER_STEP * SAMPLES)
     max_steps = max(steps, min(max_steps or steps, len(tasks) // PROMPTS_PER_STEP))
-    step_s, rewards, curve, train_s, cpu_s = [], [], [], 0.0, 0.0
+    step_s, rewards, curve, train_s, cpu_s, tokens = [], [], [], 0.0, 0.0, []
     phases: dict[str, list[float]] = {"generate": [], "reward": [], "update": []}  # seconds per step
     for step in range(max_steps):
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -274,6 +303,7 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
                 samples += [Sample(s.prompt_ids, s.completion_ids, s.logprobs, a)
                             for s, a in zip(out[g * SAMPLES:(g + 1) * SAMPLES], adv)]
         rewarded = time.perf_counter()
+        tokens.append(sum(s.trained_tokens for s in samples))
         if samples:
             grpo_step(policy.model, optimizer, samples, pad_id=policy.pad_id, temperature=1.0, **options)
         rewards.append(sum(scores) / len(scores))
@@ -289,7 +319,8 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
         if done:
             break
     policy.model.eval()
-    return {"step_s": step_s, "rewards": rewards, "curve": curve, "phases": phases}
+    return {"step_s": step_s, "rewards": rewards, "curve": curve, "phases": phases, "tokens": tokens,
+            "trainable_parameters": trainable_parameters(policy.model)[0]}
 
 
 def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int, evaluate: Evaluator,
@@ -373,7 +404,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both (1: least disturbed by other load)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "posttrain-bench-trainer"))
     ap.add_argument("--eval-every", type=int, default=2, help="held-out evaluation every N optimizer steps (off the clock)")
-    ap.add_argument("--only", choices=["posttrain", "trl"], default=None, help="run one side only (debugging)")
+    ap.add_argument("--only", choices=list(TRAINERS), default=None, help="run one trainer only (debugging)")
+    ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the posttrain-lora row (0: no such row)")
+    ap.add_argument("--lora-lr", type=float, default=1e-3, help="learning rate of the posttrain-lora row (adapters "
+                    "usually take about 10x the full fine-tuning rate)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: short warm start, 3 steps, 1 seed, 20 eval tasks; writes results only with --out")
     ap.add_argument("--out", default=None, help="folder for results.json/results.md (default: beside this script; "
@@ -384,10 +418,10 @@ def main() -> None:
         args.steps, args.seeds, args.eval_tasks, args.eval_every = 3, 1, 20, 1
         sft_steps, check_every = 40, 20
     out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
-    if args.only != "posttrain" and importlib.util.find_spec("trl") is None:
+    if args.only in (None, "trl") and importlib.util.find_spec("trl") is None:
         raise SystemExit("benchmarks/trainer/bench.py needs TRL (the bench extra): pip install -e '.[bench]'")
 
-    names = [n for n in ("posttrain", "trl") if not args.only or n == args.only]
+    names = [n for n in TRAINERS if (not args.only or n == args.only) and (n != LORA or args.lora_rank)]
     os.environ["POSTTRAIN_TORCH_THREADS"] = str(args.threads)
     import torch
     import transformers
@@ -412,7 +446,7 @@ def main() -> None:
     trl_times: dict[int, float] = {}
     for seed in range(args.seed, args.seed + args.seeds):
         tasks = train_tasks(seed, args.steps * EXTRA_STEPS, eval_ids)
-        # Alternate which trainer goes first, so slow drifts in the machine's load hit both alike
+        # Alternate the order, so slow drifts in the machine's load hit every trainer alike
         # (TRL first on even seeds: posttrain's time budget is then this seed's TRL time).
         for name in names[::-1] if (seed - args.seed) % 2 == 0 else names:
             torch.set_num_threads(args.threads)
@@ -424,6 +458,9 @@ def main() -> None:
                           else 2 * max(trl_times.values(), default=0.0))
                 run = run_posttrain(folder, tasks, args.steps, args.lr, seed, evaluate, args.eval_every, budget,
                                     args.steps * EXTRA_STEPS)
+            elif name == LORA:  # equal steps only: no time budget to reach
+                run = run_posttrain(folder, tasks, args.steps, args.lora_lr, seed, evaluate, args.eval_every,
+                                    lora_rank=args.lora_rank)
             else:
                 run = run_trl(folder, tasks[:args.steps * PROMPTS_PER_STEP], args.steps, args.lr, seed, args.threads,
                               evaluate, args.eval_every)
@@ -442,6 +479,7 @@ def main() -> None:
                 "train_reward_after_steps": [round(r, 4) for r in rewards[args.steps:]],
                 "curve": [{"step": k, "train_s": t, "accuracy": a, "cpu_s": c} for k, t, a, c in curve],
                 "eval_s": round(evaluate.seconds, 1), "wall_s": round(wall, 1), "phases": run.get("phases"),
+                "tokens": run.get("tokens"), "trainable_parameters": run.get("trainable_parameters"),
                 "load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]})
             print(f"seed {seed} | {name:9s} | {statistics.median(steady):.3f} s/step (median of {len(steady)}, first "
                   f"{step_s[0]:.2f} s) | held-out accuracy {start_acc:.3f} -> {at_steps[2]:.3f} after {args.steps} steps "
@@ -452,11 +490,14 @@ def main() -> None:
                    "accuracy_mean": statistics.mean(r["accuracy"] for r in rs),
                    "accuracies": [r["accuracy"] for r in rs],
                    "train_s_at_steps_mean": statistics.mean(r["train_s_at_steps"] for r in rs),
-                   "train_reward_mean": statistics.mean(x for r in rs for x in r["train_reward"])} for n, rs in runs.items()}
+                   "train_reward_mean": statistics.mean(x for r in rs for x in r["train_reward"]),
+                   **throughput(rs, args.steps)} for n, rs in runs.items()}
     for n, v in summary.items():
+        rate = (f" | {v['tokens_per_s']:.0f} trained tokens/s ({v['update_tokens_per_s']:.0f} in the update), "
+                f"{v['trainable_parameters']:,} trainable parameters" if "tokens_per_s" in v else "")
         print(f"{n:9s} | {v['s_per_step']:.3f} s/step (median over all seeds) | accuracy {v['accuracy_mean']:.3f} "
               f"(per seed {', '.join(f'{a:.3f}' for a in v['accuracies'])}) after {args.steps} steps, "
-              f"{v['train_s_at_steps_mean']:.1f} s of training (mean)")
+              f"{v['train_s_at_steps_mean']:.1f} s of training (mean){rate}")
     phase_text = ""
     if "posttrain" in runs:
         phase = {k: statistics.median(x for r in runs["posttrain"] for x in r["phases"][k][1:args.steps])
@@ -464,7 +505,7 @@ def main() -> None:
         summary["posttrain"]["phase_s_median"] = phase
         phase_text = ", ".join(f"{k} {v:.3f} s" for k, v in phase.items())
         print(f"posttrain step by phase (median over steps 2..{args.steps} of all seeds): {phase_text}")
-    if len(runs) < 2:
+    if "posttrain" not in runs or "trl" not in runs:
         return
     p, t = summary["posttrain"], summary["trl"]
     ratio = p["s_per_step"] / t["s_per_step"]
@@ -533,6 +574,7 @@ def main() -> None:
         "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
         "lr": args.lr, "eval_tasks": args.eval_tasks, "eval_every": args.eval_every,
         "posttrain_trainer_options": trainer_options(PROMPTS_PER_STEP * SAMPLES), "summary": summary, "runs": runs,
+        "lora": {"trainer": LORA, "rank": args.lora_rank, "alpha": 16.0, "lr": args.lora_lr} if LORA in runs else None,
         "s_per_step_ratio": ratio, "accuracy_diff": diff,
         "goal": "posttrain s/step <= TRL s/step and accuracy >= TRL accuracy", "goal_met": met,
         "mean_curves": {n: [{"step": k, "train_s": s_, "accuracy": a} for k, s_, a in c] for n, c in curves.items()},
@@ -586,10 +628,16 @@ def main() -> None:
         f"posttrain calls `grpo_step` with the pipeline trainer's settings (`{result['posttrain_trainer_options']}`).\n\n"
         f"## Equal steps\n\n"
         f"| trainer | s/step (median, first step of each run excluded) | held-out accuracy after {args.steps} steps "
-        f"(mean over seeds) | per seed | training s for {args.steps} steps (mean) | mean train reward |\n"
-        "|---|---:|---:|---|---:|---:|\n"
+        f"(mean over seeds) | per seed | training s for {args.steps} steps (mean) | mean train reward | trained "
+        "tokens/s (whole step) | trained tokens/s (update) | trainable parameters |\n"
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|\n"
         + "".join(f"| {n} | {v['s_per_step']:.3f} | {v['accuracy_mean']:.3f} | {', '.join(f'{a:.3f}' for a in v['accuracies'])} "
-                  f"| {v['train_s_at_steps_mean']:.1f} | {v['train_reward_mean']:.3f} |\n" for n, v in summary.items())
+                  f"| {v['train_s_at_steps_mean']:.1f} | {v['train_reward_mean']:.3f} | "
+                  + (f"{v['tokens_per_s']:.0f} | {v['update_tokens_per_s']:.0f} | {v['trainable_parameters']:,} |\n"
+                     if "tokens_per_s" in v else f"n/a | n/a | {result['parameters']:,} |\n") for n, v in summary.items())
+        + (f"\n`{LORA}`: posttrain's trainer with `trainer.lora.rank: {args.lora_rank}` (`apply_lora`: adapters on "
+           f"q/k/v/o_proj, alpha 16, base weights frozen) at lr {args.lora_lr}, the same prompts, seeds and steps; it "
+           f"runs exactly {args.steps} steps (no equal-time extension).\n" if LORA in summary else "")
         + f"\n**posttrain s/step / TRL s/step = {ratio:.2f}x** (goal <= 1.0); **accuracy difference posttrain - TRL = "
           f"{diff:+.3f}** (goal >= 0) on {args.eval_tasks} held-out tasks. Goal {'met' if met else 'not met'}"
           f"{noise}.\n\nposttrain's step by phase (median over steps 2..{args.steps} of all seeds): {phase_text}.\n\n"
@@ -680,7 +728,7 @@ def plot_curves(runs, curves, trl_time: float, target: float, steps: int, path: 
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    colours = {"posttrain": "tab:blue", "trl": "tab:orange"}
+    colours = {"posttrain": "tab:blue", "trl": "tab:orange", LORA: "tab:green"}
     for n, rs in runs.items():
         for r in rs:
             ax.plot([c["train_s"] for c in r["curve"]], [c["accuracy"] for c in r["curve"]], color=colours[n], alpha=0.25, lw=1)
