@@ -9,6 +9,8 @@ the Airflow DAG and the Kubeflow pipeline.
 | ``POSTTRAIN_SCHEDULE`` | when the DAG runs (see ``dags/wiring.py``) | manual |
 | ``POSTTRAIN_EXECUTION`` | where the DAG's stage tasks run (see ``dags/execution/``) | ``inprocess`` |
 | ``POSTTRAIN_IMAGE`` | set by the images: refuse a local default run root | unset |
+| ``POSTTRAIN_VLLM_PYTHON`` | a separate vLLM environment's interpreter (``vllm`` engine) | ``.venv-vllm/bin/python`` here, if any |
+| ``POSTTRAIN_VLLM_START_TIMEOUT_S`` | seconds that vLLM's server may take to answer ``/v1/models`` | ``600`` |
 
 An explicit value (a CLI flag, a DAG run param) overrides the environment; empty means
 "not given". Every default is absolute, so a worker whose working directory differs
@@ -45,6 +47,28 @@ def default_recipe() -> str:
 class RunSettings:
     recipe: str  # absolute path of the recipe file, or its store URI
     run_root: str  # normalised store URI
+
+
+def vllm_python() -> str:
+    """The interpreter of a separate vLLM environment, or "" when none is set or installed
+    (an explicit ``POSTTRAIN_VLLM_PYTHON`` is returned as given, existing or not)."""
+    given = os.environ.get("POSTTRAIN_VLLM_PYTHON")
+    if given:
+        return given
+    default = CHECKOUT / ".venv-vllm" / "bin" / "python"
+    return str(default) if default.exists() else ""
+
+
+def vllm_start_timeout_s() -> float:
+    raw = os.environ.get("POSTTRAIN_VLLM_START_TIMEOUT_S") or "600"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise UserError("POSTTRAIN_VLLM_START_TIMEOUT_S", raw, "not a positive number of seconds",
+                        "export POSTTRAIN_VLLM_START_TIMEOUT_S=600 (or unset it)")
+    return value
 
 
 def in_image() -> bool:

@@ -14,6 +14,12 @@ strings are mapped back through the policy's tokenizer). ``greedy`` is sent as
 ``temperature: 0``. The server must use the same checkpoint as ``policy``: the trainer
 treats the returned logprobs as the sampling policy's.
 
+``OpenAIEngine(seed_per_prompt=True)`` (what the ``vllm`` engine uses for its own server)
+sends each prompt as its own request seeded ``seed + i``, up to ``concurrency`` at a time
+so the server still batches them: vLLM seeds every prompt of one request alike, so G
+copies of one prompt in a request would be G identical samples. Those are the seeds the
+in-process ``vllm`` engine gives its prompts.
+
 A server that cannot be reached, or answers 5xx, is an ``InfraError`` (the orchestrator
 retries the stage); a 4xx answer is a ``UserError`` naming the URL (a wrong model name or
 an unsupported option will not fix itself). Not covered: chat completions, streaming,
@@ -27,6 +33,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from components.core.errors import InfraError, UserError
@@ -73,10 +80,13 @@ def _token_id(token: str, tokenizer) -> int:
 class OpenAIEngine(Engine):
     name = "openai"
 
-    def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
+                 seed_per_prompt: bool = False, concurrency: int = 64) -> None:
         self.base_url = base_url if base_url is not None else os.environ.get(ENV_BASE_URL, "")
         self.model = model if model is not None else os.environ.get(ENV_MODEL, "")
         self.api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY, "")
+        self.seed_per_prompt = seed_per_prompt
+        self.concurrency = concurrency
 
     def _check(self) -> None:
         if not self.base_url:
@@ -86,39 +96,57 @@ class OpenAIEngine(Engine):
             raise UserError(ENV_MODEL, "", "rollout.engine 'openai' needs the served model's name",
                             f"export {ENV_MODEL}=<name the server serves>")
 
+    def _request(self, url: str, chunk: list[list[int]], max_new_tokens: int, temperature: float, seed: int,
+                 greedy: bool, policy) -> list[Generation]:
+        """One completions request for the token-id prompts ``chunk``, parsed in their order."""
+        eos = policy.eos_id
+        body = {
+            "model": self.model, "prompt": chunk, "max_tokens": max_new_tokens,
+            "temperature": 0.0 if greedy else temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
+            "seed": seed, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
+        }
+        reply = post_json(url, body, self.api_key)
+        choices = sorted(reply.get("choices", []), key=lambda c: c["index"])
+        if len(choices) != len(chunk):
+            raise UserError(ENV_BASE_URL, url, f"the server returned {len(choices)} choices for {len(chunk)} prompts",
+                            "use a server that accepts a list of token-id prompts (vLLM, posttrain serve)")
+        results = []
+        for ids, choice in zip(chunk, choices):
+            lp = choice.get("logprobs") or {}
+            tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
+            if tokens is None or logprobs is None:
+                raise UserError(ENV_BASE_URL, url, "the server returned no per-token logprobs",
+                                "use a server that honours 'logprobs' on /v1/completions")
+            comp = [_token_id(t, policy.tokenizer) for t in tokens]
+            stop = comp.index(eos) + 1 if eos in comp else len(comp)
+            comp, logprobs = comp[:stop], [float(x) for x in logprobs[:stop]]
+            text_ids = comp[:-1] if comp and comp[-1] == eos else comp
+            results.append(Generation(
+                prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
+                text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
+                finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
+            ))
+        return results
+
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
         self._check()
         url = completions_url(self.base_url)
         encoded = [policy.encode_prompt(p) for p in prompts]
-        eos = policy.eos_id
-        results: list[Generation] = []
+        if self.seed_per_prompt:
+            def one(i: int) -> list[Generation]:
+                return self._request(url, [encoded[i]], max_new_tokens, temperature, seed + i, greedy, policy)
+
+            results = []
+            with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as pool:
+                for gens in pool.map(one, range(len(encoded))):  # in order; progress from this thread only
+                    results.extend(gens)
+                    if progress:
+                        progress(len(gens))
+            return results
+        results = []
         for b, start in enumerate(range(0, len(encoded), batch_size)):
             chunk = encoded[start:start + batch_size]
-            body = {
-                "model": self.model, "prompt": chunk, "max_tokens": max_new_tokens,
-                "temperature": 0.0 if greedy else temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
-                "seed": seed + b, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
-            }
-            reply = post_json(url, body, self.api_key)
-            choices = sorted(reply.get("choices", []), key=lambda c: c["index"])
-            if len(choices) != len(chunk):
-                raise UserError(ENV_BASE_URL, url, f"the server returned {len(choices)} choices for {len(chunk)} prompts",
-                                "use a server that accepts a list of token-id prompts (vLLM, posttrain serve)")
-            for ids, choice in zip(chunk, choices):
-                lp = choice.get("logprobs") or {}
-                tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
-                if tokens is None or logprobs is None:
-                    raise UserError(ENV_BASE_URL, url, "the server returned no per-token logprobs",
-                                    "use a server that honours 'logprobs' on /v1/completions")
-                comp = [_token_id(t, policy.tokenizer) for t in tokens]
-                stop = comp.index(eos) + 1 if eos in comp else len(comp)
-                comp, logprobs = comp[:stop], [float(x) for x in logprobs[:stop]]
-                text_ids = comp[:-1] if comp and comp[-1] == eos else comp
-                results.append(Generation(
-                    prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
-                    text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
-                    finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
-                ))
+            results.extend(self._request(url, chunk, max_new_tokens, temperature, seed + b, greedy, policy))
             if progress:
                 progress(len(chunk))
         return results

@@ -1,7 +1,22 @@
-"""Engine ``vllm``: offline generation with vLLM's ``LLM`` API (GPU; CPU build where it installs).
+"""Engine ``vllm``: generation with vLLM, in this process or through its own server.
 
-``vllm`` is imported only when this engine generates, so the rest of posttrain never
-needs it; without it the engine raises a UserError with the install line. The
+Two ways to run, picked when the engine first generates:
+
+- ``vllm`` importable here (a GPU install, or the CPU build's own environment): vLLM's
+  offline ``LLM`` API in this process, as described below.
+- otherwise, a separate vLLM environment (``POSTTRAIN_VLLM_PYTHON``, by default
+  ``.venv-vllm/bin/python`` of this checkout, made by ``make vllm``): vLLM's
+  OpenAI-compatible server on the policy's checkpoint (``vllm_server.py``), driven by the
+  ``openai`` engine with one request per prompt seeded ``seed + i``. One server per
+  checkpoint, kept while the engine generates from it (a stage run), restarted when the
+  engine is given another checkpoint, and stopped by ``close()``, when the engine is
+  garbage-collected (the end of the stage that made it) or at exit. So every iteration
+  samples from the checkpoint its stage was given: the new candidate's weights.
+
+Neither: a UserError naming ``rollout.engine`` with the fix (``make vllm`` or
+``pip install vllm``).
+
+In this process, the
 checkpoint is downloaded once from the policy's store URI into a temporary folder and
 loaded by vLLM as the Hugging Face folder it is (one ``LLM`` per checkpoint URI, kept
 for the life of the engine). Prompts go in as the policy's token ids
@@ -23,22 +38,31 @@ its own virtual environment (``benchmarks/rollout/vllm_vs_hf.py`` shows the inst
 ``tests/rollout/test_vllm_engine.py`` compares it with HFEngine there.
 
 Not covered: tensor/pipeline parallelism settings, LoRA adapters, weight sync from a
-live trainer (each iteration loads its checkpoint), and prefix-cache tuning. Not tested
-in the main CI environment: it needs ``pip install vllm`` (GPU, tests marked ``gpu``)
-or the CPU build in its own environment.
+live trainer without a restart (each checkpoint is loaded anew), and prefix-cache tuning.
+Tested where ``make vllm`` made ``.venv-vllm`` (``tests/rollout/test_vllm_engine.py`` and
+``test_vllm_pipeline.py`` skip without it) or ``pip install vllm`` worked (tests marked ``gpu``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from components.core import settings
 from components.core.errors import UserError
 from components.rollout.engines import Engine, Generation
+from components.rollout.openai_engine import OpenAIEngine
+from components.rollout.vllm_server import VLLMServer
 
-INSTALL_HINT = "pip install vllm (GPU; for CPU see https://docs.vllm.ai/en/latest/getting_started/installation/cpu.html), or set rollout.engine: hf"
+INSTALL_HINT = ("run `make vllm` (vLLM's CPU build in .venv-vllm, or POSTTRAIN_VLLM_PYTHON=<its python>) or "
+                "`pip install vllm` (GPU), or set rollout.engine: hf")
+
+
+def vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
 
 
 def import_vllm():
@@ -76,11 +100,39 @@ def check_cpu_head_size(folder: Path, uri: str) -> None:
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, gpu_memory_utilization: float = 0.85, cpu_kv_cache_gib: float = 1.0) -> None:
+    def __init__(self, gpu_memory_utilization: float = 0.85, cpu_kv_cache_gib: float = 1.0,
+                 server_python: str | None = None, in_process: bool | None = None) -> None:
+        """``server_python``: the separate environment's interpreter ("" for none; None reads
+        the deployment settings); ``in_process``: force a way (None: in this process when
+        ``vllm`` is importable here)."""
         self.gpu_memory_utilization = gpu_memory_utilization
         self.cpu_kv_cache_gib = cpu_kv_cache_gib
+        self.server_python = server_python
+        self.in_process = in_process
         self._llms: dict[str, Any] = {}
         self._dirs: list[tempfile.TemporaryDirectory] = []
+        self._server: VLLMServer | None = None
+
+    def _use_in_process(self) -> bool:
+        if self.in_process is not None:
+            return self.in_process
+        return vllm_importable()
+
+    def _python(self) -> str:
+        python = settings.vllm_python() if self.server_python is None else self.server_python
+        if not python:
+            raise UserError("rollout.engine", "vllm", "vLLM is neither importable here nor installed in its own "
+                            "environment (POSTTRAIN_VLLM_PYTHON unset, no .venv-vllm in this checkout)", INSTALL_HINT)
+        return python
+
+    def server_for(self, policy) -> VLLMServer:
+        """The running server of ``policy``'s checkpoint (the previous checkpoint's is stopped first)."""
+        if self._server is not None and (self._server.uri != policy.uri or not self._server.running()):
+            self._server.stop()
+            self._server = None
+        if self._server is None:
+            self._server = VLLMServer(self._python(), policy.uri, settings.vllm_start_timeout_s(), self.cpu_kv_cache_gib)
+        return self._server
 
     def _llm(self, policy) -> Any:
         vllm = import_vllm()
@@ -108,7 +160,10 @@ class VLLMEngine(Engine):
         return self._llms[policy.uri]
 
     def close(self) -> None:
-        """Stop vLLM's engine processes and remove the downloaded checkpoints."""
+        """Stop vLLM's engine processes (or its server) and remove the downloaded checkpoints."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
         for llm in self._llms.values():
             try:
                 llm.llm_engine.engine_core.shutdown()
@@ -120,6 +175,10 @@ class VLLMEngine(Engine):
         self._dirs.clear()
 
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
+        if not self._use_in_process():
+            server = self.server_for(policy)
+            client = OpenAIEngine(server.base_url, server.model, api_key="", seed_per_prompt=True)
+            return client.generate(policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 

