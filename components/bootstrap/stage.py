@@ -22,7 +22,12 @@ cache hit.
 Interactive tasks (``Domain.interactive``) with a reference episode
 (``reference["episode"]``) are learnt from that episode: actions and their EOS are
 trained on, the observations between them are context only (mask 0 in the loss), as the
-trainer treats an episode's observation tokens (``components.evalsuite.episodes``). Not covered: LoRA/PEFT warm starts and multi-GPU SFT.
+trainer treats an episode's observation tokens (``components.evalsuite.episodes``).
+
+SFT prompts are encoded in ``rollout.prompt_format`` (``components.core.prompts``), as
+rollout and evaluation put them to the policy; the scratch tokenizer has no chat
+template, so ``auto`` is ``raw`` there and ``chat`` is a UserError. Not covered:
+LoRA/PEFT warm starts and multi-GPU SFT.
 """
 
 from __future__ import annotations
@@ -168,11 +173,13 @@ def run(ctx: StageContext) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if recipe.model.source == "scratch":
         tokenizer = build_tokenizer()
-        policy = Policy(model=build_model(recipe.model, len(tokenizer)), tokenizer=tokenizer, uri="", version="1")
+        policy = Policy(model=build_model(recipe.model, len(tokenizer)), tokenizer=tokenizer, uri="", version="1",
+                        prompt_format=recipe.rollout.prompt_format)
         with get_executor(recipe.sandbox) as executor:
             metrics.update(sft(ctx, policy, executor))
     else:
-        policy = load_policy(models.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source")
+        policy = load_policy(models.resolve_model_uri(recipe.model.source, "model.source"), "1", field="model.source",
+                             prompt_format=recipe.rollout.prompt_format)
     metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
     rel = f"{ctx.prefix}/checkpoint"
     digests = save_policy(policy.model, policy.tokenizer, ctx.store, rel)

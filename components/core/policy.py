@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.core.errors import UserError
+from components.core.prompts import encode, resolve_format
 from components.core.storage import Expected, Store, normalize_uri
 
 if TYPE_CHECKING:
@@ -79,15 +80,23 @@ def build_model(cfg, vocab_size: int):
 
 @dataclass
 class Policy:
+    """A model and its tokenizer, and how prompts are put to it: ``prompt_format`` is
+    ``raw``, ``chat`` or ``auto`` (``components.core.prompts``; ``rollout.prompt_format``),
+    resolved to ``raw`` or ``chat`` on construction (``chat`` without a chat template is a
+    UserError)."""
+
     model: Any
     tokenizer: Any
     uri: str
     version: str = ""
+    prompt_format: str = "raw"
+
+    def __post_init__(self) -> None:
+        self.prompt_format = resolve_format(self.tokenizer, self.prompt_format)
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + list(ids)
+        """The ids the policy generates from for a task prompt, under its prompt format."""
+        return encode(self.tokenizer, prompt, self.prompt_format)
 
     @property
     def eos_id(self) -> int:
@@ -141,8 +150,9 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     return expected
 
 
-def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
-    """Load a checkpoint folder from any store URI (or a local path) onto the CPU.
+def load_policy(uri: str, version: str = "", field: str = "policy", prompt_format: str = "raw") -> Policy:
+    """Load a checkpoint folder from any store URI (or a local path) onto the CPU, its
+    prompts put to it in ``prompt_format`` (``rollout.prompt_format``; ``raw`` by default).
 
     A missing or unreadable checkpoint is a UserError naming the URI; a checkpoint whose
     files differ from the manifest that recorded them is a UserError naming the file and
@@ -171,7 +181,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy") -> Policy:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     model.eval()
-    return Policy(model=model, tokenizer=tokenizer, uri=uri, version=version)
+    return Policy(model=model, tokenizer=tokenizer, uri=uri, version=version, prompt_format=prompt_format)
 
 
 def pad_batch(samples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,9 +1,11 @@
 """A registered policy version as an MLflow pyfunc model that loads and serves.
 
-``build(checkpoint_uri, folder, max_new_tokens, batch_size)`` writes an MLflow model
+``build(checkpoint_uri, folder, max_new_tokens, batch_size, prompt_format)`` writes an MLflow model
 (``mlflow.pyfunc.save_model``) that holds no weights: its ``model_config`` names the
 stored checkpoint, and ``PolicyModel.load_context`` loads it from the store with
-``load_policy`` (the same verified read every stage uses). ``predict`` returns the
+``load_policy`` (the same verified read every stage uses), its prompts in ``prompt_format``
+(``rollout.prompt_format``: ``auto`` by default, the chat template when the tokenizer has
+one; a model saved before the setting existed is ``raw``). ``predict`` returns the
 greedy completions of the ``hf`` engine, exactly what the eval suite scores::
 
     import mlflow
@@ -20,7 +22,7 @@ Not covered: the model is only as portable as the checkpoint URI inside it: whoe
 loads it needs read access to the store (``file://`` checkpoints load only on the
 machine that wrote them) and the ``posttrain`` package importable (the project's image
 or virtualenv; the pickled model refers to this module, no code is copied). Sampling
-(temperature, top-p), chat templates and token-level outputs (logprobs) are not
+(temperature, top-p), multi-turn chat messages and token-level outputs (logprobs) are not
 exposed; serving at rollout scale is ``posttrain serve`` (``components.rollout.serve``).
 """
 
@@ -90,7 +92,8 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
 
         config = context.model_config or {}
         self.config = dict(config)
-        self.policy = load_policy(config["checkpoint_uri"], field="checkpoint_uri")
+        self.policy = load_policy(config["checkpoint_uri"], field="checkpoint_uri",
+                                  prompt_format=str(config.get("prompt_format", "raw")))
 
     # The hint names the form a served model receives; a DataFrame hint also tells MLflow
     # not to validate or convert the input, so lists and dicts reach prompts_of as they are.
@@ -115,9 +118,10 @@ def signature(max_new_tokens: int):
                           params=ParamSchema([ParamSpec("max_new_tokens", "long", int(max_new_tokens))]))
 
 
-def build(checkpoint_uri: str, folder: str, max_new_tokens: int, batch_size: int = 64) -> None:
+def build(checkpoint_uri: str, folder: str, max_new_tokens: int, batch_size: int = 64, prompt_format: str = "auto") -> None:
     """Write the MLflow model of ``checkpoint_uri`` into the empty or absent ``folder``."""
-    config = {"checkpoint_uri": checkpoint_uri, "max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size)}
+    config = {"checkpoint_uri": checkpoint_uri, "max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size),
+              "prompt_format": prompt_format}
     # MLflow's advice (type hints, an input example, models-from-code) does not apply to a
     # model whose input is read by prompts_of and whose code is the posttrain package:
     # keep it out of every stage's log.

@@ -33,7 +33,8 @@ manifest, then run again, gives the same report and aliases as an uninterrupted 
 on the candidate's registry version (``posttrain.baseline_version``); iterations whose
 taskgen manifest predates the field fall back to that tag (and to the strict rule).
 
-Not covered: corrections for comparing several domains at once (each interval is at
+The candidate sees its prompts in ``rollout.prompt_format`` (``components.core.prompts``),
+as rollout gave them. Not covered: corrections for comparing several domains at once (each interval is at
 ``evaluation.confidence`` on its own).
 """
 
@@ -146,7 +147,7 @@ def inputs(ctx: StageContext) -> None:
 def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.evaluation
     trainer = ctx.facts_of("trainer", Checkpoint)
-    candidate = load_policy(trainer.checkpoint_uri, trainer.version)
+    candidate = load_policy(trainer.checkpoint_uri, trainer.version, prompt_format=ctx.recipe.rollout.prompt_format)
     results, rates, worst = evaluate_and_log(ctx, candidate)
     pass_k = log_pass_at_k(ctx, candidate, cfg.pass_k) if cfg.pass_k else {}
     baseline_version, baseline = iteration_baseline(ctx, trainer)

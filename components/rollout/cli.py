@@ -1,6 +1,7 @@
 """``posttrain serve``: an OpenAI-compatible completions server for one checkpoint.
 
     posttrain serve --checkpoint URI [--host 127.0.0.1] [--port 8000] [--model NAME] [--batch-size 64]
+                    [--prompt-format raw|chat|auto]
 
 See ``components/rollout/serve.py`` for what it serves and what it does not.
 """
@@ -17,6 +18,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     p.add_argument("--model", default="posttrain-policy", help="model name clients send (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per generation batch (default: %(default)s)")
+    p.add_argument("--prompt-format", choices=("raw", "chat", "auto"), default="raw",
+                   help="how text prompts become token ids, as rollout.prompt_format: raw (BOS + text), chat (the "
+                        "tokenizer's chat template, one user turn) or auto (chat when it has one) (default: %(default)s)")
     p.set_defaults(handler=_serve)
 
 
@@ -28,5 +32,5 @@ def _serve(args: argparse.Namespace) -> int:
         raise UserError("--port", args.port, "not a TCP port", "pass a port between 1 and 65535")
     if args.batch_size < 1:
         raise UserError("--batch-size", args.batch_size, "must be at least 1", "pass --batch-size 1 or more")
-    serve(args.checkpoint, args.host, args.port, args.model, args.batch_size)
+    serve(args.checkpoint, args.host, args.port, args.model, args.batch_size, args.prompt_format)
     return 0

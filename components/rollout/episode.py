@@ -15,7 +15,10 @@ function ``context text -> action text`` (a scripted policy: no model, no tokens
    with a task's ``Interactive`` declaration). The commands of one turn run at most
    ``concurrency`` at once;
 3. the observation (exit status and the first ``observation_chars`` characters of the
-   output, ``format_observation``) is tokenised and appended to the context.
+   output, ``format_observation``) is tokenised and appended to the context: as its
+   text under the ``raw`` prompt format; under ``chat`` (``Policy.prompt_format``) as the
+   next user turn of the chat template, after the close of the assistant turn and
+   followed by the generation prompt (``components.core.prompts.observation_ids``).
 
 The episode ends on ``DONE``, after its ``max_steps`` actions (one limit for all, or one
 per prompt), or when the context would exceed ``max_context_tokens``. Each episode
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from components.core.policy import Policy
+from components.core.prompts import observation_ids
 from components.core.records import Turn
 from components.domains.base import Interactive, action_command, observation_text
 from components.rollout.engines import Generation, TokenPromptPolicy
@@ -146,6 +150,7 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                     samples = engine.generate(TokenPromptPolicy(policy), contexts, max_action_tokens,  # type: ignore[arg-type]
                                                   temperature, seed + 1000 * step, batch_size, greedy=greedy)
                 running = []
+                samples_by = dict(zip(active, samples))
                 for k, sample in zip(active, samples):
                     ep = episodes[k]
                     ep.completion_ids += sample.completion_ids
@@ -166,7 +171,8 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                     ep.commands.append(command)
                     ep.text += observation
                     if not scripted:
-                        obs_ids = list(policy.tokenizer(observation, add_special_tokens=False)["input_ids"])
+                        stopped = bool(samples_by[k].completion_ids) and samples_by[k].completion_ids[-1] == policy.eos_id
+                        obs_ids = observation_ids(policy.tokenizer, observation, policy.prompt_format, stopped)
                         ep.completion_ids += obs_ids
                         ep.logprobs += [0.0] * len(obs_ids)
                         ep.completion_mask += [0] * len(obs_ids)

@@ -1,6 +1,6 @@
 """A minimal OpenAI-compatible completions server around ``HFEngine``.
 
-    posttrain serve --checkpoint URI --port 8000 [--host 127.0.0.1] [--model NAME]
+    posttrain serve --checkpoint URI --port 8000 [--host 127.0.0.1] [--model NAME] [--prompt-format raw|chat|auto]
 
 Serves ``POST /v1/completions`` and ``GET /v1/models`` for one checkpoint (any store
 URI or local folder ``load_policy`` reads). ``prompt`` may be a string, a list of
@@ -9,7 +9,11 @@ strings, a list of token ids or a list of token-id lists; each choice carries
 included when generation stopped on it), recorded exactly as ``HFEngine`` records them
 (under ``softmax(logits / temperature)``). ``temperature: 0`` is greedy. With
 ``return_tokens_as_token_ids: true`` (vLLM's extension) tokens are ``"token_id:<id>"``.
-A request is generated as one ``HFEngine`` call, seeded with the request's ``seed``
+Text prompts become token ids in ``--prompt-format`` (``components.core.prompts``):
+``raw`` (the default: BOS and the text, what a completions endpoint is given), ``chat``
+(the tokenizer's chat template around the text as one user turn, with the generation
+prompt) or ``auto``; choose the recipe's ``rollout.prompt_format`` to serve prompts as the
+pipeline puts them. Token-id prompts are used as they are. A request is generated as one ``HFEngine`` call, seeded with the request's ``seed``
 (default 0), so the same request returns the same completions.
 
 Not covered: chat completions, streaming, ``n > 1``, ``stop`` strings, top-k/top-p,
@@ -29,7 +33,7 @@ from components.rollout.hf_engine import HFEngine
 
 
 def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:
-    """Normalise every OpenAI ``prompt`` shape to token-id lists (strings get BOS like rollout)."""
+    """Normalise every OpenAI ``prompt`` shape to token-id lists (strings in the policy's prompt format, as rollout)."""
     if isinstance(prompt, str):
         return [policy.encode_prompt(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
@@ -99,14 +103,18 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64):
     return app
 
 
-def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_size: int = 64) -> None:
-    """Load ``checkpoint`` and serve it until interrupted."""
+def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_size: int = 64,
+          prompt_format: str = "raw") -> None:
+    """Load ``checkpoint`` and serve it until interrupted, text prompts in ``prompt_format``."""
     import uvicorn
 
     from components.core.policy import load_policy
     from components.core.progress import say
+    from components.core.prompts import resolve_format
 
     policy = load_policy(checkpoint, field="--checkpoint")
+    # the flag's name in the error, not the recipe field's
+    policy.prompt_format = resolve_format(policy.tokenizer, prompt_format, field="--prompt-format")
     name = model_name or "posttrain-policy"
     say(f"serve | {policy.uri} as {name!r} on http://{host}:{port}/v1")
     uvicorn.run(make_app(policy, name, batch_size), host=host, port=port, log_level="warning")

