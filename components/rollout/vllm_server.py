@@ -15,7 +15,9 @@ exactly as the in-process engine does: float32, seed 0, eager mode, vLLM's own
 generation defaults (not the checkpoint's ``generation_config.json``) and
 ``--logprobs-mode processed_logprobs`` (the sampled token's logprob under the
 temperature-scaled distribution, which the trainer's ratio needs). On the CPU build the
-KV cache is a fixed ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless the deployment sets it).
+KV cache is a fixed ``VLLM_CPU_KVCACHE_SPACE`` GiB (1 unless the deployment sets it), and
+a model whose head size its attention kernels lack is refused before the server starts
+(the sizes are asked of that environment's vLLM once per interpreter).
 
 The server runs in its own process group, and is stopped (SIGTERM to the group, SIGKILL
 after a grace period) by ``stop()``, when its ``VLLMServer`` is garbage-collected, and at
@@ -31,6 +33,7 @@ reusing a running server for another checkpoint (each checkpoint is a new server
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -50,6 +53,45 @@ from components.core.storage import Store
 SERVED_NAME = "policy"
 LOG_TAIL_LINES = 8
 STOP_GRACE_S = 20.0
+
+
+PROBE = """
+import json
+from vllm.platforms import current_platform
+sizes = []
+if current_platform.is_cpu():
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        pass
+print(json.dumps(sizes))
+"""
+
+
+@functools.lru_cache(maxsize=4)
+def cpu_head_sizes(python: str) -> tuple[int, ...]:
+    """The head sizes the CPU build behind ``python`` has attention kernels for (empty: not the
+    CPU build, or a vLLM layout that does not say; vLLM then decides itself)."""
+    done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-LOG_TAIL_LINES:])
+        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot import vllm there ({tail})",
+                        "run `make vllm` again, or point POSTTRAIN_VLLM_PYTHON at a Python with vllm")
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def check_head_size(folder: Path, uri: str, sizes: tuple[int, ...] | list[int]) -> None:
+    """The CPU attention kernels support only some head sizes (32, 64, 80, ...): fail clearly
+    before vLLM starts instead of inside the first forward pass (no check when ``sizes`` is empty)."""
+    if not sizes:
+        return
+    cfg = json.loads((folder / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head not in sizes:
+        raise UserError("rollout.engine", "vllm", f"the CPU build of vLLM has no attention kernel for head size {head} "
+                        f"(policy {uri})", f"use a model whose hidden_size / num_heads is one of {list(sizes)}, "
+                        "or set rollout.engine: hf")
 
 
 def free_port() -> int:
@@ -118,7 +160,12 @@ class VLLMServer:
         self.uri = uri
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-server-")
         folder = Path(self._dir.name) / "model"
-        download_checkpoint(uri, folder)
+        try:
+            download_checkpoint(uri, folder)
+            check_head_size(folder, uri, cpu_head_sizes(python))
+        except BaseException:
+            self._dir.cleanup()
+            raise
         self.log_path = Path(self._dir.name) / "server.log"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -13,6 +13,7 @@ serves the tests of this module.
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -175,12 +176,27 @@ def test_vllm_server_serves_the_new_checkpoint_after_a_reload(checkpoints, serve
 
 
 @NEEDS_SERVER
-def test_vllm_server_that_cannot_start_is_one_error_with_its_log(tmp_path) -> None:
+def test_vllm_server_refuses_an_unsupported_head_size_before_starting(tmp_path) -> None:
     store = Store(str(tmp_path), "test")
     tiny = tiny_policy(seed=1)  # head size 16: the CPU build has no attention kernel for it
     save_policy(tiny.model, tiny.tokenizer, store, "ckpt")
     engine = VLLMEngine(in_process=False)
-    with pytest.raises(UserError, match=r"rollout.engine='vllm': vLLM's server exited with status \d+ while starting "
-                       r"on .*ckpt; its log ends: .*16.*; fix: "):
+    with pytest.raises(UserError, match=r"rollout.engine='vllm': the CPU build of vLLM has no attention kernel for "
+                       r"head size 16 \(policy .*ckpt\); fix: use a model whose hidden_size / num_heads is one of"):
         engine.generate(load_policy(store.url("ckpt")), ["1+2="], 4, 1.0, 0, 8)
+    assert engine._server is None
+
+
+@NEEDS_SERVER
+def test_vllm_server_that_cannot_start_is_one_error_with_its_log(checkpoints, tmp_path) -> None:
+    a, _ = checkpoints
+    store = Store(str(tmp_path), "test")
+    save_policy(a.model, a.tokenizer, store, "broken")
+    config = json.loads(store.read_bytes("broken/config.json"))
+    store.write_bytes("broken/config.json", json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}).encode())
+    broken = Policy(model=a.model, tokenizer=a.tokenizer, uri=store.url("broken"))
+    engine = VLLMEngine(in_process=False)
+    with pytest.raises(UserError, match=r"rollout.engine='vllm': vLLM's server exited with status \d+ while starting "
+                       r"on .*broken; its log ends: .*NoSuchModelForCausalLM.*; fix: fix what the log says"):
+        engine.generate(broken, ["1+2="], 4, 1.0, 0, 8)
     assert engine._server is None
