@@ -32,11 +32,12 @@ trainer's models load with; others are refused rather than trusted).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from components.core.policy import pack_batch, pack_levels, packed_token_logprobs, pad_batch, token_logprobs
+from components.core.policy import PackedBatch, pack_batch, pack_levels, packed_token_logprobs, pad_batch, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -142,24 +143,40 @@ def packed_micro_batches(samples: list[Sample], max_rows: int, max_tokens: int =
     return batches
 
 
-def _padded_forward(model, chunk: list[Sample], weights: list[float], pad_id: int, temperature: float):
+class Scorer(torch.nn.Module):
+    """The policy's token scoring as one module call, so that a DDP or FSDP2 wrapper around
+    it sees every forward pass (the packed path reaches past the model's own ``forward``)."""
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, packed: PackedBatch | None = None, ids=None, attn=None, temperature: float = 1.0):
+        if packed is not None:
+            return packed_token_logprobs(self.policy, packed, temperature)
+        return token_logprobs(self.policy, ids, attn, temperature)
+
+
+def _padded_forward(scorer, chunk: list[Sample], weights: list[float], pad_id: int, temperature: float, device):
     """(new logprobs, entropy, old logprobs, mask, advantage, weight), each (rows, width - 1) or broadcastable."""
     ids, attn, mask = pad_batch([(s.prompt_ids, s.completion_ids) for s in chunk], pad_id)
     mask = apply_sample_masks(chunk, mask)
-    new, entropy = token_logprobs(model, ids, attn, temperature)
+    new, entropy = scorer(ids=ids.to(device), attn=attn.to(device), temperature=temperature)
     old = old_logprob_tensor(chunk, mask)
     adv = torch.tensor([s.advantage for s in chunk]).unsqueeze(-1)
     w = torch.tensor(weights).unsqueeze(-1)
-    return new, entropy, old, mask, adv, w
+    return (new, entropy, *(t.to(device) for t in (old, mask, adv, w)))
 
 
-def _packed_forward(model, chunk: list[Sample], rows: list[list[int]], weights: list[float], pad_id: int,
-                    temperature: float):
+def _packed_forward(scorer, chunk: list[Sample], rows: list[list[int]], weights: list[float], pad_id: int,
+                    temperature: float, device):
     """The same six tensors, flat over the chunk's completion tokens (sample order). Old
     logprobs and sample masks are cut or extended to the completion as the padded path
     reads them: a missing old logprob is 0, a missing mask entry is 1."""
     batch = pack_batch([(s.prompt_ids, s.completion_ids) for s in chunk], rows, pad_id)
-    new, entropy = packed_token_logprobs(model, batch, temperature)
+    batch = replace(batch, ids=batch.ids.to(device), position_ids=batch.position_ids.to(device),
+                    targets=batch.targets.to(device))
+    new, entropy = scorer(packed=batch, temperature=temperature)
     old: list[float] = []
     mask: list[float] = []
     adv: list[float] = []
@@ -170,51 +187,97 @@ def _packed_forward(model, chunk: list[Sample], rows: list[list[int]], weights: 
         mask.extend((list(s.mask[:n]) + [1] * (n - len(s.mask))) if s.mask else [1] * n)
         adv.extend([s.advantage] * n)
         w.extend([weight] * n)
-    return new, entropy, torch.tensor(old), torch.tensor(mask, dtype=torch.float32), torch.tensor(adv), torch.tensor(w)
+    tensors = (torch.tensor(old), torch.tensor(mask, dtype=torch.float32), torch.tensor(adv), torch.tensor(w))
+    return (new, entropy, *(t.to(device) for t in tensors))
+
+
+def plan_micro_batches(samples: list[Sample], micro_batch_size: int, micro_batch_tokens: int,
+                       packing: bool) -> list[tuple[list[int], list[list[int]]]]:
+    """Per micro-batch: the sample indices it holds and, when packed, its rows (indices
+    into that micro-batch); the padded path has no rows."""
+    if not packing:
+        return [(idx, []) for idx in micro_batches(samples, micro_batch_size, micro_batch_tokens)]
+    layouts = []
+    for rows in packed_micro_batches(samples, micro_batch_size, micro_batch_tokens):
+        idx = [i for row in rows for i in row]
+        local = {i: k for k, i in enumerate(idx)}
+        layouts.append((idx, [[local[i] for i in row] for row in rows]))
+    return layouts
+
+
+@dataclass(frozen=True)
+class StepPart:
+    """One process's part of a step trained by several (``distributed.py``).
+
+    ``indices``: the step's samples this process scores; ``world``: how many processes
+    share the step; ``micro_batches``: how many forward/backward passes every process
+    runs (the most any of them needs: the collectives inside DDP and FSDP must pair up,
+    so a process with fewer passes runs extra ones at weight 0); ``all_reduce``: sums a
+    list of floats over the processes (the step's statistics)."""
+
+    indices: list[int]
+    world: int
+    micro_batches: int
+    all_reduce: Callable[[list[float]], list[float]]
 
 
 def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps: float, kl_coef: float,
               temperature: float, micro_batch_size: int, max_grad_norm: float, micro_batch_tokens: int = 0,
-              loss_aggregation: str = "token_mean", scheduler=None, packing: bool = True) -> StepStats:
+              loss_aggregation: str = "token_mean", scheduler=None, packing: bool = True, dtype: str = "float32",
+              part: StepPart | None = None) -> StepStats:
     """One optimizer step over ``samples`` with gradient accumulation (then one scheduler step);
-    ``packing`` chooses packed micro-batches (the default) or right-padded ones."""
-    model.train()
+    ``packing`` chooses packed micro-batches (the default) or right-padded ones, ``dtype``
+    the forward precision (``device.forward_precision``). The model may be a plain model or
+    a DDP/FSDP2-wrapped ``Scorer``; with ``part`` this process scores only its share of the
+    step, with every token weighted as in the whole step, and gradients are summed over
+    the processes (the loss is scaled by ``part.world`` against the wrappers' averaging),
+    so the step equals the one-process step on the same samples."""
+    from components.trainer.device import forward_precision
+
+    scorer = model if isinstance(model, (Scorer, torch.nn.parallel.DistributedDataParallel)) else Scorer(model)
+    device = next(p.device for p in scorer.parameters())
+    scorer.train()
     optimizer.zero_grad(set_to_none=True)
     total_tokens = sum(s.trained_tokens for s in samples)
     weights = token_weights(samples, loss_aggregation)
     lr = float(optimizer.param_groups[0]["lr"])
     sums = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
-    if packing:
-        layouts = []
-        for rows in packed_micro_batches(samples, micro_batch_size, micro_batch_tokens):
-            idx = [i for row in rows for i in row]
-            local = {i: k for k, i in enumerate(idx)}
-            layouts.append((idx, [[local[i] for i in row] for row in rows]))
-    else:
-        layouts = [(idx, []) for idx in micro_batches(samples, micro_batch_size, micro_batch_tokens)]
-    for idx, rows in layouts:
+    mine = part.indices if part else list(range(len(samples)))
+    layouts = [([mine[i] for i in idx], rows, 1.0)
+               for idx, rows in plan_micro_batches([samples[i] for i in mine], micro_batch_size, micro_batch_tokens, packing)]
+    if part:
+        # Passes at weight 0 (the first micro-batch again) so that every process runs as many.
+        layouts += [(layouts[0][0], layouts[0][1], 0.0)] * (part.micro_batches - len(layouts))
+    scale = float(part.world) if part else 1.0
+    for idx, rows, keep in layouts:
         chunk = [samples[i] for i in idx]
-        chunk_weights = [weights[i] for i in idx]
-        if packing:
-            new, entropy, old, mask, adv, w = _packed_forward(model, chunk, rows, chunk_weights, pad_id, temperature)
-        else:
-            new, entropy, old, mask, adv, w = _padded_forward(model, chunk, chunk_weights, pad_id, temperature)
+        chunk_weights = [weights[i] * keep for i in idx]
+        with forward_precision(device, dtype):
+            if packing:
+                new, entropy, old, mask, adv, w = _packed_forward(scorer, chunk, rows, chunk_weights, pad_id, temperature, device)
+            else:
+                new, entropy, old, mask, adv, w = _padded_forward(scorer, chunk, chunk_weights, pad_id, temperature, device)
+        new, entropy = new.float(), entropy.float()
         ratio = torch.exp(new - old)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
         log_ref_ratio = old - new
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
         per_token = -surrogate + kl_coef * kl
         loss = (per_token * mask * w).sum()
-        loss.backward()
-        with torch.no_grad():
-            sums["loss"] += float(loss)
-            sums["clip"] += float(((ratio - 1).abs() > clip_eps).float().mul(mask).sum())
-            sums["kl"] += float((kl * mask).sum())
-            sums["ent"] += float((entropy * mask).sum())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+        (loss * scale if scale != 1.0 else loss).backward()
+        if keep:
+            with torch.no_grad():
+                sums["loss"] += float(loss)
+                sums["clip"] += float(((ratio - 1).abs() > clip_eps).float().mul(mask).sum())
+                sums["kl"] += float((kl * mask).sum())
+                sums["ent"] += float((entropy * mask).sum())
+    norm = torch.nn.utils.clip_grad_norm_([p for p in scorer.parameters() if p.requires_grad], max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # an FSDP2 norm is a DTensor
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
+    if part:
+        sums = dict(zip(sums, part.all_reduce(list(sums.values()))))
     return StepStats(loss=sums["loss"], clip_frac=sums["clip"] / total_tokens, kl=sums["kl"] / total_tokens,
                      entropy=sums["ent"] / total_tokens, grad_norm=grad_norm, tokens=total_tokens, lr=lr)
 

@@ -21,7 +21,12 @@ Schedules (``trainer.lr_schedule``): linear warmup from 0 over ``warmup_steps``,
 ``decay_steps``; steps count across iterations. After loading, the recipe's current
 learning rate and betas win over the saved ones, so a changed recipe takes effect.
 
-Not covered: sharded optimizer states (FSDP/ZeRO), other optimizers than AdamW, and
+The file always holds the full, unsharded AdamW state keyed by parameter index, whoever
+wrote it: one process, DDP ranks (replicas) or FSDP2 ranks (gathered by
+``components/trainer/distributed.py``), so any later run, 1 or N processes, can carry it.
+
+Not covered: sharded optimizer state files (an FSDP run gathers the full state to rank 0
+to save it), other optimizers than AdamW, and
 state files written by a model with a different parameter layout (loading one is a
 UserError naming the file).
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import io
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +50,9 @@ BETAS = (0.9, 0.99)
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=BETAS, weight_decay=0.0)
+    """AdamW over the parameters that train (all of them, or only the adapters under LoRA)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, betas=BETAS,
+                             weight_decay=0.0)
 
 
 def lr_factor(step: int, cfg) -> float:
@@ -84,30 +92,43 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def trainer_state_bytes(optimizer_state: dict, scheduler_state: dict, position: DataPosition) -> bytes:
+    """The bytes of ``trainer_state.pt``: an optimizer's full (unsharded) ``state_dict()``
+    keyed by parameter index, the scheduler's, this process's RNG states and the position."""
+    buf = io.BytesIO()
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler_state, "rng": _rng_state(),
+                "position": {"iteration": position.iteration, "steps_done": position.steps_done,
+                             "global_step": position.global_step}}, buf)
+    return buf.getvalue()
+
+
 def save_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, position: DataPosition) -> str:
     """Write ``<rel_dir>/trainer_state.pt``; returns its sha256."""
     from components.core.storage import sha256_bytes
 
-    buf = io.BytesIO()
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-                "position": {"iteration": position.iteration, "steps_done": position.steps_done,
-                             "global_step": position.global_step}}, buf)
-    data = buf.getvalue()
+    data = trainer_state_bytes(optimizer.state_dict(), scheduler.state_dict(), position)
     store.write_bytes(f"{rel_dir}/{STATE_FILE}" if rel_dir else STATE_FILE, data)
     return sha256_bytes(data)
 
 
-def load_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, cfg, restore_rng: bool) -> DataPosition | None:
-    """Load the state beside a checkpoint into ``optimizer``/``scheduler``; None when absent."""
-    rel = f"{rel_dir}/{STATE_FILE}" if rel_dir else STATE_FILE
-    if not store.exists(rel):
-        return None
+def read_trainer_state(data: bytes, where: str) -> dict:
+    """The saved state from the bytes of a ``trainer_state.pt`` (``where`` names it in errors)."""
     try:
-        state = torch.load(io.BytesIO(store.read_bytes(rel)), weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except (RuntimeError, ValueError, EOFError) as exc:
+        raise UserError("trainer_state", where, f"is not a trainer state file ({exc})",
+                        "re-run the trainer stage that wrote it, or set trainer.carry_optimizer_state: false") from None
+
+
+def restore_trainer_state(state: dict, optimizer, scheduler, cfg, restore_rng: bool, where: str,
+                          load_optimizer: Callable[[dict], None] | None = None) -> DataPosition:
+    """Load a saved state into ``optimizer``/``scheduler``; ``load_optimizer`` replaces
+    ``optimizer.load_state_dict`` (a sharded optimizer loads the full state its own way)."""
+    try:
+        (load_optimizer or optimizer.load_state_dict)(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError) as exc:
-        raise UserError("trainer_state", store.url(rel), f"cannot load it into this model's optimizer ({exc})",
+        raise UserError("trainer_state", where, f"cannot load it into this model's optimizer ({exc})",
                         "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false") from None
     # The recipe's hyperparameters win over the saved ones (identical when unchanged).
     scheduler.base_lrs = [cfg.learning_rate for _ in optimizer.param_groups]
@@ -119,3 +140,12 @@ def load_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, cfg, re
         _set_rng_state(state["rng"])
     p = state["position"]
     return DataPosition(iteration=int(p["iteration"]), steps_done=int(p["steps_done"]), global_step=int(p["global_step"]))
+
+
+def load_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, cfg, restore_rng: bool) -> DataPosition | None:
+    """Load the state beside a checkpoint into ``optimizer``/``scheduler``; None when absent."""
+    rel = f"{rel_dir}/{STATE_FILE}" if rel_dir else STATE_FILE
+    if not store.exists(rel):
+        return None
+    state = read_trainer_state(store.read_bytes(rel), store.url(rel))
+    return restore_trainer_state(state, optimizer, scheduler, cfg, restore_rng, store.url(rel))

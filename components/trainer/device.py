@@ -1,0 +1,54 @@
+"""Where and in what precision the trainer computes: ``trainer.device``, ``trainer.dtype``
+and ``trainer.gradient_checkpointing``.
+
+- ``resolve_device``: ``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda``
+  without a visible GPU is a UserError naming ``trainer.device``.
+- ``forward_precision``: the context the forward passes run in. ``bfloat16`` is
+  ``torch.autocast`` (on CPU too): matrix products in bfloat16, weights, gradients and
+  AdamW state stay float32, and the loss is computed from float32 logits.
+- ``prepare_model``: moves the model to the device and, with gradient checkpointing,
+  turns it on (non-reentrant, so frozen embeddings under LoRA still pass gradients on)
+  and the KV cache off.
+
+Not covered: pure bfloat16 weights or optimizer state (master weights stay float32),
+float16 with loss scaling, and choosing one of several GPUs (a process uses
+``cuda:<LOCAL_RANK>``, the default device index under torchrun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from components.core.errors import UserError
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``trainer.device`` as a torch device; this process's GPU under torchrun."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("trainer.device", "cuda", "torch sees no CUDA device on this machine",
+                            "set trainer.device: auto or cpu, or run the trainer on a GPU node")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def forward_precision(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """The context of a forward pass: bfloat16 autocast on ``device``, or nothing for float32."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def prepare_model(model, device: torch.device, gradient_checkpointing: bool):
+    """The model on ``device``, with activation checkpointing when asked; returns it."""
+    model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model

@@ -1,0 +1,313 @@
+"""The trainer's optimizer steps under ``torchrun``: DDP or FSDP2 over ``trainer.processes``
+processes on one node, saved as one consolidated Hugging Face checkpoint.
+
+``train(policy, batches, cfg, ...)`` is the whole of it, for the trainer stage and for
+benchmarks alike (run N steps with ``cfg.processes`` processes; ``Trained.state_dict()``
+gives the weights, ``Trained.stats`` the per-step ``StepStats``)::
+
+    trained = train(policy, batches, cfg.model_copy(update={"processes": 2}), temperature=1.0,
+                    seed=0, iteration=1, workdir=tmp)
+
+It writes what the workers need into ``workdir`` (the starting checkpoint, the step
+batches, the config, the carried ``trainer_state.pt`` if any) and runs
+``python -m torch.distributed.run --standalone --nproc_per_node P -m
+components.trainer.distributed <workdir>`` with ``OMP_NUM_THREADS=1`` per worker. Each
+worker (``main``):
+
+- joins the process group (gloo on CPU, nccl on CUDA, one GPU per local rank), loads the
+  starting checkpoint, adds LoRA adapters (``trainer.lora``, before wrapping), and wraps
+  the ``grpo.Scorer`` around it in DDP, or in FSDP2 (``fully_shard`` on every decoder
+  layer, then on the root) per ``trainer.parallelism``;
+- takes its share of every step (``split_step``: deterministic, balanced by tokens) and
+  runs ``grpo.grpo_step`` with a ``StepPart``: token weights come from the whole step,
+  gradients are summed over the processes, clipping uses the global norm, so a P-process
+  step equals the 1-process step on the same global batch
+  (``tests/trainer/test_distributed.py``);
+- at the end, rank 0 writes the consolidated checkpoint (the full state dict gathered to
+  CPU, adapters merged: a plain HF safetensors folder that ``load_policy`` and every
+  engine load as is), ``trainer_state.pt`` (the full, unsharded AdamW state keyed by
+  parameter index, as a 1-process run writes it, so a later run of any width carries
+  it) and the per-step statistics.
+
+Failures come back as one error: a worker's ``UserError`` is re-raised as it is; a crashed
+worker, a collective that timed out or no result within ``timeout_s`` is an
+``InfraError`` with the worker's last error line (the workers are killed, never left
+hanging). ``processes`` above the samples of some step, or CUDA asked for on a machine
+without enough GPUs, is a UserError before anything starts.
+
+Not covered: multi-node launch (a cluster engine such as the Kubeflow Training
+Operator's PyTorchJob starts ``components.trainer.distributed`` on every node with the
+same workdir contract; this module only runs ``--standalone``), tensor or pipeline
+parallelism, sharded checkpoints (always consolidated on rank 0, which must hold the
+full model in CPU memory), and resuming a half-done run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from components.core.errors import InfraError, UserError
+from components.trainer.grpo import Sample, StepStats
+
+START, OUT, CHECKPOINT, STATS = "start", "out", "checkpoint", "stats.json"
+COLLECTIVE_TIMEOUT_S = 600  # a collective waiting longer than this on a peer fails instead of hanging
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a run left in its workdir: the per-step stats, the consolidated checkpoint
+    folder, the trainer state file beside it and the model's parameter count."""
+
+    stats: list[StepStats]
+    checkpoint: Path
+    trainer_state: Path
+    parameters: int
+
+    def state_dict(self) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(self.checkpoint / "model.safetensors")
+
+
+def split_step(samples: list[Sample], world: int) -> list[list[int]]:
+    """Each process's sample indices of a step (in step order): longest first, each to the
+    process with the fewest tokens so far (the lowest rank on a tie)."""
+    load = [0] * world
+    parts: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(samples)), key=lambda k: (-(len(samples[k].prompt_ids) + len(samples[k].completion_ids)), k)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        parts[rank].append(i)
+        load[rank] += len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+    return [sorted(p) for p in parts]
+
+
+def check_launch(batches: list[list[Sample]], cfg) -> str:
+    """The backend for ``cfg`` (gloo or nccl); a UserError for a width the batches or the
+    machine cannot serve."""
+    import torch
+
+    from components.trainer.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    smallest = min((len(b) for b in batches), default=0)
+    if cfg.processes > smallest:
+        raise UserError("trainer.processes", cfg.processes, f"is more than the {smallest} samples of the smallest step, "
+                        "so some process would have nothing to train on",
+                        f"set trainer.processes to at most {smallest}, or train more samples per step (trainer.prompts_per_step)")
+    if device.type == "cuda" and cfg.processes > torch.cuda.device_count():
+        raise UserError("trainer.processes", cfg.processes, f"needs one GPU per process (nccl) but "
+                        f"{torch.cuda.device_count()} are visible", "set trainer.processes to at most the GPU count")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed: int, iteration: int,
+          workdir: Path, carried: bytes | None = None, timeout_s: float = 6 * 3600) -> Trained:
+    """Run ``batches`` (one list of samples per optimizer step) from ``policy`` with
+    ``cfg.processes`` processes under torchrun; see the module docstring."""
+    backend = check_launch(batches, cfg)
+    workdir = Path(workdir)
+    policy.model.save_pretrained(workdir / START, safe_serialization=True)
+    policy.tokenizer.save_pretrained(workdir / START)
+    (workdir / "batches.json").write_text(json.dumps([[asdict(s) for s in b] for b in batches]))
+    (workdir / "config.json").write_text(json.dumps({
+        "trainer": cfg.model_dump(), "temperature": temperature, "seed": seed, "iteration": iteration,
+        "pad_id": policy.pad_id, "backend": backend}))
+    if carried is not None:
+        (workdir / "trainer_state.pt").write_bytes(carried)
+    _launch(workdir, cfg.processes, timeout_s)
+    out = workdir / OUT
+    result = json.loads((out / STATS).read_text())
+    return Trained(stats=[StepStats(**s) for s in result["steps"]], checkpoint=out / CHECKPOINT,
+                   trainer_state=out / "trainer_state.pt", parameters=int(result["parameters"]))
+
+
+def _launch(workdir: Path, processes: int, timeout_s: float) -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+           "-m", "components.trainer.distributed", str(workdir)]
+    with open(workdir / "workers.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise InfraError("trainer workers", str(workdir), f"no result within {timeout_s:.0f}s; killed") from None
+    for error in sorted(workdir.glob("error-*.json")):
+        raise UserError(**json.loads(error.read_text()))
+    if code != 0 or not (workdir / OUT / STATS).exists():
+        failed = sorted(workdir.glob("failed-*.txt"))
+        why = failed[0].read_text() if failed else _last_error(workdir / "workers.log")
+        raise InfraError("trainer workers", str(workdir), f"torchrun exited with {code}: {why}")
+
+
+def _last_error(log: Path) -> str:
+    """The last error line a worker printed (torchrun prefixes them with ``[rankN]:``), else
+    the log's last line naming an error, else its last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for pick in (lambda ln: ln.startswith("[rank") and "Error" in ln, lambda ln: "Error" in ln, lambda ln: True):
+        found = [ln for ln in lines if pick(ln)]
+        if found:
+            return found[-1][-300:]
+    return "no output"
+
+
+# ---- the worker: runs in each torchrun process ----
+
+
+def _wrap(scorer, parallelism: str, device):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    if parallelism == "fsdp":
+        for layer in scorer.policy.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(scorer)
+        return scorer
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(scorer, device_ids=ids)
+
+
+def _names(scorer, parallelism: str) -> list[str]:
+    """The optimizer's parameters' names as ``torch.distributed.checkpoint`` keys them."""
+    prefix = "" if parallelism == "fsdp" else "module."
+    return [n[len(prefix):] for n, p in scorer.named_parameters() if p.requires_grad]
+
+
+def _load_optimizer(scorer, optimizer, parallelism: str):
+    """How a full, index-keyed optimizer state loads into this process's optimizer."""
+    if parallelism != "fsdp":
+        return optimizer.load_state_dict  # DDP: a full replica, the same parameter order
+
+    def load(state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = _names(scorer, parallelism)
+        keyed = {"state": {names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+        set_optimizer_state_dict(scorer, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
+
+    return load
+
+
+def _full_optimizer_state(scorer, optimizer, parallelism: str) -> dict:
+    """The full optimizer state keyed by parameter index (every rank calls it; rank 0's counts)."""
+    if parallelism != "fsdp":
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(scorer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not full:
+        return {}
+    index = {n: i for i, n in enumerate(_names(scorer, parallelism))}
+    return {"state": {index[n]: v for n, v in full["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]]}
+
+
+def _run(workdir: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from components.core.policy import load_policy
+    from components.core.recipe import TrainerConfig
+    from components.core.seeds import seed_everything
+    from components.trainer.device import prepare_model, resolve_device
+    from components.trainer.grpo import Scorer, StepPart, grpo_step
+    from components.trainer.lora import apply_lora, merge_for_save
+    from components.trainer.state import (
+        DataPosition,
+        build_optimizer,
+        build_scheduler,
+        read_trainer_state,
+        restore_trainer_state,
+        trainer_state_bytes,
+    )
+
+    conf = json.loads((workdir / "config.json").read_text())
+    cfg = TrainerConfig.model_validate(conf["trainer"])
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(conf["backend"], timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = [[Sample(**s) for s in b] for b in json.loads((workdir / "batches.json").read_text())]
+    policy = load_policy(str(workdir / START))
+    seed_everything(conf["seed"])
+    model = prepare_model(apply_lora(policy.model, cfg.lora), device, cfg.gradient_checkpointing)
+    scorer = _wrap(Scorer(model), cfg.parallelism, device)
+    optimizer = build_optimizer(scorer, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    start_step = 0
+    carried = workdir / "trainer_state.pt"
+    if carried.exists() and cfg.lora.rank == 0:
+        state = read_trainer_state(carried.read_bytes(), str(carried))
+        start_step = restore_trainer_state(state, optimizer, scheduler, cfg, False, str(carried),
+                                           _load_optimizer(scorer, optimizer, cfg.parallelism)).global_step
+
+    def all_reduce(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device if conf["backend"] == "nccl" else "cpu")
+        dist.all_reduce(t)
+        return t.tolist()
+
+    from components.trainer.grpo import plan_micro_batches
+
+    stats = []
+    for batch in batches:
+        parts = split_step(batch, world)
+        passes = max(len(plan_micro_batches([batch[i] for i in p], cfg.micro_batch_size, cfg.micro_batch_tokens,
+                                            cfg.packing)) for p in parts)
+        part = StepPart(indices=parts[rank], world=world, micro_batches=passes, all_reduce=all_reduce)
+        s = grpo_step(scorer, optimizer, batch, pad_id=conf["pad_id"], clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                      temperature=conf["temperature"], micro_batch_size=cfg.micro_batch_size,
+                      max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
+                      loss_aggregation=cfg.loss_aggregation, scheduler=scheduler, packing=cfg.packing,
+                      dtype=cfg.dtype, part=part)
+        stats.append(asdict(s))
+    weights = get_model_state_dict(scorer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    optim_state = _full_optimizer_state(scorer, optimizer, cfg.parallelism)
+    if rank == 0:
+        plain = apply_lora(load_policy(str(workdir / START)).model, cfg.lora)
+        plain.load_state_dict({k.removeprefix("policy."): v for k, v in weights.items()})
+        plain = merge_for_save(plain)
+        out, partial = workdir / OUT, workdir / f"{OUT}.partial"  # complete files only, then renamed into place
+        plain.save_pretrained(partial / CHECKPOINT, safe_serialization=True)
+        policy.tokenizer.save_pretrained(partial / CHECKPOINT)
+        position = DataPosition(iteration=conf["iteration"], steps_done=len(batches), global_step=start_step + len(batches))
+        (partial / "trainer_state.pt").write_bytes(trainer_state_bytes(optim_state, scheduler.state_dict(), position))
+        (partial / STATS).write_text(json.dumps({"steps": stats, "parameters": sum(p.numel() for p in plain.parameters())}))
+        partial.rename(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    workdir = Path(argv[0])
+    try:
+        _run(workdir)
+    except UserError as exc:
+        rank = os.environ.get("RANK", "0")
+        (workdir / f"error-{rank}.json").write_text(json.dumps(
+            {"field": exc.field, "value": exc.value, "problem": exc.problem, "fix": exc.fix}, default=str))
+        return 2
+    except Exception as exc:  # noqa: BLE001 - any crash: one line for the launcher's InfraError, the traceback in the log
+        import traceback
+
+        traceback.print_exc()
+        text = str(exc).splitlines()[0][:300] if str(exc) else ""
+        (workdir / f"failed-{os.environ.get('RANK', '0')}.txt").write_text(f"rank {os.environ.get('RANK', '0')}: "
+                                                                          f"{type(exc).__name__}: {text}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

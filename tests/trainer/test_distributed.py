@@ -1,0 +1,144 @@
+"""The trainer under torchrun (``components/trainer/distributed.py``), 2 processes on gloo:
+the same 3 steps as one in-process run on the same global batch give the same parameters
+and statistics, with DDP and with FSDP2; the consolidated checkpoint loads with
+``load_policy`` and greedy-decodes like the 1-process checkpoint; its trainer state is the
+1-process optimizer state; bad widths and dead workers are one clear error."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from components.core.errors import InfraError, UserError
+from components.core.policy import load_policy, pad_batch, save_policy, token_logprobs
+from components.core.recipe import TrainerConfig
+from components.core.seeds import seed_everything
+from components.core.storage import Store
+from components.rollout.hf_engine import HFEngine
+from components.trainer.distributed import _launch, split_step, train
+from components.trainer.grpo import Sample, grpo_step
+from components.trainer.state import build_optimizer, build_scheduler, read_trainer_state
+from tests.rollout.helpers import PROMPTS, tiny_policy
+
+CFG = TrainerConfig(learning_rate=1e-3, micro_batch_size=3, kl_coef=0.05, lr_schedule="linear", warmup_steps=1,
+                    decay_steps=4, max_grad_norm=0.5, device="cpu", processes=2)
+SEED, TEMPERATURE, STEPS, PER_STEP = 5, 1.0, 3, 10
+
+
+def make_batches(policy) -> list[list[Sample]]:
+    """3 steps of 10 samples: random prompts and completions of mixed lengths, old logprobs
+    the policy's own plus noise (some ratios clip), advantages of both signs."""
+    rng = random.Random(0)
+    batches = []
+    for _ in range(STEPS):
+        batch = []
+        for _ in range(PER_STEP):
+            prompt = [1] + [rng.randrange(4, 60) for _ in range(rng.randrange(2, 12))]
+            completion = [rng.randrange(4, 60) for _ in range(rng.randrange(1, 14))]
+            ids, attn, _ = pad_batch([(prompt, completion)], 0)
+            with torch.no_grad():
+                logp, _ = token_logprobs(policy.model, ids, attn)
+            old = [float(x) + rng.gauss(0, 0.2) for x in logp[0, len(prompt) - 1:]]
+            batch.append(Sample(prompt, completion, old, rng.uniform(-1, 1)))
+        batches.append(batch)
+    return batches
+
+
+def one_process(cfg: TrainerConfig = CFG):
+    """The same steps in this process, the trainer stage's in-process path."""
+    policy = tiny_policy()
+    optimizer = build_optimizer(policy.model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    seed_everything(SEED)
+    stats = [grpo_step(policy.model, optimizer, b, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                       temperature=TEMPERATURE, micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                       loss_aggregation=cfg.loss_aggregation, scheduler=scheduler, packing=cfg.packing)
+             for b in make_batches(tiny_policy())]
+    return policy, optimizer, stats
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return one_process()
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def two(request, tmp_path_factory):
+    cfg = CFG.model_copy(update={"parallelism": request.param})
+    policy = tiny_policy()
+    return request.param, train(policy, make_batches(policy), cfg, temperature=TEMPERATURE, seed=SEED, iteration=1,
+                                workdir=tmp_path_factory.mktemp(request.param))
+
+
+def test_two_processes_give_the_one_process_parameters(reference, two) -> None:
+    policy, _, stats = reference
+    kind, trained = two
+    weights = trained.state_dict()
+    start = tiny_policy().model.state_dict()
+    expected = policy.model.state_dict()
+    assert set(weights) == set(expected) - {"lm_head.weight"}  # tied to the embedding: saved once
+    for name, value in weights.items():
+        assert not torch.equal(value, start[name]), name  # it trained
+        assert torch.allclose(value, expected[name], atol=1e-5, rtol=0), (kind, name, (value - expected[name]).abs().max())
+    assert len(trained.stats) == STEPS
+    for got, want in zip(trained.stats, stats):
+        assert got.tokens == want.tokens and got.lr == pytest.approx(want.lr)
+        for key in ("loss", "clip_frac", "kl", "entropy", "grad_norm"):
+            assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-4, abs=1e-6), (kind, key)
+    assert any(s.clip_frac > 0 for s in stats) and all(s.grad_norm > CFG.max_grad_norm for s in stats)  # clipping at work
+    assert trained.parameters == sum(p.numel() for p in policy.model.parameters())
+
+
+def test_the_trainer_state_is_the_full_one_process_optimizer_state(reference, two) -> None:
+    _, optimizer, _ = reference
+    kind, trained = two
+    state = read_trainer_state(trained.trainer_state.read_bytes(), "test")
+    expected = optimizer.state_dict()
+    assert state["position"] == {"iteration": 1, "steps_done": STEPS, "global_step": STEPS}
+    assert state["scheduler"]["last_epoch"] == STEPS
+    saved = state["optimizer"]
+    assert sorted(saved["state"]) == sorted(expected["state"]) == list(range(len(expected["state"])))
+    assert [g["params"] for g in saved["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    for index, moments in expected["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(saved["state"][index][key], moments[key], atol=1e-6, rtol=1e-3), (kind, index, key)
+        assert float(saved["state"][index]["step"]) == STEPS
+
+
+def test_the_consolidated_checkpoint_decodes_like_the_one_process_one(reference, two, tmp_path) -> None:
+    policy, _, _ = reference
+    kind, trained = two
+    store = Store(str(tmp_path), "test")
+    save_policy(policy.model, policy.tokenizer, store, "one")
+    one = load_policy(store.url("one"))
+    many = load_policy(str(trained.checkpoint))
+    engine = HFEngine()
+    a = engine.generate(one, PROMPTS, max_new_tokens=12, temperature=1.0, seed=0, batch_size=8, greedy=True)
+    b = engine.generate(many, PROMPTS, max_new_tokens=12, temperature=1.0, seed=0, batch_size=8, greedy=True)
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
+    assert len({tuple(s.completion_ids) for s in a}) > 1  # not one degenerate answer
+
+
+def test_the_split_is_deterministic_and_balanced_by_tokens() -> None:
+    s = [Sample([1] * p, [2] * c, [0.0] * c, 1.0) for p, c in ((2, 10), (2, 1), (3, 3), (1, 1), (5, 5))]  # 12, 3, 6, 2, 10
+    assert split_step(s, 2) == [[0, 1, 3], [2, 4]]  # 17 and 16 tokens
+    assert split_step(s, 5) == [[0], [4], [2], [1], [3]]
+
+
+def test_more_processes_than_samples_is_a_user_error(tmp_path) -> None:
+    policy = tiny_policy()
+    batches = make_batches(policy)
+    with pytest.raises(UserError, match=r"trainer.processes='11': is more than the 10 samples of the smallest step"):
+        train(policy, batches, CFG.model_copy(update={"processes": 11}), temperature=1.0, seed=0, iteration=1,
+              workdir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_a_crashed_or_stuck_worker_is_an_infra_error(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{")  # fault: every worker dies reading it
+    with pytest.raises(InfraError, match=r"trainer workers unreachable.*torchrun exited with 1.*JSONDecodeError"):
+        _launch(tmp_path, 2, timeout_s=300)
+    with pytest.raises(InfraError, match=r"no result within 0s; killed"):
+        _launch(tmp_path, 2, timeout_s=0.2)
