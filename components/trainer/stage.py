@@ -35,10 +35,13 @@ only from what taskgen oversampled).
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
 
-from components.core import models, tracking
+from components.core import models, stages, tracking
 from components.core.context import StageContext
 from components.core.errors import UserError
 from components.core.facts import Checkpoint, StartingPolicy
@@ -47,10 +50,21 @@ from components.core.policy import load_policy, save_policy
 from components.core.progress import bar, say
 from components.core.records import Reward, Rollout
 from components.core.seeds import seed_everything
-from components.core.storage import Store
-from components.trainer.grpo import grpo_step, step_batches
+from components.core.storage import Store, sha256_bytes
+from components.trainer import distributed
+from components.trainer.device import prepare_model, resolve_device
+from components.trainer.grpo import StepStats, grpo_step, step_batches
+from components.trainer.lora import apply_lora, merge_for_save
 from components.trainer.sampling import collect_groups, select_groups
-from components.trainer.state import DataPosition, build_optimizer, build_scheduler, load_trainer_state, save_trainer_state
+from components.trainer.state import (
+    STATE_FILE,
+    DataPosition,
+    build_optimizer,
+    build_scheduler,
+    load_trainer_state,
+    read_trainer_state,
+    save_trainer_state,
+)
 
 SECTIONS = ("trainer", "rollout", "taskgen")
 """Recipe sections read: the optimizer settings, the sampling temperature of the rollouts,
@@ -77,7 +91,6 @@ def run(ctx: StageContext) -> dict[str, float]:
     start = ctx.facts_of("taskgen", StartingPolicy)
     run_id = ctx.mlflow_run_id
     policy = load_policy(start.policy_uri, start.policy_version)
-    model = policy.model
     datasets = {}
     for stage, name in (("rollout", "rollouts"), ("reward", "rewards")):
         for m in ctx.upstream(stage):
@@ -94,42 +107,23 @@ def run(ctx: StageContext) -> dict[str, float]:
                               dynamic=cfg.dynamic_sampling, prompts_per_step=cfg.prompts_per_step,
                               target_steps=target_steps, seed=ctx.seed("dynamic_sampling"))
     groups = selection.groups
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg)
-    carried = None
-    if cfg.carry_optimizer_state:
-        carried = load_trainer_state(Store(start.policy_uri, "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
-    global_step = carried.global_step if carried else 0
     batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
-    # Seeded after loading (not before): a library imported for the first time may draw from
-    # the global streams (transformers' first AutoModel import reaches rich, which does), so
-    # seeding earlier would leave the saved RNG state depending on what the process imported
-    # before: a stage in a fresh container and one in a long-lived worker would differ.
-    seed_everything(ctx.seed())
-    totals: dict[str, float] = defaultdict(float)
-    started, tokens = time.perf_counter(), 0
-    with bar("trainer", len(batches)) as advance:
-        for step, batch in enumerate(batches):
-            stats = grpo_step(model, optimizer, batch, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                              temperature=temperature, micro_batch_size=cfg.micro_batch_size,
-                              max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
-                              loss_aggregation=cfg.loss_aggregation, scheduler=scheduler,
-                              packing=cfg.packing)
-            tokens += stats.tokens
-            for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr"):
-                totals[k] += getattr(stats, k)
-            tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(stats, k)
-                                          for k in ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr")},
-                                 step=global_step + step)
-            advance(1)
-    elapsed = time.perf_counter() - started
-    model.eval()
     rel = f"{ctx.prefix}/checkpoint"
-    digests = save_policy(model, policy.tokenizer, ctx.store, rel)
-    position = DataPosition(iteration=ctx.iteration, steps_done=len(batches), global_step=global_step + len(batches))
-    state_digest = save_trainer_state(ctx.store, rel, optimizer, scheduler, position)
-    ctx.add_output("checkpoint", rel, rows=sum(p.numel() for p in model.parameters()), digest=digests["model.safetensors"])
-    ctx.add_output("trainer_state", f"{rel}/trainer_state.pt", rows=position.global_step, digest=state_digest)
+    if cfg.processes > 1 and batches:
+        trained = _train_distributed(ctx, policy, batches, start.policy_uri, rel, temperature)
+    else:
+        trained = _train_here(ctx, policy, batches, start.policy_uri, rel, temperature)
+    totals: dict[str, float] = defaultdict(float)
+    for step, stats in enumerate(trained.stats):
+        for k in STEP_METRICS:
+            totals[k] += getattr(stats, k)
+        if not trained.logged:
+            tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(stats, k) for k in STEP_METRICS},
+                                 step=trained.global_step + step)
+    tokens, elapsed = sum(s.tokens for s in trained.stats), trained.seconds
+    position = trained.global_step + len(batches)
+    ctx.add_output("checkpoint", rel, rows=trained.parameters, digest=trained.weights_digest)
+    ctx.add_output("trainer_state", f"{rel}/{STATE_FILE}", rows=position, digest=trained.state_digest)
     uri = ctx.store.url(rel)
     # The served model's default completion length is evaluation's (what the version is
     # scored on): a serving default, not part of the checkpoint, so read past the declared
@@ -145,11 +139,95 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups "
-        f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | registered version {version}")
+        f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | {cfg.processes} process(es) | "
+        f"registered version {version}")
     return {
         "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
         "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-        "lr": totals["lr"] / n, "global_step": float(global_step + len(batches)),
-        "carried_optimizer_state": float(carried is not None), **selection.metrics(),
+        "lr": totals["lr"] / n, "global_step": float(position),
+        "carried_optimizer_state": float(trained.carried), **selection.metrics(),
     }
+
+
+STEP_METRICS = ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr")
+"""Logged per optimizer step as ``trainer/step/<name>``."""
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What either path leaves behind: the per-step stats (already logged when ``logged``),
+    the stored checkpoint's and trainer state's digests, the parameter count, the global
+    step the run started at and whether it carried optimizer state in."""
+
+    stats: list[StepStats]
+    weights_digest: str
+    state_digest: str
+    parameters: int
+    global_step: int
+    carried: bool
+    logged: bool
+    seconds: float  # training time (the distributed path's includes the workers' start)
+
+
+def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Trained:
+    """The steps in this process, on ``trainer.device`` (the path of ``trainer.processes: 1``)."""
+    cfg, run_id = ctx.recipe.trainer, ctx.mlflow_run_id
+    device = resolve_device(cfg.device)
+    seed_everything(ctx.seed())  # LoRA's adapter initialisation draws from it
+    model = prepare_model(apply_lora(policy.model, cfg.lora), device, cfg.gradient_checkpointing)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    carried = None
+    if cfg.carry_optimizer_state and cfg.lora.rank == 0:  # fresh adapters each iteration: nothing to carry
+        carried = load_trainer_state(Store(start_uri, "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
+    global_step = carried.global_step if carried else 0
+    # Seeded after loading (not before): a library imported for the first time may draw from
+    # the global streams (transformers' first AutoModel import reaches rich, which does), so
+    # seeding earlier would leave the saved RNG state depending on what the process imported
+    # before: a stage in a fresh container and one in a long-lived worker would differ.
+    seed_everything(ctx.seed())
+    stats, started = [], time.perf_counter()
+    with bar("trainer", len(batches)) as advance:
+        for step, batch in enumerate(batches):
+            s = grpo_step(model, optimizer, batch, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                          temperature=temperature, micro_batch_size=cfg.micro_batch_size,
+                          max_grad_norm=cfg.max_grad_norm, micro_batch_tokens=cfg.micro_batch_tokens,
+                          loss_aggregation=cfg.loss_aggregation, scheduler=scheduler, packing=cfg.packing,
+                          dtype=cfg.dtype)
+            stats.append(s)
+            tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(s, k) for k in STEP_METRICS},
+                                 step=global_step + step)
+            advance(1)
+    seconds = time.perf_counter() - started
+    model = merge_for_save(model).to("cpu")
+    model.eval()
+    digests = save_policy(model, policy.tokenizer, ctx.store, rel)
+    position = DataPosition(iteration=ctx.iteration, steps_done=len(batches), global_step=global_step + len(batches))
+    state_digest = save_trainer_state(ctx.store, rel, optimizer, scheduler, position)
+    return Trained(stats, digests["model.safetensors"], state_digest, sum(p.numel() for p in model.parameters()),
+                   global_step, carried is not None, logged=True, seconds=seconds)
+
+
+def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Trained:
+    """The steps under torchrun (``distributed.train``), then the consolidated checkpoint and
+    the trainer state uploaded beside each other as the in-process path stores them."""
+    cfg = ctx.recipe.trainer
+    carried = None
+    source = Store(start_uri, "policy")
+    if cfg.carry_optimizer_state and cfg.lora.rank == 0 and source.exists(STATE_FILE):
+        carried = source.read_bytes(STATE_FILE)
+    timeout = ctx.recipe.whole.timeouts.get("trainer", stages.spec("trainer").timeout_s)
+    with tempfile.TemporaryDirectory(prefix="posttrain-trainer-") as tmp:
+        say(f"iter {ctx.iteration} | trainer | {len(batches)} steps under torchrun, {cfg.processes} processes "
+            f"({cfg.parallelism})")
+        started = time.perf_counter()
+        result = distributed.train(policy, batches, cfg, temperature=temperature, seed=ctx.seed(),
+                                   iteration=ctx.iteration, workdir=Path(tmp), carried=carried, timeout_s=timeout)
+        seconds = time.perf_counter() - started
+        digests = ctx.store.upload_dir(result.checkpoint, rel)
+        data = result.trainer_state.read_bytes()
+        ctx.store.write_bytes(f"{rel}/{STATE_FILE}", data)
+    position = read_trainer_state(data, ctx.store.url(f"{rel}/{STATE_FILE}"))["position"]
+    return Trained(result.stats, digests["model.safetensors"], sha256_bytes(data), result.parameters,
+                   int(position["global_step"]) - len(batches), carried is not None, logged=False, seconds=seconds)
