@@ -99,6 +99,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -284,7 +285,7 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
     optimizer = build_optimizer(policy.model, Cfg(lr))
     options = trainer_options(PROMPTS_PER_STEP * SAMPLES)
     max_steps = max(steps, min(max_steps or steps, len(tasks) // PROMPTS_PER_STEP))
-    step_s, rewards, curve, train_s, cpu_s, tokens = [], [], [], 0.0, 0.0, []
+    step_s, rewards, curve, train_s, cpu_s, tokens, batches = [], [], [], 0.0, 0.0, [], []
     phases: dict[str, list[float]] = {"generate": [], "reward": [], "update": []}  # seconds per step
     for step in range(max_steps):
         started, cpu_started = time.perf_counter(), time.process_time()
@@ -304,6 +305,7 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
                             for s, a in zip(out[g * SAMPLES:(g + 1) * SAMPLES], adv)]
         rewarded = time.perf_counter()
         tokens.append(sum(s.trained_tokens for s in samples))
+        batches.append(samples)
         if samples:
             grpo_step(policy.model, optimizer, samples, pad_id=policy.pad_id, temperature=1.0, **options)
         rewards.append(sum(scores) / len(scores))
@@ -320,7 +322,7 @@ def run_posttrain(folder: Path, tasks, steps: int, lr: float, seed: int, evaluat
             break
     policy.model.eval()
     return {"step_s": step_s, "rewards": rewards, "curve": curve, "phases": phases, "tokens": tokens,
-            "trainable_parameters": trainable_parameters(policy.model)[0]}
+            "trainable_parameters": trainable_parameters(policy.model)[0], "batches": batches}
 
 
 def run_trl(folder: Path, tasks, steps: int, lr: float, seed: int, threads: int, evaluate: Evaluator,
@@ -408,6 +410,9 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=8, help="adapter rank of the posttrain-lora row (0: no such row)")
     ap.add_argument("--lora-lr", type=float, default=1e-3, help="learning rate of the posttrain-lora row (adapters "
                     "usually take about 10x the full fine-tuning rate)")
+    ap.add_argument("--process-epochs", type=int, default=3, help="multi-process rows: passes over the first seed's "
+                    "recorded steps in the long launch")
+    ap.add_argument("--process-repeats", type=int, default=2, help="multi-process rows: launches per width (0: no rows)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: short warm start, 3 steps, 1 seed, 20 eval tasks; writes results only with --out")
     ap.add_argument("--out", default=None, help="folder for results.json/results.md (default: beside this script; "
@@ -416,6 +421,7 @@ def main() -> None:
     sft_steps, check_every = 1500, 25
     if args.quick:
         args.steps, args.seeds, args.eval_tasks, args.eval_every = 3, 1, 20, 1
+        args.process_epochs, args.process_repeats = 1, min(args.process_repeats, 1)
         sft_steps, check_every = 40, 20
     out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
     if args.only in (None, "trl") and importlib.util.find_spec("trl") is None:
@@ -443,6 +449,7 @@ def main() -> None:
     print(f"warm start: {sft} | held-out greedy accuracy {start_acc:.3f}", flush=True)
 
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    recorded: list = []  # the first seed's posttrain steps, replayed at 1 and 2 processes
     trl_times: dict[int, float] = {}
     for seed in range(args.seed, args.seed + args.seeds):
         tasks = train_tasks(seed, args.steps * EXTRA_STEPS, eval_ids)
@@ -465,6 +472,8 @@ def main() -> None:
                 run = run_trl(folder, tasks[:args.steps * PROMPTS_PER_STEP], args.steps, args.lr, seed, args.threads,
                               evaluate, args.eval_every)
             wall = time.perf_counter() - started
+            if name == "posttrain" and seed == args.seed:
+                recorded = run["batches"][:args.steps]
             curve = [(0, 0.0, start_acc, 0.0)] + run["curve"]  # both start from the same checkpoint, evaluated once
             at_steps = point_at_step(curve, args.steps)
             if name == "trl":
@@ -486,6 +495,16 @@ def main() -> None:
                   f"({at_steps[1]:.1f} s of training; {len(step_s)} steps run, {curve[-1][2]:.3f} after the last) | "
                   f"mean train reward {statistics.mean(rewards[:args.steps]):.3f} | {len(curve) - 1} evaluations, "
                   f"{evaluate.seconds:.1f} s off the clock | load {load_before:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)
+    procs, procs_md = None, ""
+    if recorded and args.process_repeats:
+        sys.path.insert(0, str(HERE.parents[1]))  # the repository root: benchmarks/ is not an installed package
+        from benchmarks.trainer import processes
+
+        procs = processes.measure(folder, recorded, args.lr, args.seed, epochs=args.process_epochs,
+                                  repeats=args.process_repeats, **(
+                                      {"widths": processes.WIDTHS[:2], "steady": False} if args.quick else {}))
+        print(processes.ratio_line(procs), flush=True)
+        procs_md = "\n" + processes.markdown(procs)
     summary = {n: {"s_per_step": statistics.median([x for r in rs for x in r["step_s"][1:args.steps]]),
                    "accuracy_mean": statistics.mean(r["accuracy"] for r in rs),
                    "accuracies": [r["accuracy"] for r in rs],
@@ -574,6 +593,7 @@ def main() -> None:
         "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
         "lr": args.lr, "eval_tasks": args.eval_tasks, "eval_every": args.eval_every,
         "posttrain_trainer_options": trainer_options(PROMPTS_PER_STEP * SAMPLES), "summary": summary, "runs": runs,
+        "processes": procs,
         "lora": {"trainer": LORA, "rank": args.lora_rank, "alpha": 16.0, "lr": args.lora_lr} if LORA in runs else None,
         "s_per_step_ratio": ratio, "accuracy_diff": diff,
         "goal": "posttrain s/step <= TRL s/step and accuracy >= TRL accuracy", "goal_met": met,
@@ -678,7 +698,7 @@ def main() -> None:
           "reward | load (1 min) before -> after |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n" + per_seed +
           "\nRemaining differences: TRL scales advantages by the unbiased group std (+1e-4), posttrain by the population "
           "std (+1e-6); TRL keeps all-zero-advantage groups in the token-mean denominator, posttrain drops those groups "
-          "(as its trainer stage does); posttrain records sampling logprobs during generation.\n")
+          "(as its trainer stage does); posttrain records sampling logprobs during generation.\n" + procs_md)
 
 
 def point_at_step(curve, step: int):
