@@ -26,7 +26,8 @@ tokens (mask 0): the policy trains only on its actions. Under ``raw`` an observa
 its text's tokens, appended as they are.
 
 ``load_tokenizer(uri)`` reads only a checkpoint's tokenizer files (never its weights or
-optimizer state), so a stage that only counts tokens (taskgen) downloads a few
+optimizer state, and its ``config.json`` only when the tokenizer's own config does not
+name its class), so a stage that only counts tokens (taskgen) downloads a few
 kilobytes; ``context_tokens(tasks, count)`` sets each task's ``context_tokens`` to its
 prompt's length under a counter such as ``counter(tokenizer, fmt)``.
 
@@ -38,6 +39,7 @@ conversation by appending turns (a ``UserError`` for multi-turn episodes under `
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -52,6 +54,9 @@ Resolved = Literal["raw", "chat"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 """Files ``load_tokenizer`` never downloads: weights and optimizer state."""
+MODEL_FILES = ("config.json", "generation_config.json")
+"""The model's own settings: read by ``load_tokenizer`` only when ``tokenizer_config.json``
+does not name the tokenizer class (transformers then finds it through the model type)."""
 
 _ACTION = "\x00posttrain-action\x00"
 _OBSERVATION = "\x00posttrain-observation\x00"
@@ -132,6 +137,14 @@ def observation_ids(tokenizer: Any, observation: str, fmt: str, action_stopped: 
     return _ids(tokenizer, closing + before + observation + after)
 
 
+def _names_class(tokenizer_config: Path) -> bool:
+    """Whether a ``tokenizer_config.json`` names its tokenizer class."""
+    try:
+        return bool(json.loads(tokenizer_config.read_text()).get("tokenizer_class"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_tokenizer(uri: str, field: str = "policy") -> Any:
     """The tokenizer of the checkpoint folder at ``uri`` (any store URI or local path),
     reading its tokenizer and config files only; a folder without a readable tokenizer
@@ -148,7 +161,10 @@ def load_tokenizer(uri: str, field: str = "policy") -> Any:
                         "point at a folder written by save_pretrained, or re-run the stage that writes it")
     with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as tmp:
         for name in names:
-            (Path(tmp) / name).write_bytes(store.read_bytes(name))
+            if name not in MODEL_FILES:
+                (Path(tmp) / name).write_bytes(store.read_bytes(name))
+        if not _names_class(Path(tmp) / "tokenizer_config.json"):
+            (Path(tmp) / "config.json").write_bytes(store.read_bytes("config.json"))
         try:
             return AutoTokenizer.from_pretrained(tmp)
         except Exception as exc:

@@ -35,7 +35,9 @@ class Task:
     split: str  # "train" or "eval"
     difficulty: int  # 1 (easiest) upward; the meaning is the domain's
     prompt: str
-    context_tokens: int  # prompt length in characters (a proxy for tokens), for context-length buckets
+    # prompt length in the policy's tokens as it sees the prompt (rollout.prompt_format; counted by taskgen),
+    # for context-length buckets; a domain generator's own tasks hold the character count until then
+    context_tokens: int
     reference: dict[str, Any]  # answer, tests, expected state or schema: the domain's
     metadata: dict[str, Any] = field(default_factory=dict)
 

@@ -260,7 +260,9 @@ def make_task(domain: str, split: str, difficulty: int, prompt: str, reference: 
         split=split,
         difficulty=difficulty,
         prompt=prompt,
-        context_tokens=len(prompt),  # characters: one token each for the character-level demo policy
+        # characters, a proxy: the taskgen stage recounts train tasks in the starting policy's tokens,
+        # the eval suite buckets by the scored policy's tokens (components.core.prompts)
+        context_tokens=len(prompt),
         reference=reference,
         metadata=metadata,
     )

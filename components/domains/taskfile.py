@@ -6,7 +6,9 @@ or any store URI (``file://``, ``s3://``) and returns ``Task`` records. Each row
 object, or a JSON string of one, in the shape that domain's verifier reads: see the
 domain module's docstring). Optional: ``task_id`` (default: derived from domain and
 prompt, as generated tasks are), ``split`` (``train``/``eval``, default ``train``),
-``difficulty`` (integer >= 1, default 1), ``context_tokens`` (default: prompt length) and
+``difficulty`` (integer >= 1, default 1), ``context_tokens`` (default: the prompt's length
+under the ``count`` given to ``load_tasks``: characters by default, the policy's tokens
+when the taskgen stage loads the file) and
 ``metadata`` (an object). Unknown columns are rejected, so a misspelt field is caught.
 
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import reprlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +148,9 @@ def read_rows(path_or_uri: str) -> list[Any]:
     return rows
 
 
-def parse_task(row: Any, where: str) -> Task:
-    """One row as a Task, or a UserError naming ``where`` (file and row), the field and the fix."""
+def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
+    """One row as a Task, or a UserError naming ``where`` (file and row), the field and the fix;
+    ``count(prompt)`` is its ``context_tokens`` unless the row states them."""
     from components.domains import registry
 
     if not isinstance(row, dict):
@@ -181,7 +185,7 @@ def parse_task(row: Any, where: str) -> Task:
     if not isinstance(split, str) or split not in ("train", "eval"):
         raise UserError(f"{where}: split", short(split), "unknown split", "use 'train' or 'eval'")
     difficulty = _int(row.get("difficulty", 1), f"{where}: difficulty", 1)
-    context = _int(row.get("context_tokens", len(row["prompt"])), f"{where}: context_tokens", 0)
+    context = _int(row["context_tokens"] if "context_tokens" in row else count(row["prompt"]), f"{where}: context_tokens", 0)
     return Task(
         task_id=str(row.get("task_id") or task_id(row["domain"], row["prompt"])), domain=row["domain"], split=split,
         difficulty=difficulty, prompt=row["prompt"], context_tokens=context, reference=reference,
@@ -211,13 +215,14 @@ def _int(value: Any, field: str, least: int) -> int:
     return int(value)
 
 
-def load_tasks(path_or_uri: str | Path) -> list[Task]:
-    """All tasks of a Parquet/JSONL/JSON file; a UserError for the first bad row."""
+def load_tasks(path_or_uri: str | Path, count: Callable[[str], int] = len) -> list[Task]:
+    """All tasks of a Parquet/JSONL/JSON file; a UserError for the first bad row. Rows
+    without ``context_tokens`` get ``count(prompt)`` (characters by default)."""
     uri = str(path_or_uri)
     rows = read_rows(uri)
     if not rows:
         raise UserError("task file", uri, "holds no tasks", "add at least one row")
-    tasks = [parse_task(row, f"{uri} row {i}") for i, row in enumerate(rows)]
+    tasks = [parse_task(row, f"{uri} row {i}", count) for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if t.task_id in seen:

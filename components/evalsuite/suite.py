@@ -7,6 +7,11 @@ promotion compares); ``pass_rates`` averages per domain. ``sampled_pass_at_k`` d
 completions per task at a temperature (seeded) and returns the unbiased pass@k per
 domain, a report figure that never decides promotion.
 
+Context lengths are counted in the scored policy's tokens: ``run_suite`` buckets a
+one-shot task (``EvalResult.context_bucket``) by the length of its prompt as the policy
+sees it (``Policy.encode_prompt``, in ``rollout.prompt_format``), not by the character
+count a domain generator leaves in ``Task.context_tokens``.
+
 Interactive tasks (``Domain.interactive``) are scored as greedy episodes
 (``components/evalsuite/episodes.py``), never as one-shot completions, and report as
 their own ``multi_turn`` slices; ``sampled_pass_at_k`` leaves them out.
@@ -58,7 +63,8 @@ def engine_of(recipe: Recipe) -> Engine:
 
 
 def run_suite(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, label: str = "eval") -> list[EvalResult]:
-    """Greedy pass@1 of every task, in the tasks' order (interactive tasks as episodes)."""
+    """Greedy pass@1 of every task, in the tasks' order (interactive tasks as episodes);
+    one-shot tasks are bucketed by their prompt's length in ``policy``'s tokens."""
     specs = interactive_specs(tasks)
     played = [t for t in tasks if t.task_id in specs]
     by_id = {r.task_id: r for r in score_episodes(policy, played, recipe, executor, policy.version, f"{label} episodes")}
@@ -79,7 +85,7 @@ def _one_shot(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Execu
         verdict = judge(registry.get(task.domain), task, sample.text, results.get(task.task_id))  # total: never raises
         out.append(EvalResult(
             task_id=task.task_id, domain=task.domain, difficulty=task.difficulty,
-            context_bucket=context_bucket(task.context_tokens), policy_version=policy.version,
+            context_bucket=context_bucket(len(policy.encode_prompt(task.prompt))), policy_version=policy.version,
             score=verdict.score, passed=verdict.passed, completion=sample.text,
             trap=bool(task.metadata.get("trap", False)),
         ))

@@ -16,6 +16,12 @@ have). Metrics: tasks and weight per domain, tasks per pool
 (``curriculum/<domain>/d<k>/tasks``) and, with adaptive difficulty, each pool's weight
 (``curriculum/<domain>/d<k>``) and pass rate (``curriculum/<domain>/d<k>/pass_rate``).
 
+Each task's ``context_tokens`` is its prompt's length in the starting policy's tokens, as
+the policy will see it (``rollout.prompt_format``: raw, or inside the chat template): the
+stage reads that checkpoint's tokenizer files only, never its weights
+(``components.core.prompts``). A task file's rows may give ``context_tokens`` themselves;
+those values are kept.
+
 Also resolves, once per iteration, which policy the iteration starts from (see
 ``components.core.lineage``) and the baseline evaluation will compare the candidate
 with (the champion at iteration start, and its pass rates), and opens the iteration's
@@ -32,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components.core import models, tracking
+from components.core import models, prompts, tracking
 from components.core.context import StageContext, read_manifest
 from components.core.errors import UserError
 from components.core.facts import StartingPolicy
@@ -106,11 +112,12 @@ def sample(pool: list[Task], n: int, r: random.Random) -> list[Task]:
 
 
 def from_file(path: str, domains: list[str], weights: dict[str, float], total: int, r: random.Random,
-              exclude: set[str], weigh: Weigh | None = None) -> list[Task]:
+              exclude: set[str], weigh: Weigh | None = None, count: Callable[[str], int] = len) -> list[Task]:
     """``total`` train tasks sampled by domain weight from a user's task file; with ``weigh``
-    each domain's share is split across the difficulties its rows have."""
+    each domain's share is split across the difficulties its rows have. ``count`` gives
+    the ``context_tokens`` of rows that do not state it."""
     pools: dict[str, list[Task]] = defaultdict(list)
-    for t in load_tasks(path):
+    for t in load_tasks(path, count):
         if t.domain not in domains:
             raise UserError("taskgen.task_file", path, f"has tasks of domain {t.domain!r}, which is not in 'domains'",
                             f"add {t.domain!r} to 'domains' or remove those rows")
@@ -173,10 +180,11 @@ def run(ctx: StageContext) -> dict[str, float]:
     r = rng(ctx.seed())
     weigh = (curriculum.Weigher(curriculum.prior(ctx, ctx.iteration - 1, cfg.difficulty_memory), cfg.difficulty_floor)
              if cfg.adaptive_difficulty else None)
+    count = prompts.counter(prompts.load_tokenizer(ctx.facts.policy_uri, "rollout.policy"), recipe.rollout.prompt_format)
     if cfg.task_file:
-        tasks = from_file(cfg.task_file, list(recipe.domains), weights, total, r, exclude, weigh)
+        tasks = from_file(cfg.task_file, list(recipe.domains), weights, total, r, exclude, weigh, count)
     else:
-        tasks = generate(domain_counts(recipe.domains, weights, total), r, exclude, weigh)
+        tasks = prompts.context_tokens(generate(domain_counts(recipe.domains, weights, total), r, exclude, weigh), count)
     state = weigh.state(pool_counts(tasks)) if weigh is not None else None
     if state is not None:
         ctx.write_json(curriculum.OUTPUT, state)

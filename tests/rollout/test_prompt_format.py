@@ -92,3 +92,25 @@ def test_under_chat_each_observation_is_the_next_user_turn() -> None:
         assert observed == prompts.observation_ids(policy.tokenizer, turn.observation, "chat", stopped)
         assert observed[-3:] == [1, 14, 81] and observed[observed.index(1):][:3] == [1, 34, 81]  # <bos>u: ... <bos>a:
     assert ep.turns[0].observation == "\n[exit 0 ok]\n\n"
+
+
+def test_serve_encodes_text_prompts_in_its_prompt_format() -> None:
+    from components.core.policy import Policy
+    from components.rollout.cli import add_parser
+    from components.rollout.serve import complete
+
+    tiny = tiny_policy()
+    tiny.tokenizer.chat_template = TEMPLATE
+    body = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
+    chat = complete(Policy(model=tiny.model, tokenizer=tiny.tokenizer, uri="", prompt_format="chat"), body)
+    raw = complete(Policy(model=tiny.model, tokenizer=tiny.tokenizer, uri="", prompt_format="raw"), body)
+    assert (chat["usage"]["prompt_tokens"], raw["usage"]["prompt_tokens"]) == (9, 3)
+    ids = complete(Policy(model=tiny.model, tokenizer=tiny.tokenizer, uri="", prompt_format="chat"), {**body, "prompt": [1, 21]})
+    assert ids["usage"]["prompt_tokens"] == 2  # token ids are used as they are
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "--checkpoint", "c", "--prompt-format", "chat"]).prompt_format == "chat"
+    assert parser.parse_args(["serve", "--checkpoint", "c"]).prompt_format == "raw"

@@ -22,6 +22,7 @@ from components.domains.base import make_task
 from components.taskgen import curriculum
 from components.taskgen import stage as taskgen
 from tests.reward.builders import write_stage
+from tests.taskgen.helpers import starting_checkpoint
 
 W_EDGE = {1: 0.05 / 1.1, 2: 1.0 / 1.1, 3: 0.05 / 1.1}  # pass rates 1.0 / 0.5 / 0.0, floor 0.05
 
@@ -121,7 +122,7 @@ def recipe(**taskgen_cfg):
 def run_taskgen(store: Store, r, k: int) -> tuple[StageContext, dict[str, float], list[Task]]:
     """taskgen as the runner runs it (inputs' policy resolution aside), manifest last."""
     ctx = StageContext(stage="taskgen", recipe=RecipeView(r, "taskgen", taskgen.SECTIONS), store=store, iteration=k,
-                       shard=Shard(0, 1), facts=StartingPolicy(policy_version="1", policy_uri="file:///unused"))
+                       shard=Shard(0, 1), facts=StartingPolicy(policy_version="1", policy_uri=starting_checkpoint(store)))
     metrics = taskgen.run(ctx)
     m = Manifest(stage="taskgen", pipeline=r.pipeline, iteration=k, shard=None, inputs=dict(ctx.inputs),
                  config_digest="test", code_version="test", outputs=dict(ctx.outputs), metrics=metrics,

@@ -15,6 +15,7 @@ from components.core.recipe import parse_recipe
 from components.core.records import Task, from_table
 from components.core.storage import Store
 from components.taskgen import stage as taskgen
+from tests.taskgen.helpers import starting_checkpoint
 
 BASE = {"pipeline": "cur", "seed": 1, "domains": ["arithmetic", "math", "structured"],
         "evaluation": {"tasks_per_domain": 4}, "taskgen": {"tasks_per_iteration": 20}}
@@ -40,9 +41,10 @@ def test_weights_follow_the_curriculum(iteration, expected):
 
 
 def run_taskgen(tmp_path, r, iteration: int) -> list[Task]:
+    store = Store(str(tmp_path / "store"))
     ctx = StageContext(stage="taskgen", recipe=RecipeView(r, "taskgen", taskgen.SECTIONS),
-                       store=Store(str(tmp_path / "store")), iteration=iteration, shard=Shard(0, 1),
-                       facts=StartingPolicy(policy_version="1", policy_uri="file:///unused"))  # what inputs() resolves
+                       store=store, iteration=iteration, shard=Shard(0, 1),
+                       facts=StartingPolicy(policy_version="1", policy_uri=starting_checkpoint(store)))  # what inputs() resolves
     metrics = taskgen.run(ctx)
     tasks = from_table(Task, ctx.store.read_table(ctx.outputs["tasks"].path))
     assert metrics["tasks"] == 20
