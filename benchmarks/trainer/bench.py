@@ -66,6 +66,14 @@ order of the three alternates by seed). It reports what the others do at equal s
 for both posttrain rows the trained (completion) tokens per second, of the whole step and
 of its update phase, and the trainable parameter count.
 
+Multi-process rows (``processes.py``): the first seed's posttrain steps, replayed from the
+warm start through ``components.trainer.distributed.train`` (the trainer stage's torchrun
+launch) with 1 process, 2 with DDP and 2 with FSDP2 on the same global batches: trained
+tokens/s end to end (launch to checkpoint) and steady (a long launch minus a one-step
+launch), and how far each width's final weights are from the 1-process run's. Their line
+reads ``processes: 2 (DDP) / 1 on the same global batches = ...``. ``--quick`` launches 1
+and 2 (DDP) once each over its 3 steps, end to end only.
+
 The evaluations do not change either trajectory: a run without them ends at the same
 accuracies (the runs are deterministic for a seed), only the clocks move with the load.
 
@@ -86,7 +94,7 @@ advantages by the unbiased group std (ddof 1) plus 1e-4, posttrain by the popula
 plus 1e-6; TRL keeps zero-signal groups in the token-mean denominator, posttrain drops
 them (so its effective step is larger when many groups are all-right or all-wrong);
 posttrain records sampling logprobs during generation, TRL does not need them on-policy.
-Not measured: multi-process/GPU speed and vLLM generation in either.
+Not measured: GPU speed, multi-process speed on TRL's side, and vLLM generation in either.
 """
 
 from __future__ import annotations
