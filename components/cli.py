@@ -6,11 +6,14 @@
     posttrain serve --checkpoint URI [--host H] [--port P]
     posttrain verify --domain D --task FILE --completion FILE
     posttrain replay --iteration K --recipe OTHER.yaml [--run-root URI]
+    posttrain render pytorchjob --nodes N --iteration K [--recipe R] [--run-root URI] [--publish]
 
 A user's mistake ends with one line on stderr naming the field, the value and the fix,
 and exit status 2; an unreachable store, tracking server or inference endpoint (or an
 iteration another run holds) exits 1 and is worth retrying; a failed data-quality gate
-exits 3. ``stage`` and ``run`` stop on SIGTERM (a container or pod being stopped,
+exits 3. ``render pytorchjob`` prints, as YAML, the Kubeflow ``PyTorchJob`` that runs the
+trainer stage of iteration K on N nodes (``dags/execution/pytorchjob.py``; the pods read
+the recipe from the run root, where ``--publish`` puts a local one). ``stage`` and ``run`` stop on SIGTERM (a container or pod being stopped,
 ``kill``): the running stage's MLflow run ends KILLED, and the command exits 143.
 """
 
@@ -54,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     for add in (add_sandbox, add_serve, add_verify, add_replay):  # sandbox, serve, verify, replay
         add(sub)
+
+    render = sub.add_parser("render", help="print a cluster spec for a stage, without a cluster")
+    kinds = render.add_subparsers(dest="kind", required=True)
+    job = kinds.add_parser("pytorchjob", help="the trainer stage of one iteration as a Kubeflow PyTorchJob (YAML on stdout)")
+    _common(job)
+    job.add_argument("--nodes", type=int, required=True, help="nodes, each running trainer.processes processes")
+    job.add_argument("--iteration", type=int, required=True, help="iteration k whose trainer stage the job runs")
+    job.add_argument("--publish", action="store_true",
+                     help="copy a local recipe into the run root, where the pods read it (as the DAG's plan task does)")
+    job.set_defaults(handler=_render_pytorchjob)
     return parser
 
 
@@ -70,6 +83,30 @@ def _run(args: argparse.Namespace) -> int:
     from dags.orchestrate import run_local
 
     return run_local(args.recipe, args.run_root, args.iterations)
+
+
+def _render_pytorchjob(args: argparse.Namespace) -> int:
+    import warnings
+
+    import yaml
+
+    from components.core.recipe import load_recipe, publish_recipe
+
+    with warnings.catch_warnings():  # the Kubernetes provider's imports warn about Airflow's own renames
+        warnings.simplefilter("ignore")
+        from dags.execution import pytorchjob
+
+    conf = settings.resolve(args.recipe, args.run_root)
+    recipe = load_recipe(conf.recipe)
+    uri = pytorchjob.recipe_uri(conf.recipe, conf.run_root)
+    job = pytorchjob.render(recipe, uri, conf.run_root, args.iteration, args.nodes)
+    if args.publish:
+        published = publish_recipe(conf.recipe, conf.run_root)
+        assert published == uri, (published, uri)
+    elif uri != conf.recipe:
+        print(f"posttrain: the pods read the recipe from {uri}; add --publish to copy it there", file=sys.stderr)
+    sys.stdout.write(yaml.safe_dump(job, sort_keys=False))
+    return 0
 
 
 EXIT_TERMINATED = 128 + 15  # a shell's status for a process ended by SIGTERM

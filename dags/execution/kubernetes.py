@@ -51,7 +51,9 @@ Pods are deleted when they succeed and kept when they fail (``kubectl logs`` /
 ``app.kubernetes.io/part-of=posttrain``, ``posttrain.io/stage=<id>`` and, on sharded
 stages, ``posttrain.io/shard=<map index>``.
 
-Not covered: multi-node stages (a PyTorchJob per trainer task), deferrable mode (the
+Not covered: multi-node stages (the trainer stays one pod here; ``dags/execution/pytorchjob.py``
+renders the same pod as the replicas of a Kubeflow PyTorchJob, which
+``posttrain render pytorchjob`` prints and nothing in the DAG submits), deferrable mode (the
 deployment runs no triggerer), image pull secrets (use node IAM / ECR, or the service
 account's ``imagePullSecrets``).
 """

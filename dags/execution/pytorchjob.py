@@ -1,0 +1,153 @@
+"""The trainer stage placed on several nodes: a Kubeflow Training Operator ``PyTorchJob``, rendered offline.
+
+``render(recipe, recipe_uri, run_root, iteration, nodes)`` returns the ``kubeflow.org/v1``
+``PyTorchJob`` (a dict, ready for ``yaml.safe_dump`` and ``kubectl apply -f -``) that runs
+iteration ``iteration``'s trainer stage on ``nodes`` nodes::
+
+    posttrain render pytorchjob --recipe recipes/demo.yaml --run-root s3://bucket/runs --nodes 2 --iteration 4
+
+- ``spec.pytorchReplicaSpecs``: ``Master`` (1 replica) and, for ``nodes`` > 1, ``Worker``
+  (``nodes - 1`` replicas), each with ``restartPolicy: Never``; ``spec.nprocPerNode`` is
+  ``trainer.processes`` (the operator hands torchrun's settings to every replica as
+  ``PET_NNODES``, ``PET_NODE_RANK``, ``PET_NPROC_PER_NODE``, ``PET_MASTER_ADDR`` and
+  ``PET_MASTER_PORT``); ``runPolicy``: ``cleanPodPolicy: None`` (pods stay for their logs),
+  ``backoffLimit: 0`` (a failed trainer is re-run as a stage, whose cache makes a finished
+  one a no-op) and ``activeDeadlineSeconds``, the stage's time limit (``timeouts.trainer``,
+  else the registry's);
+- every replica's pod is the one the DAG's ``kubernetes`` mode gives the trainer
+  (``dags/execution/kubernetes.py``, built from the same ``operator()`` arguments): the
+  image ``posttrain-trainer`` (entrypoint ``posttrain stage trainer``) with the arguments
+  ``--recipe <recipe_uri> --run-root <run_root> --iteration <k>``, the namespace, service
+  account and config map of the deployment's settings, the recipe's ``resources.trainer``
+  (CPU and memory requests, memory limit and, per node, the ``nvidia.com/gpu`` limit, the
+  GPU toleration, node selector and ``/dev/shm`` in memory), and the *restricted* security
+  context. The container is named ``pytorch``, as the operator requires.
+
+The pods must read the recipe from the store: a local recipe file is given to them as the
+URI that ``components.core.recipe.publish_recipe`` gives it under the run root
+(``recipe_uri``; the CLI writes it there only with ``--publish``). Bad input is a
+``UserError``: ``--nodes`` or ``--iteration`` below 1, ``trainer.processes`` above the
+GPUs a node is given (nccl needs one per process), ``trainer.device: cuda`` with no GPUs,
+and a bad cluster setting (named by its variable).
+
+Not covered: the Training Operator must be installed in the cluster (its CRD and
+controller; nothing here installs or talks to it), and nothing in the pipeline submits
+this job: the DAG's ``kubernetes`` mode still runs the trainer as one pod, and only
+``posttrain render pytorchjob`` calls this module. With ``nodes`` > 1 every replica runs
+the trainer stage, whose workers today start ``torchrun --standalone`` on their own node
+(``components/trainer/distributed.py``) and do not yet join the job's rendezvous from the
+``PET_*`` variables, so only ``nodes: 1`` trains as the stage does elsewhere; the spec is
+the placement contract that multi-node training plugs into. Elastic training
+(``elasticPolicy``), gang scheduling and the Training Operator's v2 ``TrainJob`` API are
+not rendered.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from typing import Any
+
+from kubernetes.client import ApiClient
+from kubernetes.client import models as k8s
+
+from components.core.errors import UserError
+from components.core.recipe import RECIPES_DIR, Recipe, is_uri
+from components.core.stages import Resources, resources, spec
+from dags.execution import kubernetes
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+CONTAINER = "pytorch"  # the container the operator gives torchrun's settings to
+STAGE = "trainer"
+MAX_NAME = 48  # job name + "-worker-<n>" must stay a DNS label (63) for the replicas' services
+
+
+def job_name(pipeline: str, iteration: int) -> str:
+    """``<pipeline>-trainer-<k>``, the pipeline cut so the name fits ``MAX_NAME``."""
+    suffix = f"-{STAGE}-{iteration}"
+    return pipeline[: MAX_NAME - len(suffix)].rstrip("-") + suffix
+
+
+def recipe_uri(path: str, run_root: str) -> str:
+    """Where pods read the recipe: a URI as it is, a local file as the URI
+    ``publish_recipe(path, run_root)`` writes it to (content-addressed), computed without writing."""
+    if is_uri(path):
+        return path
+    from components.core.recipe import _read_text
+    from components.core.storage import Store
+
+    text = _read_text(path)
+    return Store(run_root, "--run-root").url(f"{RECIPES_DIR}/{hashlib.sha256(text.encode()).hexdigest()[:32]}.yaml")
+
+
+def _cluster() -> kubernetes.ClusterSettings:
+    """The deployment's cluster settings; a bad variable is a UserError naming it."""
+    try:
+        return kubernetes.cluster_settings()
+    except ValueError as exc:
+        text = str(exc)
+        var = text.split("=", 1)[0]
+        problem, _, fix = text.split(": ", 1)[-1].partition("; ")
+        raise UserError(var, os.environ.get(var, ""), problem, fix or "unset it to use the default") from None
+
+
+def check(recipe: Recipe, iteration: int, nodes: int, res: Resources) -> None:
+    """UserErrors for a job that could not run as asked."""
+    if nodes < 1:
+        raise UserError("--nodes", nodes, "a job needs at least one node", "pass --nodes 1 or more")
+    if iteration < 1:
+        raise UserError("--iteration", iteration, "the trainer runs in iterations 1 and up", "pass --iteration 1 or more")
+    processes = recipe.trainer.processes
+    if res.gpus > 0 and processes > res.gpus:
+        raise UserError("trainer.processes", processes, f"needs one GPU per process (nccl) but each node gets "
+                        f"resources.trainer.gpus={res.gpus}", f"set trainer.processes to at most {res.gpus}, or "
+                        f"resources.trainer.gpus to {processes}")
+    if recipe.trainer.device == "cuda" and res.gpus == 0:
+        raise UserError("trainer.device", "cuda", "the trainer's pods get no GPU (resources.trainer.gpus is 0)",
+                        "set resources.trainer.gpus, or trainer.device: cpu")
+
+
+def pod_template(args: list[str], res: Resources, iteration: int) -> dict[str, Any]:
+    """The trainer's pod as the ``kubernetes`` mode builds it, as a ``PodTemplateSpec`` dict."""
+    _cluster()  # a bad setting as a UserError, before operator() reads them
+    _, kw = kubernetes.operator(spec(STAGE), res)
+    container = k8s.V1Container(
+        name=CONTAINER, image=kw["image"], image_pull_policy=kw["image_pull_policy"], args=list(args),
+        env_from=kw["env_from"], resources=kw["container_resources"], security_context=kw["container_security_context"],
+        volume_mounts=kw.get("volume_mounts"), termination_message_policy=kw["termination_message_policy"])
+    base = kw["full_pod_spec"].spec if "full_pod_spec" in kw else k8s.V1PodSpec(containers=[])
+    pod = k8s.V1PodSpec(
+        containers=[container], restart_policy="Never", service_account_name=kw["service_account_name"],
+        automount_service_account_token=kw["automount_service_account_token"], security_context=kw["security_context"],
+        tolerations=kw.get("tolerations"), node_selector=kw.get("node_selector") or None, volumes=kw.get("volumes"),
+        host_users=base.host_users, runtime_class_name=base.runtime_class_name)
+    labels = {**kw["labels"], "posttrain.io/iteration": str(iteration)}
+    template = k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels), spec=pod)
+    return ApiClient().sanitize_for_serialization(template)
+
+
+def render(recipe: Recipe, recipe_uri: str, run_root: str, iteration: int, nodes: int) -> dict[str, Any]:
+    """The ``PyTorchJob`` running iteration ``iteration``'s trainer stage on ``nodes`` nodes."""
+    res = resources(STAGE, recipe)
+    check(recipe, iteration, nodes, res)
+    conf = _cluster()
+    args = ["--recipe", recipe_uri, "--run-root", run_root, "--iteration", str(iteration)]
+    template = pod_template(args, res, iteration)
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
+    if nodes > 1:
+        replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "Never", "template": copy.deepcopy(template)}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": job_name(recipe.pipeline, iteration), "namespace": conf.namespace,
+                     "labels": {"app.kubernetes.io/part-of": "posttrain", "posttrain.io/stage": STAGE,
+                                "posttrain.io/pipeline": recipe.pipeline, "posttrain.io/iteration": str(iteration)}},
+        "spec": {
+            "nprocPerNode": str(recipe.trainer.processes),
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": 0,
+                          "activeDeadlineSeconds": int(recipe.timeouts.get(STAGE, spec(STAGE).timeout_s))},
+            "pytorchReplicaSpecs": replicas,
+        },
+    }

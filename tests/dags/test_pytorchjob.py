@@ -1,0 +1,159 @@
+"""The trainer stage as a Kubeflow PyTorchJob, rendered and validated offline (no cluster, no operator).
+
+Each replica's pod template is validated against the Kubernetes 1.30 API schema by
+``kubernetes_validate`` in strict mode, as a ``PodTemplate``'s ``template`` (a
+``PodTemplateSpec``); the envelope is checked for the fields the Training Operator's
+``kubeflow.org/v1`` CRD requires; the pod is compared field by field with the pod the
+DAG's ``kubernetes`` mode gives the trainer. The ``posttrain render pytorchjob`` command
+prints the same job and turns bad input into one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from components import __version__
+from components.cli import main
+from components.core.errors import UserError
+from components.core.recipe import load_recipe, parse_recipe, publish_recipe
+from components.core.stages import resources, spec
+from dags.execution import kubernetes as mode
+from dags.execution import pytorchjob
+from tests.dags.test_kubernetes_mode import ENV_VARS, K8S_VERSION, RESTRICTED_CONTAINER, stage_pod
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_ROOT = "s3://bucket/runs"
+RECIPE_URI = "s3://bucket/runs/recipes/abc.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def recipe(**trainer):
+    return parse_recipe({"pipeline": "pj", "trainer": {"processes": 2, **trainer},
+                         "resources": {"trainer": {"gpus": 2, "memory": "64Gi", "cpu": "8"}}})
+
+
+def job(nodes: int = 3, **trainer) -> dict:
+    return pytorchjob.render(recipe(**trainer), RECIPE_URI, RUN_ROOT, 4, nodes)
+
+
+def valid(template: dict) -> str:
+    wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "trainer"}, "template": template}
+    return kubernetes_validate.validate(wrapped, K8S_VERSION, strict=True)
+
+
+def test_the_envelope_has_what_the_crd_requires() -> None:
+    j = job(nodes=3)
+    assert (j["apiVersion"], j["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert j["metadata"]["name"] == "pj-trainer-4" and j["metadata"]["namespace"] == "posttrain"
+    assert j["spec"]["nprocPerNode"] == "2"  # a string in the v1 CRD
+    replicas = j["spec"]["pytorchReplicaSpecs"]
+    assert [(role, r["replicas"], r["restartPolicy"]) for role, r in replicas.items()] == [
+        ("Master", 1, "Never"), ("Worker", 2, "Never")]
+    assert j["spec"]["runPolicy"] == {"cleanPodPolicy": "None", "backoffLimit": 0,
+                                      "activeDeadlineSeconds": spec("trainer").timeout_s}
+    assert list(job(nodes=1)["spec"]["pytorchReplicaSpecs"]) == ["Master"]
+
+
+def test_every_replica_pod_is_valid_for_the_api() -> None:
+    for role, replica in job(nodes=2)["spec"]["pytorchReplicaSpecs"].items():
+        assert valid(replica["template"]) == K8S_VERSION, role
+
+
+def test_the_schema_check_is_real() -> None:
+    template = job(nodes=1)["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    template["spec"]["containers"][0]["securityContext"]["runAsNonroot"] = True  # a typo the API would reject
+    with pytest.raises(kubernetes_validate.ValidationError):
+        valid(template)
+
+
+def test_the_pod_is_the_kubernetes_modes_trainer_pod() -> None:
+    r = recipe()
+    res = resources("trainer", r)
+    reference = stage_pod(spec("trainer"), res)
+    ref_spec, (ref_container,) = reference["spec"], reference["spec"]["containers"]
+    template = job(nodes=2)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    pod, (container,) = template["spec"], template["spec"]["containers"]
+    assert container["name"] == "pytorch"
+    assert container["image"] == ref_container["image"] == f"posttrain-trainer:{__version__}"
+    assert container["args"] == ["--recipe", RECIPE_URI, "--run-root", RUN_ROOT, "--iteration", "4"]
+    for key in ("securityContext", "resources", "envFrom", "volumeMounts", "imagePullPolicy"):
+        assert container[key] == ref_container[key], key
+    assert container["securityContext"] == RESTRICTED_CONTAINER
+    assert container["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+                                      "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"}}
+    for key in ("securityContext", "tolerations", "nodeSelector", "volumes", "serviceAccountName",
+                "automountServiceAccountToken"):
+        assert pod[key] == ref_spec[key], key
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"posttrain.io/pool": "gpu"} and pod["restartPolicy"] == "Never"
+    assert template["metadata"]["labels"]["posttrain.io/stage"] == "trainer"
+
+
+def test_a_cpu_trainer_gets_no_gpu_and_settings_follow_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(mode.NAMESPACE_VAR, "ml")
+    monkeypatch.setenv("POSTTRAIN_IMAGE_PREFIX", "registry.example.com/ml/")
+    r = parse_recipe({"pipeline": "cpu", "trainer": {"processes": 4, "device": "cpu"}, "timeouts": {"trainer": 900},
+                      "resources": {"trainer": {"gpus": 0}}})
+    j = pytorchjob.render(r, RECIPE_URI, RUN_ROOT, 2, 2)
+    template = j["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    (container,) = template["spec"]["containers"]
+    assert j["metadata"]["namespace"] == "ml" and j["spec"]["nprocPerNode"] == "4"
+    assert j["spec"]["runPolicy"]["activeDeadlineSeconds"] == 900
+    assert container["image"] == f"registry.example.com/ml/posttrain-trainer:{__version__}"
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert "tolerations" not in template["spec"] and "nodeSelector" not in template["spec"]
+    assert valid(template) == K8S_VERSION
+
+
+@pytest.mark.parametrize(("nodes", "iteration", "trainer", "field", "problem"), [
+    (0, 4, {}, "--nodes", "at least one node"),
+    (2, 0, {}, "--iteration", "iterations 1 and up"),
+    (2, 4, {"processes": 3}, "trainer.processes", "one GPU per process"),
+])
+def test_bad_input_is_a_user_error(nodes, iteration, trainer, field, problem) -> None:
+    with pytest.raises(UserError) as err:
+        pytorchjob.render(recipe(**trainer), RECIPE_URI, RUN_ROOT, iteration, nodes)
+    assert err.value.field == field and problem in err.value.problem
+
+
+def test_cuda_without_gpus_and_a_bad_setting_are_user_errors(monkeypatch) -> None:
+    r = parse_recipe({"pipeline": "pj", "trainer": {"device": "cuda"}, "resources": {"trainer": {"gpus": 0}}})
+    with pytest.raises(UserError) as err:
+        pytorchjob.render(r, RECIPE_URI, RUN_ROOT, 1, 1)
+    assert err.value.field == "trainer.device" and "no GPU" in err.value.problem
+    monkeypatch.setenv(mode.NAMESPACE_VAR, "Bad_Name")
+    with pytest.raises(UserError) as bad:
+        job()
+    assert (bad.value.field, bad.value.value) == (mode.NAMESPACE_VAR, "Bad_Name") and "posttrain" in bad.value.fix
+
+
+def test_a_local_recipe_is_read_where_publish_puts_it(tmp_path) -> None:
+    path = REPO / "recipes" / "tiny.yaml"
+    root = tmp_path.as_uri()
+    assert pytorchjob.recipe_uri(str(path), root) == publish_recipe(path, root)
+    assert pytorchjob.recipe_uri(RECIPE_URI, root) == RECIPE_URI
+    assert pytorchjob.job_name("a" * 63, 123) == "a" * 36 + "-trainer-123"
+
+
+def test_the_command_prints_the_job(tmp_path, capsys) -> None:
+    path = REPO / "recipes" / "tiny.yaml"
+    root = tmp_path.as_uri()
+    code = main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "2", "--iteration", "3"])
+    out, err = capsys.readouterr()
+    uri = pytorchjob.recipe_uri(str(path), root)  # where --publish copies it (the test above)
+    assert code == 0 and yaml.safe_load(out) == pytorchjob.render(load_recipe(path), uri, root, 3, 2)
+    assert f"read the recipe from {uri}" in err and not (tmp_path / "recipes").exists()
+    assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "2", "--iteration", "3",
+                 "--publish"]) == 0
+    assert (tmp_path / uri.split(root + "/", 1)[1]).read_text() == path.read_text()
+    assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "0", "--iteration", "3"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--nodes='0': a job needs at least one node; fix: pass --nodes 1 or more")
