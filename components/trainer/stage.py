@@ -23,14 +23,41 @@ Dynamic sampling with ``prompts_per_step`` above ``tasks_per_iteration`` is a
 Optimizer state is carried across iterations: ``trainer_state.pt`` (AdamW moments, LR
 schedule position, RNG states, data position; see ``state.py``) is saved beside the
 new checkpoint, and the next iteration's trainer loads it from the checkpoint it starts
-from when present (``trainer.carry_optimizer_state``). Per step it logs
+from when present (``trainer.carry_optimizer_state``). Engines that need only weights
+never download it (``load_policy`` skips it). Per step it logs
 ``trainer/step/{loss,clip_frac,kl,entropy,grad_norm,lr}``. Micro-batches are packed
 without padding unless ``trainer.packing`` is false (``grpo.py``).
 
+Off the CPU (``device.py``): the model trains on ``trainer.device`` (``auto``: CUDA when
+torch sees a GPU), with ``trainer.dtype: bfloat16`` as autocast of the forward passes
+(weights and AdamW state stay float32) and ``trainer.gradient_checkpointing``
+recomputing activations in the backward pass. The checkpoint is always saved from CPU
+in float32.
+
+``trainer.processes`` > 1 runs the optimizer steps under ``torchrun`` on this node
+(``distributed.py``: gloo on CPU, nccl on GPU; DDP or FSDP2 per ``trainer.parallelism``),
+every step's global batch split between the processes by tokens, with the same result
+as one process. Rank 0 writes one consolidated Hugging Face checkpoint and the full
+optimizer state; this stage uploads, registers and logs them exactly as the
+one-process path does. A worker's bad setting is a UserError, a crashed or stuck worker
+an InfraError, within the stage's timeout.
+
+LoRA (``trainer.lora.rank`` > 0, ``lora.py``): adapters are added after loading (and in
+each torchrun worker before wrapping), only they train, and they are merged into the
+base weights on save, so the checkpoint is a plain Hugging Face model. Each iteration
+starts fresh adapters on the merged weights, so no optimizer state is carried in under
+LoRA (the saved ``trainer_state.pt`` holds the adapters' moments, for inspection only).
+
 Not covered: resuming half-way through one trainer stage (a killed stage re-runs from
-its starting checkpoint, by the stage contract), distributed data parallelism, and
-drawing fresh rollouts when too few groups are informative (dynamic sampling refills
-only from what taskgen oversampled).
+its starting checkpoint, by the stage contract), launching on several nodes (the
+workers' contract is the same, but a cluster engine such as the Kubeflow Training
+Operator's PyTorchJob starts them; this stage runs torchrun ``--standalone``), serving
+adapters unmerged or merging them between steps, and drawing fresh rollouts when too
+few groups are informative (dynamic sampling refills only from what taskgen
+oversampled).
+
+Benchmarks call ``distributed.train`` directly to time N steps with P processes on one
+global batch.
 """
 
 from __future__ import annotations

@@ -142,3 +142,20 @@ def test_a_crashed_or_stuck_worker_is_an_infra_error(tmp_path) -> None:
         _launch(tmp_path, 2, timeout_s=300)
     with pytest.raises(InfraError, match=r"no result within 0s; killed"):
         _launch(tmp_path, 2, timeout_s=0.2)
+
+
+def test_lora_in_the_workers_changes_only_the_adapted_modules(tmp_path) -> None:
+    """LoRA with FSDP2, bfloat16 autocast and gradient checkpointing together: the saved
+    checkpoint is a plain model (adapters merged) whose attention projections moved and
+    nothing else."""
+    from components.core.recipe import LoraConfig
+
+    cfg = CFG.model_copy(update={"parallelism": "fsdp", "lora": LoraConfig(rank=4), "dtype": "bfloat16",
+                                 "gradient_checkpointing": True})
+    policy = tiny_policy()
+    trained = train(policy, make_batches(policy)[:1], cfg, temperature=TEMPERATURE, seed=SEED, iteration=1,
+                    workdir=tmp_path)
+    weights, start = trained.state_dict(), tiny_policy().model.state_dict()
+    changed = {k for k in weights if not torch.equal(weights[k], start[k])}
+    assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert trained.parameters == sum(p.numel() for p in policy.model.parameters())  # no adapter left in the file

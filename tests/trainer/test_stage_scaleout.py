@@ -1,0 +1,86 @@
+"""The trainer stage with ``trainer.processes: 2`` (DDP and FSDP2 under torchrun) and with
+``trainer.lora.rank: 4``, on one real iteration (a bootstrap policy that solves some tasks,
+so groups carry signal): the registered checkpoint of 2 processes is the 1-process one
+within tolerance, with the same metrics in MLflow; under LoRA only the adapted attention
+projections move and no optimizer state is carried in."""
+
+from __future__ import annotations
+
+import mlflow
+import pytest
+import torch
+import yaml
+
+from components.core import tracking
+from components.core.policy import load_policy
+from components.core.recipe import parse_recipe
+from components.core.runner import run_stage
+from components.core.storage import Store
+from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
+
+UPSTREAM = [("taskgen", None), ("rollout", "0/2"), ("rollout", "1/2"), ("sandbox", "0/2"), ("sandbox", "1/2"),
+            ("reward", "0/2"), ("reward", "1/2"), ("validation", None)]
+
+
+def recipe(**trainer):
+    """recipes/tiny.yaml with a policy that solves some tasks sometimes (as in
+    test_dynamic_sampling), 8 samples per task, one group per step."""
+    data = yaml.safe_load(TINY_RECIPE.read_text())
+    data["model"] = {**data["model"], "hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "max_positions": 96}
+    data["bootstrap"] = {**data["bootstrap"], "max_steps": 400, "eval_every": 100}
+    data["rollout"] = {**data["rollout"], "group_size": 8}
+    data["trainer"] = {**data["trainer"], "prompts_per_step": 1, "learning_rate": 1e-3, **trainer}
+    return parse_recipe(data)
+
+
+@pytest.fixture(scope="module")
+def iteration(tmp_path_factory):
+    """An iteration up to validation; yields a function running the trainer stage on it
+    that returns (manifest, checkpoint state dict, starting state dict, MLflow client)."""
+    tmp = tmp_path_factory.mktemp("scaleout")
+    root = f"file://{tmp / 'store'}"
+    with pytest.MonkeyPatch.context() as mp:
+        use_home(mp, tmp / ".posttrain")
+        run_stage("bootstrap", recipe(), root, 0)
+        for stage, shard in UPSTREAM:
+            run_stage(stage, recipe(), root, 1, shard)
+        client = mlflow.MlflowClient(tracking_uri=tracking.tracking_uri())
+
+        def trainer(**overrides):
+            manifest = run_stage("trainer", recipe(**overrides), root, 1)
+            weights = load_policy(Store(root).url(manifest.outputs["checkpoint"].path)).model.state_dict()
+            parent = client.get_run(manifest.mlflow_run_id).data.tags["posttrain.parent_policy_uri"]
+            return manifest, weights, load_policy(parent).model.state_dict(), client
+
+        yield trainer
+        reset_tracking_clients()
+
+
+def test_two_processes_register_the_one_process_checkpoint(iteration) -> None:
+    one, expected, start, client = iteration()
+    assert one.metrics["trainer/steps"] >= 2 and one.metrics["trainer/carried_optimizer_state"] == 0.0
+    history = {k: [m.value for m in client.get_metric_history(one.mlflow_run_id, f"trainer/step/{k}")] for k in ("loss", "grad_norm")}
+    for parallelism in ("ddp", "fsdp"):
+        two, weights, _, _ = iteration(processes=2, parallelism=parallelism)
+        assert sorted(weights) == sorted(expected)
+        assert any(not torch.equal(expected[k], start[k]) for k in expected)  # the step moved the policy
+        for name in expected:
+            assert torch.allclose(weights[name], expected[name], atol=1e-5, rtol=0), (parallelism, name)
+        for key in ("trainer/steps", "trainer/groups", "trainer/global_step", "trainer/groups_kept"):
+            assert two.metrics[key] == one.metrics[key], key
+        for key in ("trainer/loss", "trainer/grad_norm", "trainer/entropy"):
+            assert two.metrics[key] == pytest.approx(one.metrics[key], rel=1e-4, abs=1e-6), key
+        for k, values in history.items():
+            logged = [m.value for m in client.get_metric_history(two.mlflow_run_id, f"trainer/step/{k}")]
+            assert logged == pytest.approx(values, rel=1e-4), (parallelism, k)
+        assert two.outputs["trainer_state"].rows == one.outputs["trainer_state"].rows == int(one.metrics["trainer/steps"])
+
+
+def test_lora_moves_only_the_adapted_projections(iteration) -> None:
+    manifest, weights, start, _ = iteration(lora={"rank": 4})
+    changed = {k for k in weights if not torch.equal(weights[k], start[k])}
+    assert changed and all(k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed)
+    assert "model.layers.0.self_attn.q_proj.weight" in changed
+    assert torch.equal(weights["model.layers.0.mlp.down_proj.weight"], start["model.layers.0.mlp.down_proj.weight"])
+    assert sorted(weights) == sorted(start)  # a plain model: the adapters merged in
+    assert manifest.metrics["trainer/carried_optimizer_state"] == 0.0
