@@ -159,3 +159,47 @@ def test_lora_in_the_workers_changes_only_the_adapted_modules(tmp_path) -> None:
     changed = {k for k in weights if not torch.equal(weights[k], start[k])}
     assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in range(2) for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
     assert trained.parameters == sum(p.numel() for p in policy.model.parameters())  # no adapter left in the file
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_one_process_trainer_state_carries_into_two_processes(reference, parallelism, tmp_path) -> None:
+    """1 step in this process, its weights and trainer_state.pt handed to 2 processes for
+    the other 2 steps: the same parameters as 3 steps in one process (the carried AdamW
+    moments and schedule position load into DDP replicas and FSDP2 shards alike)."""
+    from components.trainer.state import DataPosition, trainer_state_bytes
+
+    expected = reference[0].model.state_dict()
+    policy = tiny_policy()
+    batches = make_batches(tiny_policy())
+    optimizer = build_optimizer(policy.model, CFG)
+    scheduler = build_scheduler(optimizer, CFG)
+    seed_everything(SEED)
+    grpo_step(policy.model, optimizer, batches[0], pad_id=policy.pad_id, clip_eps=CFG.clip_eps, kl_coef=CFG.kl_coef,
+              temperature=TEMPERATURE, micro_batch_size=CFG.micro_batch_size, max_grad_norm=CFG.max_grad_norm,
+              scheduler=scheduler)
+    carried = trainer_state_bytes(optimizer.state_dict(), scheduler.state_dict(), DataPosition(1, 1, 1))
+    trained = train(policy, batches[1:], CFG.model_copy(update={"parallelism": parallelism}), temperature=TEMPERATURE,
+                    seed=SEED, iteration=2, workdir=tmp_path, carried=carried)
+    assert [s.lr for s in trained.stats] == pytest.approx([s.lr for s in reference[2][1:]])
+    for name, value in trained.state_dict().items():
+        assert torch.allclose(value, expected[name], atol=1e-5, rtol=0), (parallelism, name)
+    state = read_trainer_state(trained.trainer_state.read_bytes(), "test")
+    assert state["position"] == {"iteration": 2, "steps_done": STEPS - 1, "global_step": STEPS}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp_in_bfloat16_on_cuda_follows_the_cpu_steps(reference, tmp_path) -> None:
+    """The GPU path of the trainer stage: torchrun with nccl, FSDP2, bf16 autocast, on as
+    many GPUs as are visible (one is enough); close to the float32 CPU steps."""
+    processes = min(2, torch.cuda.device_count())
+    cfg = CFG.model_copy(update={"device": "cuda", "dtype": "bfloat16", "parallelism": "fsdp", "processes": processes})
+    policy = tiny_policy()
+    trained = train(policy, make_batches(policy), cfg, temperature=TEMPERATURE, seed=SEED, iteration=1, workdir=tmp_path)
+    expected = reference[0].model.state_dict()
+    start = tiny_policy().model.state_dict()
+    for name, value in trained.state_dict().items():
+        assert value.dtype == torch.float32 and not torch.equal(value, start[name])
+        assert (value - expected[name]).abs().max() < 5e-3, name
+    for got, want in zip(trained.stats, reference[2]):
+        assert got.loss == pytest.approx(want.loss, abs=0.02)
