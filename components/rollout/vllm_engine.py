@@ -13,6 +13,9 @@ Two ways to run, picked when the engine first generates:
   garbage-collected (the end of the stage that made it) or at exit. So every iteration
   samples from the checkpoint its stage was given: the new candidate's weights.
 
+A policy without a checkpoint URI (a model in training, as in the bootstrap's checks) is
+saved to a temporary folder and served from there for that one call.
+
 Neither: a UserError naming ``rollout.engine`` with the fix (``make vllm`` or
 ``pip install vllm``).
 
@@ -89,6 +92,17 @@ def check_cpu_head_size(folder: Path, uri: str) -> None:
     except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
         return
     check_head_size(folder, uri, sizes)
+
+
+class SavedAt:
+    """``policy`` as saved at ``uri`` (everything else is the policy's own)."""
+
+    def __init__(self, policy, uri: str) -> None:
+        self._policy = policy
+        self.uri = uri
+
+    def __getattr__(self, name: str):
+        return getattr(self._policy, name)
 
 
 class VLLMEngine(Engine):
@@ -168,7 +182,32 @@ class VLLMEngine(Engine):
             tmp.cleanup()
         self._dirs.clear()
 
+    def _forget(self, uri: str) -> None:
+        """Stop whatever serves ``uri`` (its server or in-process LLM)."""
+        if self._server is not None and self._server.uri == uri:
+            self._server.stop()
+            self._server = None
+        llm = self._llms.pop(uri, None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort, as in close()
+                pass
+
+    def _generate_unsaved(self, policy, *args, **kwargs) -> list[Generation]:
+        """A policy with no checkpoint URI (a model being trained, e.g. the bootstrap's check)
+        is saved to a temporary folder, served from there for this call only, then stopped."""
+        with tempfile.TemporaryDirectory(prefix="posttrain-vllm-unsaved-") as tmp:
+            policy.model.save_pretrained(tmp, safe_serialization=True)
+            policy.tokenizer.save_pretrained(tmp)
+            try:
+                return self.generate(SavedAt(policy, tmp), *args, **kwargs)
+            finally:
+                self._forget(tmp)
+
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
+        if not policy.uri:
+            return self._generate_unsaved(policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress)
         if not self._use_in_process():
             server = self.server_for(policy)
             client = OpenAIEngine(server.base_url, server.model, api_key="", seed_per_prompt=True)

@@ -31,7 +31,11 @@ from tests.rollout.test_hf_engine import recomputed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_SERVER = bool(settings.vllm_python())
-NEEDS_SERVER = pytest.mark.skipif(not HAS_SERVER, reason="needs vLLM's CPU build in its own environment: run `make vllm`")
+
+def NEEDS_SERVER(test):
+    """Tests that start vLLM's server (about a minute each on 2 cores): slow, and skipped without ``make vllm``."""
+    skip = pytest.mark.skipif(not HAS_SERVER, reason="needs vLLM's CPU build in its own environment: run `make vllm`")
+    return pytest.mark.slow(skip(test))
 # vLLM's CPU attention kernels need a head size of 32, 64, 80, ... (helpers.TINY has 16).
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_positions=96)
 
@@ -173,6 +177,18 @@ def test_vllm_server_serves_the_new_checkpoint_after_a_reload(checkpoints, serve
     for s, ref_b, ref_a in zip(after, as_b, as_a):
         assert max(abs(x - y) for x, y in zip(s.logprobs, ref_b)) < 1e-4  # B's logprobs ...
         assert max(abs(x - y) for x, y in zip(s.logprobs, ref_a)) > 1e-2  # ... and not A's
+
+
+@NEEDS_SERVER
+def test_vllm_server_serves_a_policy_without_a_checkpoint(checkpoints) -> None:
+    """A model in training (no URI, as in the bootstrap's checks) is saved and served for the call."""
+    a, _ = checkpoints
+    unsaved = Policy(model=a.model, tokenizer=a.tokenizer, uri="")
+    engine = VLLMEngine(in_process=False)
+    greedy = engine.generate(unsaved, PROMPTS, 10, 1.0, seed=0, batch_size=8, greedy=True)
+    local = HFEngine().generate(a, PROMPTS, 10, 1.0, seed=0, batch_size=8, greedy=True)
+    assert [s.completion_ids for s in greedy] == [s.completion_ids for s in local]
+    assert engine._server is None  # stopped after the call
 
 
 @NEEDS_SERVER
