@@ -95,7 +95,7 @@ def measure(folder: Path, steps: list[list], lr: float, seed: int, *, epochs: in
         row["end_to_end_vs_first"] = row["end_to_end_tokens_per_s"] / first["end_to_end_tokens_per_s"]
         if steady and row["steady_tokens_per_s"] and first["steady_tokens_per_s"]:
             row["steady_vs_first"] = row["steady_tokens_per_s"] / first["steady_tokens_per_s"]
-    return {"epochs": epochs, "repeats": repeats, "recorded_steps": len(steps), "global_batch_samples":
+    return {"cpus": os.cpu_count(), "epochs": epochs, "repeats": repeats, "recorded_steps": len(steps), "global_batch_samples":
             [len(s) for s in steps], "micro_batch_size": base.micro_batch_size, "rows": rows,
             "load_1min_range": [round(min(loads), 2), round(max(loads), 2)]}
 
@@ -132,9 +132,14 @@ def markdown(result: dict) -> str:
             f"{result['epochs']} time(s) over, through `components.trainer.distributed.train` (torchrun, gloo, one torch "
             f"thread per worker, one micro-batch of up to {result['micro_batch_size']} sequences per process) from the "
             f"same warm-start checkpoint, at each width; median of {result['repeats']} launch(es) each, the order "
-            f"reversed every other repeat; 1-minute load average {result['load_1min_range'][0]:.2f}-"
-            f"{result['load_1min_range'][1]:.2f}. A launch's seconds include starting the workers, loading the "
+            f"reversed every other repeat; {result['cpus']} CPUs, 1-minute load average {result['load_1min_range'][0]:.2f}-"
+            f"{result['load_1min_range'][1]:.2f} (a second process competes with that load for the same cores). "
+            "A launch's seconds include starting the workers, loading the "
             "checkpoint and writing the consolidated checkpoint and optimizer state."
             + (" The steady rate subtracts a launch of the first step alone: (tokens long - tokens short) / "
                "(seconds long - seconds short)." if steady else "") + "\n\n" + head
-            + "".join(cells(r) for r in result["rows"]) + "\n" + ratio_line(result) + ".\n")
+            + "".join(cells(r) for r in result["rows"])
+            + "\nEach launch's seconds: " + "; ".join(
+                f"{r['processes']} x {r['parallelism']}: long {', '.join(f'{x:.1f}' for x in r['long_s_all'])}"
+                + (f", short {', '.join(f'{x:.1f}' for x in r['short_s_all'])}" if "short_s_all" in r else "")
+                for r in result["rows"]) + ".\n\n" + ratio_line(result) + ".\n")
