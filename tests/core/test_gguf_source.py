@@ -114,3 +114,20 @@ def test_a_file_transformers_cannot_read_is_a_user_error_and_leaves_no_checkpoin
         models.resolve_model_uri(f"gguf:{PACKAGE}/broken.gguf", "model.source")
     assert err.value.field == "model.source" and "transformers cannot read this GGUF file" in err.value.problem
     assert [p.name for p in gguf.cache_root().iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_bootstrap_registers_the_converted_gguf_as_version_1(package, tmp_path):
+    from components.core.facts import Scored
+    from components.core.recipe import parse_recipe
+    from components.core.runner import run_stage
+
+    _, embedding = package
+    recipe = parse_recipe({"pipeline": "gguf-boot", "seed": 3, "domains": ["arithmetic"], "model": {"source": SOURCE},
+                           "evaluation": {"tasks_per_domain": 4, "max_new_tokens": 4}, "sandbox": {"mode": "warm"}})
+    boot = run_stage("bootstrap", recipe, f"file://{tmp_path / 'store'}", 0)
+    scored = boot.facts(Scored)
+    assert scored.version == "1" and set(scored.pass_rates) == {"arithmetic"}
+    assert models.resolve_alias("gguf-boot", "champion")[1] == scored.checkpoint_uri
+    assert boot.metrics["bootstrap/parameters"] == tiny_gguf.PARAMETERS
+    registered = load_policy(scored.checkpoint_uri, "1")
+    assert torch.equal(registered.model.model.embed_tokens.weight, torch.from_numpy(embedding))
