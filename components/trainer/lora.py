@@ -3,7 +3,9 @@
 ``apply_lora(model, cfg)`` wraps a Hugging Face causal LM with ``peft.get_peft_model``
 when ``trainer.lora.rank`` is above 0: every base weight is frozen and only the adapter
 matrices (``lora_A``/``lora_B`` on the modules named by ``trainer.lora.target_modules``)
-train. With ``rank: 0`` the model comes back unchanged and every weight trains.
+train. With ``rank: 0`` the model comes back unchanged and every weight trains. ``peft`` swaps
+the targeted layers of the given model in place (the wrapper and the model it was given
+share them), after the target names have been checked.
 ``merge_for_save(model)`` folds the adapters into their base weights
 (``merge_and_unload``) and returns the plain transformers model, so the checkpoint a
 trainer writes has the base model's keys and nothing else: every engine (``hf``, vLLM,
