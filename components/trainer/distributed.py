@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,6 +114,10 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
     ``cfg.processes`` processes under torchrun; see the module docstring."""
     backend = check_launch(batches, cfg)
     workdir = Path(workdir)
+    for stale in (OUT, f"{OUT}.partial"):  # a workdir used before: only this run's results count
+        shutil.rmtree(workdir / stale, ignore_errors=True)
+    for stale_file in [*workdir.glob("error-*.json"), *workdir.glob("failed-*.txt")]:
+        stale_file.unlink()
     policy.model.save_pretrained(workdir / START, safe_serialization=True)
     policy.tokenizer.save_pretrained(workdir / START)
     (workdir / "batches.json").write_text(json.dumps([[asdict(s) for s in b] for b in batches]))

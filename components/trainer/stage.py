@@ -182,7 +182,7 @@ STEP_METRICS = ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr")
 
 
 @dataclass(frozen=True)
-class Trained:
+class Outcome:
     """What either path leaves behind: the per-step stats (already logged when ``logged``),
     the stored checkpoint's and trainer state's digests, the parameter count, the global
     step the run started at and whether it carried optimizer state in."""
@@ -197,7 +197,7 @@ class Trained:
     seconds: float  # training time (the distributed path's includes the workers' start)
 
 
-def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Trained:
+def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Outcome:
     """The steps in this process, on ``trainer.device`` (the path of ``trainer.processes: 1``)."""
     cfg, run_id = ctx.recipe.trainer, ctx.mlflow_run_id
     device = resolve_device(cfg.device)
@@ -232,11 +232,11 @@ def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, te
     digests = save_policy(model, policy.tokenizer, ctx.store, rel)
     position = DataPosition(iteration=ctx.iteration, steps_done=len(batches), global_step=global_step + len(batches))
     state_digest = save_trainer_state(ctx.store, rel, optimizer, scheduler, position)
-    return Trained(stats, digests["model.safetensors"], state_digest, sum(p.numel() for p in model.parameters()),
+    return Outcome(stats, digests["model.safetensors"], state_digest, sum(p.numel() for p in model.parameters()),
                    global_step, carried is not None, logged=True, seconds=seconds)
 
 
-def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Trained:
+def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Outcome:
     """The steps under torchrun (``distributed.train``), then the consolidated checkpoint and
     the trainer state uploaded beside each other as the in-process path stores them."""
     cfg = ctx.recipe.trainer
@@ -256,5 +256,5 @@ def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: 
         data = result.trainer_state.read_bytes()
         ctx.store.write_bytes(f"{rel}/{STATE_FILE}", data)
     position = read_trainer_state(data, ctx.store.url(f"{rel}/{STATE_FILE}"))["position"]
-    return Trained(result.stats, digests["model.safetensors"], sha256_bytes(data), result.parameters,
+    return Outcome(result.stats, digests["model.safetensors"], sha256_bytes(data), result.parameters,
                    int(position["global_step"]) - len(batches), carried is not None, logged=False, seconds=seconds)
