@@ -24,6 +24,16 @@ the loss or any sequence's attention, and the loss, clipping, KL and sample mask
 the padded path's, token for token. ``packing=False`` keeps one right-padded row per
 sequence.
 
+The step runs where the model is (its parameters' device; ``device.py`` puts it there),
+with ``dtype="bfloat16"`` as autocast of the forward passes. Scoring goes through
+``Scorer``, one module call per micro-batch, so a DDP or FSDP2 wrapper around it sees
+every forward pass. Under torchrun each process passes a ``StepPart`` (its share of the
+step's samples, chosen by ``distributed.split_step``): token weights still come from
+the whole step, the loss is scaled by the number of processes against the wrappers'
+gradient averaging (so gradients are summed), every process runs the same number of
+micro-batches (extra ones at weight 0), clipping sees the global norm, and the step's
+statistics are summed over the processes: the step equals the one-process step.
+
 Not covered here: PPO value functions (GRPO needs none), a separate reference model for
 the KL, and packing under attention implementations other than sdpa and eager (what the
 trainer's models load with; others are refused rather than trusted).
