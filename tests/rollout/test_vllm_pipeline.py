@@ -65,9 +65,11 @@ def test_two_iterations_sample_from_each_iterations_checkpoint(tmp_path: Path) -
     assert second.policy_uri.startswith(store.url("tiny/iter-000001/trainer"))  # the first iteration's candidate
     for k, start in ((1, first), (2, second)):
         rows = store.read_table(f"tiny/iter-{k:06d}/rollout/shard-00000-of-00001/rollouts.parquet").to_pylist()
-        assert len(rows) == 8 * 4
+        assert len(rows) == 16 * 4
         assert {r["engine"] for r in rows} == {"vllm"}
         assert {r["policy_version"] for r in rows} == {start.policy_version}
         assert gap(rows, recomputed(start.policy_uri, rows, 1.0)) < 1e-4, f"iteration {k}: not its checkpoint's logprobs"
+    trained = store.read_json("tiny/iter-000001/trainer/_MANIFEST.json")["metrics"]["trainer/steps"]
+    assert trained >= 1, "the first iteration's trainer took no step: its candidate has the starting weights"
     rows = store.read_table("tiny/iter-000002/rollout/shard-00000-of-00001/rollouts.parquet").to_pylist()
     assert gap(rows, recomputed(first.policy_uri, rows, 1.0)) > 1e-3, "iteration 2 was served iteration 1's weights"
