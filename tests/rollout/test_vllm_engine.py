@@ -164,6 +164,26 @@ def test_vllm_server_matches_hf(checkpoints, server_engine) -> None:
 
 
 @NEEDS_SERVER
+def test_a_two_process_consolidated_checkpoint_loads_in_vllm(checkpoints, server_engine, tmp_path) -> None:
+    """The checkpoint a 2-process (torchrun, gloo, DDP) trainer run consolidates loads in
+    vLLM's CPU build as it is: greedy completions equal the hf engine's."""
+    from components.trainer.distributed import train
+    from tests.trainer.test_distributed import CFG, SEED, TEMPERATURE, make_batches
+
+    a, _ = checkpoints
+    start = load_policy(a.uri)
+    trained = train(start, make_batches(start), CFG.model_copy(update={"parallelism": "ddp"}), temperature=TEMPERATURE,
+                    seed=SEED, iteration=1, workdir=tmp_path / "ddp")
+    consolidated = load_policy(str(trained.checkpoint))
+    assert any(not torch.equal(p, q) for p, q in zip(consolidated.model.parameters(), a.model.parameters()))
+    greedy = server_engine.generate(consolidated, PROMPTS, 10, 1.0, seed=0, batch_size=8, greedy=True)
+    local = HFEngine().generate(consolidated, PROMPTS, 10, 1.0, seed=0, batch_size=8, greedy=True)
+    assert [s.completion_ids for s in greedy] == [s.completion_ids for s in local]
+    for s, ref in zip(greedy, local):
+        assert max(abs(x - y) for x, y in zip(s.logprobs, ref.logprobs)) < 1e-4
+
+
+@NEEDS_SERVER
 def test_vllm_server_serves_the_new_checkpoint_after_a_reload(checkpoints, server_engine) -> None:
     a, b = checkpoints
     before = server_engine.generate(a, PROMPTS, 12, 0.8, seed=3, batch_size=8)

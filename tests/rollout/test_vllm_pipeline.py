@@ -55,7 +55,7 @@ def test_two_iterations_sample_from_each_iterations_checkpoint(tmp_path: Path) -
     proc = run_posttrain(["run", "--recipe", str(RECIPE), "--iterations", "2"], tmp_path, cli_env(home), timeout=2300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for k in (1, 2):
-        for line in ("| rollout |", "| trainer |", "| evaluation |"):
+        for line in ("| rollout[0/1] |", "| trainer |", "| evaluation |"):
             assert f"iter {k} {line}" in proc.stdout, f"missing progress line 'iter {k} {line}'"
 
     store = Store(str(home / "store"))
