@@ -3,7 +3,8 @@
 Each engine lives in its own module and is listed by name in
 ``components.core.plugins.ENGINES``: ``hf`` (``hf_engine.py``), ``openai``
 (``openai_engine.py``, an OpenAI-compatible HTTP server) and ``vllm``
-(``vllm_engine.py``; needs the ``vllm`` package). A module is imported only when its
+(``vllm_engine.py``: in this process where ``vllm`` is importable, else vLLM's server
+from its own environment, ``vllm_server.py``). A module is imported only when its
 engine is picked.
 
 A rollout asks for G samples of each task's prompt through ``generate_groups``: by
