@@ -58,7 +58,7 @@ vllm: $(VLLM_STAMP)
 # The vllm engine in vLLM's own venv (in-process), then from the main venv through vLLM's
 # server (the reload test and two iterations of recipes/tiny-vllm.yaml under posttrain run).
 test-vllm: $(STAMP) vllm
-	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "not vllm_server"
+	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
 	$(PY) -m pytest -q tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_pipeline.py
 
 test-all: test
