@@ -73,6 +73,9 @@ def test_trainer(tmp_path):
     out = run_quick("trainer/bench.py", tmp_path)
     assert_line(out, r"posttrain/TRL s/step = \d+\.\d+x \(goal <= 1\.0\) \| accuracy posttrain - TRL = [+-]\d+\.\d+")
     assert_line(out, r"accuracy at equal wall-clock time \(TRL's \d+-step time, \d+\.\d+ s of training")
+    assert_line(out, r"posttrain-lora \| \d+\.\d+ s/step \(median over all seeds\) \| accuracy \d\.\d{3}")
+    assert_line(out, r"processes: 2 \(DDP\) / 1 on the same global batches = .*\d+\.\d+x end to end .* weights differ by at most "
+                     r"\d\.\de[+-]\d\d")
     # stdout's last line: learning per second, posttrain's time to TRL's final accuracy over TRL's time.
     assert_line(out, r"(?m)^time to TRL's \d+-step accuracy: posttrain / TRL = >?\d+\.\d+x \(goal <= 0\.7\)")
 
