@@ -187,7 +187,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     uri = ctx.store.url(rel)
     version = models.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
                                            {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri},
-                                           run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens)
+                                           run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens,
+                                           prompt_format=recipe.rollout.prompt_format)
     policy.version = version
     results, rates, worst = evaluate_and_log(ctx, policy)
     models.set_version_tags(ctx.pipeline, version, eval_tags(rates))

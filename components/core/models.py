@@ -105,13 +105,15 @@ def _claim(pipeline: str, run_root: str) -> None:
 
 
 def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: dict[str, str], *,
-                        run_root: str | None = None, max_new_tokens: int = 24, batch_size: int = 64) -> str:
+                        run_root: str | None = None, max_new_tokens: int = 24, batch_size: int = 64,
+                        prompt_format: str = "auto") -> str:
     """A new version of ``<pipeline>-policy`` serving the stored checkpoint; returns the version.
 
     ``run_root`` (default: ``tags["posttrain.run_root"]``) must own the registered model.
     Idempotent: a checkpoint URI that already has a version returns that version (a
     retried stage does not register twice). ``max_new_tokens`` and ``batch_size`` are the
-    served model's defaults (a request may pass ``max_new_tokens``)."""
+    served model's defaults (a request may pass ``max_new_tokens``); ``prompt_format`` is how it
+    encodes prompts (the recipe's ``rollout.prompt_format``, as the policy was trained)."""
     global last_registration_s
     from mlflow.exceptions import MlflowException
 
@@ -143,7 +145,7 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
     model = c.create_logged_model(run.info.experiment_id, name=MODEL_ARTIFACT, source_run_id=run_id,
                                   tags={TAG_CHECKPOINT: checkpoint_uri})
     with tempfile.TemporaryDirectory(prefix="posttrain-model-") as tmp:
-        build(checkpoint_uri, f"{tmp}/model", max_new_tokens, batch_size)
+        build(checkpoint_uri, f"{tmp}/model", max_new_tokens, batch_size, prompt_format)
         c.log_model_artifacts(model.model_id, f"{tmp}/model")
     c.finalize_logged_model(model.model_id, "READY")
     last_registration_s = time.perf_counter() - started

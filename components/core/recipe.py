@@ -51,7 +51,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The demo policy: a Llama-architecture model built from this config."""
 
-    source: str = Field("scratch", description="'scratch' builds a new model; otherwise a HF model folder, store URI, models:/<name>@<alias>, or gguf:<package>/<file>.gguf (a GGUF file of an installed package, converted once)")
+    source: str = Field("scratch", description="'scratch' builds a new model; otherwise a HF model folder, store URI, "
+                        "models:/<name>@<alias>, or gguf:<package>/<file>.gguf (a GGUF file of an installed package, "
+                        "converted once)")
     hidden_size: int = Field(256, ge=8, le=65536, description="width of the residual stream")
     num_layers: int = Field(4, ge=1, le=1024, description="transformer blocks")
     num_heads: int = Field(4, ge=1, le=1024, description="attention heads")

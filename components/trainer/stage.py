@@ -158,7 +158,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     version = models.register_checkpoint(ctx.pipeline, uri, run_id, {
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
-    }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.whole.evaluation.max_new_tokens)
+    }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.whole.evaluation.max_new_tokens,
+       prompt_format=ctx.recipe.rollout.prompt_format)
     models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
     # The run's description (shown first on its page): where the checkpoint is, and its version.
     tracking.client().set_tag(run_id, "mlflow.note.content", f"Checkpoint: `{uri}`\n\nRegistered as "
