@@ -32,7 +32,7 @@ demo: $(STAMP)
 test: $(STAMP) models vllm
 	$(VENV)/bin/ruff check .
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q --durations=30
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
