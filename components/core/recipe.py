@@ -206,9 +206,10 @@ class TrainerConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, more compute)")
     processes: int = Field(1, ge=1, le=1024, description="trainer processes under torchrun on one node (gloo on CPU, nccl on "
                                                          "GPU), each taking its share of every step's global batch")
-    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="with processes > 1: ddp (a full replica per process) or "
-                                                                   "fsdp (FSDP2 fully_shard: parameters, gradients and optimizer "
-                                                                   "state sharded)")
+    parallelism: Literal["ddp", "fsdp"] = Field("ddp", description="ddp (a full replica per process; with processes: 1 "
+                                                                   "the steps run in the stage's own process) or fsdp (FSDP2 "
+                                                                   "fully_shard: parameters, gradients and optimizer state "
+                                                                   "sharded; always under torchrun, even with one process)")
     lora: LoraConfig = LoraConfig()
 
 

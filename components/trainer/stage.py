@@ -34,7 +34,7 @@ torch sees a GPU), with ``trainer.dtype: bfloat16`` as autocast of the forward p
 recomputing activations in the backward pass. The checkpoint is always saved from CPU
 in float32.
 
-``trainer.processes`` > 1 runs the optimizer steps under ``torchrun`` on this node
+``trainer.processes`` > 1, or ``trainer.parallelism: fsdp`` at any count, runs the optimizer steps under ``torchrun`` on this node
 (``distributed.py``: gloo on CPU, nccl on GPU; DDP or FSDP2 per ``trainer.parallelism``),
 every step's global batch split between the processes by tokens, with the same result
 as one process. Rank 0 writes one consolidated Hugging Face checkpoint and the full
@@ -136,7 +136,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     groups = selection.groups
     batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
     rel = f"{ctx.prefix}/checkpoint"
-    if cfg.processes > 1 and batches:
+    launched = (cfg.processes > 1 or cfg.parallelism == "fsdp") and bool(batches)  # FSDP2 needs a process group, even of one
+    if launched:
         trained = _train_distributed(ctx, policy, batches, start.policy_uri, rel, temperature)
     else:
         trained = _train_here(ctx, policy, batches, start.policy_uri, rel, temperature)
@@ -174,7 +175,8 @@ def run(ctx: StageContext) -> dict[str, float]:
         "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "lr": totals["lr"] / n, "global_step": float(position),
-        "carried_optimizer_state": float(trained.carried), **selection.metrics(),
+        "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes if launched else 0),
+        **selection.metrics(),
     }
 
 

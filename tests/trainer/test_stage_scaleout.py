@@ -59,9 +59,11 @@ def iteration(tmp_path_factory):
 def test_two_processes_register_the_one_process_checkpoint(iteration) -> None:
     one, expected, start, client = iteration()
     assert one.metrics["trainer/steps"] >= 2 and one.metrics["trainer/carried_optimizer_state"] == 0.0
+    assert one.metrics["trainer/torchrun_processes"] == 0.0  # one process, ddp: the steps ran in the stage
     history = {k: [m.value for m in client.get_metric_history(one.mlflow_run_id, f"trainer/step/{k}")] for k in ("loss", "grad_norm")}
-    for parallelism in ("ddp", "fsdp"):
-        two, weights, _, _ = iteration(processes=2, parallelism=parallelism)
+    # FSDP2 with one process still runs under torchrun (a process group of one): the path a one-GPU FSDP recipe takes
+    for processes, parallelism in ((2, "ddp"), (2, "fsdp"), (1, "fsdp")):
+        two, weights, _, _ = iteration(processes=processes, parallelism=parallelism)
         assert sorted(weights) == sorted(expected)
         assert any(not torch.equal(expected[k], start[k]) for k in expected)  # the step moved the policy
         for name in expected:
@@ -74,6 +76,7 @@ def test_two_processes_register_the_one_process_checkpoint(iteration) -> None:
             logged = [m.value for m in client.get_metric_history(two.mlflow_run_id, f"trainer/step/{k}")]
             assert logged == pytest.approx(values, rel=1e-4), (parallelism, k)
         assert two.outputs["trainer_state"].rows == one.outputs["trainer_state"].rows == int(one.metrics["trainer/steps"])
+        assert two.metrics["trainer/torchrun_processes"] == processes
 
 
 def test_lora_moves_only_the_adapted_projections(iteration) -> None:
