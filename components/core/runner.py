@@ -7,7 +7,12 @@ calls. Each stage package has a ``stage`` module with:
   domains); they make its cache key, and ``ctx.recipe`` refuses any other section;
 - ``inputs(ctx)``: declare inputs (upstream manifests, policy URI) on ``ctx.inputs``;
 - ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx`` (and its
-  facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged).
+  facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged);
+- optionally ``follow(ctx)``: a stage placed on several nodes (the trainer under a
+  PyTorchJob; ``nodes.this_node()`` from the ``PET_*`` variables) runs ``run`` on node 0
+  only; every other node runs ``follow``, which does its share of the work and writes
+  nothing: no manifest, no outputs, no MLflow run, no sweep of the stage's prefix. A
+  follower whose stage is already a cache hit does nothing.
 
 If a manifest already exists with the same inputs, config digest and code version, and
 every output it lists still has its recorded size and sha256, the stage is a cache hit
@@ -43,6 +48,7 @@ from components.core.context import RecipeView, StageContext, read_manifest, ver
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, Shard, stage_prefix
+from components.core.nodes import this_node
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.stages import registered, shard_count, spec
@@ -151,10 +157,11 @@ def _failpoint(label: str) -> None:
 
 
 def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None,
-              orchestrator_run_id: str = "") -> Manifest:
+              orchestrator_run_id: str = "") -> Manifest | None:
     """Run one stage (or find it cached). An outage anywhere inside (the store, the
     tracking server, an inference endpoint) surfaces as ``InfraError``, which callers
-    retry; a user's mistake stays a ``UserError``."""
+    retry; a user's mistake stays a ``UserError``. ``None`` on a follower node of a stage
+    placed on several nodes (see the module docstring), which writes no manifest."""
     try:
         return _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id)
     except (UserError, InfraError, DataQualityError):
@@ -187,14 +194,22 @@ def _where(exc: BaseException, run_root: str) -> str:
 
 
 def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,
-               orchestrator_run_id: str) -> Manifest:
+               orchestrator_run_id: str) -> Manifest | None:
     ctx = make_context(stage, recipe, run_root, iteration, shard)
     module = stage_module(stage)
     module.inputs(ctx)
     digest = config_digest(ctx.recipe.whole, stage)
     label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
     existing = read_manifest(ctx.store, ctx.prefix)
-    if existing is not None and existing.matches(ctx.inputs, digest, code_version()):
+    hit = existing is not None and existing.matches(ctx.inputs, digest, code_version())
+    node = this_node()
+    if node.multi and not node.leader and hasattr(module, "follow"):
+        if hit:
+            say(f"iter {ctx.iteration} | {label} | node {node.rank} of {node.count} | cache hit, nothing to follow")
+            return existing
+        module.follow(ctx)  # writes nothing; node 0 writes the manifest
+        return None
+    if hit:
         verify_outputs(ctx.store, existing)  # a hit only if every output is still what it recorded
         # killed between its manifest and the end of its run: the work is done, so is the run
         tracking.end_if_running(existing.mlflow_run_id)

@@ -1,5 +1,6 @@
 """The trainer's optimizer steps under ``torchrun``: DDP or FSDP2 over ``trainer.processes``
-processes on one node, saved as one consolidated Hugging Face checkpoint.
+processes on each node (one, or the nodes of a cluster job), saved as one consolidated
+Hugging Face checkpoint.
 
 ``train(policy, batches, cfg, ...)`` is the whole of it, for the trainer stage and for
 benchmarks alike (run N steps with ``cfg.processes`` processes; ``Trained.state_dict()``
@@ -11,8 +12,14 @@ gives the weights, ``Trained.stats`` the per-step ``StepStats``)::
 It writes what the workers need into ``workdir`` (the starting checkpoint, the step
 batches, the config, the carried ``trainer_state.pt`` if any) and runs
 ``python -m torch.distributed.run --standalone --nproc_per_node P -m
-components.trainer.distributed <workdir>`` with ``OMP_NUM_THREADS=1`` per worker. Each
-worker (``main``):
+components.trainer.distributed <workdir>`` with ``OMP_NUM_THREADS=1`` per worker.
+
+On several nodes (``node``, from the ``PET_*`` variables a PyTorchJob gives every replica;
+``components/core/nodes.py``) every node runs ``train`` on the same batches and starting checkpoint, and
+torchrun joins the job's static rendezvous instead (``--nnodes N --node_rank R
+--master_addr A --master_port P``): N x P workers, global rank 0 on node 0. Only node 0
+gets results back (``Trained``); the other nodes get ``None`` once their workers are done.
+Each worker (``main``):
 
 - joins the process group (gloo on CPU, nccl on CUDA, one GPU per local rank), loads the
   starting checkpoint, adds LoRA adapters (``trainer.lora``, before wrapping), and wraps
@@ -35,9 +42,8 @@ worker, a collective that timed out or no result within ``timeout_s`` is an
 hanging). ``processes`` above the samples of some step, or CUDA asked for on a machine
 without enough GPUs, is a UserError before anything starts.
 
-Not covered: multi-node launch (a cluster engine such as the Kubeflow Training
-Operator's PyTorchJob starts ``components.trainer.distributed`` on every node with the
-same workdir contract; this module only runs ``--standalone``), tensor or pipeline
+Not covered: starting the nodes (a cluster engine does: the Kubeflow Training Operator's
+PyTorchJob, ``dags/execution/pytorchjob.py``), elastic node counts, tensor or pipeline
 parallelism, sharded checkpoints (always consolidated on rank 0, which must hold the
 full model in CPU memory), and resuming a half-done run.
 """
@@ -55,6 +61,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from components.core.errors import InfraError, UserError
+from components.core.nodes import ONE_NODE, Node
 from components.trainer.grpo import Sample, StepStats
 
 START, OUT, CHECKPOINT, STATS = "start", "out", "checkpoint", "stats.json"
@@ -89,7 +96,7 @@ def split_step(samples: list[Sample], world: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def check_launch(batches: list[list[Sample]], cfg) -> str:
+def check_launch(batches: list[list[Sample]], cfg, node: Node = ONE_NODE) -> str:
     """The backend for ``cfg`` (gloo or nccl); a UserError for a width the batches or the
     machine cannot serve."""
     import torch
@@ -98,10 +105,12 @@ def check_launch(batches: list[list[Sample]], cfg) -> str:
 
     device = resolve_device(cfg.device)
     smallest = min((len(b) for b in batches), default=0)
-    if cfg.processes > smallest:
-        raise UserError("trainer.processes", cfg.processes, f"is more than the {smallest} samples of the smallest step, "
-                        "so some process would have nothing to train on",
-                        f"set trainer.processes to at most {smallest}, or train more samples per step (trainer.prompts_per_step)")
+    if cfg.processes * node.count > smallest:
+        on, fewer = (f"x {node.count} nodes ", "use fewer nodes, ") if node.multi else ("", "")
+        raise UserError("trainer.processes", cfg.processes, f"{on}is more than the {smallest} samples of the smallest "
+                        "step, so some process would have nothing to train on",
+                        f"set trainer.processes to at most {smallest // node.count}, {fewer}or train more "
+                        "samples per step (trainer.prompts_per_step)")
     if device.type == "cuda" and cfg.processes > torch.cuda.device_count():
         raise UserError("trainer.processes", cfg.processes, f"needs one GPU per process (nccl) but "
                         f"{torch.cuda.device_count()} are visible", "set trainer.processes to at most the GPU count")
@@ -109,10 +118,12 @@ def check_launch(batches: list[list[Sample]], cfg) -> str:
 
 
 def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed: int, iteration: int,
-          workdir: Path, carried: bytes | None = None, timeout_s: float = 6 * 3600) -> Trained:
+          workdir: Path, carried: bytes | None = None, timeout_s: float = 6 * 3600,
+          node: Node = ONE_NODE) -> Trained | None:
     """Run ``batches`` (one list of samples per optimizer step) from ``policy`` with
-    ``cfg.processes`` processes under torchrun; see the module docstring."""
-    backend = check_launch(batches, cfg)
+    ``cfg.processes`` processes under torchrun, on this node of ``node.count``; ``None``
+    on a node other than 0. See the module docstring."""
+    backend = check_launch(batches, cfg, node)
     workdir = Path(workdir)
     for stale in (OUT, f"{OUT}.partial"):  # a workdir used before: only this run's results count
         shutil.rmtree(workdir / stale, ignore_errors=True)
@@ -126,17 +137,28 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
         "pad_id": policy.pad_id, "backend": backend}))
     if carried is not None:
         (workdir / "trainer_state.pt").write_bytes(carried)
-    _launch(workdir, cfg.processes, timeout_s)
+    _launch(workdir, cfg.processes, timeout_s, node)
+    if not node.leader:
+        return None
     out = workdir / OUT
     result = json.loads((out / STATS).read_text())
     return Trained(stats=[StepStats(**s) for s in result["steps"]], checkpoint=out / CHECKPOINT,
                    trainer_state=out / "trainer_state.pt", parameters=int(result["parameters"]))
 
 
-def _launch(workdir: Path, processes: int, timeout_s: float) -> None:
+def launch_args(processes: int, node: Node) -> list[str]:
+    """torchrun's placement arguments: a standalone rendezvous on one node, else the job's
+    static one (global rank = node rank x processes + local rank)."""
+    if not node.multi:
+        return ["--standalone", "--nproc_per_node", str(processes)]
+    return ["--nnodes", str(node.count), "--node_rank", str(node.rank), "--master_addr", node.master_addr,
+            "--master_port", str(node.master_port), "--nproc_per_node", str(processes)]
+
+
+def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NODE) -> None:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args(processes, node),
            "-m", "components.trainer.distributed", str(workdir)]
     with open(workdir / "workers.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
@@ -148,7 +170,7 @@ def _launch(workdir: Path, processes: int, timeout_s: float) -> None:
             raise InfraError("trainer workers", str(workdir), f"no result within {timeout_s:.0f}s; killed") from None
     for error in sorted(workdir.glob("error-*.json")):
         raise UserError(**json.loads(error.read_text()))
-    if code != 0 or not (workdir / OUT / STATS).exists():
+    if code != 0 or (node.leader and not (workdir / OUT / STATS).exists()):
         failed = sorted(workdir.glob("failed-*.txt"))
         why = failed[0].read_text() if failed else _last_error(workdir / "workers.log")
         raise InfraError("trainer workers", str(workdir), f"torchrun exited with {code}: {why}")

@@ -48,10 +48,16 @@ base weights on save, so the checkpoint is a plain Hugging Face model. Each iter
 starts fresh adapters on the merged weights, so no optimizer state is carried in under
 LoRA (the saved ``trainer_state.pt`` holds the adapters' moments, for inspection only).
 
+On several nodes (a PyTorchJob's replicas, ``dags/execution/pytorchjob.py``): every
+replica runs ``posttrain stage trainer``; the ``PET_*`` variables (``components/core/nodes.py``) make
+torchrun join the job's rendezvous with ``trainer.processes`` workers per node. Node 0
+runs this stage as above; the other nodes run ``follow`` (through
+``runner.follow_stage``): the same plan from the same inputs, their share of every
+step, and no manifest, checkpoint, registry version or MLflow run of their own.
+
 Not covered: resuming half-way through one trainer stage (a killed stage re-runs from
-its starting checkpoint, by the stage contract), launching on several nodes (the
-workers' contract is the same, but a cluster engine such as the Kubeflow Training
-Operator's PyTorchJob starts them; this stage runs torchrun ``--standalone``), serving
+its starting checkpoint, by the stage contract), starting the nodes (a cluster engine
+does), serving
 adapters unmerged or merging them between steps, and drawing fresh rollouts when too
 few groups are informative (dynamic sampling refills only from what taskgen
 oversampled).
@@ -73,6 +79,7 @@ from components.core.context import StageContext
 from components.core.errors import UserError
 from components.core.facts import Checkpoint, StartingPolicy
 from components.core.manifest import InputRef
+from components.core.nodes import Node, this_node
 from components.core.policy import load_policy, save_policy
 from components.core.progress import bar, say
 from components.core.records import Reward, Rollout
@@ -82,7 +89,7 @@ from components.trainer import distributed
 from components.trainer.device import prepare_model, resolve_device
 from components.trainer.grpo import StepStats, grpo_step, step_batches
 from components.trainer.lora import apply_lora, merge_for_save
-from components.trainer.sampling import collect_groups, select_groups
+from components.trainer.sampling import Selection, collect_groups, select_groups
 from components.trainer.state import (
     STATE_FILE,
     DataPosition,
@@ -112,12 +119,62 @@ def inputs(ctx: StageContext) -> None:
     ctx.inputs["policy"] = InputRef(uri=start.policy_uri, digest=f"version:{start.policy_version}")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the steps train on, the same on every node: the starting policy and its
+    version, the chosen groups and the step batches."""
+
+    start: StartingPolicy
+    policy: object
+    selection: Selection
+    batches: list
+
+    def launched(self, cfg, node: Node) -> bool:
+        """Whether the steps run under torchrun: several processes or nodes, or FSDP2 (which
+        needs a process group, even of one)."""
+        return (cfg.processes > 1 or cfg.parallelism == "fsdp" or node.multi) and bool(self.batches)
+
+
+def plan(ctx: StageContext) -> Plan:
+    """Load the starting policy and choose the steps' batches (seeded, no side effects)."""
+    cfg = ctx.recipe.trainer
+    start = ctx.facts_of("taskgen", StartingPolicy)
+    policy = load_policy(start.policy_uri, start.policy_version)
+    # Steps per epoch dynamic sampling aims at: the iteration's tasks before oversampling.
+    target_steps = ctx.recipe.taskgen.tasks_per_iteration // cfg.prompts_per_step
+    selection = select_groups(collect_groups(ctx.read_records("rollout", "rollouts", Rollout),
+                                             ctx.read_records("reward", "rewards", Reward)),
+                              dynamic=cfg.dynamic_sampling, prompts_per_step=cfg.prompts_per_step,
+                              target_steps=target_steps, seed=ctx.seed("dynamic_sampling"))
+    batches = step_batches(selection.groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
+    return Plan(start, policy, selection, batches)
+
+
+def follow(ctx: StageContext) -> None:
+    """A node other than 0 of a trainer placed on several nodes (``nodes.this_node()``):
+    the same plan, its share of every step under torchrun, and nothing written to the store
+    or the tracking server (node 0 stores, registers and logs)."""
+    node = this_node()
+    cfg = ctx.recipe.trainer
+    p = plan(ctx)
+    if not p.batches:
+        say(f"iter {ctx.iteration} | trainer | node {node.rank} of {node.count} | no steps to train; node 0 stores the policy")
+        return
+    carried = _carried(p.start.policy_uri, cfg)
+    with tempfile.TemporaryDirectory(prefix="posttrain-trainer-") as tmp:
+        say(f"iter {ctx.iteration} | trainer | node {node.rank} of {node.count} | {len(p.batches)} steps under torchrun, "
+            f"{cfg.processes} processes here ({cfg.parallelism})")
+        distributed.train(p.policy, p.batches, cfg, temperature=ctx.recipe.rollout.temperature, seed=ctx.seed(),
+                          iteration=ctx.iteration, workdir=Path(tmp), carried=carried, timeout_s=_timeout(ctx), node=node)
+    say(f"iter {ctx.iteration} | trainer | node {node.rank} of {node.count} | done; node 0 stores the checkpoint")
+
+
 def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.trainer
     temperature = ctx.recipe.rollout.temperature  # the rollouts' sampling distribution, for the ratio
-    start = ctx.facts_of("taskgen", StartingPolicy)
     run_id = ctx.mlflow_run_id
-    policy = load_policy(start.policy_uri, start.policy_version)
+    p = plan(ctx)
+    start, policy, selection, batches, groups = p.start, p.policy, p.selection, p.batches, p.selection.groups
     datasets = {}
     for stage, name in (("rollout", "rollouts"), ("reward", "rewards")):
         for m in ctx.upstream(stage):
@@ -127,18 +184,11 @@ def run(ctx: StageContext) -> dict[str, float]:
     tracking.client().set_tag(run_id, "posttrain.parent_policy_version", start.policy_version)
     tracking.client().set_tag(run_id, "posttrain.parent_policy_uri", start.policy_uri)
 
-    # Steps per epoch dynamic sampling aims at: the iteration's tasks before oversampling.
-    target_steps = ctx.recipe.taskgen.tasks_per_iteration // cfg.prompts_per_step
-    selection = select_groups(collect_groups(ctx.read_records("rollout", "rollouts", Rollout),
-                                             ctx.read_records("reward", "rewards", Reward)),
-                              dynamic=cfg.dynamic_sampling, prompts_per_step=cfg.prompts_per_step,
-                              target_steps=target_steps, seed=ctx.seed("dynamic_sampling"))
-    groups = selection.groups
-    batches = step_batches(groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))
     rel = f"{ctx.prefix}/checkpoint"
-    launched = (cfg.processes > 1 or cfg.parallelism == "fsdp") and bool(batches)  # FSDP2 needs a process group, even of one
+    node = this_node()
+    launched = p.launched(cfg, node)
     if launched:
-        trained = _train_distributed(ctx, policy, batches, start.policy_uri, rel, temperature)
+        trained = _train_distributed(ctx, policy, batches, start.policy_uri, rel, temperature, node)
     else:
         trained = _train_here(ctx, policy, batches, start.policy_uri, rel, temperature)
     totals: dict[str, float] = defaultdict(float)
@@ -168,14 +218,15 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups "
-        f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | {cfg.processes} process(es) | "
+        f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | {cfg.processes} process(es)"
+        f"{f' x {node.count} nodes' if node.multi else ''} | "
         f"registered version {version}")
     return {
         "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
         "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "lr": totals["lr"] / n, "global_step": float(position),
-        "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes if launched else 0),
+        "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes * node.count if launched else 0),
         **selection.metrics(),
     }
 
@@ -239,21 +290,33 @@ def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, te
                    global_step, carried is not None, logged=True, seconds=seconds)
 
 
-def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Outcome:
+def _carried(start_uri: str, cfg) -> bytes | None:
+    """The starting checkpoint's trainer state, when it is carried in."""
+    source = Store(start_uri, "policy")
+    if cfg.carry_optimizer_state and cfg.lora.rank == 0 and source.exists(STATE_FILE):
+        return source.read_bytes(STATE_FILE)
+    return None
+
+
+def _timeout(ctx: StageContext) -> float:
+    return ctx.recipe.whole.timeouts.get("trainer", stages.spec("trainer").timeout_s)
+
+
+def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float,
+                       node: Node) -> Outcome:
     """The steps under torchrun (``distributed.train``), then the consolidated checkpoint and
     the trainer state uploaded beside each other as the in-process path stores them."""
     cfg = ctx.recipe.trainer
-    carried = None
-    source = Store(start_uri, "policy")
-    if cfg.carry_optimizer_state and cfg.lora.rank == 0 and source.exists(STATE_FILE):
-        carried = source.read_bytes(STATE_FILE)
-    timeout = ctx.recipe.whole.timeouts.get("trainer", stages.spec("trainer").timeout_s)
+    carried = _carried(start_uri, cfg)
     with tempfile.TemporaryDirectory(prefix="posttrain-trainer-") as tmp:
-        say(f"iter {ctx.iteration} | trainer | {len(batches)} steps under torchrun, {cfg.processes} processes "
+        on = f" x {node.count} nodes" if node.multi else ""
+        say(f"iter {ctx.iteration} | trainer | {len(batches)} steps under torchrun, {cfg.processes} processes{on} "
             f"({cfg.parallelism})")
         started = time.perf_counter()
         result = distributed.train(policy, batches, cfg, temperature=temperature, seed=ctx.seed(),
-                                   iteration=ctx.iteration, workdir=Path(tmp), carried=carried, timeout_s=timeout)
+                                   iteration=ctx.iteration, workdir=Path(tmp), carried=carried,
+                                   timeout_s=_timeout(ctx), node=node)
+        assert result is not None  # node 0 gets the results
         seconds = time.perf_counter() - started
         digests = ctx.store.upload_dir(result.checkpoint, rel)
         data = result.trainer_state.read_bytes()

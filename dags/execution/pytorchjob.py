@@ -30,16 +30,21 @@ URI that ``components.core.recipe.publish_recipe`` gives it under the run root
 GPUs a node is given (nccl needs one per process), ``trainer.device: cuda`` with no GPUs,
 and a bad cluster setting (named by its variable).
 
+Every replica runs ``posttrain stage trainer``: the operator's ``PET_*`` variables
+(``components/core/nodes.py``) make the stage's torchrun join the job's static rendezvous
+with ``trainer.processes`` workers per node, so the ``nodes`` x ``trainer.processes``
+workers train one global batch. The Master replica (node 0) runs the stage as anywhere
+else and stores, registers and logs its outputs; a Worker replica trains its share and
+writes nothing (``runner``'s follower path). ``tests/trainer/test_stage_scaleout.py``
+runs two such replicas on one machine.
+
 Not covered: the Training Operator must be installed in the cluster (its CRD and
 controller; nothing here installs or talks to it), and nothing in the pipeline submits
 this job: the DAG's ``kubernetes`` mode still runs the trainer as one pod, and only
-``posttrain render pytorchjob`` calls this module. With ``nodes`` > 1 every replica runs
-the trainer stage, whose workers today start ``torchrun --standalone`` on their own node
-(``components/trainer/distributed.py``) and do not yet join the job's rendezvous from the
-``PET_*`` variables, so only ``nodes: 1`` trains as the stage does elsewhere; the spec is
-the placement contract that multi-node training plugs into. Elastic training
-(``elasticPolicy``), gang scheduling and the Training Operator's v2 ``TrainJob`` API are
-not rendered.
+``posttrain render pytorchjob`` calls this module. A Worker replica that starts after the
+Master has finished waits for a rendezvous that never comes, until torchrun's join
+timeout. Elastic training (``elasticPolicy``), gang scheduling and the Training
+Operator's v2 ``TrainJob`` API are not rendered.
 """
 
 from __future__ import annotations
