@@ -148,3 +148,17 @@ def test_two_nodes_store_the_one_process_checkpoint(iteration, tmp_path) -> None
     # node 1 started no MLflow run (one new trainer run: node 0's) and registered nothing
     assert len(trainer_runs(client, one.mlflow_run_id)) == runs + 1
     assert "registered version" in out[0] and "registered version" not in out[1]
+
+
+def test_a_follower_of_a_finished_stage_does_nothing(iteration, monkeypatch, capsys) -> None:
+    """A Worker replica started after the stage is stored finds the cache hit and returns
+    node 0's manifest: no torchrun, no rendezvous to wait for."""
+    iteration()
+    store = Store(iteration.root)
+    stored = read_manifest(store, stage_prefix(recipe().pipeline, 1, "trainer"))
+    for name, value in {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "127.0.0.1",
+                        "PET_MASTER_PORT": str(free_ports(1)[0])}.items():
+        monkeypatch.setenv(name, value)
+    followed = run_stage("trainer", recipe(), iteration.root, 1)
+    assert followed is not None and followed.to_json() == stored.to_json()
+    assert "node 1 of 2 | cache hit, nothing to follow" in capsys.readouterr().out
