@@ -3,25 +3,39 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# STAMP: the project and what running it needs (make demo); DEV_STAMP: also the tests' and
+# benchmarks' tools and Debian packages (make test).
 STAMP := $(VENV)/.installed
-APT_PACKAGES := bubblewrap python3 podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
+DEV_STAMP := $(VENV)/.installed-dev
+DEMO_APT := bubblewrap python3
+TEST_APT := podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
 ITERATIONS ?= 3
 
 .PHONY: setup demo test test-fast test-all models vllm test-vllm bench profile images clean screenshots
 
-$(STAMP): pyproject.toml
+# Debian packages missing from $(1), installed when this runs as root on Debian.
+define apt_install
 	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	  missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	  if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi; \
 	fi
+endef
+
+$(STAMP): pyproject.toml
+	$(call apt_install,$(DEMO_APT))
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(call apt_install,$(TEST_APT))
 	$(PY) -m pip install -q -e '.[dev,bench]'  # bench: the benchmarks' smoke runs in make test compare with TRL
 	# checkov pins versions that conflict with Airflow and s3fs: it gets its own venv.
 	test -x $(VENV)/tools/bin/checkov || { python3 -m venv $(VENV)/tools && $(VENV)/tools/bin/pip install -q checkov==3.3.30; }
-	touch $(STAMP)
+	touch $(DEV_STAMP)
 
-setup: $(STAMP)
+setup: $(DEV_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
@@ -29,12 +43,12 @@ demo: $(STAMP)
 # Everything but the GPU tests, the slow ones included (image builds, a whole iteration in
 # containers, the real SmolLM2, vLLM's CPU build in its own venv): what CI runs.
 # test-fast leaves the slow ones out.
-test: $(STAMP) models vllm
+test: $(DEV_STAMP) models vllm
 	$(VENV)/bin/ruff check .
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
 	$(PY) -m pytest -m "not gpu" -q --durations=30
 
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow and not gpu" -q
 
@@ -60,13 +74,13 @@ vllm: $(VLLM_STAMP)
 
 # The vllm engine in vLLM's own venv (in-process), then from the main venv through vLLM's
 # server (the reload test and two iterations of recipes/tiny-vllm.yaml under posttrain run).
-test-vllm: $(STAMP) vllm
+test-vllm: $(DEV_STAMP) vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
 	$(PY) -m pytest -q tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_pipeline.py
 
 test-all: test
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) benchmarks/iteration.py
 	$(PY) benchmarks/sandbox/bench.py
@@ -75,14 +89,14 @@ bench: $(STAMP)
 
 # One demo iteration under py-spy (after a short bootstrap that is not profiled): the flame
 # graph docs/profile/iteration.svg and docs/profile/summary.md (stage shares, top functions).
-profile: $(STAMP)
+profile: $(DEV_STAMP)
 	$(PY) docs/profile/iteration_profile.py
 
 # Every image (posttrain-base and posttrain-<stage>, tag = project.version) with podman from
 # a Debian-made base (no image registry needed), CPU torch from pip's local wheel folder;
 # images whose inputs did not change are kept. Then the sandbox doctor inside the sandbox
 # image, run with the flags a stage container needs here (containers/README.md).
-images: $(STAMP)
+images: $(DEV_STAMP)
 	containers/images.sh
 	podman run --rm $$(cat containers/podman-run-flags) --entrypoint '["/usr/bin/tini", "-s", "--", "posttrain"]' \
 	  posttrain-sandbox:$$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') \
@@ -93,6 +107,6 @@ clean:
 
 # The README's MLflow screenshots (docs/lineage/): the browser test's walk through the
 # lineage of two demo iterations, against a real tracking server and S3.
-screenshots: $(STAMP)
+screenshots: $(DEV_STAMP)
 	POSTTRAIN_SCREENSHOTS=docs/lineage POSTTRAIN_LINEAGE_RECIPE=recipes/demo.yaml POSTTRAIN_LINEAGE_ITERATIONS=2 \
 	  $(PY) -m pytest -q -m "not gpu" tests/core/test_lineage_ui.py
