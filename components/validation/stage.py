@@ -21,8 +21,9 @@ from components.core.errors import DataQualityError
 from components.core.records import Reward, Rollout
 from components.validation.suite import COLUMNS, Report, check, render_html
 
-SECTIONS = ("validation", "rollout")
-"""Recipe sections read: the gate's thresholds, and the completion cap rows must respect."""
+SECTIONS = ("validation", "rollout", "reward")
+"""Recipe sections read: the gate's thresholds, the completion cap rows must respect, and
+the per-domain loss weights rewards must carry."""
 
 HTML_ARTIFACT = "validation/expectations.html"
 TABLE_ARTIFACT = "validation/expectations.json"

@@ -161,7 +161,8 @@ def _policy_logprobs(rollout: Rollout) -> list[float]:
     return list(rollout.logprobs) if not mask else [lp for lp, m in zip(rollout.logprobs, mask) if m == 1]
 
 
-def _frames(rollouts: list[Rollout], rewards: list[Reward]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _frames(rollouts: list[Rollout], rewards: list[Reward],
+            loss_weights: dict[str, float]) -> tuple[pd.DataFrame, pd.DataFrame]:
     ro = pd.DataFrame({
         "rollout_id": [r.rollout_id for r in rollouts],
         "domain": [r.domain for r in rollouts],
@@ -179,6 +180,8 @@ def _frames(rollouts: list[Rollout], rewards: list[Reward]) -> tuple[pd.DataFram
         "status": [r.status for r in rewards],
         "raw_reward": [r.raw_reward for r in rewards],
         "weight": [r.weight for r in rewards],
+        # 0 (excluded) or the domain's loss weight (reward.domain_weights, unlisted 1)
+        "weight_is_domain_weight": [r.weight in (0.0, float(loss_weights.get(r.domain, 1.0))) for r in rewards],
         "advantage_finite": [math.isfinite(r.advantage) for r in rewards],
         "is_ok": [1.0 if r.status == "ok" else 0.0 for r in rewards],
     })
@@ -204,7 +207,8 @@ def _suites(gx, recipe, max_new_tokens: int, max_turns: int):
         E.ExpectColumnValuesToBeInSet(column="status", value_set=list(REWARD_STATUSES)),
         E.ExpectColumnValuesToBeInSet(column="domain", value_set=domains),
         E.ExpectColumnValuesToBeBetween(column="raw_reward", min_value=0.0, max_value=1.0),
-        E.ExpectColumnValuesToBeBetween(column="weight", min_value=0.0, max_value=1.0),
+        E.ExpectColumnValuesToBeBetween(column="weight", min_value=0.0),
+        E.ExpectColumnValuesToBeInSet(column="weight_is_domain_weight", value_set=[True]),
         E.ExpectColumnValuesToBeInSet(column="advantage_finite", value_set=[True]),
         E.ExpectColumnMeanToBeBetween(column="is_ok", min_value=recipe.validation.min_ok_fraction, max_value=1.0),
     ]
@@ -221,7 +225,7 @@ def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     source = context.data_sources.add_pandas("posttrain")
-    frames = dict(zip(("rollouts", "rewards"), _frames(rollouts, rewards)))
+    frames = dict(zip(("rollouts", "rewards"), _frames(rollouts, rewards, dict(recipe.reward.domain_weights))))
     report = Report(success=True)
     matched = len(rewards) == len(rollouts)
     report.expectations.append(_row("rewards", CHECK_ROWS_MATCH, None, {"rollouts": len(rollouts)}, matched,

@@ -35,7 +35,18 @@ def clean() -> tuple[list[Rollout], list[Reward]]:
 
 def test_clean_batch_passes_every_expectation() -> None:
     report = check(*clean(), RECIPE)
-    assert (report.success, report.failures, report.checked) == (True, [], 16)
+    assert (report.success, report.failures, report.checked) == (True, [], 17)
+
+
+def test_rewards_carry_the_recipes_loss_weight() -> None:
+    """A weight above 1 passes when it is the domain's ``reward.domain_weights``, and not otherwise."""
+    rollouts, rewards = clean()
+    weighted = [dataclasses.replace(r, weight=3.0) for r in rewards]
+    recipe = parse_recipe({**RECIPE.model_dump(), "reward": {"domain_weights": {"math": 3.0}}})
+    assert (check(rollouts, weighted, recipe).success, check(rollouts, weighted, recipe).failures) == (True, [])
+    failed = check(rollouts, weighted, RECIPE)
+    assert len(failed.failures) == 1
+    assert failed.failures[0].startswith("rewards: expect_column_values_to_be_in_set {'column': 'weight_is_domain_weight'")
 
 
 def episode(i: int, actions: int = 3, action_tokens: int = 4, observation_tokens: int = 20) -> Rollout:
@@ -93,7 +104,7 @@ def _bad_reward(i: int, **changes):
     (_bad_reward(0, raw_reward=1.5), "rewards: expect_column_values_to_be_between {'column': 'raw_reward'"),
     (_bad_reward(1, advantage=float("nan")), "rewards: expect_column_values_to_be_in_set {'column': 'advantage_finite'"),
     (_bad_reward(2, rollout_id=clean()[0][0].rollout_id), "rewards: expect_column_values_to_be_unique {'column': 'rollout_id'"),
-    (_bad_reward(2, weight=-1.0), "rewards: expect_column_values_to_be_between {'column': 'weight'"),
+    (_bad_reward(2, weight=0.5), "rewards: expect_column_values_to_be_in_set {'column': 'weight_is_domain_weight'"),
 ])
 def test_each_expectation_catches_its_broken_row(breakage, expected: str) -> None:
     report = check(*breakage(*clean()), RECIPE)
@@ -132,4 +143,4 @@ def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_h
                                                "expect_column_values_to_be_between {'column': 'raw_reward'")
     assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     report = store.read_json("gate/iter-000001/validation/report.json")
-    assert report["success"] is False and report["checked"] == 16 and len(report["failures"]) == 1
+    assert report["success"] is False and report["checked"] == 17 and len(report["failures"]) == 1
