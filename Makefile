@@ -10,6 +10,9 @@ DEV_STAMP := $(VENV)/.installed-dev
 DEMO_APT := bubblewrap python3
 TEST_APT := podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
 ITERATIONS ?= 3
+# Installs take the tested co-install (the images' lock). After pyproject.toml's pins move:
+# `make setup CONSTRAINTS=`, then containers/lock.sh writes the new lock.
+CONSTRAINTS ?= -c containers/constraints.txt
 
 .PHONY: setup demo test test-fast test-all models vllm test-vllm bench profile images clean screenshots
 
@@ -21,16 +24,16 @@ define apt_install
 	fi
 endef
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml containers/constraints.txt
 	$(call apt_install,$(DEMO_APT))
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q $(CONSTRAINTS) -e .
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
 	$(call apt_install,$(TEST_APT))
-	$(PY) -m pip install -q -e '.[dev,bench]'  # bench: the benchmarks' smoke runs in make test compare with TRL
+	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[dev,bench]'  # bench: the benchmarks' smoke runs in make test compare with TRL
 	# checkov pins versions that conflict with Airflow and s3fs: it gets its own venv.
 	test -x $(VENV)/tools/bin/checkov || { python3 -m venv $(VENV)/tools && $(VENV)/tools/bin/pip install -q checkov==3.3.30; }
 	touch $(DEV_STAMP)
@@ -81,7 +84,7 @@ test-vllm: $(DEV_STAMP) vllm
 test-all: test
 
 bench: $(DEV_STAMP)
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[dev,bench]'
 	$(PY) benchmarks/iteration.py
 	$(PY) benchmarks/sandbox/bench.py
 	$(PY) benchmarks/rollout/bench.py

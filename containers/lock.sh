@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate containers/constraints.txt, the image's lock, from the venv the tests run in
 # (PYTHON, default .venv/bin/python). Run it after pyproject.toml's pins move and
-# `make setup` installed them; tests/containers/test_lock.py fails until then.
+# `make setup CONSTRAINTS=` installed them without the old lock; tests/containers/test_lock.py fails until then.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"

@@ -361,7 +361,8 @@ def test_makefile_images_target_uses_the_scripts_and_the_run_flags():
     target = re.search(r"^images:.*\n((?:\t.*\n)+)", makefile, flags=re.M)
     assert target is not None
     assert "containers/images.sh" in target.group(1) and "$$(cat containers/podman-run-flags)" in target.group(1)
-    apt = re.search(r"^APT_PACKAGES := (.*)$", makefile, flags=re.M).group(1).split()
+    assert re.search(r"^images: \$\(DEV_STAMP\)", makefile, flags=re.M)  # the stamp that installs TEST_APT
+    apt = re.search(r"^TEST_APT := (.*)$", makefile, flags=re.M).group(1).split()
     assert {"podman", "runc", "debootstrap"} <= set(apt)
     images_sh = (CONTAINERS / "images.sh").read_text()
     assert "containers/debian-base.sh" in images_sh and "containers/build.sh" in images_sh
