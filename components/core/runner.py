@@ -202,8 +202,9 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
     existing = read_manifest(ctx.store, ctx.prefix)
     hit = existing is not None and existing.matches(ctx.inputs, digest, code_version())
-    node = this_node()
-    if node.multi and not node.leader and hasattr(module, "follow"):
+    # only a stage that can follow reads the PET_* placement (a bad value there is its error alone)
+    node = this_node() if hasattr(module, "follow") else None
+    if node is not None and node.multi and not node.leader:
         if hit:
             say(f"iter {ctx.iteration} | {label} | node {node.rank} of {node.count} | cache hit, nothing to follow")
             return existing
