@@ -84,7 +84,6 @@ test-vllm: $(DEV_STAMP) vllm
 test-all: test
 
 bench: $(DEV_STAMP)
-	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[dev,bench]'
 	$(PY) benchmarks/iteration.py
 	$(PY) benchmarks/sandbox/bench.py
 	$(PY) benchmarks/rollout/bench.py
