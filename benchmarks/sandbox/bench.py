@@ -28,7 +28,12 @@ garbage), run (a) through the stage's own path (``components.domains.execute.exe
 with the stage's executor, then the ``Execution`` records) and (b) as the same jobs
 straight on that executor's warm pool (``run_many``), rounds interleaved (the order
 alternating between rounds), then each kind of job alone on the pool. It prints both
-jobs/s and ``stage vs pool on the demo mix: N.NNx`` (pool jobs/s over stage jobs/s).
+jobs/s and ``stage vs pool on the demo mix: N.NNx`` (pool jobs/s over stage jobs/s); the
+stage path runs there with ``sandbox.dedupe`` off, so both run every job. A third path in
+the same rounds is the stage with ``sandbox.dedupe`` on (the recipe default: equal jobs run
+once; the mix's half of reference answers repeats within a group, as a trained policy's
+samples do): ``stage with dedupe vs without on the demo mix: N.NNx`` (rollouts' records per
+second).
 
 Not covered: memory-heavy jobs, multi-host scaling, start-up cost of the warm pool
 (reported once, not amortised).
@@ -57,7 +62,7 @@ from components.core.recipe import SandboxConfig, load_recipe  # noqa: E402
 from components.core.records import Rollout, Task  # noqa: E402
 from components.domains import registry  # noqa: E402
 from components.domains.base import malformed  # noqa: E402
-from components.domains.execute import execute  # noqa: E402
+from components.domains.execute import execute, job_key  # noqa: E402
 from components.sandbox.executor import get_executor, run_many  # noqa: E402
 from components.sandbox.harness import python_tests_job  # noqa: E402
 
@@ -196,9 +201,10 @@ def job_kind(job: Job | SessionJob) -> str:
     return "terminal" if "driver.py" in job.files else "code"
 
 
-def stage_path(pairs: list[tuple[Rollout, Task]], executor, concurrency: int) -> list:
-    """What the sandbox stage does with its rollouts: ``execute``, then ``Execution`` records."""
-    results = execute([(r.rollout_id, task, r.completion) for r, task in pairs], executor, concurrency, "stage")
+def stage_path(pairs: list[tuple[Rollout, Task]], executor, concurrency: int, dedupe: bool = False) -> list:
+    """What the sandbox stage does with its rollouts: ``execute``, then ``Execution`` records.
+    ``dedupe`` off by default, so the stage path runs every job the pool runs."""
+    results = execute([(r.rollout_id, task, r.completion) for r, task in pairs], executor, concurrency, "stage", dedupe)
     return [to_execution(r, results[r.rollout_id]) for r, _ in pairs if r.rollout_id in results]
 
 
@@ -211,15 +217,15 @@ def demo_mix_throughput(tasks_per_domain: int, group: int, rounds: int) -> dict:
     for job in jobs:
         by_kind.setdefault(job_kind(job), []).append(job)
     kinds = {kind: len(group) for kind, group in by_kind.items()}
-    samples: dict[str, list[float]] = {"stage": [], "pool": []}
+    samples: dict[str, list[float]] = {"stage": [], "pool": [], "dedupe": []}
     statuses: dict[str, int] = {}
     with get_executor(sandbox) as executor:
         run_many(executor, jobs[:4 * sandbox.concurrency], sandbox.concurrency)  # warm-up: start every worker
         for n in range(rounds):
-            for path in ("stage", "pool") if n % 2 == 0 else ("pool", "stage"):  # neither always goes first
+            for path in ("stage", "pool", "dedupe") if n % 2 == 0 else ("dedupe", "pool", "stage"):  # none always first
                 start = time.perf_counter()
-                if path == "stage":
-                    executions = stage_path(pairs, executor, sandbox.concurrency)
+                if path in ("stage", "dedupe"):
+                    executions = stage_path(pairs, executor, sandbox.concurrency, dedupe=path == "dedupe")
                     done = len(executions)
                 else:
                     done = len(run_many(executor, jobs, sandbox.concurrency))
@@ -233,9 +239,11 @@ def demo_mix_throughput(tasks_per_domain: int, group: int, rounds: int) -> dict:
             run_many(executor, group, sandbox.concurrency)
             per_kind[kind] = len(group) / (time.perf_counter() - start)
     stage, pool = statistics.median(samples["stage"]), statistics.median(samples["pool"])
+    shared = statistics.median(samples["dedupe"])
     return {"rollouts": len(pairs), "jobs": len(jobs), "kinds": kinds, "statuses": statuses, "rounds": rounds,
             "mode": sandbox.mode, "concurrency": sandbox.concurrency, "stage_jobs_per_s": stage,
             "pool_jobs_per_s": pool, "stage_vs_pool": pool / stage, "samples": samples,
+            "distinct_jobs": len({job_key(j) for j in jobs}), "dedupe_jobs_per_s": shared, "dedupe_speedup": shared / stage,
             "pool_jobs_per_s_by_kind": per_kind}
 
 
@@ -348,10 +356,13 @@ def markdown(report: dict) -> str:
               f"({kinds}; statuses: {statuses}), median of {mix['rounds']} interleaved rounds:", "",
               "| path | jobs/s |", "|---|---|",
               f"| stage (execute + Execution records) | {mix['stage_jobs_per_s']:.1f} |",
-              f"| pool (run_many, same jobs) | {mix['pool_jobs_per_s']:.1f} |", "",
+              f"| pool (run_many, same jobs) | {mix['pool_jobs_per_s']:.1f} |",
+              f"| stage with `sandbox.dedupe` ({mix['distinct_jobs']} distinct jobs run; rollouts' records per s) "
+              f"| {mix['dedupe_jobs_per_s']:.1f} |", "",
               "Each kind alone on the pool (jobs/s, one pass): " + ", ".join(
                   f"{kind} {rate:.1f}" for kind, rate in mix.get("pool_jobs_per_s_by_kind", {}).items()) + ".", "",
               "Goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()), "",
+              f"stage with dedupe vs without on the demo mix: {mix['dedupe_speedup']:.2f}x",
               f"stage vs pool on the demo mix: {mix['stage_vs_pool']:.2f}x", ""]
     return "\n".join(lines)
 

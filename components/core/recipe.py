@@ -146,6 +146,9 @@ class SandboxConfig(_Section):
     memory_mb: int = Field(512, ge=16, le=1 << 20, description="address-space limit per job")
     output_cap_bytes: int = Field(8192, ge=256, le=1 << 30, description="stdout/stderr kept per job")
     python: str = Field("", max_length=4096, description="interpreter for jobs; empty means /usr/bin/python3, else this one")
+    dedupe: bool = Field(True, description="run jobs that run the same thing (same files, command, stdin) once per stage "
+                                           "and share the result among their rollouts; false: one run per rollout, for "
+                                           "programs whose verdict is not a function of what they run")
 
 
 class RewardConfig(_Section):

@@ -2,13 +2,25 @@
 
 Domains decide what runs (``Domain.execution_plan``); this module runs it with the
 recipe's concurrency and shows progress. Pairs whose domain runs nothing get no result.
+
+With ``dedupe`` (``sandbox.dedupe``, on by default) jobs that would run the same thing
+(equal ``job_key``: the same files, command line, stdin, timeout and steps) run once
+and their pairs share that one ``JobResult`` object: a group of G samples whose
+completions agree costs one sandbox run, not G. This assumes a job's outcome is a
+function of what it runs, which the sandbox makes so for the domains here (no network,
+a fresh work folder, no clock or randomness a verdict depends on); a program whose
+verdict is not should set ``sandbox.dedupe: false``. ``runs(results)`` counts the jobs
+that really ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 
-from components.core.jobs import JobResult
+from components.core.jobs import Job, JobResult, SessionJob
 from components.core.progress import bar
 from components.core.records import Task
 from components.domains import registry
@@ -18,7 +30,27 @@ from components.sandbox.executor import Executor, run_many
 log = logging.getLogger(__name__)
 
 
-def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency: int, label: str = "sandbox") -> dict[str, JobResult]:
+def job_key(job: Job | SessionJob) -> str:
+    """A digest of what ``job`` runs: every field but the job ids (nested check included)."""
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "job_id"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    data = {"kind": type(job).__name__, **strip(dataclasses.asdict(job))}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+def runs(results: dict[str, JobResult]) -> int:
+    """How many jobs really ran for ``results``: deduplicated pairs share one result object."""
+    return len({id(r) for r in results.values()})
+
+
+def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency: int, label: str = "sandbox",
+            dedupe: bool = True) -> dict[str, JobResult]:
     """Run plans for ``(key, task, completion)`` triples; returns {key: JobResult}."""
     keyed = []
     for key, task, completion in pairs:
@@ -30,9 +62,12 @@ def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency:
             log.error("execution plan of %s (%s) failed: %s", key, task.domain, error_text(exc))
             continue
         if job is not None:
-            keyed.append((key, job))
+            keyed.append((key, job_key(job) if dedupe else key, job))
     if not keyed:
         return {}
-    with bar(label, len(keyed)) as advance:
-        results = run_many(executor, [job for _, job in keyed], concurrency, on_done=advance)
-    return {key: result for (key, _), result in zip(keyed, results)}
+    unique: dict[str, Job | SessionJob] = {}
+    for _, digest, job in keyed:
+        unique.setdefault(digest, job)
+    with bar(label, len(unique)) as advance:
+        results = dict(zip(unique, run_many(executor, list(unique.values()), concurrency, on_done=advance)))
+    return {key: results[digest] for key, digest, _ in keyed}

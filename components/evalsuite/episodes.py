@@ -58,7 +58,7 @@ def score_episodes(actor: Policy | Actor, tasks: list[Task], recipe: Recipe, exe
                     engine_name=recipe.rollout.engine, group_size=1, greedy=True,
                     max_action_tokens=recipe.evaluation.max_new_tokens)
     results = execute([(t.task_id, t, r.completion) for t, r in zip(tasks, rollouts)], executor,
-                      recipe.sandbox.concurrency, label)
+                      recipe.sandbox.concurrency, label, recipe.sandbox.dedupe)
     out = []
     for task, ro in zip(tasks, rollouts):
         verdict = judge(registry.get(task.domain), task, ro.completion, results.get(task.task_id))

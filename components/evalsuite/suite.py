@@ -79,7 +79,8 @@ def _one_shot(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Execu
     samples = engine_of(recipe).generate(
         policy, [t.prompt for t in tasks], recipe.evaluation.max_new_tokens, 1.0, 0, recipe.rollout.batch_size, greedy=True,
     )
-    results = execute([(t.task_id, t, s.text) for t, s in zip(tasks, samples)], executor, recipe.sandbox.concurrency, label)
+    results = execute([(t.task_id, t, s.text) for t, s in zip(tasks, samples)], executor, recipe.sandbox.concurrency, label,
+                      recipe.sandbox.dedupe)
     out = []
     for task, sample in zip(tasks, samples):
         verdict = judge(registry.get(task.domain), task, sample.text, results.get(task.task_id))  # total: never raises
@@ -112,7 +113,7 @@ def sampled_pass_at_k(policy: Policy, tasks: list[Task], recipe: Recipe, executo
         policy, prompts, recipe.evaluation.max_new_tokens, temperature, seed, recipe.rollout.batch_size,
     )
     jobs = [(f"{t.task_id}#{j}", t, samples[i * k + j].text) for i, t in enumerate(tasks) for j in range(k)]
-    results = execute(jobs, executor, recipe.sandbox.concurrency, label)
+    results = execute(jobs, executor, recipe.sandbox.concurrency, label, recipe.sandbox.dedupe)
     passed = np.array([judge(registry.get(t.domain), t, text, results.get(key)).passed for key, t, text in jobs], dtype=int)
     correct = passed.reshape(len(tasks), k).sum(axis=1)
     per_task = pass_at_k(k, correct, k)

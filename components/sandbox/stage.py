@@ -21,7 +21,7 @@ from components.core.context import StageContext
 from components.core.jobs import to_execution
 from components.core.progress import say
 from components.core.records import Execution, Rollout, Task
-from components.domains.execute import execute
+from components.domains.execute import execute, runs
 from components.sandbox.executor import get_executor
 
 SECTIONS = ("sandbox",)
@@ -42,12 +42,12 @@ def run(ctx: StageContext) -> dict[str, float]:
     with get_executor(ctx.recipe.sandbox) as executor:
         say(f"iter {ctx.iteration} | sandbox[{ctx.shard}] | isolation {executor.isolation}")
         results = execute([(r.rollout_id, tasks[r.task_id], r.completion) for r in rollouts], executor,
-                          ctx.recipe.sandbox.concurrency, f"sandbox[{ctx.shard}]")
+                          ctx.recipe.sandbox.concurrency, f"sandbox[{ctx.shard}]", ctx.recipe.sandbox.dedupe)
     executions = [to_execution(r, results[r.rollout_id]) for r in rollouts if r.rollout_id in results]
     ctx.write_records("executions", executions, Execution)
     status = Counter(e.status for e in executions)
     n = max(1, len(executions))
-    metrics = {"jobs": float(len(executions)), **{f"status/{s}": float(c) for s, c in sorted(status.items())}}
+    metrics = {"jobs": float(len(executions)), "jobs_run": float(runs(results)), **{f"status/{s}": float(c) for s, c in sorted(status.items())}}
     if executions:
         metrics["duration_s_mean"] = sum(e.duration_s for e in executions) / n
         metrics["cpu_time_s_mean"] = sum(e.cpu_time_s for e in executions) / n

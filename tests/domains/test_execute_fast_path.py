@@ -56,7 +56,8 @@ def fixed_mix() -> list[tuple[Rollout, Task]]:
 
 
 def records(pairs: list[tuple[Rollout, Task]], executor, concurrency: int) -> dict[str, tuple]:
-    results = execute([(r.rollout_id, task, r.completion) for r, task in pairs], executor, concurrency)
+    # dedupe off: every job really runs (the doubled mix below is the point)
+    results = execute([(r.rollout_id, task, r.completion) for r, task in pairs], executor, concurrency, dedupe=False)
     return {r.rollout_id: (e.status, e.exit_code, e.signal, e.result)
             for r, _ in pairs if r.rollout_id in results for e in [to_execution(r, results[r.rollout_id])]}
 
