@@ -294,6 +294,10 @@ def side_env(side: Side, home: Path) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([str(side.root), *filter(None, [env.get("PYTHONPATH")])])}
 
 
+def sft_text(sft_steps: int) -> str:
+    return f"{sft_steps} SFT steps" if sft_steps > 0 else "the recipe's own bootstrap (SFT to its target band)"
+
+
 def side_recipe(side: Side, sft_steps: int, work: Path) -> tuple[Path, str]:
     """Write ``side``'s own recipe with its SFT shortened through that side's schema; returns (path, pipeline).
 
@@ -311,8 +315,9 @@ def side_recipe(side: Side, sft_steps: int, work: Path) -> tuple[Path, str]:
         sys.exit(f"the {side.name} recipe schema has no SFT step key in bootstrap ({', '.join(probe['fields'])}); "
                  "teach side_recipe() its name")
     data = yaml.safe_load(side.recipe.read_text())
-    data.setdefault("bootstrap", {}).update({steps[0]: sft_steps, **({"eval_every": sft_steps}
-                                                                     if "eval_every" in probe["fields"] else {})})
+    if sft_steps > 0:  # 0: the recipe's own SFT (to its target band), as `make demo` bootstraps
+        data.setdefault("bootstrap", {}).update({steps[0]: sft_steps, **({"eval_every": sft_steps}
+                                                                         if "eval_every" in probe["fields"] else {})})
     path = work / f"{side.name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path, data["pipeline"]
@@ -371,7 +376,7 @@ def compare_baseline(ref: str, recipe_rel: Path, sft_steps: int, repeats: int) -
             for side in sides:
                 recipe, pipeline = side_recipe(side, sft_steps, work)
                 active, base = work / side.name / "active", work / side.name / "base"
-                print(f"{side.name}: bootstrapping {pipeline} ({sft_steps} SFT steps, not timed)", flush=True)
+                print(f"{side.name}: bootstrapping {pipeline} ({sft_text(sft_steps)}, not timed)", flush=True)
                 timed([sys.executable, "-m", "components.cli", "stage", "bootstrap", "--recipe", str(recipe),
                        "--run-root", str(active / "store")], side.root, side_env(side, active))
                 shutil.move(active, base)
@@ -436,7 +441,7 @@ def write_baseline(out: Path | None, result: dict) -> None:
         out.with_suffix(".md").write_text(
             f"# Iteration against baseline {result['baseline_sha'][:7]} ({result['date']}, {result['machine']})\n\n"
             f"`python benchmarks/iteration.py --baseline {result['baseline_ref']}` on `{result['recipe']}` "
-            f"(each side's own copy) with {result['sft_steps']} SFT steps, {result['repeats']} repeat(s) per side "
+            f"(each side's own copy) with {sft_text(result['sft_steps'])}, {result['repeats']} repeat(s) per side "
             f"(median shown). Current = HEAD {result['current_sha'][:7]} plus {result['current_uncommitted_files']} "
             "uncommitted tracked file(s) in the working tree. Each side: its code first on PYTHONPATH, the same venv, "
             "a private POSTTRAIN_HOME and run root, `posttrain run --iterations 1` after an untimed bootstrap. "
@@ -450,7 +455,8 @@ def write_baseline(out: Path | None, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=str(REPO / "recipes" / "demo.yaml"))
-    parser.add_argument("--sft-steps", type=int, default=50, help="bootstrap SFT steps (quality is not measured here)")
+    parser.add_argument("--sft-steps", type=int, default=50, help="bootstrap SFT steps (quality is not measured here); "
+                        "0: each recipe's own bootstrap, so the iteration samples, runs and trains what a trained policy does")
     parser.add_argument("--out", default=None, help="results path without suffix (default: benchmarks/results/iteration; "
                         "with --quick: none written unless given)")
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json (no runs)")
@@ -476,7 +482,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
     data = yaml.safe_load(Path(args.recipe).read_text())
-    data.setdefault("bootstrap", {}).update({"max_steps": args.sft_steps, "eval_every": args.sft_steps})
+    if args.sft_steps > 0:
+        data.setdefault("bootstrap", {}).update({"max_steps": args.sft_steps, "eval_every": args.sft_steps})
     recipe = work / "bench.yaml"
     recipe.write_text(yaml.safe_dump(data))
     pipeline = data["pipeline"]
@@ -555,7 +562,7 @@ def write(out: Path | None, result: dict, load: list[float]) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(
         f"# Iteration benchmark ({result['date']}, {result['machine']})\n\n"
-        f"Recipe `{Path(result['recipe']).name}` with {result['sft_steps']} SFT steps; load average "
+        f"Recipe `{Path(result['recipe']).name}` with {sft_text(result['sft_steps'])}; load average "
         f"{load[0]:.2f} before, {result['load_avg_after'][0]:.2f} after. `python benchmarks/iteration.py`; "
         f"what each column means is in the script's docstring.\n\n{table}\n\n{summary}\n")
 

@@ -79,6 +79,44 @@ class TaskSession:
         self.session.close()
 
 
+class ReplaySession:
+    """An episode's session that holds no sandbox between its commands. Each ``exec`` opens
+    a session (``open_session()``: a reset worker from a ``SessionPool``), lays out the
+    task's files, runs the episode's earlier commands again (their output dropped), then
+    the new command, and closes the session (its worker goes back to the pool, reset).
+
+    So the policy's thinking time holds no sandbox, and the episodes of a whole batch need
+    no more sandboxes than run commands at once (``sandbox.concurrency``) instead of one
+    started per episode. The observation is the one a live session would give when the
+    commands are deterministic, which the sandbox stage's verdict already assumes (it
+    replays the same commands from the same start). An earlier command that now ends
+    differently (it timed out, or the sandbox failed: ``infra_error``) returns that
+    result instead of running the new command. Not covered: commands whose output
+    depends on the clock, randomness or how long earlier commands took."""
+
+    def __init__(self, open_session: Callable[[], object], spec: Interactive) -> None:
+        self.open_session = open_session
+        self.spec = spec
+        self.history: list[str] = []
+
+    def exec(self, cmd: str, timeout_s: float | None = None):
+        session = self.open_session()
+        try:
+            task = TaskSession(session, self.spec)
+            for earlier in self.history:
+                result = task.exec(earlier, timeout_s)
+                if result.status in ("infra_error", "timeout"):
+                    return result
+            result = task.exec(cmd, timeout_s)
+        finally:
+            session.close()
+        self.history.append(cmd)
+        return result
+
+    def close(self) -> None:
+        self.history = []
+
+
 def parse_action(text: str) -> tuple[str, str, bool]:
     """(tool, command, done) for an action text: ``DONE`` or nothing ends the episode,
     otherwise the first non-empty line is one bash command."""
