@@ -30,7 +30,7 @@ other in a fresh interpreter.
     python benchmarks/iteration.py [--recipe recipes/demo.yaml] [--sft-steps 50]
     python benchmarks/iteration.py --quick [--out PATH]
 
-    python benchmarks/iteration.py --baseline REF [--repeats 2] [--quick] [--out PATH]
+    python benchmarks/iteration.py --baseline REF [--repeats 2] [--sft-steps 0] [--quick] [--out PATH]
 
 Writes ``benchmarks/results/iteration.json`` and ``.md`` (or ``--out`` .json/.md).
 
@@ -440,7 +440,8 @@ def write_baseline(out: Path | None, result: dict) -> None:
         loads = [r["load_avg_before"] for rs in result["runs"].values() for r in rs]
         out.with_suffix(".md").write_text(
             f"# Iteration against baseline {result['baseline_sha'][:7]} ({result['date']}, {result['machine']})\n\n"
-            f"`python benchmarks/iteration.py --baseline {result['baseline_ref']}` on `{result['recipe']}` "
+            f"`python benchmarks/iteration.py --baseline {result['baseline_ref']} --repeats {result['repeats']} "
+            f"--sft-steps {result['sft_steps']}` on `{result['recipe']}` "
             f"(each side's own copy) with {sft_text(result['sft_steps'])}, {result['repeats']} repeat(s) per side "
             f"(median shown). Current = HEAD {result['current_sha'][:7]} plus {result['current_uncommitted_files']} "
             "uncommitted tracked file(s) in the working tree. Each side: its code first on PYTHONPATH, the same venv, "
@@ -459,7 +460,8 @@ def main() -> None:
                         "0: each recipe's own bootstrap, so the iteration samples, runs and trains what a trained policy does")
     parser.add_argument("--out", default=None, help="results path without suffix (default: benchmarks/results/iteration; "
                         "with --quick: none written unless given)")
-    parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json (no runs)")
+    parser.add_argument("--render", action="store_true", help="only rewrite the .md from the .json (no runs; with "
+                        "--baseline, the comparison's)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: recipes/tiny.yaml, 5 SFT steps; writes results only with --out")
     parser.add_argument("--baseline", default=None, metavar="REF",
@@ -471,6 +473,10 @@ def main() -> None:
     if args.baseline is not None:
         recipe_rel = Path(args.recipe).resolve().relative_to(REPO)
         out = Path(args.out) if args.out else (None if args.quick else REPO / "benchmarks" / "results" / "iteration_baseline")
+        if args.render:  # only the .md again, from the .json a comparison wrote
+            out = out or REPO / "benchmarks" / "results" / "iteration_baseline"
+            write_baseline(out, json.loads(out.with_suffix(".json").read_text()))
+            return
         write_baseline(out, compare_baseline(args.baseline, recipe_rel, args.sft_steps, max(1, args.repeats)))
         return
     out = Path(args.out) if args.out else (None if args.quick else REPO / "benchmarks" / "results" / "iteration")

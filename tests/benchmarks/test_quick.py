@@ -10,6 +10,7 @@ committed ones stay as they are.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -54,6 +55,7 @@ def test_sandbox(tmp_path):
         assert_line(out, rf"\| {mode} \|.*\| \d+\.\d+x \| \d+\.\d+x \|")
     assert_line(out, r"Goals: strict_p50_le_2x_bare: ")
     assert_line(out, r"\| stage \(execute \+ Execution records\) \| \d+\.\d+ \|")
+    assert_line(out, r"stage with dedupe vs without on the demo mix: \d+\.\d+x")
     assert_line(out, r"stage vs pool on the demo mix: \d+\.\d+x")
 
 
@@ -109,6 +111,17 @@ def test_iteration_baseline(tmp_path):
     assert proc.returncode == 0, f"iteration.py --baseline {baseline} --quick exited {proc.returncode}:\n{output[-4000:]}"
     assert re.fullmatch(r"iteration vs baseline: \d+\.\d+x", proc.stdout.strip().splitlines()[-1]), output[-4000:]
     assert worktrees() == before, "the baseline's git worktree was not removed"
+
+
+def test_iteration_baseline_render_rewrites_the_md_from_the_json_without_running(tmp_path):
+    committed = REPO / "benchmarks" / "results" / "iteration_baseline.json"
+    (tmp_path / "copy.json").write_text(committed.read_text())
+    proc = subprocess.run([sys.executable, "benchmarks/iteration.py", "--baseline", "no-such-ref", "--render",
+                           "--out", str(tmp_path / "copy")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]  # a bad ref is never resolved: nothing runs
+    ratio = json.loads(committed.read_text())["ratio"]
+    assert proc.stdout.strip().splitlines()[-1] == f"iteration vs baseline: {ratio:.2f}x"
+    assert (tmp_path / "copy.md").read_text().rstrip().endswith(f"iteration vs baseline: {ratio:.2f}x")
 
 
 @pytest.mark.slow
