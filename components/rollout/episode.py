@@ -89,10 +89,14 @@ class ReplaySession:
     no more sandboxes than run commands at once (``sandbox.concurrency``) instead of one
     started per episode. The observation is the one a live session would give when the
     commands are deterministic, which the sandbox stage's verdict already assumes (it
-    replays the same commands from the same start). An earlier command that now ends
-    differently (it timed out, or the sandbox failed: ``infra_error``) returns that
-    result instead of running the new command. Not covered: commands whose output
-    depends on the clock, randomness or how long earlier commands took."""
+    replays the same commands from the same start). As in a live session and in that
+    replay, an earlier command that timed out or killed the session does not stop the
+    later ones (a killed session answers every later command as closed); only a sandbox
+    failure (``infra_error``) while replaying is returned in place of the new command's
+    result. Every command joins the history, as it joins the recorded completion. Not
+    covered: commands whose output depends on the clock, randomness or how long earlier
+    commands took (and an earlier command that times out costs its limit again on every
+    later turn)."""
 
     def __init__(self, open_session: Callable[[], object], spec: Interactive) -> None:
         self.open_session = open_session
@@ -105,13 +109,12 @@ class ReplaySession:
             task = TaskSession(session, self.spec)
             for earlier in self.history:
                 result = task.exec(earlier, timeout_s)
-                if result.status in ("infra_error", "timeout"):
+                if result.status == "infra_error":
                     return result
-            result = task.exec(cmd, timeout_s)
+            return task.exec(cmd, timeout_s)
         finally:
             session.close()
-        self.history.append(cmd)
-        return result
+            self.history.append(cmd)
 
     def close(self) -> None:
         self.history = []

@@ -69,26 +69,34 @@ def test_replayed_episodes_see_and_end_as_live_ones(monkeypatch, policy) -> None
     assert [v.passed for v in judged(tasks, replayed, sandbox_cfg)] == [v.passed for v in judged(tasks, live, sandbox_cfg)]
 
 
-def test_a_replay_that_now_times_out_returns_that_result_instead_of_running_the_command() -> None:
-    class Session:
-        def __init__(self, log):
-            self.log = log
+class Scripted:
+    """A session whose commands end as scripted: ``slow`` times out, ``broken`` is an infra error."""
 
-        def exec(self, argv, timeout_s=None, files=None):
-            from components.core.jobs import JobResult
+    def __init__(self, log):
+        self.log = log
 
-            self.log.append(argv[-1])
-            status = "timeout" if "slow" in argv[-1] else "ok"
-            return JobResult(status, 0, 0, "", "", 0.0, 0.0, 0.0)
+    def exec(self, argv, timeout_s=None, files=None):
+        from components.core.jobs import JobResult
 
-        def close(self):
-            self.log.append("closed")
+        command = argv[-1]
+        self.log.append(command)
+        status = "timeout" if "slow" in command else "infra_error" if "broken" in command else "ok"
+        return JobResult(status, 0, 0, command, "", 0.0, 0.0, 0.0)
 
+    def close(self):
+        self.log.append("closed")
+
+
+def test_an_earlier_timeout_does_not_stop_the_replay_but_a_sandbox_failure_does() -> None:
     from components.domains.base import Interactive
 
     log: list[str] = []
-    spec = Interactive(files={}, step_prefix="", max_turns=4, check=None)
-    session = episode.ReplaySession(lambda: Session(log), spec)
-    session.history = ["slow"]
-    assert session.exec("next").status == "timeout"
-    assert "next" not in " ".join(log) and log[-1] == "closed" and session.history == ["slow"]
+    session = episode.ReplaySession(lambda: Scripted(log), Interactive(files={}, check=None, max_turns=4))
+    assert session.exec("slow").status == "timeout"
+    result = session.exec("next")  # a live session runs it after the timed-out command, and so does the replay
+    assert (result.status, result.stdout) == ("ok", "next")
+    assert log == ["slow", "closed", "slow", "next", "closed"] and session.history == ["slow", "next"]
+    log.clear()
+    session.history = ["broken"]
+    assert session.exec("after").status == "infra_error"
+    assert log == ["broken", "closed"] and session.history == ["broken", "after"]  # recorded, as in the completion
