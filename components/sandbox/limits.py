@@ -86,7 +86,8 @@ class UidPool:
         self.drops = os.geteuid() == 0
         self._lock_dir = lock_dir or ("/run/posttrain-sandbox-uids" if os.path.isdir("/run") else "/tmp/posttrain-sandbox-uids")
 
-    def _try_lock(self, uid: int) -> int | None:
+    def try_lock(self, uid: int) -> int | None:
+        """A descriptor holding ``uid``'s lease lock, or None while another holder has it."""
         os.makedirs(self._lock_dir, mode=0o700, exist_ok=True)
         fd = os.open(os.path.join(self._lock_dir, f"{uid}.lock"), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
@@ -104,7 +105,7 @@ class UidPool:
             try:
                 while self._free:
                     uid = self._free.pop()
-                    fd = self._try_lock(uid)
+                    fd = self.try_lock(uid)
                     if fd is not None:
                         self._held[uid] = fd
                         self.history.add(uid)
@@ -113,6 +114,11 @@ class UidPool:
             finally:
                 self._free.extend(reversed(skipped))
             raise RuntimeError(f"all {UID_SLOTS} sandbox uids are in use on this host; lower sandbox.concurrency")
+
+    def held(self) -> set[int]:
+        """The uids this process holds now."""
+        with self._lock:
+            return set(self._held)
 
     def release(self, uid: int) -> None:
         if self.drops:

@@ -23,12 +23,26 @@ def bwrap_unavailable() -> str:
     return "; ".join(support.missing + list(support.problems)) if support.missing else ""
 
 
+def _held_elsewhere(uid: int) -> bool:
+    """Whether another process holds ``uid``'s lease now (its lock cannot be taken)."""
+    from components.sandbox.limits import UIDS
+
+    fd = UIDS.try_lock(uid)
+    if fd is None:
+        return True
+    os.close(fd)  # closing the only descriptor drops the lock
+    return False
+
+
 def sandbox_pids() -> list[int]:
-    """Host pids running as a sandbox uid that this test process leased (uid leases are
-    exclusive across processes, so other runs' sandboxes on the host are not counted)."""
+    """Host pids running as a sandbox uid that this test process leased and that no other
+    process holds now (uid leases are exclusive across processes: once this process gave a
+    uid back, another run on the host may lease it, and its sandboxes are not ours)."""
     from components.sandbox.limits import UIDS
 
     mine = UIDS.history if UIDS.drops else set(range(UID_BASE, UID_BASE + UID_SLOTS))
+    if UIDS.drops:
+        mine = {uid for uid in mine if uid in UIDS.held() or not _held_elsewhere(uid)}
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
