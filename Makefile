@@ -43,13 +43,13 @@ setup: $(DEV_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
 
-# Everything but the GPU tests, the slow ones included (image builds, a whole iteration in
-# containers, the real SmolLM2, vLLM's CPU build in its own venv): what CI runs.
+# Everything but the GPU tests and the heavy ones, the slow ones included (image builds, a whole
+# iteration in containers, the real SmolLM2, vLLM's CPU build in its own venv): what CI runs.
 # test-fast leaves the slow ones out.
 test: $(DEV_STAMP) models vllm
 	$(VENV)/bin/ruff check .
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
-	$(PY) -m pytest -m "not gpu" -q --durations=30
+	$(PY) -m pytest -m "not gpu and not heavy" -q --durations=30
 
 test-fast: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
@@ -81,7 +81,13 @@ test-vllm: $(DEV_STAMP) vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
 	$(PY) -m pytest -q tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_pipeline.py
 
-test-all: test
+# test plus the heavy ones (about 25 minutes more on 2 cores): every kill point of the kill
+# suite, two iterations with a vLLM server, KFP in the stage images, the iteration and
+# learning benchmarks' smoke runs.
+test-all: $(DEV_STAMP) models vllm
+	$(VENV)/bin/ruff check .
+	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
+	$(PY) -m pytest -m "not gpu" -q --durations=30
 
 bench: $(DEV_STAMP)
 	$(PY) benchmarks/iteration.py

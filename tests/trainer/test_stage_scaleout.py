@@ -88,7 +88,7 @@ def test_two_processes_register_the_one_process_checkpoint(iteration) -> None:
             assert two.metrics[key] == pytest.approx(one.metrics[key], rel=1e-4, abs=1e-6), key
         for k, values in history.items():
             logged = [m.value for m in client.get_metric_history(two.mlflow_run_id, f"trainer/step/{k}")]
-            assert logged == pytest.approx(values, rel=1e-4), (parallelism, k)
+            assert logged == pytest.approx(values, rel=1e-4, abs=1e-6), (parallelism, k)  # a step loss can be ~1e-8
         assert two.outputs["trainer_state"].rows == one.outputs["trainer_state"].rows == int(one.metrics["trainer/steps"])
         assert two.metrics["trainer/torchrun_processes"] == processes
 
