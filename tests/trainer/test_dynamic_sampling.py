@@ -186,8 +186,9 @@ def test_the_trainer_stage_trains_on_informative_groups_and_logs_the_counts_to_m
     for d in ("arithmetic", "code"):
         assert on.metrics[f"trainer/{d}/groups_dropped"] == sum(domain[t] == d for t in by_task if t not in informative)
     assert logged["on", "code/groups_kept"][0] > 0  # a loss weight of 0 is not taken for no signal
-    # Off: every group with signal, the last step partial, and no code group.
-    assert off.metrics["trainer/steps"] == -(-len(signal) // 4) and len(signal) % 4 != 0
+    # Off: every group with signal (the last step partial when their count is not a multiple
+    # of 4: how many there are depends on the bootstrap, whose floats vary by CPU), no code group.
+    assert off.metrics["trainer/steps"] == -(-len(signal) // 4)
     assert logged["off", "groups_kept"] == [float(len(signal))] and logged["off", "code/groups_kept"] == [0.0]
     assert logged["off", "groups_dropped"] == [32.0 - len(signal)] and logged["off", "groups_unused"] == [0.0]
 
