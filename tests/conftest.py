@@ -8,10 +8,17 @@
   LocalExecutor) on this machine, all stopped at teardown.
 - ``mlflow_server``: a real ``mlflow server`` on a loopback port.
 - ``podman_socket``: podman's Docker-compatible API on a private socket (``DOCKER_HOST``).
+
+Under pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``), each test file runs on
+one worker, so a module-scoped fixture (a whole iteration, a tracking server) runs once;
+the test files that use podman (the image build, stage containers) run as one unit on
+one worker, so the images are built once and two builds never race for podman's storage.
 """
 
 import sys
 from pathlib import Path
+
+import pytest
 
 # The fixture plugins are imported as ``tests.fixtures.*``; make the repo root importable
 # whichever directory pytest was started from (tests/ itself has no __init__.py).
@@ -21,3 +28,29 @@ if _REPO not in sys.path:
 
 pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server",
                   "tests.fixtures.podman", "tests.fixtures.images"]
+
+
+
+PODMAN_FIXTURES = ("stage_images", "podman_socket")
+
+
+def _uses_podman(path: str) -> bool:
+    """Whether the test file at ``path`` (relative to the repository) builds or runs images."""
+    file = Path(_REPO) / path
+    return path.startswith("tests/containers/") or (file.is_file() and any(f in file.read_text() for f in PODMAN_FIXTURES))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist (vLLM's venv) nothing calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` with every podman test file as one unit. (xdist's ``loadgroup``
+    cannot be used: it renames test ids in a way pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrPodman(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "podman" if _uses_podman(path) else path
+
+    return FileOrPodman(config, log)

@@ -40,7 +40,6 @@ def assert_line(output: str, pattern: str) -> None:
 # Four iterations, two of them behind a real Airflow scheduler that starts up first (about
 # 3-5 minutes on 2 busy cores): the longest of these.
 @pytest.mark.slow
-@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_iteration(tmp_path):
     out = run_quick("iteration.py", tmp_path, timeout=580)
@@ -94,7 +93,6 @@ def test_vllm_vs_hf(tmp_path):
 # This checkout against commit 9cebcb7 in a temporary git worktree, recipes/tiny.yaml on both
 # sides (each its own copy): two bootstraps and two iterations, about 3 minutes on 2 busy cores.
 @pytest.mark.slow
-@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_iteration_baseline(tmp_path):
     baseline = "9cebcb7"
@@ -136,7 +134,6 @@ def test_trainer_packing(tmp_path):
 # One bootstrap and two one-iteration runs (the demo recipe and its shuffled-reward twin)
 # of the demo recipe cut to a few tasks: about 1.5-2.5 minutes on 2 busy cores.
 @pytest.mark.slow
-@pytest.mark.heavy
 @pytest.mark.timeout(420)
 def test_learning(tmp_path):
     out = run_quick("learning.py", tmp_path, timeout=400)

@@ -184,7 +184,6 @@ def test_the_failpoints_are_the_runners_labels() -> None:
     assert len(FAILPOINTS) + len(KILL_AFTER_S) >= 20
 
 
-@pytest.mark.heavy  # ~10 minutes: 21 kills and reruns (make test-all)
 def test_killed_at_every_failpoint_then_rerun_ends_as_an_uninterrupted_run(uninterrupted: Outcome, tmp_path: Path) -> None:
     home = tmp_path / ".posttrain"
     store = Store(f"file://{home / 'store'}")

@@ -19,7 +19,7 @@ from components.core.storage import Store
 from tests.fixtures.runs import registry_versions_at
 from tests.fixtures.s3 import unique_prefix
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.timeout(3600)]  # a cold image build when the sources changed
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a cold image build when the sources changed
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -26,7 +26,6 @@ RECIPE = REPO / "recipes" / "tiny-vllm.yaml"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.heavy,  # ~5 minutes: two iterations with a vLLM server (make test-all)
     pytest.mark.skipif(not settings.vllm_python(), reason="needs vLLM's CPU build in its own environment: run `make vllm`"),
 ]
 

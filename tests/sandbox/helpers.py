@@ -35,14 +35,15 @@ def _held_elsewhere(uid: int) -> bool:
 
 
 def sandbox_pids() -> list[int]:
-    """Host pids running as a sandbox uid that this test process leased and that no other
-    process holds now (uid leases are exclusive across processes: once this process gave a
-    uid back, another run on the host may lease it, and its sandboxes are not ours)."""
+    """Host pids running as a sandbox uid that this test process leased (every sandbox uid
+    when it leased none: its sandboxes ran in a child process) and that no other process
+    holds now (uid leases are exclusive across processes: once this process gave a uid
+    back, another run on the host, such as another pytest-xdist worker, may lease it, and
+    its sandboxes are not ours)."""
     from components.sandbox.limits import UIDS
 
     mine = UIDS.history if UIDS.drops else set(range(UID_BASE, UID_BASE + UID_SLOTS))
-    if UIDS.drops:
-        mine = {uid for uid in mine if uid in UIDS.held() or not _held_elsewhere(uid)}
+    mine = {uid for uid in mine if uid in UIDS.held() or not _held_elsewhere(uid)}
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -22,8 +22,8 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def make(name: str):
-    path = PARENT / name
+def make(name: str, parent=None):
+    path = (parent or PARENT) / name
     path.mkdir()
     return path
 
@@ -39,28 +39,33 @@ def test_names_carry_the_creator_pid():
 @needs_v1
 def test_sweep_removes_groups_of_dead_creators_only():
     tag = uuid.uuid4().hex[:8]
-    leaked = [make(f"{cgroups.PREFIX}{dead_pid()}-{tag}{i}") for i in range(30)]
+    # A folder of this test's own (its name is not posttrain-*): a sandbox executor starting
+    # meanwhile in another process on the host sweeps the parent, never inside this folder.
+    parent = make(f"sweep-test-{tag}")
+    leaked = [make(f"{cgroups.PREFIX}{dead_pid()}-{tag}{i}", parent) for i in range(30)]
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live_empty = make(f"{cgroups.PREFIX}{sleeper.pid}-{tag}live")  # a live creator between mkdir and join
-        occupied = make(f"{cgroups.PREFIX}{dead_pid()}-{tag}busy")
+        live_empty = make(f"{cgroups.PREFIX}{sleeper.pid}-{tag}live", parent)  # a live creator between mkdir and join
+        occupied = make(f"{cgroups.PREFIX}{dead_pid()}-{tag}busy", parent)
         (occupied / "cgroup.procs").write_text(str(sleeper.pid))
-        young_unnamed = make(f"{cgroups.PREFIX}{tag}young0000")  # no pid: kept until old enough
-        removed = cgroups.sweep_stale(parents=[PARENT])
-        assert removed >= 30
+        young_unnamed = make(f"{cgroups.PREFIX}{tag}young0000", parent)  # no pid: kept until old enough
+        assert cgroups.sweep_stale(parents=[parent]) == 30
         assert not any(p.exists() for p in leaked)
         assert live_empty.exists() and occupied.exists() and young_unnamed.exists()
-        assert cgroups.sweep_stale(min_age_s=0, parents=[PARENT]) >= 1
+        assert cgroups.sweep_stale(min_age_s=0, parents=[parent]) == 1
         assert not young_unnamed.exists()
     finally:
         sleeper.kill()
         sleeper.wait()
         time.sleep(0.05)
-        live = PARENT / f"{cgroups.PREFIX}{sleeper.pid}-{tag}live"
+        live = parent / f"{cgroups.PREFIX}{sleeper.pid}-{tag}live"
         if live.exists():
             live.rmdir()
-        cgroups.sweep_stale(min_age_s=0, parents=[PARENT])
-    assert not [p for p in PARENT.glob(f"{cgroups.PREFIX}*{tag}*")]
+        cgroups.sweep_stale(min_age_s=0, parents=[parent])
+        left = [p.name for p in parent.iterdir() if p.is_dir()]
+        if not left:
+            parent.rmdir()
+    assert left == []
 
 
 @needs_v1
