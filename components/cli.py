@@ -86,26 +86,31 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:
+    import contextlib
     import warnings
 
     import yaml
 
     from components.core.recipe import load_recipe, publish_recipe
 
-    with warnings.catch_warnings():  # the Kubernetes provider's imports warn about Airflow's own renames
-        warnings.simplefilter("ignore")
-        from dags.execution import pytorchjob
+    # stdout carries the YAML alone (it is piped to kubectl): anything else written while
+    # rendering (a provider's import-time log line, a store client's notice) goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        with warnings.catch_warnings():  # the Kubernetes provider's imports warn about Airflow's own renames
+            warnings.simplefilter("ignore")
+            from dags.execution import pytorchjob
 
-    conf = settings.resolve(args.recipe, args.run_root)
-    recipe = load_recipe(conf.recipe)
-    uri = pytorchjob.recipe_uri(conf.recipe, conf.run_root)
-    job = pytorchjob.render(recipe, uri, conf.run_root, args.iteration, args.nodes)
-    if args.publish:
-        published = publish_recipe(conf.recipe, conf.run_root)
-        assert published == uri, (published, uri)
-    elif uri != conf.recipe:
-        print(f"posttrain: the pods read the recipe from {uri}; add --publish to copy it there", file=sys.stderr)
-    sys.stdout.write(yaml.safe_dump(job, sort_keys=False))
+        conf = settings.resolve(args.recipe, args.run_root)
+        recipe = load_recipe(conf.recipe)
+        uri = pytorchjob.recipe_uri(conf.recipe, conf.run_root)
+        job = pytorchjob.render(recipe, uri, conf.run_root, args.iteration, args.nodes)
+        if args.publish:
+            published = publish_recipe(conf.recipe, conf.run_root)
+            assert published == uri, (published, uri)
+        elif uri != conf.recipe:
+            print(f"posttrain: the pods read the recipe from {uri}; add --publish to copy it there", file=sys.stderr)
+        text = yaml.safe_dump(job, sort_keys=False)
+    sys.stdout.write(text)
     return 0
 
 

@@ -150,7 +150,8 @@ def test_the_command_prints_the_job(tmp_path, capsys) -> None:
     code = main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "2", "--iteration", "3"])
     out, err = capsys.readouterr()
     uri = pytorchjob.recipe_uri(str(path), root)  # where --publish copies it (the test above)
-    assert code == 0 and yaml.safe_load(out) == pytorchjob.render(load_recipe(path), uri, root, 3, 2)
+    assert code == 0 and out.startswith("apiVersion: "), (code, out[:300])
+    assert yaml.safe_load(out) == pytorchjob.render(load_recipe(path), uri, root, 3, 2)
     assert f"read the recipe from {uri}" in err and not (tmp_path / "recipes").exists()
     assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "2", "--iteration", "3",
                  "--publish"]) == 0
