@@ -15,6 +15,7 @@ the test files that use podman (the image build, stage containers) run as one un
 one worker, so the images are built once and two builds never race for podman's storage.
 """
 
+import functools
 import sys
 from pathlib import Path
 
@@ -29,11 +30,10 @@ if _REPO not in sys.path:
 pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server",
                   "tests.fixtures.podman", "tests.fixtures.images"]
 
-
-
 PODMAN_FIXTURES = ("stage_images", "podman_socket")
 
 
+@functools.cache  # the scheduler asks once per test id; each file is read once
 def _uses_podman(path: str) -> bool:
     """Whether the test file at ``path`` (relative to the repository) builds or runs images."""
     file = Path(_REPO) / path
