@@ -123,6 +123,13 @@ def shuffled_control(run_root: Path, pipeline: str, iterations: int) -> bool:
                for m in read_manifests(store, pipeline, k, "reward"))
 
 
+def run_threads() -> int:
+    """The torch threads the arms' ``posttrain run`` trains on: this process's
+    ``POSTTRAIN_TORCH_THREADS``, else ``posttrain run``'s default ``auto`` (every CPU)."""
+    raw = (os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto").strip().lower()
+    return len(os.sched_getaffinity(0)) if raw == "auto" else int(raw)
+
+
 def arm_env(home: Path) -> dict[str, str]:
     """``env_for(home)`` (a private POSTTRAIN_HOME), keeping this process's torch thread count."""
     threads = os.environ.get("POSTTRAIN_TORCH_THREADS")
@@ -336,7 +343,7 @@ def main() -> None:
               "recipe": os.path.relpath(Path(args.recipe).resolve(), REPO), "seeds": args.seeds,
               "iterations": args.iterations, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch_threads": int(os.environ.get("POSTTRAIN_TORCH_THREADS", "1")), "commit": head, "dirty": dirty,
+              "torch_threads": run_threads(), "commit": head, "dirty": dirty,
               "load_avg_before": list(load), "load_avg_after": list(os.getloadavg()),
               "seconds": time.perf_counter() - started, "arms": arms, "summary": summary_line(arms)}
     for arm, a in arms.items():

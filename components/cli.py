@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from components.core import settings
+from components.core import gcpolicy, settings
 from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError
 from components.core.lease import LeaseHeld
 from components.core.stages import stage_ids
@@ -118,8 +118,21 @@ EXIT_TERMINATED = 128 + 15  # a shell's status for a process ended by SIGTERM
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; ``argv=None`` is the process's own entry (the console script, ``python
+    -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
     args = build_parser().parse_args(argv)
     handlers = {"stage": _stage, "run": _run}
+    policy = argv is None and args.command in handlers
+    if policy:
+        gcpolicy.start()
+    try:
+        return _dispatch(args, handlers)
+    finally:
+        if policy:
+            gcpolicy.before_exit()
+
+
+def _dispatch(args: argparse.Namespace, handlers: dict) -> int:
     try:
         if args.command in handlers:
             from components.core import runner

@@ -202,6 +202,9 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int)
         raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
     home = settings.home()
     holder = f"local:{home}"
+    # The stages run one after the other in this process: each may use every core
+    # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins).
+    os.environ.setdefault("POSTTRAIN_TORCH_THREADS", "auto")
     # The home's lock first: a second run on this home stops here, before it touches the
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
     with home_lock(home):

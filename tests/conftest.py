@@ -16,6 +16,7 @@ one worker, so the images are built once and two builds never race for podman's 
 """
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,10 @@ import pytest
 _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
+
+# Two xdist workers share the cores: a `posttrain run` started by a test trains on one torch
+# thread, not on every core (its default; tests/core/test_torch_threads.py runs that).
+os.environ.setdefault("POSTTRAIN_TORCH_THREADS", "1")
 
 pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.airflow", "tests.fixtures.mlflow_server",
                   "tests.fixtures.podman", "tests.fixtures.images"]

@@ -43,7 +43,7 @@ from pathlib import Path
 from types import ModuleType
 
 from components import __version__
-from components.core import timeline, tracking
+from components.core import gcpolicy, timeline, tracking
 from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
@@ -162,14 +162,17 @@ def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration:
     tracking server, an inference endpoint) surfaces as ``InfraError``, which callers
     retry; a user's mistake stays a ``UserError``. ``None`` on a follower node of a stage
     placed on several nodes (see the module docstring), which writes no manifest."""
+    gcpolicy.settle()  # the set-up's garbage, before this stage allocates
     try:
-        return _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id)
+        manifest = _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id)
     except (UserError, InfraError, DataQualityError):
         raise
     except Exception as exc:
         if (down := outage(exc)) is None:  # unreachable, timed out, or an S3 5xx/busy reply
             raise
         raise InfraError(_service(exc), _where(exc, run_root), down) from exc
+    gcpolicy.settle()  # the stage's own cycles are freed now, and what outlives it is frozen
+    return manifest
 
 
 def _service(exc: BaseException) -> str:

@@ -22,18 +22,13 @@ def rng(seed: int) -> random.Random:
 
 
 def configure_torch() -> None:
-    """Intra-op threads for torch: ``POSTTRAIN_TORCH_THREADS`` (default 1).
-
-    Measured here: a ~3M-parameter policy steps in 0.22 s on one thread, but 1.3-4.3 s on
-    two threads as soon as anything else (a sandbox job, another stage) holds a core,
-    because the OpenMP workers spin-wait. Small policies are better off single-threaded;
-    raise it for big models on dedicated nodes.
-    """
-    import os
-
+    """Intra-op threads for torch: ``settings.torch_threads()`` (``POSTTRAIN_TORCH_THREADS``;
+    ``auto`` under ``posttrain run``, else 1: see there)."""
     import torch
 
-    torch.set_num_threads(int(os.environ.get("POSTTRAIN_TORCH_THREADS", "1")))
+    from components.core import settings
+
+    torch.set_num_threads(settings.torch_threads())
 
 
 def seed_everything(seed: int) -> None:

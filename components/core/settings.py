@@ -11,6 +11,7 @@ the Airflow DAG and the Kubeflow pipeline.
 | ``POSTTRAIN_IMAGE`` | set by the images: refuse a local default run root | unset |
 | ``POSTTRAIN_VLLM_PYTHON`` | a separate vLLM environment's interpreter (``vllm`` engine) | ``.venv-vllm/bin/python`` here, if any |
 | ``POSTTRAIN_VLLM_START_TIMEOUT_S`` | seconds that vLLM's server may take to answer ``/v1/models`` | ``600`` |
+| ``POSTTRAIN_TORCH_THREADS`` | torch intra-op threads: a count, or ``auto`` (every CPU this process has) | ``auto`` in ``posttrain run``, else 1 |
 
 An explicit value (a CLI flag, a DAG run param) overrides the environment; empty means
 "not given". Every default is absolute, so a worker whose working directory differs
@@ -69,6 +70,28 @@ def vllm_start_timeout_s() -> float:
         raise UserError("POSTTRAIN_VLLM_START_TIMEOUT_S", raw, "not a positive number of seconds",
                         "export POSTTRAIN_VLLM_START_TIMEOUT_S=600 (or unset it)")
     return value
+
+
+def torch_threads() -> int:
+    """``POSTTRAIN_TORCH_THREADS`` as a thread count (``auto``: the CPUs in this process's
+    affinity mask). ``posttrain run`` defaults it to ``auto``: its stages run one after the
+    other in one process, so a stage has the machine to itself (the trainer steps about
+    1.5x faster on 2 cores than on one, `benchmarks/results/iteration_baseline.md`). Every
+    other entry defaults to 1: under a scheduler, shards and tasks share the cores, and
+    torch's OpenMP workers spin-wait, so an oversubscribed core slows a step several
+    times over. Not covered: a CPU quota (a container's ``cpu.max``) narrower than the
+    affinity mask: ``auto`` counts the mask; give such a pod its count."""
+    raw = os.environ.get("POSTTRAIN_TORCH_THREADS") or "1"
+    if raw.strip().lower() == "auto":
+        return max(1, len(os.sched_getaffinity(0)))
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise UserError("POSTTRAIN_TORCH_THREADS", raw, "not a positive thread count or 'auto'",
+                        "export POSTTRAIN_TORCH_THREADS=auto (or 1, 2, ...), or unset it")
+    return count
 
 
 def in_image() -> bool:

@@ -157,7 +157,7 @@ def launch_args(processes: int, node: Node) -> list[str]:
 
 def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NODE) -> None:
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_TORCH_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args(processes, node),
            "-m", "components.trainer.distributed", str(workdir)]
     with open(workdir / "workers.log", "wb") as log:

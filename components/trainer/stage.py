@@ -25,7 +25,8 @@ schedule position, RNG states, data position; see ``state.py``) is saved beside 
 new checkpoint, and the next iteration's trainer loads it from the checkpoint it starts
 from when present (``trainer.carry_optimizer_state``). Engines that need only weights
 never download it (``load_policy`` skips it). Per step it logs
-``trainer/step/{loss,clip_frac,kl,entropy,grad_norm,lr}``. Micro-batches are packed
+``trainer/step/{loss,clip_frac,kl,entropy,grad_norm,lr}``, and ``trainer/torch_threads`` the
+intra-op threads it ran on (``POSTTRAIN_TORCH_THREADS``). Micro-batches are packed
 without padding unless ``trainer.packing`` is false (``grpo.py``).
 
 Off the CPU (``device.py``): the model trains on ``trainer.device`` (``auto``: CUDA when
@@ -227,6 +228,7 @@ def run(ctx: StageContext) -> dict[str, float]:
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "lr": totals["lr"] / n, "global_step": float(position),
         "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes * node.count if launched else 0),
+        "torch_threads": float(1 if launched else trained.threads),
         **selection.metrics(),
     }
 
@@ -249,6 +251,7 @@ class Outcome:
     carried: bool
     logged: bool
     seconds: float  # training time (the distributed path's includes the workers' start)
+    threads: int = 1  # torch's intra-op threads per process (settings.torch_threads)
 
 
 def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Outcome:
@@ -286,8 +289,10 @@ def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, te
     digests = save_policy(model, policy.tokenizer, ctx.store, rel)
     position = DataPosition(iteration=ctx.iteration, steps_done=len(batches), global_step=global_step + len(batches))
     state_digest = save_trainer_state(ctx.store, rel, optimizer, scheduler, position)
+    import torch
+
     return Outcome(stats, digests["model.safetensors"], state_digest, sum(p.numel() for p in model.parameters()),
-                   global_step, carried is not None, logged=True, seconds=seconds)
+                   global_step, carried is not None, logged=True, seconds=seconds, threads=torch.get_num_threads())
 
 
 def _carried(start_uri: str, cfg) -> bytes | None:

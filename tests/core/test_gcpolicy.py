@@ -1,0 +1,96 @@
+"""The collector policy of a ``posttrain`` process (``components/core/gcpolicy.py``).
+
+In this (pytest) process the policy is started and stopped by hand, and every test
+leaves the collector as it found it: on, nothing frozen.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+
+from components import cli
+from components.core import gcpolicy
+from tests.fixtures.home import TINY_RECIPE
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def cycle() -> tuple[Node, weakref.ref]:
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return a, weakref.ref(b)
+
+
+@pytest.fixture(autouse=True)
+def restore_collector():
+    gc.unfreeze()
+    yield
+    gcpolicy.stop()
+    gc.unfreeze()
+    assert gc.isenabled()
+
+
+def test_inactive_policy_leaves_the_collector_alone() -> None:
+    gcpolicy.settle()
+    gcpolicy.before_exit()
+    assert (gcpolicy.enabled(), gc.isenabled(), gc.get_freeze_count()) == (False, True, 0)
+
+
+def test_start_turns_the_collector_off_until_a_stage_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POSTTRAIN_GC", raising=False)
+    gcpolicy.start()
+    assert (gcpolicy.enabled(), gc.isenabled()) == (True, False)
+    a, dead = cycle()
+    del a
+    gc.collect(0)  # an explicit collection still runs; only the automatic ones are off
+    gcpolicy.settle()
+    assert gc.isenabled()
+    assert dead() is None, "a dropped cycle must be freed before the survivors are frozen"
+
+
+def test_settle_freezes_what_is_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POSTTRAIN_GC", raising=False)
+    gcpolicy.start()
+    kept, alive = cycle()
+    gcpolicy.settle()
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000 and alive() is kept.other
+    # a later collection walks only what is newer than the freeze
+    dead = cycle()[1]
+    gc.collect()
+    assert dead() is None and gc.get_freeze_count() == frozen
+
+
+def test_posttrain_gc_default_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSTTRAIN_GC", "default")
+    gcpolicy.start()
+    gcpolicy.settle()
+    assert (gcpolicy.enabled(), gc.isenabled(), gc.get_freeze_count()) == (False, True, 0)
+
+
+def stage_argv(tmp_path: Path) -> list[str]:
+    return ["stage", "bootstrap", "--recipe", str(TINY_RECIPE), "--run-root", f"file://{tmp_path / 'store'}",
+            "--iteration", "0"]
+
+
+def test_the_process_entry_runs_the_policy_around_a_stage(posttrain_home: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POSTTRAIN_GC", raising=False)
+    monkeypatch.setattr(sys, "argv", ["posttrain", *stage_argv(tmp_path)])
+    assert cli.main() == 0
+    assert gcpolicy.enabled() and gc.isenabled() and gc.get_freeze_count() > 1000
+
+
+def test_a_library_call_of_main_keeps_the_callers_collector(posttrain_home: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POSTTRAIN_GC", raising=False)
+    assert cli.main(stage_argv(tmp_path)) == 0
+    assert (gcpolicy.enabled(), gc.isenabled(), gc.get_freeze_count()) == (False, True, 0)
