@@ -342,6 +342,15 @@ def dag_run_span(db_path: Path) -> float | None:
     return stamp(rows[-1][1]) - stamp(rows[-1][0]) if len(rows) == 1 and all(rows[0]) else None
 
 
+def bootstrap_rates(run_root: Path, pipeline: str) -> dict[str, float]:
+    """The bootstrap policy's eval pass@1 per domain (``bootstrap/<domain>/pass_at_1`` in its
+    manifest), the row iteration 1 is scored against; {} when that side records none."""
+    path = run_root / pipeline / "bootstrap" / "_MANIFEST.json"
+    metrics = json.loads(path.read_text())["metrics"] if path.exists() else {}
+    return {k.removeprefix("bootstrap/").removesuffix("/pass_at_1"): v for k, v in metrics.items()
+            if k.startswith("bootstrap/") and k.endswith("/pass_at_1") and k.count("/") == 2}
+
+
 def run_side_once(side: Side, recipe: Path, pipeline: str, base: Path, active: Path) -> dict:
     """Iteration 1 (``posttrain run --iterations 1``) from a fresh copy of ``side``'s bootstrapped state."""
     shutil.copytree(base, active)
@@ -350,7 +359,8 @@ def run_side_once(side: Side, recipe: Path, pipeline: str, base: Path, active: P
                   str(active / "store"), "--iterations", "1"], side.root, side_env(side, active))
     out = {"wall_s": wall, "dag_run_s": dag_run_span(active / "airflow" / "airflow.db"),
            "stage_s": stage_seconds(active / "store", pipeline),
-           "eval": eval_rates(active / "store", pipeline), "load_avg_before": load, "load_avg_after": os.getloadavg()}
+           "eval": eval_rates(active / "store", pipeline), "bootstrap_eval": bootstrap_rates(active / "store", pipeline),
+           "load_avg_before": load, "load_avg_after": os.getloadavg()}
     shutil.rmtree(active, ignore_errors=True)
     return out
 
@@ -422,11 +432,16 @@ def baseline_report(result: dict) -> str:
     lines = ["| side, repeat | " + " | ".join(domains) + " | mean | wall (s) | load avg (1 min) before |",
              "|---|" + "---:|" * (len(domains) + 3)]
     for name, rs in result["runs"].items():
+        if boot := rs[0].get("bootstrap_eval"):  # the same bootstrap for every repeat of a side
+            lines.append(f"| {name} bootstrap (iteration 0) | " + " | ".join(f"{boot[d]:.3f}" if d in boot else "-" for d in domains)
+                         + f" | {sum(boot.values()) / max(1, len(boot)):.3f} | - | - |")
         for i, r in enumerate(rs, 1):
             ev = r["eval"]
             lines.append(f"| {name} {i} | " + " | ".join(f"{ev[d]:.3f}" if d in ev else "-" for d in domains)
                          + f" | {sum(ev.values()) / max(1, len(ev)):.3f} | {r['wall_s']:.1f} | {r['load_avg_before'][0]:.2f} |")
-    out += ["Iteration 1 eval pass@1 per domain (the fixed held-out suite) and wall time, every run:", "", "\n".join(lines)]
+    out += ["Iteration 1 eval pass@1 per domain (the fixed held-out suite) and wall time, every run, below each "
+            "side's bootstrap policy (each side bootstraps with its own recipe and code, so the two sides start from "
+            "different policies: compare each side's change from its own bootstrap):", "", "\n".join(lines)]
     return "\n".join(out)
 
 

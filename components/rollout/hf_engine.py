@@ -26,8 +26,12 @@ of the forward passes ``generate`` makes, up to float rounding from the masked c
 ``workers`` > 1 (``rollout.workers``) spreads the batches over that many processes
 (``forked.forked_map``): each batch is seeded by its index, so the samples are the
 same as with one process; only the wall time changes. Only with one torch thread
-(``POSTTRAIN_TORCH_THREADS=1``, the default): a fork of a multi-threaded OpenMP pool can
-hang, so with more threads the batches stay in this process.
+(``POSTTRAIN_TORCH_THREADS=1``, the default outside ``posttrain run``): a fork of a
+multi-threaded OpenMP pool can hang, so with more threads the batches stay in this
+process. On the demo (2 cores) one process on two threads sampled faster than two
+forked one-thread workers (rollout 10.0 s against 12.0 s per iteration), so
+``posttrain run`` (every core, see ``settings.torch_threads``) leaves ``workers`` at 1;
+it is for a process pinned to one torch thread with spare cores.
 
 ``HFEngine(prefix_sharing=False)`` is the previous path, kept as the baseline of
 ``benchmarks/rollout/bench.py`` and of the equivalence tests: ``model.generate`` on G
