@@ -15,6 +15,11 @@ ways, each from a fresh copy of that state at the bootstrap's run root, in the s
 - ``scheduler, no preload``: the same with Airflow's plain LocalExecutor, so every task
   process imports torch, MLflow, transformers, ... itself.
 
+Each way runs on its own default torch threads (``POSTTRAIN_TORCH_THREADS`` is not
+passed on): ``posttrain run`` on every core, direct calls and the scheduler's task
+processes on one (the scheduler runs shards side by side instead); in ``--baseline``
+mode each side's ``posttrain run`` has its own commit's default.
+
 Wall times: ``direct`` and ``dag.test`` are their processes' (``dag.test`` also gives its
 DAG run's own span, without interpreter start, migration check and pool set-up); a
 scheduler iteration is its DAG run's span, from queued to finished (the servers are
