@@ -59,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.iteration import env_for, timed  # noqa: E402
+from components.core import settings  # noqa: E402  (torch_threads: what the arms' posttrain run uses)
 from components.core.context import read_manifest, read_manifests  # noqa: E402
 from components.core.manifest import stage_prefix  # noqa: E402
 from components.core.records import EvalResult, from_table  # noqa: E402
@@ -121,13 +122,6 @@ def shuffled_control(run_root: Path, pipeline: str, iterations: int) -> bool:
     store = Store(str(run_root))
     return all(m.metrics.get("reward/control_shuffled") == 1.0 for k in range(1, iterations + 1)
                for m in read_manifests(store, pipeline, k, "reward"))
-
-
-def run_threads() -> int:
-    """The torch threads the arms' ``posttrain run`` trains on: this process's
-    ``POSTTRAIN_TORCH_THREADS``, else ``posttrain run``'s default ``auto`` (every CPU)."""
-    raw = (os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto").strip().lower()
-    return len(os.sched_getaffinity(0)) if raw == "auto" else int(raw)
 
 
 def arm_env(home: Path) -> dict[str, str]:
@@ -343,7 +337,7 @@ def main() -> None:
               "recipe": os.path.relpath(Path(args.recipe).resolve(), REPO), "seeds": args.seeds,
               "iterations": args.iterations, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch_threads": run_threads(), "commit": head, "dirty": dirty,
+              "torch_threads": settings.torch_threads(default="auto"), "commit": head, "dirty": dirty,
               "load_avg_before": list(load), "load_avg_after": list(os.getloadavg()),
               "seconds": time.perf_counter() - started, "arms": arms, "summary": summary_line(arms)}
     for arm, a in arms.items():

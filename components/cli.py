@@ -74,6 +74,7 @@ def _stage(args: argparse.Namespace) -> int:
     from components.core.runner import run_stage
 
     conf = settings.resolve(args.recipe, args.run_root)
+    settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
               orchestrator_run_id=args.orchestrator_run_id)
     return 0

@@ -203,8 +203,10 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int)
     home = settings.home()
     holder = f"local:{home}"
     # The stages run one after the other in this process: each may use every core
-    # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins).
-    os.environ.setdefault("POSTTRAIN_TORCH_THREADS", "auto")
+    # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins). Checked here, so
+    # a bad value stops the run before any work instead of failing a stage's task.
+    os.environ["POSTTRAIN_TORCH_THREADS"] = os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto"
+    settings.torch_threads()
     # The home's lock first: a second run on this home stops here, before it touches the
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
     with home_lock(home):

@@ -11,7 +11,7 @@ the Airflow DAG and the Kubeflow pipeline.
 | ``POSTTRAIN_IMAGE`` | set by the images: refuse a local default run root | unset |
 | ``POSTTRAIN_VLLM_PYTHON`` | a separate vLLM environment's interpreter (``vllm`` engine) | ``.venv-vllm/bin/python`` here, if any |
 | ``POSTTRAIN_VLLM_START_TIMEOUT_S`` | seconds that vLLM's server may take to answer ``/v1/models`` | ``600`` |
-| ``POSTTRAIN_TORCH_THREADS`` | torch intra-op threads: a count, or ``auto`` (every CPU this process has) | ``auto`` in ``posttrain run``, else 1 |
+| ``POSTTRAIN_TORCH_THREADS`` | torch intra-op threads: 1-512, or ``auto`` (every CPU this process has) | ``auto`` in ``posttrain run``, else 1 |
 
 An explicit value (a CLI flag, a DAG run param) overrides the environment; empty means
 "not given". Every default is absolute, so a worker whose working directory differs
@@ -72,7 +72,12 @@ def vllm_start_timeout_s() -> float:
     return value
 
 
-def torch_threads() -> int:
+MAX_TORCH_THREADS = 512
+"""The most intra-op threads a count may ask for: libgomp aborts the process when it
+cannot create the threads (100,000 does, here)."""
+
+
+def torch_threads(default: str = "1") -> int:
     """``POSTTRAIN_TORCH_THREADS`` as a thread count (``auto``: the CPUs in this process's
     affinity mask). ``posttrain run`` defaults it to ``auto``: its stages run one after the
     other in one process, so a stage has the machine to itself (the trainer steps about
@@ -80,16 +85,17 @@ def torch_threads() -> int:
     other entry defaults to 1: under a scheduler, shards and tasks share the cores, and
     torch's OpenMP workers spin-wait, so an oversubscribed core slows a step several
     times over. Not covered: a CPU quota (a container's ``cpu.max``) narrower than the
-    affinity mask: ``auto`` counts the mask; give such a pod its count."""
-    raw = os.environ.get("POSTTRAIN_TORCH_THREADS") or "1"
+    affinity mask: ``auto`` counts the mask; give such a pod its count. ``default``: the
+    value when the variable is unset or empty."""
+    raw = os.environ.get("POSTTRAIN_TORCH_THREADS") or default
     if raw.strip().lower() == "auto":
         return max(1, len(os.sched_getaffinity(0)))
     try:
         count = int(raw)
     except ValueError:
         count = 0
-    if count < 1:
-        raise UserError("POSTTRAIN_TORCH_THREADS", raw, "not a positive thread count or 'auto'",
+    if not 1 <= count <= MAX_TORCH_THREADS:
+        raise UserError("POSTTRAIN_TORCH_THREADS", raw, f"not a thread count from 1 to {MAX_TORCH_THREADS} or 'auto'",
                         "export POSTTRAIN_TORCH_THREADS=auto (or 1, 2, ...), or unset it")
     return count
 

@@ -228,7 +228,7 @@ def run(ctx: StageContext) -> dict[str, float]:
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "lr": totals["lr"] / n, "global_step": float(position),
         "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes * node.count if launched else 0),
-        "torch_threads": float(1 if launched else trained.threads),
+        "torch_threads": float(trained.threads),
         **selection.metrics(),
     }
 
@@ -251,7 +251,7 @@ class Outcome:
     carried: bool
     logged: bool
     seconds: float  # training time (the distributed path's includes the workers' start)
-    threads: int = 1  # torch's intra-op threads per process (settings.torch_threads)
+    threads: int = 1  # torch's intra-op threads per process (torchrun's workers run 1)
 
 
 def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, temperature: float) -> Outcome:

@@ -31,13 +31,41 @@ def test_values(raw: str | None, expected: int, monkeypatch: pytest.MonkeyPatch)
     assert settings.torch_threads() == expected
 
 
-@pytest.mark.parametrize("raw", ["0", "-2", "two", "1.5"])
+@pytest.mark.parametrize(("raw", "default", "expected"), [(None, "auto", CPUS), ("", "auto", CPUS), ("2", "auto", 2)])
+def test_the_default_applies_only_when_unset_or_empty(raw: str | None, default: str, expected: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if raw is None:
+        monkeypatch.delenv("POSTTRAIN_TORCH_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("POSTTRAIN_TORCH_THREADS", raw)
+    assert settings.torch_threads(default=default) == expected
+
+
+BAD = ["0", "-2", "two", "1.5", "513", "100000", "9" * 5000, "٣٠٠٠"]  # 5,000 digits; Arabic-Indic 3000
+
+
+@pytest.mark.parametrize("raw", BAD, ids=["0", "-2", "two", "1.5", "513", "100000", "5000-digits", "arabic-3000"])
 def test_a_bad_value_names_the_variable_and_the_fix(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POSTTRAIN_TORCH_THREADS", raw)
     with pytest.raises(UserError) as err:
         settings.torch_threads()
-    assert err.value.line() == (f"POSTTRAIN_TORCH_THREADS={raw!r}: not a positive thread count or 'auto'; "
-                                "fix: export POSTTRAIN_TORCH_THREADS=auto (or 1, 2, ...), or unset it")
+    line = err.value.line()
+    assert line.startswith("POSTTRAIN_TORCH_THREADS=")
+    assert line.endswith(": not a thread count from 1 to 512 or 'auto'; "
+                         "fix: export POSTTRAIN_TORCH_THREADS=auto (or 1, 2, ...), or unset it")
+    assert len(line) < 400  # the value is shown cut short
+
+
+@pytest.mark.parametrize("command", [["stage", "taskgen"], ["run", "--iterations", "1"]], ids=["stage", "run"])
+def test_the_cli_refuses_a_bad_value_before_any_work(command: list[str], tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    proc = run_posttrain([*command, "--recipe", str(TINY), "--run-root", f"file://{store}"], tmp_path,
+                         cli_env(tmp_path / ".posttrain", POSTTRAIN_TORCH_THREADS="100000"))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == ["posttrain: error: POSTTRAIN_TORCH_THREADS='100000': not a thread count "
+                                        "from 1 to 512 or 'auto'; fix: export POSTTRAIN_TORCH_THREADS=auto "
+                                        "(or 1, 2, ...), or unset it"]
+    assert not store.exists()
 
 
 def test_configure_torch_sets_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
