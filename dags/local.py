@@ -95,6 +95,7 @@ def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -
             from airflow.utils import db
 
             db.upgradedb()  # what `airflow db migrate` runs, without a second interpreter's start-up
+            _seed_rows()
         else:
             subprocess.run([*airflow, "db", "migrate"], env=env, check=True, capture_output=True)
         marker.write_text("ok\n")
@@ -107,6 +108,23 @@ def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -
         return
     subprocess.run([*airflow, "pools", "set", SANDBOX_POOL, str(sandbox_slots), SANDBOX_POOL_NOTE],
                    env=env, check=True, capture_output=True)
+
+
+def _seed_rows() -> None:
+    """Add the default pool and the log template row if they are missing, and commit.
+
+    Airflow commits a fresh database's tables and revision stamp before it adds these
+    rows. A run killed between the two leaves a database at the head revision with no
+    log template. ``upgradedb`` on such a database adds the rows but never commits them,
+    so every later DAG run fails its insert (``FOREIGN KEY constraint failed`` on
+    ``dag_run.log_template_id``). Both calls are idempotent. The CLI path of ``prepare``
+    (``LocalAirflow``'s fresh homes) does not repair this."""
+    from airflow.utils import db
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        db.add_default_pool_if_not_exists(session=session)
+        db.synchronize_log_template(session=session)
 
 
 def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
