@@ -56,7 +56,10 @@ def test_a_run_killed_inside_the_first_migration_leaves_a_home_the_next_run_can_
     again = python(PREPARE, home)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (home / "airflow" / ".migrated").read_text() == "ok\n"
-    assert rows(db, "select filename from log_template order by id desc limit 1") == [
-        ("dag_id={{ ti.dag_id }}/run_id={{ ti.run_id }}/task_id={{ ti.task_id }}/"
-         "{% if ti.map_index >= 0 %}map_index={{ ti.map_index }}/{% endif %}attempt={{ try_number|default(ti.try_number) }}.log",)]  # the pinned Airflow's default
+    default_template = (  # the pinned Airflow's default
+        "dag_id={{ ti.dag_id }}/run_id={{ ti.run_id }}/task_id={{ ti.task_id }}/"
+        "{% if ti.map_index >= 0 %}map_index={{ ti.map_index }}/{% endif %}"
+        "attempt={{ try_number|default(ti.try_number) }}.log"
+    )
+    assert rows(db, "select filename from log_template order by id desc limit 1") == [(default_template,)]
     assert rows(db, "select pool, slots from slot_pool order by pool") == [("default_pool", 128), ("posttrain_sandbox", 3)]
