@@ -83,7 +83,7 @@ def _stage(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from dags.orchestrate import run_local
 
-    return run_local(args.recipe, args.run_root, args.iterations)
+    return run_local(args.recipe, args.run_root, args.iterations, stage_host=getattr(args, "process_entry", False))
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"stage": _stage, "run": _run}
     policy = argv is None and args.command in handlers
+    args.process_entry = argv is None  # the process is this command: it may fork a stage host (``posttrain run``)
     if policy:
         gcpolicy.start()
     try:

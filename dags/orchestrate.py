@@ -37,6 +37,7 @@ from components.core.planner import finished, plan
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.storage import Store
+from dags import stagehost
 
 
 def weakest_text(worst: Slice | None) -> str:
@@ -190,12 +191,16 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
             lease.release_writer(store, pipeline, holder)
 
 
-def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int) -> int:
+def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int, stage_host: bool = False) -> int:
     """Bring the pipeline to ``iterations`` finished iterations, one DAG run each.
 
     The planner (``components.core.planner``) picks each iteration and leases it for this
     home (``local:<home>``); the DAG run's own plan task, given the same holder, finds the
-    same iteration. A killed run started again resumes the iteration it held."""
+    same iteration. A killed run started again resumes the iteration it held. With
+    ``stage_host`` (``posttrain run`` as its own process; ``POSTTRAIN_STAGE_HOST=0`` says
+    no), the stages run in a forked child that imported their libraries while this process
+    started Airflow (``dags/stagehost.py``); a caller inside a larger process (a test) keeps
+    them in-process."""
     conf = settings.resolve(recipe_arg, run_root_arg)
     recipe = load_recipe(conf.recipe)
     if iterations < 1:
@@ -209,7 +214,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int)
     settings.torch_threads()
     # The home's lock first: a second run on this home stops here, before it touches the
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
-    with home_lock(home):
+    with home_lock(home), stagehost.hosting(stage_host):  # the stage host shares the lock and dies with this process
         store = Store(conf.run_root, "--run-root")
         preflight.tracking_vs_run_root(store.uri)
         store.check_reachable()
@@ -233,7 +238,7 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
         state = run_iteration(recipe_path, store.uri, holder)
         if runner.stopping():  # SIGTERM: the command says so itself (no task of ours failed)
-            raise tracking.Terminated()
+            raise tracking.Terminated("stopped by SIGTERM")
         if state != "success":
             say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
             return 1

@@ -41,6 +41,7 @@ from typing import Any
 from airflow.sdk import Asset, task
 
 from components.core.stages import StageSpec
+from dags import stagehost
 from dags.execution import container_task, mode
 
 log = logging.getLogger("posttrain")
@@ -153,9 +154,11 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     stop_on_sigterm()
     if stopping():  # told to stop before this task started (`posttrain run` got SIGTERM)
         raise AirflowTaskTerminated(f"{stage}: not started, the process was told to stop")
+    args = (stage, plan["recipe"], plan["run_root"], int(plan["iteration"]), shard or None, get_current_context()["run_id"])
     try:
-        m = run_stage(stage, plan["recipe"], plan["run_root"], int(plan["iteration"]), shard or None,
-                      orchestrator_run_id=get_current_context()["run_id"])
+        if (host := stagehost.current()) is not None:  # posttrain run: the stage host runs it (dags/stagehost.py)
+            return host.run(*args)
+        m = run_stage(*args[:5], orchestrator_run_id=args[5])
     except tracking.Terminated as exc:
         raise AirflowTaskTerminated(f"{stage}: {exc}") from exc
     except Exception as exc:

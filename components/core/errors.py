@@ -20,6 +20,9 @@ class UserError(Exception):
         self.fix = fix
         super().__init__(self.line())
 
+    def __reduce__(self):  # crosses a process boundary (the stage host) as itself; the value as its text
+        return type(self), (self.field, str(self.value), self.problem, self.fix), self.__dict__ | {"value": str(self.value)}
+
     def line(self) -> str:
         shown = repr(value_text(self.value))
         return f"{self.field}={shown}: {self.problem}; fix: {self.fix}"
@@ -63,6 +66,9 @@ class InfraError(Exception):
     def __init__(self, what: str, where: str, reason: str) -> None:
         self.what, self.where, self.reason = what, where, reason
         super().__init__(self.line())
+
+    def __reduce__(self):  # crosses a process boundary (the stage host) as itself
+        return type(self), (self.what, self.where, self.reason), self.__dict__
 
     def line(self) -> str:
         return f"{self.what} unreachable at {value_text(self.where)!r}: {value_text(self.reason)}; retry once it is back"

@@ -1,0 +1,132 @@
+"""The stage host of ``posttrain run`` (``dags/stagehost.py``), as a user starts it: a
+process of its own.
+
+- With it on (the default), the stage runs in a forked child of ``posttrain run``; with
+  ``POSTTRAIN_STAGE_HOST=0`` there is no such child.
+- SIGTERM to ``posttrain run`` alone (not its process group) reaches the stage in the
+  host: exit 143, the stage's MLflow run KILLED, no manifest, no process left.
+- SIGKILL to ``posttrain run`` alone takes the host with it, and the next run on the same
+  home finishes the iteration.
+- A bad ``POSTTRAIN_STAGE_HOST`` is one line and exit 2; the project's errors cross the
+  pipe as themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from components.core.errors import InfraError, UserError
+from tests.fixtures.runs import TINY, cli_env, posttrain, read_until, run_posttrain
+
+FAILPOINT = "before-manifest:bootstrap"
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def start_at_failpoint(tmp_path: Path, **extra: str) -> tuple[subprocess.Popen, list[str], Path]:
+    home = tmp_path / ".posttrain"
+    env = cli_env(home, POSTTRAIN_FAILPOINT=FAILPOINT, **extra)
+    proc = subprocess.Popen(posttrain("run", "--recipe", str(TINY), "--iterations", "1"), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    read_until(proc.stdout, f"failpoint {FAILPOINT} reached", seen)
+    return proc, seen, home
+
+
+def end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("setting, hosts", [("1", 1), ("0", 0)])
+def test_sigterm_to_posttrain_run_alone_stops_the_stage_where_it_runs(tmp_path: Path, setting: str, hosts: int) -> None:
+    from mlflow.tracking import MlflowClient
+
+    proc, seen, home = start_at_failpoint(tmp_path, POSTTRAIN_STAGE_HOST=setting)
+    try:
+        host = children(proc.pid)
+        assert len(host) == hosts, f"children of posttrain run: {host}"
+        proc.send_signal(signal.SIGTERM)  # the parent only: the host hears of it through its parent
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        end(proc)
+    assert proc.returncode == 143, "".join(seen) + rest
+    assert rest.splitlines()[-1] == "posttrain: stopped by SIGTERM; run the same command again to resume"
+    assert not any(alive(pid) for pid in host)
+    c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("tiny").experiment_id], "attributes.run_name = 'bootstrap'")
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert not list((home / "store" / "tiny").glob("bootstrap/_MANIFEST.json"))
+
+
+def test_sigkill_to_posttrain_run_alone_takes_the_host_and_a_rerun_finishes(tmp_path: Path) -> None:
+    proc, seen, home = start_at_failpoint(tmp_path)
+    try:
+        [host] = children(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while alive(host) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(host), "the stage host outlived its parent"
+    finally:
+        end(proc)
+    again = run_posttrain(["run", "--recipe", str(TINY), "--iterations", "1"], tmp_path, cli_env(home))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (home / "store" / "tiny" / "iter-000001" / "evaluation" / "_MANIFEST.json").exists()
+
+
+def test_a_bad_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    home = tmp_path / ".posttrain"
+    r = run_posttrain(["run", "--recipe", str(TINY), "--iterations", "1"], tmp_path,
+                      cli_env(home, POSTTRAIN_STAGE_HOST="maybe"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [
+        "posttrain: error: POSTTRAIN_STAGE_HOST='maybe': is neither on (1) nor off (0); "
+        "fix: export POSTTRAIN_STAGE_HOST=1 (the default) or POSTTRAIN_STAGE_HOST=0, or unset it"]
+    assert not (home / "store").exists()
+
+
+def test_the_projects_errors_cross_the_pipe_as_themselves() -> None:
+    user = pickle.loads(pickle.dumps(UserError("taskgen.file", Path("/x.jsonl"), "not found", "give a file")))
+    assert (type(user), user.line()) == (UserError, "taskgen.file='/x.jsonl': not found; fix: give a file")
+    infra = pickle.loads(pickle.dumps(InfraError("store", "s3://b/r", "503")))
+    assert (type(infra), infra.line()) == (InfraError, "store unreachable at 's3://b/r': 503; retry once it is back")
+
+
+def test_any_other_exception_keeps_its_type_and_the_hosts_traceback() -> None:
+    from dags.stagehost import StageHostError, _dumps, _loads
+
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        bug = _loads(_dumps(exc))
+    assert type(bug) is KeyError and bug.args == ("missing",)
+    assert "in the stage host:" in bug.__notes__[0] and "KeyError: 'missing'" in bug.__notes__[0]
+
+    class Local(Exception):  # defined in a function: pickle cannot find it by name
+        pass
+
+    odd = _loads(_dumps(Local("no way across")))
+    assert type(odd) is StageHostError
+    assert str(odd).startswith("Local: no way across\nin the stage host:\n")
