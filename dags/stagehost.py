@@ -156,11 +156,14 @@ class StageHost:
                     os.kill(self.pid, signal.SIGTERM)
                     forwarded = True
             return self.conn.recv()
-        except BaseException:
-            if not forwarded:
-                os.kill(self.pid, signal.SIGTERM)
-            if self.conn.poll(STOP_WAIT_S):
-                self.conn.recv()
+        except BaseException as exc:
+            if isinstance(exc, (EOFError, OSError)):  # the child is gone: run() says so
+                raise
+            with contextlib.suppress(EOFError, OSError):  # a child that is gone cannot be told, nor answer
+                if not forwarded:
+                    os.kill(self.pid, signal.SIGTERM)
+                if self.conn.poll(STOP_WAIT_S):
+                    self.conn.recv()
             raise
 
     def stop(self) -> None:
@@ -169,11 +172,9 @@ class StageHost:
         if _current is self:
             _current = None
         self.conn.close()
-        try:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):  # already gone, or already reaped
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(self.pid, 0)
+            os.waitpid(self.pid, 0)
         self._dead = True
 
 

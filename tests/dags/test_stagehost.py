@@ -17,13 +17,14 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from components.core.errors import InfraError, UserError
-from tests.fixtures.runs import TINY, cli_env, posttrain, read_until, run_posttrain
+from tests.fixtures.runs import REPO, TINY, cli_env, posttrain, read_until, run_posttrain
 
 FAILPOINT = "before-manifest:bootstrap"
 
@@ -130,3 +131,29 @@ def test_any_other_exception_keeps_its_type_and_the_hosts_traceback() -> None:
     odd = _loads(_dumps(Local("no way across")))
     assert type(odd) is StageHostError
     assert str(odd).startswith("Local: no way across\nin the stage host:\n")
+
+
+DEAD_HOST = """
+import os, signal
+from components.core.errors import InfraError
+from dags import stagehost
+
+with stagehost.hosting() as host:
+    os.kill(host.pid, signal.SIGKILL)
+    os.waitpid(host.pid, 0)
+    try:
+        host.run("taskgen", "recipe.yaml", "file:///nowhere", 1, None, "run-1")
+    except InfraError as exc:
+        print("InfraError:", exc.line())
+    print("current:", stagehost.current())
+"""
+
+
+def test_a_host_that_died_is_an_outage_and_later_stages_run_in_process(tmp_path: Path) -> None:
+    env = cli_env(tmp_path / ".posttrain")
+    r = subprocess.run([sys.executable, "-c", DEAD_HOST], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, second = r.stdout.strip().splitlines()
+    assert first.startswith("InfraError: the stage host unreachable at 'pid ")
+    assert "it ended while running taskgen" in first and first.endswith("; retry once it is back")
+    assert second == "current: None"
