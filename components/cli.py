@@ -83,7 +83,7 @@ def _stage(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from dags.orchestrate import run_local
 
-    return run_local(args.recipe, args.run_root, args.iterations, stage_host=getattr(args, "process_entry", False))
+    return run_local(args.recipe, args.run_root, args.iterations, stage_host=args.process_entry)
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:

@@ -149,6 +149,15 @@ def _recipe_plugins() -> list[tuple[Any, str]]:
     return [(DOMAINS, d) for d in recipe.domains] + [(ENGINES, recipe.rollout.engine), (BACKENDS, recipe.sandbox.backend)]
 
 
+def import_name(name: str) -> None:
+    """Import a ``PRELOAD`` entry: ``module``, or ``module:name``, which also gets ``name``
+    from it (transformers and MLflow load most of their code lazily)."""
+    module, _, attr = name.partition(":")
+    loaded = importlib.import_module(module)
+    if attr:
+        getattr(loaded, attr)
+
+
 def preload() -> list[str]:
     """Import ``PRELOAD``, every registered stage module and the recipe's plug-ins; the
     names that imported."""
@@ -156,11 +165,8 @@ def preload() -> list[str]:
 
     done = []
     for name in (*PRELOAD, *(s.module for s in registered())):
-        module, _, attr = name.partition(":")
         try:
-            loaded = importlib.import_module(module)
-            if attr:
-                getattr(loaded, attr)
+            import_name(name)
             done.append(name)
         except Exception as exc:  # a missing optional library costs start-up time, not correctness
             log.warning("preload: cannot import %s (%s); tasks will import it themselves", name, exc)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import os
 import pickle
@@ -143,7 +142,7 @@ class StageHost:
             return payload
         if kind == "terminated":
             raise tracking.Terminated(payload)
-        raise _loads(payload)
+        raise pickle.loads(payload)
 
     def _wait(self, runner) -> tuple[str, Any]:
         """The child's reply. A SIGTERM here (``runner.stopping()``, or ``Terminated`` raised in
@@ -218,13 +217,17 @@ def imports() -> list[str]:
 
 
 def _import(name: str) -> None:
-    module, _, attr = name.partition(":")
+    from dags.local import import_name
+
     try:
-        loaded = importlib.import_module(module)
-        if attr:
-            getattr(loaded, attr)
+        import_name(name)
     except Exception as exc:  # the stage that needs it reports the problem in its own words
         log.debug("stage host: cannot import %s (%s)", name, exc)
+
+
+def task_result(stage: str, m) -> dict[str, Any]:
+    """What a stage task returns (its XCom) for the stage's manifest ``m``."""
+    return {"stage": stage, "shard": m.shard, "digest": m.content_digest, "promoted": m.info.get("promoted")}
 
 
 def _serve_one(request: tuple) -> tuple[str, Any]:
@@ -233,7 +236,7 @@ def _serve_one(request: tuple) -> tuple[str, Any]:
     stage, recipe, run_root, iteration, shard, orchestrator_run_id = request
     try:
         m = runner.run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id=orchestrator_run_id)
-        return "ok", {"stage": stage, "shard": m.shard, "digest": m.content_digest, "promoted": m.info.get("promoted")}
+        return "ok", task_result(stage, m)
     except tracking.Terminated as exc:
         return "terminated", str(exc)
     except BaseException as exc:
@@ -255,7 +258,3 @@ def _dumps(exc: BaseException) -> bytes:
     except Exception:
         pass
     return pickle.dumps(StageHostError(f"{type(exc).__name__}: {exc}\nin the stage host:\n{text[-8000:]}"))
-
-
-def _loads(data: bytes) -> BaseException:
-    return pickle.loads(data)

@@ -163,7 +163,7 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
         raise AirflowTaskTerminated(f"{stage}: {exc}") from exc
     except Exception as exc:
         raise _fail_now(exc) from exc
-    return {"stage": stage, "shard": m.shard, "digest": m.content_digest, "promoted": m.info.get("promoted")}
+    return stagehost.task_result(stage, m)
 
 
 def stage_failed(context: dict[str, Any]) -> None:

@@ -116,19 +116,19 @@ def test_the_projects_errors_cross_the_pipe_as_themselves() -> None:
 
 
 def test_any_other_exception_keeps_its_type_and_the_hosts_traceback() -> None:
-    from dags.stagehost import StageHostError, _dumps, _loads
+    from dags.stagehost import StageHostError, _dumps
 
     try:
         {}["missing"]
     except KeyError as exc:
-        bug = _loads(_dumps(exc))
+        bug = pickle.loads(_dumps(exc))
     assert type(bug) is KeyError and bug.args == ("missing",)
     assert "in the stage host:" in bug.__notes__[0] and "KeyError: 'missing'" in bug.__notes__[0]
 
     class Local(Exception):  # defined in a function: pickle cannot find it by name
         pass
 
-    odd = _loads(_dumps(Local("no way across")))
+    odd = pickle.loads(_dumps(Local("no way across")))
     assert type(odd) is StageHostError
     assert str(odd).startswith("Local: no way across\nin the stage host:\n")
 
