@@ -40,6 +40,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,10 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     it); returns the DAG run's final state."""
     from dags.post_training_iteration import iteration_dag
 
+    # Airflow reads .airflowignore through pathspec's GitWildMatchPattern, which pathspec 1.x
+    # deprecates: a warning on every run that no user of posttrain can act on.
+    warnings.filterwarnings("ignore", message=r"GitWildMatchPattern \('gitwildmatch'\) is deprecated",
+                            category=DeprecationWarning)
     dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "holder": holder})
     return str(getattr(dr, "state", "unknown"))
 
