@@ -14,7 +14,8 @@ iteration another run holds) exits 1 and is worth retrying; a failed data-qualit
 exits 3. ``render pytorchjob`` prints, as YAML, the Kubeflow ``PyTorchJob`` that runs the
 trainer stage of iteration K on N nodes (``dags/execution/pytorchjob.py``; the pods read
 the recipe from the run root, where ``--publish`` puts a local one). ``stage`` and ``run`` stop on SIGTERM (a container or pod being stopped,
-``kill``): the running stage's MLflow run ends KILLED, and the command exits 143.
+``kill``) and on Ctrl-C (SIGINT): the running stage's MLflow run ends KILLED, and the
+command exits 143 (130 for Ctrl-C) with one line saying so.
 """
 
 from __future__ import annotations
@@ -115,7 +116,11 @@ def _render_pytorchjob(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_TERMINATED = 128 + 15  # a shell's status for a process ended by SIGTERM
+def exit_terminated() -> int:
+    """A shell's status for a process ended by the signal that stopped it (143 for SIGTERM, 130 for SIGINT)."""
+    from components.core import runner
+
+    return 128 + int(runner.stop_signal())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,11 +144,14 @@ def _dispatch(args: argparse.Namespace, handlers: dict) -> int:
         if args.command in handlers:
             from components.core import runner
 
-            runner.stop_on_sigterm()  # SIGTERM raises tracking.Terminated: the stage's run ends KILLED
+            # SIGTERM (and Ctrl-C, when this command is the process) raises tracking.Terminated:
+            # the stage's run ends KILLED and the command stops.
+            runner.stop_on_sigterm(sigint=args.process_entry)
             code = handlers[args.command](args)
             if runner.stopping():
-                print("posttrain: stopped by SIGTERM; run the same command again to resume", file=sys.stderr)
-                return EXIT_TERMINATED
+                print(f"posttrain: stopped by {runner.stop_signal().name}; run the same command again to resume",
+                      file=sys.stderr)
+                return exit_terminated()
             return code
         return args.handler(args)
     except UserError as exc:
@@ -160,7 +168,7 @@ def _dispatch(args: argparse.Namespace, handlers: dict) -> int:
         return EXIT_INFRA_ERROR
     except Terminated as exc:  # SIGTERM outside a stage (a stage's own run already ended KILLED)
         print(f"posttrain: {exc}; run the same command again to resume", file=sys.stderr)
-        return EXIT_TERMINATED
+        return exit_terminated()
 
 
 if __name__ == "__main__":

@@ -237,8 +237,8 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
         k = plan(store, recipe, holder, stale=other_local_run)
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
         state = run_iteration(recipe_path, store.uri, holder)
-        if runner.stopping():  # SIGTERM: the command says so itself (no task of ours failed)
-            raise tracking.Terminated("stopped by SIGTERM")
+        if runner.stopping():  # SIGTERM or Ctrl-C: the command says so itself (no task of ours failed)
+            raise tracking.Terminated(f"stopped by {runner.stop_signal().name}")
         if state != "success":
             say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
             return 1

@@ -124,27 +124,39 @@ def close_finished_iterations(store: Store, pipeline: str) -> list[int]:
 
 
 _stopping = threading.Event()
+_stop_signal: list[int] = []  # the signal that set _stopping (the first one)
 
 
 def _terminate(signum: int, frame) -> None:
+    if not _stopping.is_set():
+        _stop_signal.append(signum)
     _stopping.set()
     raise tracking.Terminated(f"stopped by {signal.Signals(signum).name}")
 
 
-def stop_on_sigterm() -> bool:
+def stop_on_sigterm(sigint: bool = False) -> bool:
     """Make SIGTERM (a container or pod being stopped, Airflow stopping a task, ``kill``)
     raise ``tracking.Terminated`` in the main thread, so the running stage's MLflow run
-    ends KILLED instead of staying RUNNING. Only the main thread can install a handler:
-    elsewhere this does nothing and returns False."""
+    ends KILLED instead of staying RUNNING; with ``sigint``, SIGINT too (Ctrl-C on a
+    command that is its own process: otherwise Airflow's task runner catches the
+    ``KeyboardInterrupt`` as a task failure and retries the task). Only the main thread
+    can install a handler: elsewhere this does nothing and returns False."""
     if threading.current_thread() is not threading.main_thread():
         return False
     signal.signal(signal.SIGTERM, _terminate)
+    if sigint:
+        signal.signal(signal.SIGINT, _terminate)
     return True
 
 
 def stopping() -> bool:
-    """Whether this process has received SIGTERM since ``stop_on_sigterm``."""
+    """Whether this process has received SIGTERM (or, where handled, SIGINT) since ``stop_on_sigterm``."""
     return _stopping.is_set()
+
+
+def stop_signal() -> signal.Signals:
+    """The signal that stopped this process (SIGTERM when none did)."""
+    return signal.Signals(_stop_signal[0] if _stop_signal else signal.SIGTERM)
 
 
 def _failpoint(label: str) -> None:

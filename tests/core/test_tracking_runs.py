@@ -99,8 +99,9 @@ def test_a_stage_run_ends_killed_when_stopped_and_failed_on_an_error(posttrain_h
     assert status(seen[0]) == ended
 
 
-def test_sigterm_to_posttrain_stage_ends_its_run_killed(tmp_path: Path) -> None:
-    """A container or pod stop: SIGTERM to ``posttrain stage`` mid-stage."""
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_to_posttrain_stage_ends_its_run_killed(tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    """A container or pod stop (SIGTERM), or Ctrl-C (SIGINT), to ``posttrain stage`` mid-stage."""
     from mlflow.tracking import MlflowClient
 
     home = tmp_path / ".posttrain"
@@ -112,14 +113,14 @@ def test_sigterm_to_posttrain_stage_ends_its_run_killed(tmp_path: Path) -> None:
     seen: list[str] = []
     try:
         read_until(proc.stdout, "failpoint before-manifest:bootstrap reached", seen)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 143, "".join(seen) + rest
-    assert "posttrain: stopped by SIGTERM" in rest
+    assert proc.returncode == code, "".join(seen) + rest
+    assert f"posttrain: stopped by {sig.name}" in rest and "Traceback" not in rest
     uri = f"sqlite:///{home / 'mlflow.db'}"
     c = MlflowClient(tracking_uri=uri)
     [run] = c.search_runs([c.get_experiment_by_name("tiny").experiment_id])

@@ -5,6 +5,7 @@ process of its own.
   ``POSTTRAIN_STAGE_HOST=0`` there is no such child.
 - SIGTERM to ``posttrain run`` alone (not its process group) reaches the stage in the
   host: exit 143, the stage's MLflow run KILLED, no manifest, no process left.
+- Ctrl-C (SIGINT to the process group) does the same, with exit 130.
 - SIGKILL to ``posttrain run`` alone takes the host with it, and the next run on the same
   home finishes the iteration.
 - A bad ``POSTTRAIN_STAGE_HOST`` is one line and exit 2; the project's errors cross the
@@ -73,6 +74,30 @@ def test_sigterm_to_posttrain_run_alone_stops_the_stage_where_it_runs(tmp_path: 
         end(proc)
     assert proc.returncode == 143, "".join(seen) + rest
     assert rest.splitlines()[-1] == "posttrain: stopped by SIGTERM; run the same command again to resume"
+    assert not any(alive(pid) for pid in host)
+    c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("tiny").experiment_id], "attributes.run_name = 'bootstrap'")
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert not list((home / "store" / "tiny").glob("bootstrap/_MANIFEST.json"))
+
+
+def test_ctrl_c_stops_posttrain_run_and_its_host(tmp_path: Path) -> None:
+    """SIGINT to the whole process group, as a terminal sends Ctrl-C. Before, Airflow's task
+    runner caught the KeyboardInterrupt as a task failure, retried the stage and finished the
+    iteration with exit 0."""
+    from mlflow.tracking import MlflowClient
+
+    proc, seen, home = start_at_failpoint(tmp_path)
+    try:
+        host = children(proc.pid)
+        assert len(host) == 1
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        end(proc)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert rest.splitlines()[-1] == "posttrain: stopped by SIGINT; run the same command again to resume"
+    assert "KeyboardInterrupt" not in rest
     assert not any(alive(pid) for pid in host)
     c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
     runs = c.search_runs([c.get_experiment_by_name("tiny").experiment_id], "attributes.run_name = 'bootstrap'")
