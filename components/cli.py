@@ -15,12 +15,14 @@ exits 3. ``render pytorchjob`` prints, as YAML, the Kubeflow ``PyTorchJob`` that
 trainer stage of iteration K on N nodes (``dags/execution/pytorchjob.py``; the pods read
 the recipe from the run root, where ``--publish`` puts a local one). ``stage`` and ``run`` stop on SIGTERM (a container or pod being stopped,
 ``kill``) and on Ctrl-C (SIGINT): the running stage's MLflow run ends KILLED, and the
-command exits 143 (130 for Ctrl-C) with one line saying so.
+command exits 143 (130 for Ctrl-C) with one line saying so. Ctrl-C on any other command
+is one line (``posttrain: interrupted (Ctrl-C)``) and exit 130, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from components.core import gcpolicy, settings
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         gcpolicy.start()
     try:
         return _dispatch(args, handlers)
+    except KeyboardInterrupt:  # Ctrl-C on a command without a stop handler (sandbox, replay, serve, ...)
+        print("posttrain: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
     finally:
         if policy:
             gcpolicy.before_exit()

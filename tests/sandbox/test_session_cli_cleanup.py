@@ -176,3 +176,46 @@ def test_kept_session_worker_frees_each_sessions_files():
     assert [r.result for r in results] == [{"ok": True, "steps": [{"exit": 0, "status": "ok"}]}] * 8, \
         [(r.status, r.result, r.stderr[-300:]) for r in results]
     assert len({r.extra["uid"] for r in results}) == 1  # one kept worker served them all
+
+
+def test_ctrl_c_on_sandbox_run_is_one_line_and_leaves_no_process(tmp_path):
+    """SIGINT to the command's process group, as a terminal sends Ctrl-C, while the job runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = tmp_path / "wait.sh"
+    program.write_text("sleep 37.125\n")
+    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "sandbox", "run", "--timeout", "60", str(program)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[2])
+
+    def sleepers() -> list[str]:
+        found = []
+        for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                if Path(cmdline).read_bytes() == b"sleep\x0037.125\x00":
+                    found.append(cmdline)
+            except OSError:
+                pass
+        return found
+
+    try:
+        deadline = time.monotonic() + 60
+        while not sleepers() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert sleepers(), "the job never started"
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["posttrain: interrupted (Ctrl-C)"]
+    deadline = time.monotonic() + 10
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sleepers() == []
