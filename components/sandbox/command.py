@@ -8,7 +8,7 @@ Chain (each step ``exec``s the next, so the job's tree is one process lineage):
    groups (skipped when we are not root: then we already are unprivileged).
 3. ``bwrap``: new user, pid, net, ipc, uts, mount and cgroup namespaces; no further
    user namespaces; read-only /usr (and the merged-usr symlinks), a few /etc files,
-   fresh /proc and /dev, size-capped tmpfs on /tmp and /work; the job's files copied
+   fresh /proc and a fresh read-only /dev, size-capped tmpfs on /tmp, /work and /dev/shm; the job's files copied
    in from memfds; empty environment; all capabilities dropped (the warm worker keeps
    CAP_SYS_ADMIN/CAP_SETPCAP inside its own user namespace only, to build per-job
    namespaces); the seccomp filter; ``--die-with-parent`` and ``--new-session``.
@@ -76,6 +76,7 @@ def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
     for path in ETC_FILES:
         args += ["--ro-bind-try", path, path]
     args += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/dev/shm",
              "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
              "--perms", "0755", "--size", str(lim.work_mb << 20), "--tmpfs", WORK]
     # The folders the files go in, before the files (sorted: parents first).
@@ -86,7 +87,9 @@ def bwrap_args(spec: SandboxSpec, bwrap: str) -> list[str]:
         args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{rel}"]
     for fd, path in spec.system_files:
         args += ["--perms", "0444", "--file", str(fd), path]
-    args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
+    # /dev read-only (devices still read and write): a warm worker's /dev outlives its jobs,
+    # so a file a job left there would reach the next one; /dev/shm is a tmpfs of its own.
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK, "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK,
              "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8", "--cap-drop", "ALL"]
     if spec.worker:
         args += ["--uid", "0", "--gid", "0", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]

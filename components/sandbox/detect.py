@@ -72,7 +72,7 @@ class Support:
         if not self.bwrap or not self.namespaces_ok:
             return "process+rlimits (WEAK: no namespaces)"
         parts = ["bwrap:user,pid,net,ipc,uts,mount,cgroup-ns", "uid:unprivileged", "caps:none", "rlimits",
-                 "tmpfs:/work,/tmp", "seccomp" if self.seccomp else "no-seccomp(WEAK)"]
+                 "tmpfs:/work,/tmp,/dev/shm", "seccomp" if self.seccomp else "no-seccomp(WEAK)"]
         if self.cgroup_v1:
             parts.append(f"cgroup-v1:{','.join(self.cgroup_v1)}")
         elif self.cgroup_v2:  # cpu.stat and cgroup.kill come with every v2 group

@@ -25,7 +25,7 @@ inherit); it forks:
             no_new_privs once; every child inherits that.
       └─ J: the job, pid 1 of a new pid namespace, so when it exits (or is killed) the
             kernel kills everything it left in the namespace. New mount and ipc
-            namespaces, private mounts, fresh size-capped tmpfs /work and /tmp, its own
+            namespaces, private mounts, fresh size-capped tmpfs /work, /tmp and /dev/shm, its own
             /proc. Reads the spec, writes files, sets rlimits, drops its capabilities,
             installs the job seccomp filter (seccomp.py's ``job-on-zygote``: the
             namespace calls; the rest of the job policy is the worker's own filter,
@@ -38,7 +38,7 @@ inherit); it forks:
 
 The job cannot see or signal the worker (outside its pid namespace), cannot mount or
 unshare (seccomp, no capabilities) and gets nothing from earlier jobs (fresh tmpfs and
-IPC namespace; the worker holds no job data). As the init of its namespace, J ignores
+IPC namespace; /dev is read-only, so nothing else there is writable; the worker holds no job data). As the init of its namespace, J ignores
 signals it has no handler for when they come from inside (its own children), as any
 init does; the wall-clock SIGKILL comes from the worker, outside.
 
@@ -369,31 +369,37 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         os._exit(127)
 
 
+TMPFS_TARGETS = (b"/work", b"/tmp", b"/dev/shm")
+
+
 def tmpfs_options(limits):
-    """The job's tmpfs mount data for /work and /tmp, built in the worker before the fork."""
-    return (f"size={limits['work_bytes']},mode=0755".encode(), f"size={limits['tmp_bytes']},mode=1777".encode())
+    """The job's tmpfs mount data for /work, /tmp and /dev/shm (in ``TMPFS_TARGETS``
+    order), built in the worker before the fork."""
+    tmp = f"size={limits['tmp_bytes']},mode=1777".encode()
+    return (f"size={limits['work_bytes']},mode=0755".encode(), tmp, tmp)
 
 
 def private_mounts(fresh, tmpfs):
-    """New mount and ipc namespaces; fresh tmpfs /work and /tmp; this pid namespace's /proc.
-    Every argument is prebuilt: J runs as little Python as it can before the job (each
-    object it touches costs a copy-on-write page fault)."""
+    """New mount and ipc namespaces; fresh tmpfs /work, /tmp and /dev/shm; this pid
+    namespace's /proc. Every argument is prebuilt: J runs as little Python as it can
+    before the job (each object it touches costs a copy-on-write page fault)."""
     check(UNSHARE(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
     mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
     if fresh:
         mount(b"tmpfs", b"/work", b"tmpfs", TMPFS_FLAGS, tmpfs[0])
         mount(b"tmpfs", b"/tmp", b"tmpfs", TMPFS_FLAGS, tmpfs[1])
+        mount(b"tmpfs", b"/dev/shm", b"tmpfs", TMPFS_FLAGS, tmpfs[2])
     mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
 
 
 def reset_session(tmpfs):
-    """A session worker between two sessions: fresh, empty tmpfs ``/work`` and ``/tmp`` in
+    """A session worker between two sessions: fresh, empty tmpfs ``/work``, ``/tmp`` and ``/dev/shm`` in
     the worker's own mount namespace, which every later command's namespace copies. The
     old ones are detached (their memory goes once nothing holds them: every command of
     the last session has exited, its pid namespace with it). The same mounts, options
     and sizes a fresh warm job gets; the worker's cwd moves off ``/work`` first."""
     os.chdir("/")
-    for target, options in ((b"/work", tmpfs[0]), (b"/tmp", tmpfs[1])):
+    for target, options in zip(TMPFS_TARGETS, tmpfs):
         if UMOUNT2(target, MNT_DETACH) != 0:
             check(-1, f"umount {target!r}")
         mount(b"tmpfs", target, b"tmpfs", TMPFS_FLAGS, options)

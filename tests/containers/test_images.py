@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data"
 UNDER_TINI = '["/usr/bin/tini", "-s", "--"]'
-STRONG = "bwrap:user,pid,net,ipc,uts,mount,cgroup-ns+uid:unprivileged+caps:none+rlimits+tmpfs:/work,/tmp+seccomp"
+STRONG = "bwrap:user,pid,net,ipc,uts,mount,cgroup-ns+uid:unprivileged+caps:none+rlimits+tmpfs:/work,/tmp,/dev/shm+seccomp"
 
 
 def run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -358,3 +358,24 @@ def test_a_job_finds_no_earlier_jobs_report(executor):
     warm = result.extra["mode"] == "warm"  # strict jobs start a fresh interpreter: no outer frames at all
     assert (result.status, result.stdout.strip()) == ("ok", "[None]" if warm else "[]"), result.stdout
 
+
+
+def test_a_job_finds_nothing_an_earlier_job_left_in_dev(executor):
+    """/dev outlives the jobs of a warm worker: it is read-only, and /dev/shm (which
+    multiprocessing's semaphores need writable) is a fresh tmpfs per job. Before, a job's
+    file in /dev or /dev/shm was there for the worker's next job."""
+    write = ("import os\nout = {}\nfor d in ('/dev/shm', '/dev'):\n    try:\n"
+             "        open(d + '/left-by-an-earlier-job', 'w').write('secret')\n        out[d] = 'wrote'\n"
+             "    except OSError as exc:\n        out[d] = type(exc).__name__\nprint(out)\n")
+    read = "import os\nprint([os.path.exists(d + '/left-by-an-earlier-job') for d in ('/dev/shm', '/dev')])\n"
+    first = executor.run(py(write))
+    assert (first.status, first.stdout.strip()) == ("ok", "{'/dev/shm': 'wrote', '/dev': 'OSError'}"), first.stderr
+    later = [executor.run(py(read)) for _ in range(4)]  # every worker of the pool, whichever took the first job
+    assert [(r.status, r.stdout.strip()) for r in later] == [("ok", "[False, False]")] * 4
+
+
+def test_devices_still_work_on_the_read_only_dev(executor):
+    src = ("import os\nwith open('/dev/null', 'w') as f:\n    f.write('x')\n"
+           "print(len(open('/dev/urandom', 'rb').read(8)), open('/dev/zero', 'rb').read(2))\n")
+    result = executor.run(py(src))
+    assert (result.status, result.stdout.strip()) == ("ok", "8 b'\\x00\\x00'"), result.stderr

@@ -130,16 +130,17 @@ def test_battery_leaves_nothing_behind(mode):
 
 def test_warm_executor_session_worker_carries_nothing_into_the_next_session():
     """A warm executor keeps its session workers; each is reset between sessions, so the
-    next session finds empty /work and /tmp, and a leftover mount or file in either is
-    gone (the worker itself is the same one: same uid)."""
+    next session finds empty /work, /tmp and /dev/shm, and a leftover mount or file in any
+    is gone (the worker itself is the same one: same uid)."""
     from components.core.jobs import PYTHON, RESULT_FD, SessionJob
 
     lister = ("import json, os, sys\n"
               "os.write(int(sys.argv[1]), json.dumps({'work': sorted(os.listdir('/work')), "
-              "'tmp': sorted(os.listdir('/tmp'))}).encode())\n")
+              "'tmp': sorted(os.listdir('/tmp')), 'shm': sorted(os.listdir('/dev/shm'))}).encode())\n")
     check = Job("check", {"list.py": lister}, [PYTHON, "-I", "-S", "list.py", RESULT_FD])
     dirty = SessionJob("dirty", {"secret.txt": "s3cret"},
-                       ["echo left > /tmp/left; mkdir -p deep/er; echo x > deep/er/f", "chmod 000 deep"], check)
+                       ["echo left > /tmp/left; echo s > /dev/shm/sem.left; mkdir -p deep/er; echo x > deep/er/f",
+                        "chmod 000 deep"], check)
     clean = SessionJob("clean", {}, ["true"], check)
     config = sandbox_config(mode="warm", concurrency=1)
     executor = get_executor(config)
@@ -151,8 +152,9 @@ def test_warm_executor_session_worker_carries_nothing_into_the_next_session():
         executor.close()
     assert first.status == "ok", first.stderr
     assert first.result["work"] == ["deep", "list.py", "secret.txt"] and first.result["tmp"] == ["left"]
+    assert first.result["shm"] == ["sem.left"]
     assert second.status == "ok", second.stderr
-    assert second.result == {"work": ["list.py"], "tmp": [], "steps": [{"exit": 0, "status": "ok"}]}
+    assert second.result == {"work": ["list.py"], "tmp": [], "shm": [], "steps": [{"exit": 0, "status": "ok"}]}
     assert third.result == first.result
     assert second.extra["uid"] == first.extra["uid"] == third.extra["uid"]  # one kept worker served all three
     assert sandbox_pids_after() == []
