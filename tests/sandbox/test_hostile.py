@@ -375,7 +375,10 @@ def test_a_job_finds_nothing_an_earlier_job_left_in_dev(executor):
 
 
 def test_devices_still_work_on_the_read_only_dev(executor):
-    src = ("import os\nwith open('/dev/null', 'w') as f:\n    f.write('x')\n"
+    """Device nodes read and write on the read-only /dev, and /dev/shm takes
+    multiprocessing's POSIX semaphores."""
+    src = ("import multiprocessing\nwith open('/dev/null', 'w') as f:\n    f.write('x')\n"
+           "with multiprocessing.Lock():\n    pass\n"
            "print(len(open('/dev/urandom', 'rb').read(8)), open('/dev/zero', 'rb').read(2))\n")
     result = executor.run(py(src))
     assert (result.status, result.stdout.strip()) == ("ok", "8 b'\\x00\\x00'"), result.stderr
