@@ -123,14 +123,11 @@ def close_finished_iterations(store: Store, pipeline: str) -> list[int]:
     return closed
 
 
-_stopping = threading.Event()
-_stop_signal: list[int] = []  # the signal that set _stopping (the first one)
+_stop_signals: list[int] = []  # the signals that stopped this process, first one first
 
 
 def _terminate(signum: int, frame) -> None:
-    if not _stopping.is_set():
-        _stop_signal.append(signum)
-    _stopping.set()
+    _stop_signals.append(signum)
     raise tracking.Terminated(f"stopped by {signal.Signals(signum).name}")
 
 
@@ -151,12 +148,12 @@ def stop_on_sigterm(sigint: bool = False) -> bool:
 
 def stopping() -> bool:
     """Whether this process has received SIGTERM (or, where handled, SIGINT) since ``stop_on_sigterm``."""
-    return _stopping.is_set()
+    return bool(_stop_signals)
 
 
 def stop_signal() -> signal.Signals:
     """The signal that stopped this process (SIGTERM when none did)."""
-    return signal.Signals(_stop_signal[0] if _stop_signal else signal.SIGTERM)
+    return signal.Signals(_stop_signals[0] if _stop_signals else signal.SIGTERM)
 
 
 def _failpoint(label: str) -> None:

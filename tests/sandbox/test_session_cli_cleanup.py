@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,12 +187,6 @@ def test_kept_session_worker_frees_each_sessions_files():
 
 def test_ctrl_c_on_sandbox_run_is_one_line_and_leaves_no_process(tmp_path):
     """SIGINT to the command's process group, as a terminal sends Ctrl-C, while the job runs."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     program = tmp_path / "wait.sh"
     program.write_text("sleep 37.125\n")
     proc = subprocess.Popen([sys.executable, "-m", "components.cli", "sandbox", "run", "--timeout", "60", str(program)],
