@@ -23,7 +23,8 @@
   data stays in the store.
 - The model registry (versions, aliases) is :mod:`components.core.models`.
 
-The embedded default is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db`` with artifacts beside it;
+The embedded default is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db`` with artifacts beside it,
+its schema created whole or not at all (:mod:`components.core.trackdb`);
 ``MLFLOW_TRACKING_URI`` selects a remote server. Everything goes through ``MlflowClient``
 (no fluent global state), so in-process orchestrators can run stages side by side.
 Not covered: MLflow authentication set-up (use MLflow's own environment variables).
@@ -37,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from components.core import settings
+from components.core import settings, trackdb
 
 TAG_PIPELINE = "posttrain.pipeline"
 TAG_ITERATION = "posttrain.iteration"
@@ -100,6 +101,7 @@ def client():
     logging.getLogger("alembic").setLevel(logging.WARNING)
     uri = tracking_uri()
     if uri not in _clients:
+        trackdb.ensure_created(uri)  # never a half-created SQLite schema, even if this process is killed
         _clients[uri] = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return _clients[uri]
 

@@ -6,7 +6,7 @@ and evaluation reports (so the same baselines); and in MLflow, no run left RUNNI
 SIGKILLed and resumed iteration leaves none behind) and one parent run per iteration,
 ended FINISHED, under one summary run (a resumed iteration reuses its parent run).
 
-Kill points (28):
+Kill points (29):
 
 - ``FAILPOINTS``: the runner's ``POSTTRAIN_FAILPOINT=before-manifest:<label>`` for every
   stage label of the tiny recipe (bootstrap once; the other ten in iteration 1 and in
@@ -14,6 +14,9 @@ Kill points (28):
 - ``KILL_AFTER_S``: SIGKILL after t seconds of a run, t drawn with
   ``random.Random(20261201).uniform(3, 40)`` seven times (7 points), starting on a fresh
   home (so a kill can also land in the start-up: database migrations, the plan).
+- One more on that fresh home before them: SIGKILL while MLflow creates the tracking
+  database's schema (``components.core.trackdb``; a half-created database used to fail
+  every later run).
 
 To keep the suite a few minutes on 2 cores, each group is one chain in one home: kill,
 rerun (which is itself killed at the next point), ..., and a last rerun to the end. The
@@ -206,8 +209,25 @@ def test_killed_at_every_failpoint_then_rerun_ends_as_an_uninterrupted_run(unint
     assert_same(outcome(home), uninterrupted)
 
 
+def kill_while_creating_the_tracking_db(cwd: Path, home: Path) -> None:
+    """SIGKILL a first run in a fresh home while MLflow creates its SQLite schema (seconds of
+    migrations, in a temporary file beside ``mlflow.db``); the database must not exist after."""
+    with open(cwd / "run-tracking-db.log", "w") as log:
+        proc = start(cwd, home, log)
+        deadline = time.monotonic() + 120
+        try:
+            while not list(home.glob(".mlflow.db.creating-*")):
+                assert proc.poll() is None and time.monotonic() < deadline, (cwd / "run-tracking-db.log").read_text()[-3000:]
+                time.sleep(0.01)
+            time.sleep(0.3)
+        finally:
+            kill(proc)
+    assert not (home / "mlflow.db").exists()
+
+
 def test_killed_at_random_times_then_rerun_ends_as_an_uninterrupted_run(uninterrupted: Outcome, tmp_path: Path) -> None:
     home = tmp_path / ".posttrain"
+    kill_while_creating_the_tracking_db(tmp_path, home)
     for i, after in enumerate(KILL_AFTER_S):
         log_path = tmp_path / f"run-{i}.log"
         with open(log_path, "w") as log:

@@ -1,0 +1,79 @@
+"""An SQLite tracking database comes into being whole, or not at all.
+
+MLflow creates its schema on first use: it creates the initial tables, then runs some
+fifty migrations, in place, over a few seconds. A process killed in that window (Ctrl-C
+in the first seconds of a first ``posttrain run``, an OOM kill) leaves a database that
+every later client fails to open (``table datasets already exists``), so the home was
+unusable until someone deleted the file by hand.
+
+``ensure_created`` builds the schema in a temporary file beside the database and links
+it into place only when MLflow has finished with it, so the database path either does not
+exist or holds a complete schema. A temporary file left by a killed process is removed
+by the next call. Two processes creating the same database at once both build one; the
+first link wins and the other is discarded.
+
+Not covered: a database that already exists is used as it is, including one left half
+created by a version of posttrain before this module, and an in-place schema upgrade of
+an existing database after an MLflow upgrade (MLflow's ``mlflow db upgrade``, which its
+documentation asks to run on a backup).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PREFIX = "sqlite:///"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of an ``sqlite:///...`` URI; None for any other URI (and for an
+    in-memory ``sqlite://``)."""
+    if not uri.startswith(PREFIX):
+        return None
+    path = uri[len(PREFIX):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Temporary databases of processes that no longer run (killed while creating)."""
+    for tmp in path.parent.glob(f".{path.name}.creating-*"):
+        pid = tmp.name[len(f".{path.name}.creating-"):].split("-", 1)[0]  # "<pid>" or "<pid>-journal"
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def ensure_created(uri: str) -> None:
+    """Create the MLflow schema of the SQLite database at ``uri`` if the file does not
+    exist yet, atomically (see the module docstring); a no-op for other URIs and for an
+    existing file."""
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
+    tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        # The tracking store's migrations create the model registry's tables too.
+        store = SqlAlchemyStore(f"{PREFIX}{tmp}", (path.parent / "mlartifacts").as_uri())
+        store.engine.dispose()
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process linked its complete database first
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
+            leftover.unlink(missing_ok=True)
