@@ -47,6 +47,25 @@ from components.core.errors import InfraError, UserError, outage
 SUPPORTED_SCHEMES = ("file", "s3")
 
 
+def _file_path(uri: str, field: str) -> Path:
+    """The absolute path of a ``file:`` URI: ``file:///abs``, ``file://localhost/abs`` or
+    ``file:/abs`` (RFC 8089). A host (``file://tmp/x``, where ``file:///tmp/x`` was meant),
+    an empty or a relative path is a UserError: read as a path, each would name another
+    folder than the one the user wrote."""
+    rest = uri[len("file:"):]
+    if rest.startswith("//"):
+        host, slash, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            raise UserError(field, uri, f"a file URI with the host {host!r}: only local paths are supported",
+                            f"write three slashes for a local path (file:///{host}/{path})")
+        path = slash + path
+    else:
+        path = rest
+    if not path.startswith("/"):
+        raise UserError(field, uri, "a file URI needs an absolute path", "write file:///absolute/path or a bare path")
+    return Path(path).resolve()
+
+
 def normalize_uri(uri: str, field: str = "run_root") -> str:
     """Absolute URI for ``uri``; a bare path becomes ``file://<absolute path>``."""
     uri = str(uri).strip()
@@ -61,8 +80,7 @@ def normalize_uri(uri: str, field: str = "run_root") -> str:
             f"use one of {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}",
         )
     if parsed.scheme == "file":
-        path = uri[len("file://"):]
-        return "file://" + str(Path(path).expanduser().resolve())
+        return "file://" + str(_file_path(uri, field))
     if not parsed.netloc:
         raise UserError(field, uri, "s3 URI has no bucket", "write s3://bucket/prefix")
     return uri.rstrip("/")

@@ -143,6 +143,8 @@ def test_file_writes_leave_no_temporary_files(tmp_path: Path) -> None:
         ("s3://bucket/prefix/", "s3://bucket/prefix"),
         ("s3://bucket", "s3://bucket"),
         ("file:///tmp/../tmp/store", "file:///tmp/store"),
+        ("file:/tmp/store", "file:///tmp/store"),  # RFC 8089's one-slash form
+        ("file://localhost/tmp/store", "file:///tmp/store"),
     ],
 )
 def test_normalize_uri_accepts(uri: str, expected: str) -> None:
@@ -160,6 +162,11 @@ def test_normalize_uri_makes_bare_paths_absolute(tmp_path: Path, monkeypatch: py
         ("ftp://x", ["run_root='ftp://x'", "unsupported URI scheme 'ftp'", "fix: use one of file://, s3://"]),
         ("s3://", ["run_root='s3://'", "no bucket", "fix: write s3://bucket/prefix"]),
         ("   ", ["run_root=''", "empty storage URI", "fix: pass file:///path or s3://bucket/prefix"]),
+        # Each of these used to name another folder than the one written (./tmp/rty, ./mp/rtx, the cwd).
+        ("file://tmp/rty", ["run_root='file://tmp/rty'", "the host 'tmp'", "fix: write three slashes for a local path "
+                            "(file:///tmp/rty)"]),
+        ("file://", ["run_root='file://'", "needs an absolute path", "fix: write file:///absolute/path or a bare path"]),
+        ("file:rel/x", ["run_root='file:rel/x'", "needs an absolute path"]),
     ],
 )
 def test_normalize_uri_errors(uri: str, needles: list[str]) -> None:
