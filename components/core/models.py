@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from components.core import tracking
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError, outage
 
 POLICY_SUFFIX = "-policy"
 TAG_CHECKPOINT = "posttrain.checkpoint_uri"
@@ -172,13 +172,19 @@ def set_alias(pipeline: str, alias: str, version: str, run_root: str | None = No
 
 
 def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] | None:
-    """(version, checkpoint URI, tags) for an alias, or None when it is unset."""
+    """(version, checkpoint URI, tags) for an alias, or None when it is unset (or the
+    registered model does not exist); an unreachable tracking server is an InfraError, not
+    an unset alias."""
     from mlflow.exceptions import MlflowException
 
     try:
         mv = tracking.client().get_model_version_by_alias(model_name(pipeline), alias)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        if (down := outage(exc)) is not None:
+            raise InfraError("tracking server", tracking.tracking_uri(), down) from None
+        raise
     return str(mv.version), checkpoint_of(mv), dict(mv.tags)
 
 

@@ -90,6 +90,42 @@ def tracking_uri() -> str:
 
 
 _clients: dict[str, Any] = {}
+SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc")
+"""Tracking URI schemes MLflow has both a tracking and a model registry store for."""
+PROBE_TIMEOUT_S = 5.0
+
+
+def _checked(uri: str) -> None:
+    """A UserError for a tracking URI MLflow cannot use; an InfraError, in seconds, for an
+    HTTP(S) tracking server that cannot be reached (MLflow's own client retries a refused
+    connection for minutes before it says anything). A server that answers, with any
+    status below 500, passes: only reachability is checked here, not credentials."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlparse
+
+    from components.core.errors import InfraError, UserError
+
+    fix = ("use http(s)://host:port of an MLflow server, a database URI (sqlite:///path, postgresql://...), "
+           "or unset it for the embedded SQLite database")
+    try:
+        scheme = urlparse(uri).scheme.split("+", 1)[0]
+    except ValueError as exc:
+        raise UserError("MLFLOW_TRACKING_URI", uri, f"not a URI ({exc})", fix) from None
+    if scheme not in SCHEMES:
+        raise UserError("MLFLOW_TRACKING_URI", uri, f"unsupported tracking URI scheme {scheme!r}", fix)
+    if scheme not in ("http", "https"):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code < 500:
+            return
+        reason = f"HTTP {exc.code} from /health"
+    except (OSError, ValueError) as exc:
+        reason = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+    raise InfraError("tracking server", uri, reason)
 
 
 def client():
@@ -101,6 +137,7 @@ def client():
     logging.getLogger("alembic").setLevel(logging.WARNING)
     uri = tracking_uri()
     if uri not in _clients:
+        _checked(uri)
         trackdb.ensure_created(uri)  # never a half-created SQLite schema, even if this process is killed
         _clients[uri] = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return _clients[uri]
