@@ -240,6 +240,10 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
         if runner.stopping():  # SIGTERM or Ctrl-C: the command says so itself (no task of ours failed)
             raise tracking.Terminated(f"stopped by {runner.stop_signal().name}")
         if state != "success":
+            from dags.wiring import USER_ERRORS
+
+            if USER_ERRORS:  # a task's UserError: its one line and exit 2, as for the checks above
+                raise USER_ERRORS[0]
             say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
             return 1
         print_table(summary_rows(store, recipe, k), list(recipe.domains))

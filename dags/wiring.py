@@ -88,6 +88,12 @@ def schedule() -> str | Asset | None:
     return parse_schedule(value or "")
 
 
+USER_ERRORS: list[BaseException] = []
+"""The UserErrors tasks of this process failed on, first first: ``posttrain run`` runs its
+tasks in-process (``dag.test()``) and ends with the first one's line and exit 2, as if
+its own check had found it."""
+
+
 def _fail_now(exc: BaseException) -> BaseException:
     """Retrying cannot fix a user's mistake or bad data: fail the task at once."""
     from airflow.sdk.exceptions import AirflowFailException
@@ -95,6 +101,7 @@ def _fail_now(exc: BaseException) -> BaseException:
     from components.core.errors import DataQualityError, UserError
 
     if isinstance(exc, UserError):
+        USER_ERRORS.append(exc)
         return AirflowFailException(exc.line())
     if isinstance(exc, DataQualityError):
         return AirflowFailException(str(exc))

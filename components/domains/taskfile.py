@@ -230,3 +230,11 @@ def load_tasks(path_or_uri: str | Path, count: Callable[[str], int] = len) -> li
                             "give each task its own id (or drop task_id to derive it from the prompt)")
         seen[t.task_id] = i
     return tasks
+
+
+def check_domains(tasks: list[Task], domains: list[str], path: str) -> None:
+    """A UserError if a task's domain is not one the recipe trains on."""
+    for t in tasks:
+        if t.domain not in domains:
+            raise UserError("taskgen.task_file", path, f"has tasks of domain {t.domain!r}, which is not in 'domains'",
+                            f"add {t.domain!r} to 'domains' or remove those rows")

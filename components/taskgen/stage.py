@@ -48,7 +48,7 @@ from components.core.records import Task
 from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
-from components.domains.taskfile import load_tasks, read_bytes
+from components.domains.taskfile import check_domains, load_tasks, read_bytes
 from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
 from components.taskgen import curriculum
@@ -117,10 +117,9 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
     each domain's share is split across the difficulties its rows have. ``count`` gives
     the ``context_tokens`` of rows that do not state it."""
     pools: dict[str, list[Task]] = defaultdict(list)
-    for t in load_tasks(path, count):
-        if t.domain not in domains:
-            raise UserError("taskgen.task_file", path, f"has tasks of domain {t.domain!r}, which is not in 'domains'",
-                            f"add {t.domain!r} to 'domains' or remove those rows")
+    loaded = load_tasks(path, count)
+    check_domains(loaded, domains, path)
+    for t in loaded:
         if t.task_id not in exclude:  # never train on an eval-suite task
             pools[t.domain].append(dataclasses.replace(t, split="train"))
     present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]

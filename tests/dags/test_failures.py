@@ -42,6 +42,36 @@ def dag_run(home: Path, recipe: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1]) | {"log": proc.stdout + proc.stderr}
 
 
+def eval_suite_as_task_file(tmp_path: Path) -> Path:
+    """The tiny recipe's eval suite as a task file: every row is valid, and taskgen skips
+    them all (never train on an eval task), so only taskgen can find the mistake."""
+    from components.core.recipe import load_recipe
+    from components.evalsuite.suite import eval_tasks
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"domain": t.domain, "prompt": t.prompt, "reference": t.reference}) + "\n"
+                            for t in eval_tasks(load_recipe(str(TINY)))))
+    return path
+
+
+def test_a_tasks_user_error_ends_posttrain_run_with_its_line_and_exit_2(tmp_path: Path) -> None:
+    """``posttrain run`` runs the tasks in-process: a task's UserError is the command's one
+    error line and exit 2, as a preflight check's is (it was exit 1, "DAG run ended failed")."""
+    from tests.fixtures.runs import cli_env, run_posttrain
+
+    recipe = yaml.safe_load(TINY.read_text())
+    tasks = eval_suite_as_task_file(tmp_path)
+    recipe["taskgen"]["task_file"] = str(tasks)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(recipe))
+    proc = run_posttrain(["run", "--recipe", str(bad), "--iterations", "1"], tmp_path, cli_env(tmp_path / ".posttrain"))
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"posttrain: error: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
+        "['arithmetic', 'code']; fix: add tasks of those domains (tasks equal to eval-suite tasks are skipped) or "
+        "change the weights")
+
+
 def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -50,15 +80,15 @@ def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tm
 
     home = tmp_path / ".posttrain"
     recipe = yaml.safe_load(TINY.read_text())
-    tasks = tmp_path / "tasks.jsonl"  # readable (the plan's preflight passes), but of a domain the recipe lacks
-    tasks.write_text(json.dumps({"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}) + "\n")
+    tasks = eval_suite_as_task_file(tmp_path)  # valid rows (the plan's preflight passes), but none to train on
     recipe["taskgen"]["task_file"] = str(tasks)  # taskgen fails: the user's mistake
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(recipe))
 
     first = dag_run(home, bad)
     assert first["state"] == "failed"
-    reason = f"AirflowFailException: taskgen.task_file='{tasks}': has tasks of domain 'math', which is not in 'domains'"
+    reason = (f"AirflowFailException: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
+              "['arithmetic', 'code']")
     assert f"posttrain task taskgen failed: {reason}" in first["log"]  # the task log says why
     db = sqlite3.connect(home / "airflow" / "airflow.db")
     tries = db.execute("select state, try_number from task_instance where task_id = 'taskgen' and run_id = ?",
