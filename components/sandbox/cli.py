@@ -9,7 +9,11 @@ cause and fix (doctor.py), and exits 1 when the sandbox would refuse to run;
 inside an image build). The main CLI wires ``add_parser`` into its subcommands and calls
 ``args.handler(args)``.
 
-Not covered: stdin from the terminal (use --stdin-file), extra files beside FILE.
+Bad input is a ``UserError`` (one line, exit 2) naming the flag, the value and the fix:
+a limit outside SandboxConfig's range (the range is read from its field constraints),
+and a program or --stdin-file that is missing, unreadable or not UTF-8 (rejected, not
+re-encoded). Not covered: stdin from the terminal (use --stdin-file), extra files
+beside FILE, and values argparse itself rejects (``--timeout abc``: its usage + error).
 """
 
 from __future__ import annotations
@@ -43,13 +47,59 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args: argparse.Namespace) -> SimpleNamespace:
+# SandboxConfig field -> (flag, unit) for the limits ``run`` takes from the command line
+_LIMIT_FLAGS = {"timeout_s": ("--timeout", "seconds"), "memory_mb": ("--memory", "MiB"),
+                "output_cap_bytes": ("--output-cap", "bytes")}
+
+
+def _allowed(field: str) -> str:
+    """SandboxConfig's range for ``field`` in words, from its constraints (gt/ge/lt/le)."""
     from components.core.recipe import SandboxConfig
 
-    base = SandboxConfig(backend="bwrap", timeout_s=args.timeout, memory_mb=args.memory,
-                         output_cap_bytes=args.output_cap, concurrency=1).model_dump()
+    words = {"gt": "above", "ge": "at least", "lt": "below", "le": "at most"}
+    parts = [f"{word} {getattr(c, attr)}" for c in SandboxConfig.model_fields[field].metadata
+             for attr, word in words.items() if getattr(c, attr, None) is not None]
+    return " and ".join(parts)
+
+
+def _config(args: argparse.Namespace) -> SimpleNamespace:
+    """The executor's config; a limit outside SandboxConfig's range is a UserError."""
+    from pydantic import ValidationError
+
+    from components.core.errors import UserError
+    from components.core.recipe import SandboxConfig
+
+    try:
+        base = SandboxConfig(backend="bwrap", timeout_s=args.timeout, memory_mb=args.memory,
+                             output_cap_bytes=args.output_cap, concurrency=1).model_dump()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else ""
+        if field not in _LIMIT_FLAGS:
+            raise  # not from the command line: our bug, a traceback
+        flag, unit = _LIMIT_FLAGS[field]
+        raise UserError(flag, error["input"], str(error["msg"]).lower(),
+                        f"pass {flag} in {unit}, {_allowed(field)}") from None
     base.update(mode=args.mode, allow_weak_isolation=args.allow_weak_isolation)
     return SimpleNamespace(**base)
+
+
+def _read_text(flag: str, name: str, fix: str) -> str:
+    """``name``'s text as UTF-8 (newlines translated, as ``read_text`` does); a missing,
+    unreadable or non-UTF-8 file is a UserError naming ``flag``."""
+    from components.core.errors import UserError
+
+    try:
+        return Path(name).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(flag, name, "no such file", fix) from None
+    except IsADirectoryError:
+        raise UserError(flag, name, "is a directory", fix) from None
+    except OSError as exc:
+        raise UserError(flag, name, f"cannot be read ({exc.strerror or type(exc).__name__})", fix) from None
+    except UnicodeDecodeError as exc:
+        raise UserError(flag, name, f"is not UTF-8 text (byte {exc.object[exc.start]:#04x})",
+                        "save it as UTF-8 text") from None
 
 
 def handle_run(args: argparse.Namespace) -> int:
@@ -65,9 +115,11 @@ def handle_run(args: argparse.Namespace) -> int:
         raise UserError("--lang", None, f"cannot tell the language of {path.name}", "pass --lang python or --lang bash")
     name = "main.py" if lang == "python" else "main.sh"
     argv = [PYTHON, "-I", "-S", name] if lang == "python" else ["bash", name]
-    stdin = Path(args.stdin_file).read_text() if args.stdin_file else ""
-    job = Job(job_id=path.name, files={name: path.read_text()}, argv=argv, stdin=stdin, timeout_s=args.timeout)
-    with get_executor(_config(args)) as executor:
+    config = _config(args)
+    source = _read_text("file", args.file, "pass the path of a readable .py or .sh file")
+    stdin = _read_text("--stdin-file", args.stdin_file, "pass a readable text file") if args.stdin_file else ""
+    job = Job(job_id=path.name, files={name: source}, argv=argv, stdin=stdin, timeout_s=args.timeout)
+    with get_executor(config) as executor:
         result = executor.run(job)
     out = dataclasses.asdict(result)
     out.pop("result", None)

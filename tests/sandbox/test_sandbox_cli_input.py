@@ -1,0 +1,76 @@
+"""``posttrain sandbox run`` turns bad input into one stderr line and exit 2, no traceback.
+
+Runs the real CLI as a subprocess. Bad limits, a missing / directory / non-UTF-8
+--stdin-file and a non-UTF-8 program each give ``posttrain: error: FLAG='VALUE': ...;
+fix: ...``; these are caught before any sandbox starts, so they need no bwrap. The valid
+run needs bwrap and is skipped without it. Not covered: values argparse itself rejects
+(``--timeout abc``), unreadable-permission files (root reads them anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.home import REPO_ROOT
+from tests.sandbox.helpers import bwrap_unavailable
+
+
+def sandbox_run(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "components.cli", "sandbox", "run", *argv], capture_output=True,
+                          text=True, timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    (tmp_path / "ok.py").write_text("print(6 * 7)\n")
+    (tmp_path / "latin1.py").write_bytes(b"x = '\xff'\n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (tmp_path / "folder").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize(("argv", "flag", "value", "fix"), [
+    (["--timeout", "0", "ok.py"], "--timeout", "0", "above 0 and at most 86400"),
+    (["--timeout", "-1", "ok.py"], "--timeout", "-1", "above 0 and at most 86400"),
+    (["--timeout", "nan", "ok.py"], "--timeout", "nan", "above 0 and at most 86400"),
+    (["--memory", "0", "ok.py"], "--memory", "0", "at least 16 and at most 1048576"),
+    (["--output-cap", "10", "ok.py"], "--output-cap", "10", "at least 256 and at most 1073741824"),
+    (["--output-cap", "99999999999", "ok.py"], "--output-cap", "99999999999", "at least 256 and at most 1073741824"),
+    (["--stdin-file", "missing.txt", "ok.py"], "--stdin-file", "missing.txt", "no such file"),
+    (["--stdin-file", "folder", "ok.py"], "--stdin-file", "folder", "is a directory"),
+    (["--stdin-file", "latin1.txt", "ok.py"], "--stdin-file", "latin1.txt", "not UTF-8"),
+    (["latin1.py"], "file", "latin1.py", "not UTF-8"),
+])
+def test_bad_input_is_one_line_and_exit_2(files, argv, flag, value, fix):
+    proc = sandbox_run(*argv, cwd=files)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"posttrain: error: {flag}='{value}"), lines[0]
+    assert "; fix: " in lines[0] and fix in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+def test_limit_range_comes_from_sandbox_config():
+    from components.core.recipe import SandboxConfig
+    from components.sandbox.cli import _allowed
+
+    assert SandboxConfig.model_fields["memory_mb"].metadata[0].ge == 16
+    assert _allowed("memory_mb") == "at least 16 and at most 1048576"
+
+
+@pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+def test_valid_run_still_succeeds(files):
+    (files / "in.txt").write_text("café\n")
+    (files / "echo.py").write_text("import sys\nprint(sys.stdin.read().upper(), end='')\n")
+    proc = sandbox_run("--timeout", "10", "--memory", "256", "--output-cap", "256", "--stdin-file", "in.txt",
+                       "echo.py", cwd=files)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["status"] == "ok" and out["stdout"] == "CAFÉ\n" and out["lang"] == "python"
