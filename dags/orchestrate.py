@@ -205,7 +205,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     recipe = load_recipe(conf.recipe)
     if iterations < 1:
         raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
-    home = settings.home()
+    home = settings.made_home()
     holder = f"local:{home}"
     # The stages run one after the other in this process: each may use every core
     # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins). Checked here, so

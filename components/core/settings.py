@@ -36,6 +36,20 @@ def home() -> Path:
     return Path(os.environ.get("POSTTRAIN_HOME") or ".posttrain").resolve()
 
 
+def made_home() -> Path:
+    """``home()``, created if missing; a path that cannot be a folder (a file, ``/dev/null``,
+    under ``/proc``, no permission) is a UserError naming ``POSTTRAIN_HOME``."""
+    from components.core.errors import UserError
+
+    path = home()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError("POSTTRAIN_HOME", str(path), f"cannot be a folder ({exc.strerror or type(exc).__name__})",
+                        "point POSTTRAIN_HOME at a folder this user can write (default: ./.posttrain)") from None
+    return path
+
+
 def default_run_root() -> str:
     return os.environ.get("POSTTRAIN_RUN_ROOT") or str(home() / "store")
 
@@ -124,4 +138,6 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
         _check_image_run_root(run_root)
     chosen = recipe or default_recipe()
     recipe_path = chosen if "://" in chosen else str(Path(chosen).expanduser().resolve())
+    if not (run_root or os.environ.get("POSTTRAIN_RUN_ROOT")):
+        made_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such
     return RunSettings(recipe=recipe_path, run_root=normalize_uri(run_root or default_run_root(), "--run-root"))

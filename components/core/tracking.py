@@ -85,8 +85,7 @@ def tracking_uri() -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    settings.home().mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{settings.home() / 'mlflow.db'}"
+    return f"sqlite:///{settings.made_home() / 'mlflow.db'}"
 
 
 _clients: dict[str, Any] = {}
