@@ -14,9 +14,11 @@ when the taskgen stage loads the file) and
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
 the fix. Each domain checks its reference's shape here (``Domain.reference_problem``), so
 a wrong-shaped reference is an error at load time, not a verifier crash mid-run. Bounds:
-a file of at most ``MAX_FILE_BYTES``, values nested at most ``MAX_DEPTH`` deep; values in
-messages are shortened with ``reprlib`` first. Not covered: checking that a reference is
-*correct* for its prompt (only its shape), CSV, and files larger than memory.
+a file of at most ``MAX_FILE_BYTES``, values nested at most ``MAX_DEPTH`` deep, prompts of
+at most ``MAX_PROMPT_CHARS``; values in messages are shortened with ``reprlib`` first.
+Not covered: checking that a reference is *correct* for its prompt (only its shape),
+that a prompt fits the policy's positions (taskgen counts its tokens), CSV, and files
+larger than memory.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ REQUIRED = ("domain", "prompt", "reference")
 OPTIONAL = ("task_id", "split", "difficulty", "context_tokens", "metadata")
 FORMATS = (".parquet", ".jsonl", ".json")
 MAX_FILE_BYTES = 1 << 30
+MAX_PROMPT_CHARS = 1_000_000
+"""Longest prompt of a task (about 250k tokens of English: beyond any policy's context). A
+50 MB prompt took 20 GB of memory to tokenize before this bound."""
 MAX_DEPTH = 32
 """Deepest nesting of lists/objects in a task row (references are a level or two deep)."""
 _SHORT = reprlib.Repr()
@@ -169,6 +174,10 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
         raise UserError(f"{where}: domain", short(row["domain"]), "unknown domain", f"use one of {registry.names()}")
     if not isinstance(row["prompt"], str):
         raise UserError(f"{where}: prompt", short(row["prompt"]), "must be a string", "quote the prompt text")
+    if len(row["prompt"]) > MAX_PROMPT_CHARS:
+        raise UserError(f"{where}: prompt", short(row["prompt"]),
+                        f"is {len(row['prompt']):,} characters, more than {MAX_PROMPT_CHARS:,}",
+                        "shorten it: no policy reads a prompt that long, and tokenizing it alone takes gigabytes")
     reference = _object(row["reference"], f"{where}: reference")
     metadata = _object(row.get("metadata") or {}, f"{where}: metadata")
     problem = registry.get(row["domain"]).reference_problem(reference)

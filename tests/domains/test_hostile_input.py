@@ -133,6 +133,17 @@ def test_malformed_task_files_are_one_line(tmp_path, capsys, task):
     assert code == 2
 
 
+def test_a_prompt_over_the_bound_is_one_line_naming_its_length(tmp_path, capsys):
+    from components.domains.taskfile import MAX_PROMPT_CHARS
+
+    task = json.dumps({"domain": "math", "prompt": "1" * (MAX_PROMPT_CHARS + 1) + "=", "reference": {"answer": "1"}})
+    code = main(["verify", "--domain", "math", "--task", write(tmp_path, "t.json", task),
+                 "--completion", write(tmp_path, "c.txt", "1"), *WEAK, "--timeout", "2"])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert ": prompt=" in line and f"is {MAX_PROMPT_CHARS + 2:,} characters, more than {MAX_PROMPT_CHARS:,}" in line
+
+
 @pytest.mark.parametrize("data", [b"PAR1" + b"\x00" * 100 + b"PAR1", b"not parquet", b""])
 def test_garbage_parquet_is_one_line(tmp_path, capsys, data):
     code, _ = verify(tmp_path, capsys, "math", data, "1", name="t.parquet")
