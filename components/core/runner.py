@@ -205,6 +205,19 @@ def _where(exc: BaseException, run_root: str) -> str:
     return str(run_root) if service == "store" else type(exc).__name__
 
 
+def number(value: float) -> str:
+    """A metric for a person: counts as integers (``1100``, not ``1.1e+03``), others to 3
+    significant digits."""
+    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.3g}"
+
+
+def headline(named: dict[str, float], most: int = 4) -> str:
+    """A stage's first ``most`` overall metrics (``<stage>/<name>``) for its progress line;
+    the per-domain and other nested ones (``<stage>/<domain>/<name>``) are in MLflow."""
+    top = [(k.split("/", 1)[1], v) for k, v in named.items() if k.count("/") == 1 and not k.endswith("/duration_s")]
+    return " | ".join(f"{k} {number(v)}" for k, v in top[:most])
+
+
 def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,
                orchestrator_run_id: str) -> Manifest | None:
     ctx = make_context(stage, recipe, run_root, iteration, shard)
@@ -258,6 +271,5 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
         ctx.store.write_json(f"{ctx.prefix}/{MANIFEST}", manifest.to_json())  # last: readers trust only this
     # the run ends FINISHED here, after its manifest: a FINISHED stage run always has one
     _end_iteration(ctx, orchestrator_run_id)
-    shown = " | ".join(f"{k.split('/', 1)[1]} {v:.3g}" for k, v in list(named.items())[:4])
-    say(f"iter {ctx.iteration} | {label} | {shown} | {finished - started:.1f}s")
+    say(f"iter {ctx.iteration} | {label} | {headline(named)} | {finished - started:.1f}s")
     return manifest
