@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from components.core.errors import InfraError, UserError, outage
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
@@ -46,6 +46,15 @@ MAX_SHARDS = 1024
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """``shards: true`` is a mistake, not 1: pydantic would take a bool for an int."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in (int, float):
+            raise ValueError("input should be a number, not true/false")
+        return value
 
 
 class ModelConfig(_Section):
@@ -332,7 +341,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         err = exc.errors(include_url=False, include_context=False)[0]
         loc = ".".join(oneline(str(short(p))) for p in err["loc"]) or "recipe"
         loc = loc if len(loc) <= 160 else loc[:157] + "..."
-        msg = oneline(str(err["msg"])[:200])
+        msg = oneline(str(err["msg"])[:200]).removeprefix("Value error, ")
         raise UserError(f"{source}: {loc}", short(err.get("input", "")), msg, _fix_for(loc, msg)) from None
     except RecursionError:
         raise UserError("recipe", source, f"nested deeper than {MAX_YAML_DEPTH} levels",
@@ -487,7 +496,27 @@ class BoundedLoader(yaml.SafeLoader):
         if size + self._total > MAX_YAML_NODES:
             raise TooLarge(f"expands to more than {MAX_YAML_NODES} values (YAML aliases count in full)",
                            node.start_mark)
+        if isinstance(node, yaml.MappingNode):
+            _no_repeated_keys(node)
         return node
+
+
+class RepeatedKey(yaml.YAMLError):
+    """A mapping that names a key twice: YAML loaders keep the last value silently, so
+    ``pipeline: demo`` then ``pipeline: other`` would run pipeline "other"."""
+
+    def __init__(self, key: str, first: Any, again: Any) -> None:
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+def _no_repeated_keys(node: Any) -> None:
+    seen: dict[str, Any] = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+            if key.value in seen:
+                raise RepeatedKey(key.value, seen[key.value], key.start_mark)
+            seen[key.value] = key.start_mark
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -501,6 +530,10 @@ def load_recipe(path: str | Path) -> Recipe:
     except TooLarge as exc:
         raise UserError("--recipe", str(path), f"{exc.problem} at line {exc.problem_mark.line + 1}",
                         "write the values out plainly, without deep nesting or alias chains") from None
+    except RepeatedKey as exc:
+        raise UserError("--recipe", str(path), f"the key {short(exc.key)!r} appears twice in one mapping (lines "
+                        f"{exc.first.line + 1} and {exc.again.line + 1}); YAML would keep the last silently",
+                        "keep one of them") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"

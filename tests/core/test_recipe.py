@@ -14,6 +14,14 @@ from tests.fixtures.home import TINY_RECIPE
 
 # (case id, recipe text, substrings the one-line error must contain: field, value, problem, fix)
 ERRORS = [
+    ("bool-for-an-int", "pipeline: t\nrollout: {shards: true}\n",
+     ["rollout.shards='True'", "input should be a number, not true/false", "fix: set 'rollout.shards'"]),
+    ("bool-for-a-float", "pipeline: t\ntrainer: {learning_rate: false}\n",
+     ["trainer.learning_rate='False'", "not true/false"]),
+    ("repeated-key", "pipeline: demo\nseed: 3\npipeline: other\n",
+     ["the key 'pipeline' appears twice in one mapping (lines 1 and 3)", "fix: keep one of them"]),
+    ("repeated-nested-key", "pipeline: t\nrollout:\n  group_size: 4\n  group_size: 8\n",
+     ["the key 'group_size' appears twice in one mapping (lines 3 and 4)"]),
     ("unknown-key", "pipeline: t\nrollout: {group_sise: 4}\n",
      ["rollout.group_sise='4'", "Extra inputs are not permitted", "fix: remove 'rollout.group_sise' or correct its spelling"]),
     ("wrong-type", "pipeline: t\nrollout: {group_size: many}\n",
