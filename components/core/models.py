@@ -58,7 +58,9 @@ def checkpoint_of(mv) -> str:
 
 def _refuse(name: str, run_root: str, owner: str) -> UserError:
     return UserError("run_root", run_root, f"registered model {name} belongs to run root {owner}",
-                     "give this run root its own pipeline name (recipe `pipeline:`) or its own tracking server")
+                     "give this run root its own pipeline name (recipe `pipeline:`) or its own tracking server; a "
+                     "POSTTRAIN_HOME copied or moved from elsewhere still tracks the run root it was made with: use it at "
+                     "its original path")
 
 
 def owner(pipeline: str) -> str | None:

@@ -14,7 +14,8 @@ from components.core.recipe import load_recipe
 from tests.core.test_policy_model import write_checkpoint
 from tests.fixtures.runs import TINY
 
-FIX = "give this run root its own pipeline name (recipe `pipeline:`) or its own tracking server"
+FIX = ("give this run root its own pipeline name (recipe `pipeline:`) or its own tracking server; a POSTTRAIN_HOME "
+       "copied or moved from elsewhere still tracks the run root it was made with: use it at its original path")
 
 
 def _register(root: str, rel: str) -> str:
