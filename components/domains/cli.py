@@ -86,7 +86,8 @@ def read_completion(name: str) -> str:
 
     path = Path(name)
     if not path.is_file():
-        raise UserError("--completion", name, "no such file", "pass a text file holding the completion")
+        why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
+        raise UserError("--completion", name, why, "pass a text file holding the completion")
     try:
         with path.open("rb") as fh:
             data = fh.read(4 * MAX_COMPLETION_CHARS + 4)
@@ -101,6 +102,7 @@ def verdict_json(domain, task, completion: str, sandbox_config) -> dict:
     JSON-able dict. Total: malformed completions are not run, and a failing plan or
     verifier gives the verdict ``verifier_error``."""
     from components.domains.base import Verdict, error_text, judge, malformed
+    from components.sandbox.cli import weak_isolation_flag
     from components.sandbox.executor import get_executor
 
     result = None
@@ -111,7 +113,7 @@ def verdict_json(domain, task, completion: str, sandbox_config) -> dict:
             v = Verdict(0.0, False, status="verifier_error", detail=f"execution plan failed: {error_text(exc)}")
             return _as_json(task, v, None)
         if job is not None:
-            with get_executor(sandbox_config) as executor:
+            with weak_isolation_flag(), get_executor(sandbox_config) as executor:
                 result = executor.run(job)
     return _as_json(task, judge(domain, task, completion, result), result)
 

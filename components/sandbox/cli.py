@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,6 +62,22 @@ def _allowed(field: str) -> str:
     parts = [f"{word} {getattr(c, attr)}" for c in SandboxConfig.model_fields[field].metadata
              for attr, word in words.items() if getattr(c, attr, None) is not None]
     return " and ".join(parts)
+
+
+@contextmanager
+def weak_isolation_flag() -> Iterator[None]:
+    """On the command line, the executor's refusal names the ``--allow-weak-isolation``
+    flag rather than the recipe field ``sandbox.allow_weak_isolation`` it names in a run."""
+    from components.core.errors import UserError
+
+    try:
+        yield
+    except UserError as exc:
+        if exc.field != "sandbox.allow_weak_isolation":
+            raise
+        raise UserError("--allow-weak-isolation", "not given", exc.problem,
+                        "pass --allow-weak-isolation, for trusted code only, or use the bwrap backend on a host "
+                        "that has it (posttrain sandbox doctor says what is missing)") from None
 
 
 def _config(args: argparse.Namespace) -> SimpleNamespace:
@@ -119,7 +137,7 @@ def handle_run(args: argparse.Namespace) -> int:
     source = _read_text("file", args.file, "pass the path of a readable .py or .sh file")
     stdin = _read_text("--stdin-file", args.stdin_file, "pass a readable text file") if args.stdin_file else ""
     job = Job(job_id=path.name, files={name: source}, argv=argv, stdin=stdin, timeout_s=args.timeout)
-    with get_executor(config) as executor:
+    with weak_isolation_flag(), get_executor(config) as executor:
         result = executor.run(job)
     out = dataclasses.asdict(result)
     out.pop("result", None)

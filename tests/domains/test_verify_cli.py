@@ -46,7 +46,23 @@ def test_verify_prints_verdict_json(tmp_path, capsys, task, completion, score, p
 def test_subprocess_backend_without_the_flag_is_refused(tmp_path, capsys):
     code = main(["verify", "--domain", "terminal", "--task", write(tmp_path, "t.json", json.dumps(TERMINAL_TASK)),
                  "--completion", write(tmp_path, "c.txt", "mkdir a"), "--backend", "subprocess"])
-    assert code == 2 and "allow_weak_isolation" in capsys.readouterr().err
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert line.startswith("posttrain: error: --allow-weak-isolation='not given': backend 'subprocess' gives no "
+                           "namespace isolation")  # the flag this command has, not the recipe field
+    assert "fix: pass --allow-weak-isolation, for trusted code only" in line
+
+
+@pytest.mark.parametrize(("completion", "why"), [("dir", "is a directory"), ("/dev/zero", "is not a regular file"),
+                                                 ("none.txt", "no such file")])
+def test_a_completion_that_is_not_a_file_is_named(tmp_path, capsys, completion, why):
+    (tmp_path / "dir").mkdir()
+    name = completion if completion.startswith("/") else str(tmp_path / completion)
+    code = main(["verify", "--domain", "math", "--task", write(tmp_path, "t.json", json.dumps(MATH_TASK)),
+                 "--completion", name, *WEAK])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (f"posttrain: error: --completion='{name}': {why}; fix: pass a text file "
+                                               "holding the completion")
 
 
 def test_verify_reads_first_row_of_parquet_and_fills_domain(tmp_path, capsys):
