@@ -37,6 +37,7 @@ from components.core.planner import finished, plan
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.storage import Store
+from components.domains.taskfile import check_task_file
 from dags import stagehost
 
 
@@ -221,6 +222,8 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
         # home's lock already keeps a second run on this home away from its SQLite MLflow).
         preflight.task_file(recipe)
+        if recipe.taskgen.task_file:
+            check_task_file(recipe.taskgen.task_file, list(recipe.domains))
         preflight.policy_source(recipe)
         preflight.registry_owner(recipe, store.uri)  # another run root's registered model: refused before any work
         with writer_lease(store, recipe.pipeline, home):

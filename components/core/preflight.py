@@ -36,7 +36,6 @@ from components.core import models, tracking
 from components.core.errors import InfraError, UserError, outage
 from components.core.recipe import Recipe
 from components.core.storage import filesystem, join, normalize_uri
-from components.domains.taskfile import check_domains, load_tasks
 
 LOCAL_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql")
 """Tracking URI schemes that need no server between the client and the registry."""
@@ -100,10 +99,6 @@ def task_file(recipe: Recipe) -> None:
             raise InfraError("store", source, down) from None
         raise UserError("taskgen.task_file", source, f"cannot be read ({type(exc).__name__})",
                         "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
-    # Every row now, as taskgen will read it: a bad row is one line before any work, not a
-    # failed task after the bootstrap. (Prompt lengths are counted in characters here; taskgen
-    # counts the policy's tokens.)
-    check_domains(load_tasks(source), list(recipe.domains), source)
 
 
 def registry_owner(recipe: Recipe, run_root: str) -> None:

@@ -247,3 +247,11 @@ def check_domains(tasks: list[Task], domains: list[str], path: str) -> None:
         if t.domain not in domains:
             raise UserError("taskgen.task_file", path, f"has tasks of domain {t.domain!r}, which is not in 'domains'",
                             f"add {t.domain!r} to 'domains' or remove those rows")
+
+
+def check_task_file(source: str, domains: list[str]) -> None:
+    """Every row of a recipe's task file, as taskgen will read it, before any work: a bad
+    row is one UserError at the orchestrator's preflight, not a failed taskgen after the
+    bootstrap. Prompt lengths are counted in characters here; taskgen counts the policy's
+    tokens."""
+    check_domains(load_tasks(source), domains, source)

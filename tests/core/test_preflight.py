@@ -45,29 +45,8 @@ def test_a_missing_task_file_is_refused(tmp_path: Path, posttrain_home: Path) ->
     with pytest.raises(UserError) as info:
         preflight.task_file(recipe)
     assert info.value.field == "taskgen.task_file"
-    (tmp_path / "tasks.jsonl").write_text(GOOD)
+    (tmp_path / "tasks.jsonl").write_text('{"domain": "arithmetic", "prompt": "1+1=", "reference": {"answer": "2"}}\n')
     preflight.task_file(_recipe(tmp_path, f"taskgen: {{task_file: 'file://{tmp_path / 'tasks.jsonl'}'}}\n"))
-
-
-GOOD = '{"domain": "arithmetic", "prompt": "1+1=", "reference": {"answer": "2"}}\n'
-
-
-@pytest.mark.parametrize(("content", "needles"), [
-    (GOOD + "{bad json\n", ["line 2='{bad json'", "not valid JSON"]),
-    ('{"domain": "arithmetic", "prompt": "1+1="}\n', ["row 0", "reference"]),
-    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n',
-     ["has tasks of domain 'math', which is not in 'domains'", "fix: add 'math' to 'domains'"]),
-])
-def test_a_task_file_with_a_bad_row_is_refused_before_any_work(content, needles, tmp_path: Path,
-                                                                posttrain_home: Path) -> None:
-    """Every row is read at preflight, as taskgen reads it: before, only a missing file was
-    refused there, and a bad row failed taskgen after the bootstrap (exit 1)."""
-    path = tmp_path / "tasks.jsonl"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(UserError) as info:
-        preflight.task_file(_recipe(tmp_path, f"taskgen: {{task_file: '{path}'}}\n"))
-    line = info.value.line()
-    assert "\n" not in line and all(n in line for n in needles), line
 
 
 def test_a_missing_policy_source_is_refused(tmp_path: Path, posttrain_home: Path) -> None:

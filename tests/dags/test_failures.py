@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,3 +118,32 @@ def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tm
     [again] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
     assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"  # reopened, then finished
     assert client.search_runs([experiment], "attributes.status = 'RUNNING'") == []
+
+
+GOOD_ROW = '{"domain": "arithmetic", "prompt": "1+1=", "reference": {"answer": "2"}}\n'
+
+
+@pytest.mark.parametrize(("content", "needles"), [
+    (GOOD_ROW + "{bad json\n", ["line 2='{bad json'", "not valid JSON"]),
+    ('{"domain": "arithmetic", "prompt": "1+1="}\n', ["row 0", "reference"]),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n',
+     ["has tasks of domain 'math', which is not in 'domains'", "fix: add 'math' to 'domains'"]),
+])
+def test_a_task_file_with_a_bad_row_stops_posttrain_run_before_any_work(content: str, needles: list[str],
+                                                                        tmp_path: Path) -> None:
+    """Every row is read before the bootstrap, as taskgen reads it (before, only a missing
+    file was refused up front, and a bad row failed taskgen after the bootstrap, exit 1)."""
+    from tests.fixtures.runs import cli_env, run_posttrain
+
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(content)
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["taskgen"]["task_file"] = str(path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(recipe))
+    home = tmp_path / ".posttrain"
+    proc = run_posttrain(["run", "--recipe", str(bad), "--iterations", "1"], tmp_path, cli_env(home), timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert all(n in line for n in needles), line
+    assert not (home / "store" / "tiny" / "bootstrap").exists()  # nothing ran
