@@ -16,74 +16,214 @@ prompt) or ``auto``; choose the recipe's ``rollout.prompt_format`` to serve prom
 pipeline puts them. Token-id prompts are used as they are. A request is generated as one ``HFEngine`` call, seeded with the request's ``seed``
 (default 0), so the same request returns the same completions.
 
+Every request is checked before any generation and refused with HTTP 400 and an OpenAI
+error body (``error.message`` names the field, the value and the fix; ``error.param`` the
+field): token ids must lie in ``0 .. vocab_size - 1``; ``max_tokens`` (default 16, as
+OpenAI's) in ``1 .. max_positions - 1``; ``temperature`` is 0 or in ``0.01 .. 100``
+(default 1; smaller positive values overflow the logits); ``seed`` is a 64-bit integer;
+and every prompt's tokens plus ``max_tokens`` must fit the model's
+``max_position_embeddings`` (as vLLM refuses a request over its context length, where
+``HFEngine`` itself would shorten the completion).
+
+SIGINT or SIGTERM stops the server: a request in flight stops at its next forward pass
+and is answered 503, then the command exits like the rest of the CLI (130 with
+``posttrain: interrupted (Ctrl-C)``, 143 with ``posttrain: stopped by SIGTERM``). A single
+forward pass is not interrupted (it is bounded by the context length).
+
 Not covered: chat completions, streaming, ``n > 1``, ``stop`` strings, top-k/top-p,
 ``echo``, concurrent batching of separate requests (requests run one at a time under a
-lock), authentication. It is a test and development server, not a production one.
+lock), a bound on the number of prompts in one request, models without
+``max_position_embeddings`` (no prompt length limit), authentication. It is a test and
+development server, not a production one.
 """
 
 from __future__ import annotations
 
+import math
+import signal
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from components.core.policy import Policy
 from components.rollout.engines import TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # besides 0 (greedy)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; torch.manual_seed takes up to 2**64 - 1, room for the batch index added
+
+
+class RequestError(ValueError):
+    """A request the server refuses with HTTP 400; ``param`` is the request field at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Stopped(Exception):
+    """The server is shutting down: the request in flight is abandoned (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked ``/v1/completions`` body."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    temperature: float  # 0 is greedy
+    seed: int
+    token_ids: bool  # return_tokens_as_token_ids
+    logprobs: bool
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_ids(field: str, ids: Any, vocab: int) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("prompt", f"{field} is {'empty' if ids == [] else type(ids).__name__}; a prompt is a string "
+                           "or a non-empty list of token ids")
+    for k, t in enumerate(ids):
+        if not _is_int(t) or not 0 <= t < vocab:
+            raise RequestError("prompt", f"{field}[{k}]={t!r} is not a token id of this model: ids are integers "
+                               f"from 0 to {vocab - 1}; send ids of this model's tokenizer, or send text")
+    return ids
+
 
 def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:
     """Normalise every OpenAI ``prompt`` shape to token-id lists (strings in the policy's prompt format, as rollout)."""
+    vocab = int(policy.model.config.vocab_size)
     if isinstance(prompt, str):
         return [policy.encode_prompt(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and not any(isinstance(p, str | list) for p in prompt):
+        return [_token_ids("prompt", prompt, vocab)]
     if isinstance(prompt, list) and prompt:
-        return [policy.encode_prompt(p) if isinstance(p, str) else [int(x) for x in p] for p in prompt]
-    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        return [policy.encode_prompt(p) if isinstance(p, str) else _token_ids(f"prompt[{i}]", p, vocab)
+                for i, p in enumerate(prompt)]
+    raise RequestError("prompt", f"prompt={_short(prompt)} is missing or empty; send a string, a list of strings, "
+                       "a list of token ids or a list of token-id lists")
 
 
-def complete(policy: Policy, body: dict[str, Any], batch_size: int = 64, model_name: str = "") -> dict[str, Any]:
-    """The ``/v1/completions`` response for ``body`` (raises ValueError on unsupported options)."""
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _int(body: dict[str, Any], key: str, default: int, low: int, high: int, why: str) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _is_int(value) or not low <= value <= high:
+        raise RequestError(key, f"{key}={_short(value)} is out of range: send an integer from {low} to {high}{why}, "
+                           f"or leave it out for {default}")
+    return value
+
+
+def parse(policy: Policy, body: dict[str, Any]) -> Request:
+    """``body`` checked against what this server and ``policy``'s model take (raises RequestError)."""
     for key, ok in (("n", 1), ("echo", False), ("stream", False)):
-        if body.get(key, ok) != ok:
-            raise ValueError(f"{key}={body[key]!r} is not supported by posttrain serve (only {key}={ok!r})")
+        if body.get(key, ok) not in (ok, None):
+            raise RequestError(key, f"{key}={_short(body[key])} is not supported by posttrain serve (only {key}={ok!r})")
     if body.get("stop"):
-        raise ValueError("'stop' strings are not supported by posttrain serve (generation stops on EOS only)")
-    if float(body.get("top_p", 1.0)) != 1.0:
-        raise ValueError("top_p != 1 is not supported by posttrain serve (logprobs are of the full distribution)")
-    encoded = _prompts(policy, body.get("prompt"))
-    temperature = float(body.get("temperature", 1.0))
-    greedy = temperature == 0.0
-    samples = HFEngine().generate(TokenPromptPolicy(policy), encoded, int(body.get("max_tokens", 16)),  # type: ignore[arg-type]
-                                  1.0 if greedy else temperature, int(body.get("seed") or 0), batch_size, greedy=greedy)
-    as_ids = bool(body.get("return_tokens_as_token_ids", False))
+        raise RequestError("stop", "'stop' strings are not supported by posttrain serve (generation stops on EOS only)")
+    if body.get("top_p") not in (None, 1):
+        raise RequestError("top_p", f"top_p={_short(body['top_p'])}: top_p != 1 is not supported by posttrain serve "
+                           "(logprobs are of the full distribution); leave it out or send 1")
+    limit = int(getattr(policy.model.config, "max_position_embeddings", 0) or 10**9)
+    max_tokens = _int(body, "max_tokens", min(DEFAULT_MAX_TOKENS, limit - 1), 1, limit - 1,
+                      f" (the model takes {limit} positions, prompt included)")
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0
+    if (not isinstance(temperature, int | float) or isinstance(temperature, bool) or not math.isfinite(temperature)
+            or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
+        raise RequestError("temperature", f"temperature={_short(temperature)} is out of range: send 0 (greedy) or a "
+                           f"number from {MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}, or leave it out for 1")
+    seed = _int(body, "seed", 0, *SEED_RANGE, "")
+    prompts = _prompts(policy, body.get("prompt"))
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_tokens > limit:
+            raise RequestError("prompt", f"prompt{f'[{i}]' if len(prompts) > 1 else ''} has {len(ids)} tokens; with "
+                               f"max_tokens={max_tokens} at most {limit - max_tokens} fit (the model takes {limit} "
+                               "positions, prompt + completion); shorten the prompt or lower max_tokens")
+    return Request(prompts, max_tokens, float(temperature), seed, bool(body.get("return_tokens_as_token_ids", False)),
+                   body.get("logprobs") is not None)
+
+
+class _StoppableModel:
+    """``model`` whose every forward pass first raises ``Stopped`` once ``stop`` is set."""
+
+    def __init__(self, model: Any, stop: threading.Event) -> None:
+        self._model, self._stop = model, stop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stop.is_set():
+            raise Stopped
+        return self._model(*args, **kwargs)
+
+
+class _ServedPolicy(TokenPromptPolicy):
+    """Token-id prompts, and a model that stops between forward passes once ``stop`` is set."""
+
+    def __init__(self, policy: Policy, stop: threading.Event) -> None:
+        super().__init__(policy)
+        self.model = _StoppableModel(policy.model, stop)
+
+
+def complete(policy: Policy, body: dict[str, Any], batch_size: int = 64, model_name: str = "",
+             stop: threading.Event | None = None) -> dict[str, Any]:
+    """The ``/v1/completions`` response for ``body`` (raises RequestError on a request it refuses,
+    Stopped once ``stop`` is set)."""
+    return generate(policy, parse(policy, body), batch_size, model_name or body.get("model", ""), stop)
+
+
+def generate(policy: Policy, req: Request, batch_size: int, model_name: str, stop: threading.Event | None = None) -> dict[str, Any]:
+    """The ``/v1/completions`` response for the checked request ``req`` (raises Stopped once ``stop`` is set)."""
+    greedy = req.temperature == 0.0
+    served = _ServedPolicy(policy, stop or threading.Event())
+    samples = HFEngine().generate(served, req.prompts, req.max_tokens, 1.0 if greedy else req.temperature,  # type: ignore[arg-type]
+                                  req.seed, batch_size, greedy=greedy)
     tok = policy.tokenizer
     choices = []
     for index, s in enumerate(samples):
-        tokens = [f"token_id:{t}" for t in s.completion_ids] if as_ids else tok.convert_ids_to_tokens(s.completion_ids)
+        tokens = [f"token_id:{t}" for t in s.completion_ids] if req.token_ids else tok.convert_ids_to_tokens(s.completion_ids)
         logprobs = None
-        if body.get("logprobs") is not None:
+        if req.logprobs:
             logprobs = {"tokens": tokens, "token_logprobs": s.logprobs, "top_logprobs": None,
                         "text_offset": [0] * len(tokens)}
         choices.append({"index": index, "text": s.text, "logprobs": logprobs, "finish_reason": s.finish_reason})
     completion_tokens = sum(len(s.completion_ids) for s in samples)
-    prompt_tokens = sum(len(ids) for ids in encoded)
+    prompt_tokens = sum(len(ids) for ids in req.prompts)
     return {
         "id": f"cmpl-{int(time.time() * 1000)}", "object": "text_completion", "created": int(time.time()),
-        "model": model_name or body.get("model", ""), "choices": choices,
+        "model": model_name, "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
 
 
-def make_app(policy: Policy, model_name: str, batch_size: int = 64):
-    """The FastAPI application serving ``policy`` under ``model_name``."""
-    from fastapi import Body, FastAPI
+def _error(status: int, message: str, kind: str, param: str | None = None):
     from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+
+
+def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: threading.Event | None = None):
+    """The FastAPI application serving ``policy`` under ``model_name``; once ``stop`` is set,
+    the request in flight and those waiting are answered 503."""
+    from fastapi import Body, FastAPI
 
     app = FastAPI(title="posttrain serve")
     lock = threading.Lock()
+    stop = stop or threading.Event()
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -92,20 +232,26 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64):
     @app.post("/v1/completions")
     def completions(body: dict[str, Any] = Body(...)):  # noqa: B008 - FastAPI's idiom
         if body.get("model") not in (None, "", model_name):
-            return JSONResponse(status_code=404, content={"error": {
-                "message": f"model {body.get('model')!r} is not served here; use {model_name!r}", "type": "invalid_request_error"}})
+            return _error(404, f"model {body.get('model')!r} is not served here; use {model_name!r}", "invalid_request_error",
+                          "model")
         try:
+            req = parse(policy, body)  # outside the lock: a refused request never waits for another's generation
             with lock:
-                return complete(policy, body, batch_size, model_name)
-        except (ValueError, TypeError) as exc:
-            return JSONResponse(status_code=400, content={"error": {"message": str(exc), "type": "invalid_request_error"}})
+                if stop.is_set():
+                    raise Stopped
+                return generate(policy, req, batch_size, model_name, stop)
+        except RequestError as exc:
+            return _error(400, str(exc), "invalid_request_error", exc.param)
+        except Stopped:
+            return _error(503, "posttrain serve is shutting down; send the request again once it is back", "server_error")
 
     return app
 
 
 def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_size: int = 64,
           prompt_format: str = "raw") -> None:
-    """Load ``checkpoint`` and serve it until interrupted, text prompts in ``prompt_format``."""
+    """Load ``checkpoint`` and serve it until SIGINT (raises KeyboardInterrupt, as Ctrl-C does
+    anywhere in the CLI) or SIGTERM (exits 143), text prompts in ``prompt_format``."""
     import uvicorn
 
     from components.core.policy import load_policy
@@ -116,5 +262,30 @@ def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_siz
     # the flag's name in the error, not the recipe field's
     policy.prompt_format = resolve_format(policy.tokenizer, prompt_format, field="--prompt-format")
     name = model_name or "posttrain-policy"
+    stop = threading.Event()
+    received: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:  # SIGINT/SIGTERM: stop generating, then shut down
+            stop.set()
+            received.append(sig)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(make_app(policy, name, batch_size, stop), host=host, port=port, log_level="warning"))
     say(f"serve | {policy.uri} as {name!r} on http://{host}:{port}/v1")
-    uvicorn.run(make_app(policy, name, batch_size), host=host, port=port, log_level="warning")
+    # After shutting down, uvicorn re-raises the signal into the handlers it found; that SIGINT
+    # never reached this caller (uvloop, uvicorn 0.54), and uvicorn.run swallows KeyboardInterrupt:
+    # give it handlers that do nothing, and stop the command here the way the rest of the CLI stops.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signal.SIGTERM in received:
+        print("posttrain: stopped by SIGTERM", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM)
+    if received:
+        raise KeyboardInterrupt  # components.cli: "posttrain: interrupted (Ctrl-C)", exit 130
+    if not server.started:
+        raise SystemExit(f"posttrain: serve could not start on {host}:{port} (see the log above)")

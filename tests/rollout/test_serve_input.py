@@ -1,0 +1,170 @@
+"""``posttrain serve`` refuses bad requests with 400 and stops on SIGINT/SIGTERM, against a
+real server subprocess on a loopback port (the checkpoint and server of
+``test_openai_engine``: vocabulary 101 ids, 96 positions).
+
+Not covered: a forward pass too long to wait for (a request stops between forward passes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from components.core.policy import save_policy
+from components.core.storage import Store
+from tests.rollout.helpers import TINY, tiny_policy
+from tests.rollout.test_openai_engine import MODEL, free_port, served  # noqa: F401 - the module's server fixture
+
+VOCAB, POSITIONS = 101, TINY.max_positions
+
+
+def post(base: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body) of a ``/v1/completions`` request."""
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def refused(base: str, body: dict[str, Any], param: str) -> str:
+    """The error message of a request that must be refused with 400 on ``param``."""
+    status, reply = post(base, {"model": MODEL, **body})
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["param"] == param, reply
+    return reply["error"]["message"]
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([99999999], f"prompt[0]=99999999 is not a token id of this model: ids are integers from 0 to {VOCAB - 1}"),
+    ([[1, 2], [3, -1]], "prompt[1][1]=-1 is not a token id"),
+    ([VOCAB], f"prompt[0]={VOCAB} is not a token id"),
+    ([True], "prompt[0]=True is not a token id"),
+    ([1.5], "prompt[0]=1.5 is not a token id"),
+    ([[]], "prompt[0] is empty"),
+    ([], "prompt=[] is missing or empty"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(served, prompt, message) -> None:  # noqa: F811
+    _, base = served
+    assert message in refused(base, {"prompt": prompt}, "prompt")
+    status, reply = post(base, {"model": MODEL, "prompt": [1, VOCAB - 1], "max_tokens": 2})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == 2  # the server is still fine
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_tokens", -5, f"max_tokens=-5 is out of range: send an integer from 1 to {POSITIONS - 1}"),
+    ("max_tokens", 0, "max_tokens=0 is out of range"),
+    ("max_tokens", POSITIONS, f"max_tokens={POSITIONS} is out of range"),
+    ("max_tokens", 2.5, "max_tokens=2.5 is out of range"),
+    ("max_tokens", "8", "max_tokens='8' is out of range"),
+    ("temperature", -1, "temperature=-1 is out of range: send 0 (greedy) or a number from 0.01 to 100"),
+    ("temperature", 1e-30, "temperature=1e-30 is out of range"),
+    ("temperature", float("inf"), "temperature=inf is out of range"),
+    ("temperature", "hot", "temperature='hot' is out of range"),
+    ("seed", 2**64, f"seed={2**64} is out of range"),
+    ("top_p", 0.5, "top_p=0.5: top_p != 1 is not supported"),
+])
+def test_out_of_range_options_are_refused(served, field, value, message) -> None:  # noqa: F811
+    _, base = served
+    assert message in refused(base, {"prompt": "1+2=", field: value}, field)
+
+
+def test_defaults_and_bounds_are_accepted(served) -> None:  # noqa: F811
+    _, base = served
+    for body in ({"max_tokens": None, "temperature": None, "seed": None}, {"max_tokens": 1, "temperature": 0},
+                 {"temperature": 0.01, "seed": -1}, {"max_tokens": POSITIONS - 1, "temperature": 100}):
+        status, reply = post(base, {"model": MODEL, "prompt": [1], **body})
+        assert status == 200, (body, reply)
+        assert reply["usage"]["prompt_tokens"] == 1 and 1 <= reply["usage"]["completion_tokens"] <= (body.get("max_tokens") or 16)
+
+
+def test_prompts_longer_than_the_model_takes_are_refused_before_generation(served) -> None:  # noqa: F811
+    _, base = served
+    message = refused(base, {"prompt": "a" * 300_000}, "prompt")  # raw format: BOS + one token per character
+    assert message == (f"prompt has 300001 tokens; with max_tokens=16 at most {POSITIONS - 16} fit (the model takes "
+                       f"{POSITIONS} positions, prompt + completion); shorten the prompt or lower max_tokens")
+    message = refused(base, {"prompt": [[1], [1] * (POSITIONS - 7)], "max_tokens": 8}, "prompt")
+    assert message.startswith(f"prompt[1] has {POSITIONS - 7} tokens; with max_tokens=8 at most {POSITIONS - 8} fit")
+    status, reply = post(base, {"model": MODEL, "prompt": [[1], [1] * (POSITIONS - 8)], "max_tokens": 8})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == POSITIONS - 7
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
+    """(process, base URL, log) of a fresh ``posttrain serve`` that a test stops itself."""
+    store = Store(str(tmp_path), "test")
+    tiny = tiny_policy(seed=1)
+    save_policy(tiny.model, tiny.tokenizer, store, "ckpt")
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "components.cli", "serve", "--checkpoint", store.url("ckpt"),
+                                 "--port", str(port), "--model", MODEL, "--batch-size", "64"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"posttrain serve did not come up: {log_path.read_text()[-2000:]}")
+                time.sleep(0.5)
+        yield proc, base, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system CPU time of ``pid`` in clock ticks (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the server's CPU time from /proc")
+@pytest.mark.parametrize(("sig", "code", "line"), [(signal.SIGINT, 130, "posttrain: interrupted (Ctrl-C)"),
+                                                   (signal.SIGTERM, 143, "posttrain: stopped by SIGTERM")])
+def test_a_signal_stops_the_server_during_a_long_request(server, sig, code, line) -> None:
+    """The request in flight is answered 503 and the command exits like the rest of the CLI."""
+    proc, base, log = server
+    # 20000 one-token prompts, 95 near-uniform tokens each: minutes of generation for the tiny model
+    body = {"model": MODEL, "prompt": [[1]] * 20000, "max_tokens": POSITIONS - 1, "temperature": 100}
+    before = cpu_ticks(proc.pid)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(post, base, body, 600)
+        deadline = time.monotonic() + 120
+        while cpu_ticks(proc.pid) - before < os.sysconf("SC_CLK_TCK") // 2:  # generating: half a CPU second spent
+            assert not reply.done() and time.monotonic() < deadline, "the long request never started generating"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        status, error = reply.result()
+    assert status == 503 and error["error"]["type"] == "server_error", (status, str(error)[:300])
+    assert error["error"]["message"] == "posttrain serve is shutting down; send the request again once it is back"
+    assert proc.wait(timeout=120) == code
+    text = log.read_text()
+    assert text.rstrip().endswith(line) and "Traceback" not in text, text
+
+
+def test_ctrl_c_on_an_idle_server_exits_130_with_one_line(server) -> None:
+    proc, _, log = server
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    text = log.read_text()
+    assert text.rstrip().endswith("posttrain: interrupted (Ctrl-C)") and "Traceback" not in text, text
