@@ -26,7 +26,7 @@ iteration ``iteration``'s trainer stage on ``nodes`` nodes::
 The pods must read the recipe from the store: a local recipe file is given to them as the
 URI that ``components.core.recipe.publish_recipe`` gives it under the run root
 (``recipe_uri``; the CLI writes it there only with ``--publish``). Bad input is a
-``UserError``: ``--nodes`` or ``--iteration`` below 1, ``trainer.processes`` above the
+``UserError``: ``--nodes`` outside 1 to ``MAX_NODES``, ``--iteration`` below 1, ``trainer.processes`` above the
 GPUs a node is given (nccl needs one per process), ``trainer.device: cuda`` with no GPUs,
 and a bad cluster setting (named by its variable).
 
@@ -98,10 +98,15 @@ def _cluster() -> kubernetes.ClusterSettings:
         raise UserError(var, os.environ.get(var, ""), problem, fix or "unset it to use the default") from None
 
 
+MAX_NODES = 4096
+"""More nodes than any one training job uses (a typo such as 100000000 renders a job no
+operator could schedule)."""
+
+
 def check(recipe: Recipe, iteration: int, nodes: int, res: Resources) -> None:
     """UserErrors for a job that could not run as asked."""
-    if nodes < 1:
-        raise UserError("--nodes", nodes, "a job needs at least one node", "pass --nodes 1 or more")
+    if not 1 <= nodes <= MAX_NODES:
+        raise UserError("--nodes", nodes, f"a job needs 1 to {MAX_NODES} nodes", f"pass --nodes from 1 to {MAX_NODES}")
     if iteration < 1:
         raise UserError("--iteration", iteration, "the trainer runs in iterations 1 and up", "pass --iteration 1 or more")
     processes = recipe.trainer.processes

@@ -115,7 +115,8 @@ def test_a_cpu_trainer_gets_no_gpu_and_settings_follow_the_environment(monkeypat
 
 
 @pytest.mark.parametrize(("nodes", "iteration", "trainer", "field", "problem"), [
-    (0, 4, {}, "--nodes", "at least one node"),
+    (0, 4, {}, "--nodes", "a job needs 1 to 4096 nodes"),
+    (100_000_000, 4, {}, "--nodes", "a job needs 1 to 4096 nodes"),
     (2, 0, {}, "--iteration", "iterations 1 and up"),
     (2, 4, {"processes": 3}, "trainer.processes", "one GPU per process"),
 ])
