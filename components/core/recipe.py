@@ -83,7 +83,7 @@ class BootstrapConfig(_Section):
     batch_size: int = Field(64, ge=1, le=BIG, description="SFT examples per step")
     batch_tokens: int = Field(0, ge=0, le=100 * BIG, description="if > 0, cap each step at this many padded tokens (fewer "
                                                    "examples on steps of a long-prompt domain); 0 = no cap")
-    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    learning_rate: float = Field(1e-3, gt=0, le=1, description="AdamW learning rate (above 1 diverges at once)")
     eval_every: int = Field(50, ge=1, le=10 * BIG, description="steps between held-out checks")
     target_low: float = Field(0.2, ge=0, le=1, description="stop once mean eval pass rate reaches this")
     target_high: float = Field(0.5, ge=0, le=1, description="upper edge of the target band")
@@ -187,7 +187,7 @@ class LoraConfig(_Section):
 
 class TrainerConfig(_Section):
     algorithm: Literal["grpo"] = Field("grpo", description="policy-gradient objective")
-    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate")
+    learning_rate: float = Field(1e-4, gt=0, le=1, description="Adam learning rate (above 1 diverges at once)")
     prompts_per_step: int = Field(16, ge=1, le=BIG, description="tasks (groups) per optimizer step")
     epochs: int = Field(1, ge=1, le=1000, description="passes over the iteration's batch")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")

@@ -18,6 +18,8 @@ ERRORS = [
      ["rollout.shards='True'", "input should be a number, not true/false", "fix: set 'rollout.shards'"]),
     ("bool-for-a-float", "pipeline: t\ntrainer: {learning_rate: false}\n",
      ["trainer.learning_rate='False'", "not true/false"]),
+    ("huge-learning-rate", "pipeline: t\ntrainer: {learning_rate: 1e308}\n",
+     ["trainer.learning_rate='1e308'", "fix: set 'trainer.learning_rate'", "at most 1"]),
     ("repeated-key", "pipeline: demo\nseed: 3\npipeline: other\n",
      ["the key 'pipeline' appears twice in one mapping (lines 1 and 3)", "fix: keep one of them"]),
     ("repeated-nested-key", "pipeline: t\nrollout:\n  group_size: 4\n  group_size: 8\n",
