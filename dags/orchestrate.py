@@ -218,12 +218,13 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     with home_lock(home), stagehost.hosting(stage_host):  # the stage host shares the lock and dies with this process
         store = Store(conf.run_root, "--run-root")
         preflight.tracking_vs_run_root(store.uri)
-        store.check_reachable()
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
-        # home's lock already keeps a second run on this home away from its SQLite MLflow).
+        # home's lock already keeps a second run on this home away from its SQLite MLflow); the
+        # task file's before the store's probe, which makes a missing local run root.
         preflight.task_file(recipe)
         if recipe.taskgen.task_file:
             check_task_file(recipe.taskgen.task_file, list(recipe.domains))
+        store.check_reachable()
         preflight.policy_source(recipe)
         preflight.registry_owner(recipe, store.uri)  # another run root's registered model: refused before any work
         with writer_lease(store, recipe.pipeline, home):
