@@ -170,7 +170,7 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
             return host.run(*args)
         m = run_stage(*args[:5], orchestrator_run_id=args[5])
     except tracking.Terminated as exc:
-        raise AirflowTaskTerminated(f"{stage}: {exc}") from exc
+        raise AirflowTaskTerminated(f"{stage}: {exc}") from None  # a signal: where it landed is noise
     except Exception as exc:
         raise _fail_now(exc) from exc
     return stagehost.task_result(stage, m)
