@@ -78,6 +78,7 @@ def _stage(args: argparse.Namespace) -> int:
 
     conf = settings.resolve(args.recipe, args.run_root)
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
+    settings.gc_policy()  # and a bad POSTTRAIN_GC
     run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
               orchestrator_run_id=args.orchestrator_run_id)
     return 0

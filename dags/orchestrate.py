@@ -213,6 +213,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     # a bad value stops the run before any work instead of failing a stage's task.
     os.environ["POSTTRAIN_TORCH_THREADS"] = os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto"
     settings.torch_threads()
+    settings.gc_policy()
     # The home's lock first: a second run on this home stops here, before it touches the
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
     with home_lock(home), stagehost.hosting(stage_host):  # the stage host shares the lock and dies with this process

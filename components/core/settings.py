@@ -91,6 +91,21 @@ MAX_TORCH_THREADS = 512
 cannot create the threads (100,000 does, here)."""
 
 
+def gc_policy() -> bool:
+    """Whether ``POSTTRAIN_GC`` leaves posttrain's collector policy on (unset, or
+    ``posttrain``) or turns it off (``default``: Python's own collector); any other value is
+    a UserError (a typo would otherwise leave the policy on unnoticed)."""
+    from components.core.errors import UserError
+
+    value = os.environ.get("POSTTRAIN_GC", "").strip().lower()
+    if value in ("", "posttrain"):
+        return True
+    if value == "default":
+        return False
+    raise UserError("POSTTRAIN_GC", os.environ["POSTTRAIN_GC"], "unknown collector policy",
+                    "set it to 'default' for Python's own collector, or unset it")
+
+
 def torch_threads(default: str = "1") -> int:
     """``POSTTRAIN_TORCH_THREADS`` as a thread count (``auto``: the CPUs in this process's
     affinity mask). ``posttrain run`` defaults it to ``auto``: its stages run one after the

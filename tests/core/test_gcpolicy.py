@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from components import cli
-from components.core import gcpolicy
+from components.core import gcpolicy, settings
 from tests.fixtures.home import TINY_RECIPE
+from tests.fixtures.runs import TINY, cli_env, run_posttrain
 
 
 class Node:
@@ -95,3 +96,18 @@ def test_a_library_call_of_main_keeps_the_callers_collector(posttrain_home: Path
     monkeypatch.delenv("POSTTRAIN_GC", raising=False)
     assert cli.main(stage_argv(tmp_path)) == 0
     assert (gcpolicy.enabled(), gc.isenabled(), gc.get_freeze_count()) == (False, True, 0)
+
+
+@pytest.mark.parametrize(("value", "on"), [("", True), ("posttrain", True), ("default", False), (" Default ", False)])
+def test_the_setting(value: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POSTTRAIN_GC", value)
+    assert settings.gc_policy() is on
+
+
+@pytest.mark.parametrize("command", [["run", "--recipe", str(TINY), "--iterations", "1"],
+                                     ["stage", "taskgen", "--recipe", str(TINY)]])
+def test_an_unknown_setting_is_one_line_and_exit_2(command: list[str], tmp_path: Path) -> None:
+    proc = run_posttrain(command, tmp_path, cli_env(tmp_path / "home", POSTTRAIN_GC="of"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["posttrain: error: POSTTRAIN_GC='of': unknown collector policy; fix: set it "
+                                                "to 'default' for Python's own collector, or unset it"]
