@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     p.add_argument("--model", default="posttrain-policy", help="model name clients send (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per generation batch (default: %(default)s)")
-    p.add_argument("--prompt-format", choices=("raw", "chat", "auto"), default="raw",
+    p.add_argument("--prompt-format", choices=("raw", "chat", "auto"), default="auto",
                    help="how text prompts become token ids, as rollout.prompt_format: raw (BOS + text), chat (the "
                         "tokenizer's chat template, one user turn) or auto (chat when it has one) (default: %(default)s)")
     p.set_defaults(handler=_serve)

@@ -249,7 +249,7 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
 
 
 def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_size: int = 64,
-          prompt_format: str = "raw") -> None:
+          prompt_format: str = "auto") -> None:
     """Load ``checkpoint`` and serve it until SIGINT (raises KeyboardInterrupt, as Ctrl-C does
     anywhere in the CLI) or SIGTERM (exits 143), text prompts in ``prompt_format``."""
     import uvicorn

@@ -113,4 +113,4 @@ def test_serve_encodes_text_prompts_in_its_prompt_format() -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["serve", "--checkpoint", "c", "--prompt-format", "chat"]).prompt_format == "chat"
-    assert parser.parse_args(["serve", "--checkpoint", "c"]).prompt_format == "raw"
+    assert parser.parse_args(["serve", "--checkpoint", "c"]).prompt_format == "auto"  # as rollout.prompt_format
