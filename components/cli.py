@@ -79,6 +79,11 @@ def _stage(args: argparse.Namespace) -> int:
     conf = settings.resolve(args.recipe, args.run_root)
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     settings.gc_policy()  # and a bad POSTTRAIN_GC
+    if args.stage_id == "bootstrap":  # it registers a version: another run root's model is refused before the SFT
+        from components.core import preflight
+        from components.core.recipe import load_recipe
+
+        preflight.registry_owner(load_recipe(conf.recipe), conf.run_root)
     run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
               orchestrator_run_id=args.orchestrator_run_id)
     return 0

@@ -75,11 +75,14 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
         recipe = load_recipe(recipe)
     if iteration < 0 or (stage != "bootstrap" and iteration < 1):
         raise UserError("--iteration", iteration, "iterations count from 1", "pass --iteration 1 or higher")
+    parsed = Shard.parse(shard)
+    if not sharded and parsed.count != 1:
+        raise UserError("--shard", shard, f"stage {stage} is not sharded", "leave --shard out")
+    if sharded and parsed.count != (n := shard_count(recipe, stage)):
+        raise UserError("--shard", shard if shard else "not given", f"the recipe shards this stage {n} ways",
+                        f"pass --shard i/{n}, i from 0 to {n - 1}")
     store = Store(run_root, "--run-root")
     store.check_reachable()
-    parsed = Shard.parse(shard)
-    if sharded and parsed.count != (n := shard_count(recipe, stage)):
-        raise UserError("--shard", str(parsed), f"recipe shards this stage {n} ways", f"pass --shard i/{n}")
     view = RecipeView(recipe, stage, stage_module(stage).SECTIONS)
     return StageContext(stage=stage, recipe=view, store=store, iteration=0 if stage == "bootstrap" else iteration, shard=parsed)
 

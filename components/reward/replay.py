@@ -40,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("replay", help="re-score an iteration's stored rollouts with another reward config")
     parser.add_argument("--iteration", type=int, required=True, help="iteration k whose rollouts to re-score")
     parser.add_argument("--recipe", required=True, help="recipe YAML with the reward config to apply")
-    parser.add_argument("--run-root", default=None, help="store URI (default: $POSTTRAIN_RUN_ROOT or .posttrain/store)")
+    parser.add_argument("--run-root", default=None, help="store URI (default: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store)")
     parser.set_defaults(handler=handle_replay)
     return parser
 
@@ -127,6 +127,8 @@ def handle_replay(args: argparse.Namespace) -> int:
         raise UserError("--iteration", args.iteration, "iterations count from 1", "pass --iteration 1 or higher")
     recipe = load_recipe(args.recipe)
     store = Store(settings.resolve(run_root=args.run_root).run_root, "--run-root")
+    if not store.uri.startswith("file://"):  # no bucket, bad keys, no server: one line (a local root is only read)
+        store.check_reachable()
     report = replay(recipe, store, args.iteration)
     print_report(report)
     return 0

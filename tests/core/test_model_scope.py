@@ -132,6 +132,7 @@ def test_a_second_run_roots_bootstrap_exits_2_and_the_first_champion_serves(tmp_
     assert second.returncode == 2, second.stderr[-3000:]
     assert [line for line in second.stderr.splitlines() if line.startswith("posttrain")] == [
         f"posttrain: error: run_root='{b}': registered model tiny-policy belongs to run root {a}; fix: {FIX}"]
+    assert not (tmp_path / "b" / "tiny").exists()  # refused before the SFT wrote a checkpoint there
 
     tracking_uri = f"sqlite:///{home / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)  # where models:/ URIs resolve

@@ -8,6 +8,7 @@ from components import SHARDED_STAGES, STAGES
 from components.core.errors import UserError
 from components.core.recipe import parse_recipe
 from components.core.stages import BUILTIN, StageSpec, _splice, shard_count, shard_list, spec, stage_ids
+from tests.fixtures.home import TINY_RECIPE
 
 
 def test_builtins_are_the_design_stages_in_run_order() -> None:
@@ -42,3 +43,21 @@ def test_a_plugin_stage_is_spliced_between_reward_and_validation() -> None:
         _splice(specs, dedup)
     with pytest.raises(UserError, match=r"stage dedup2='rewards': names an unknown stage"):
         _splice(list(BUILTIN), StageSpec("dedup2", "mypkg.dedup", ("rewards",)))
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["validation", "--shard", "1/2"], "--shard='1/2': stage validation is not sharded; fix: leave --shard out"),
+    (["rollout"], "--shard='not given': the recipe shards this stage 2 ways; fix: pass --shard i/2, i from 0 to 1"),
+    (["rollout", "--shard", "0/3"], "--shard='0/3': the recipe shards this stage 2 ways; fix: pass --shard i/2, i from 0 "
+                                    "to 1"),
+])
+def test_a_shard_the_stage_does_not_have_is_one_line_before_the_store(args, line, tmp_path, capsys) -> None:
+    """Before, ``--shard`` on a stage that is not sharded was ignored (a cache hit, exit 0),
+    and a sharded stage without one was told about a '0/1' nobody passed."""
+    from components.cli import main
+
+    root = tmp_path / "root"
+    code = main(["stage", *args, "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", "1"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == f"posttrain: error: {line}"
+    assert not root.exists()

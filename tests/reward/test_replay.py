@@ -84,3 +84,33 @@ def test_user_mistakes_exit_2(stored, tmp_path, capsys, recipe, iteration, messa
     code = main(["replay", "--iteration", str(iteration), "--recipe", str(path), "--run-root", store.uri])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["no-bucket", "bad-key", "no-server"])
+def test_an_s3_run_root_it_cannot_use_is_one_line(case, s3_env, tmp_path, capsys, monkeypatch) -> None:
+    """Against the real S3 server: a missing bucket and a wrong key are exit 2, a closed
+    port exit 1, each one line (they were tracebacks, or "no manifested output")."""
+    from tests.fixtures.runs import TINY
+
+    root = f"s3://{s3_env.bucket}/runs"
+    if case == "no-bucket":
+        root = "s3://no-such-bucket-here/runs"
+    elif case == "bad-key":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    else:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client keeps the key it was made with (one CLI process makes one)
+    code = main(["replay", "--iteration", "1", "--recipe", str(TINY), "--run-root", root])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    if case == "no-server":
+        assert code == 1 and line.startswith(f"posttrain: unreachable: store unreachable at '{root}'")
+    else:
+        assert code == 2 and line.startswith(f"posttrain: error: --run-root='{root}': store is not reachable or not "
+                                             "writable")
