@@ -15,6 +15,7 @@ submit the pipeline (use the KFP UI or ``kfp.Client().create_run_from_pipeline_p
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from kfp import compiler
@@ -22,6 +23,10 @@ from kfp import compiler
 from pipelines.post_training_iteration import CONFIG_MAP, GPU_NODE_SELECTOR, S3_SECRET, make_pipeline
 
 COMPILED = Path(__file__).resolve().parent / "post_training_iteration.yaml"
+
+
+IMAGE_PREFIX = re.compile(r"[a-z0-9][a-z0-9._:/-]*/")
+"""A registry prefix that an image reference can start with (Docker's references are lowercase)."""
 
 
 def compile_pipeline(output: Path | str = COMPILED, image_prefix: str = "", config_map: str = CONFIG_MAP,
@@ -41,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-node-selector", default=GPU_NODE_SELECTOR,
                         help="key=value[,key=value] of the GPU nodes; '' for none (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.image_prefix and not IMAGE_PREFIX.fullmatch(args.image_prefix):
+        parser.error(f"--image-prefix={args.image_prefix!r}: not a registry path ending in '/' (lowercase letters, "
+                     "digits, '.', '_', '-', ':' and '/'); e.g. registry.example.com/ml/")
+    if not Path(args.output).resolve().parent.is_dir():
+        parser.error(f"--output={args.output!r}: its folder does not exist; create it or write elsewhere")
     try:
         path = compile_pipeline(args.output, args.image_prefix, args.config_map, args.s3_secret, args.gpu_node_selector)
     except ValueError as exc:

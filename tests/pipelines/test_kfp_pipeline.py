@@ -194,6 +194,20 @@ def test_a_bad_node_selector_is_one_line(capsys):
     assert "'gpu' is not 'key=value'; e.g. 'posttrain.io/pool=gpu'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--image-prefix", "registry.example.com/ml"], "--image-prefix='registry.example.com/ml': not a registry path ending in '/'"),
+    (["--image-prefix", "UPPER CASE/"], "--image-prefix='UPPER CASE/': not a registry path"),
+    (["--output", "/nonexistent/dir/x.yaml"], "--output='/nonexistent/dir/x.yaml': its folder does not exist"),
+])
+def test_a_bad_image_prefix_or_output_is_refused_before_compiling(args, needle, capsys):
+    """Before, a prefix without its '/' wrote 'registry.example.com/mlposttrain-bootstrap'
+    into every step, and a missing folder was kfp's FileNotFoundError traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--output", "/dev/null", *args])
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
 def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch):
