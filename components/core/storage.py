@@ -86,10 +86,25 @@ def normalize_uri(uri: str, field: str = "run_root") -> str:
     return uri.rstrip("/")
 
 
+def _s3_fix(exc: BaseException) -> str:
+    """What to change for an S3 store that answered but refused: the bucket, the keys, or
+    (anything else) the endpoint."""
+    text = f"{type(exc).__name__} {exc}"
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text:  # head_bucket's 404
+        return "create the bucket, or name an existing one in the run root"
+    if any(word in text for word in ("Forbidden", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                     "PermissionError", "403")):
+        return "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE): the server refused them"
+    return "point AWS_ENDPOINT_URL at the S3 server (http://host:port) and check its keys and bucket"
+
+
 def _s3_options() -> dict[str, Any]:
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    var = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+    endpoint = os.environ.get(var)
     client_kwargs: dict[str, Any] = {}
     if endpoint:
+        if not endpoint.startswith(("http://", "https://")):
+            raise UserError(var, endpoint, "an S3 endpoint needs its scheme", f"write http://{endpoint} or https://{endpoint}")
         client_kwargs["endpoint_url"] = endpoint
     # Fail fast on an unreachable endpoint instead of botocore's long default retries.
     config_kwargs = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
@@ -234,13 +249,12 @@ class Store:
         except Exception as exc:
             if (down := outage(exc)) is not None:  # not there right now: retry, not a mistake
                 raise InfraError("store", self.uri, down) from None
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            fix = (
-                "start the S3 server or set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "and create the bucket"
-                if self.uri.startswith("s3://")
-                else "pass a writable folder"
-            )
+            if isinstance(exc, UserError):
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            fix = "pass a writable folder"
+            if self.uri.startswith("s3://"):
+                fix = _s3_fix(exc)
             raise UserError(self.field, self.uri, f"store is not reachable or not writable ({reason})", fix) from None
 
     def _fresh(self, path: str) -> str:

@@ -86,7 +86,7 @@ def test_user_mistakes_exit_2(stored, tmp_path, capsys, recipe, iteration, messa
     assert code == 2 and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("case", ["no-bucket", "bad-key", "no-server"])
+@pytest.mark.parametrize("case", ["no-bucket", "bad-key", "no-server", "no-scheme"])
 def test_an_s3_run_root_it_cannot_use_is_one_line(case, s3_env, tmp_path, capsys, monkeypatch) -> None:
     """Against the real S3 server: a missing bucket and a wrong key are exit 2, a closed
     port exit 1, each one line (they were tracebacks, or "no manifested output")."""
@@ -97,6 +97,8 @@ def test_an_s3_run_root_it_cannot_use_is_one_line(case, s3_env, tmp_path, capsys
         root = "s3://no-such-bucket-here/runs"
     elif case == "bad-key":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-key")
+    elif case == "no-scheme":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:9000")
     else:
         import socket
 
@@ -109,8 +111,14 @@ def test_an_s3_run_root_it_cannot_use_is_one_line(case, s3_env, tmp_path, capsys
     s3fs.S3FileSystem.clear_instance_cache()  # a cached client keeps the key it was made with (one CLI process makes one)
     code = main(["replay", "--iteration", "1", "--recipe", str(TINY), "--run-root", root])
     [line] = capsys.readouterr().err.strip().splitlines()
-    if case == "no-server":
+    if case == "no-scheme":
+        assert (code, line) == (2, "posttrain: error: AWS_ENDPOINT_URL='127.0.0.1:9000': an S3 endpoint needs its scheme; "
+                                   "fix: write http://127.0.0.1:9000 or https://127.0.0.1:9000")
+    elif case == "no-server":
         assert code == 1 and line.startswith(f"posttrain: unreachable: store unreachable at '{root}'")
     else:
         assert code == 2 and line.startswith(f"posttrain: error: --run-root='{root}': store is not reachable or not "
                                              "writable")
+        fix = {"no-bucket": "fix: create the bucket, or name an existing one in the run root",
+               "bad-key": "fix: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"}[case]
+        assert fix in line, line
