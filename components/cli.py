@@ -79,14 +79,6 @@ def _stage(args: argparse.Namespace) -> int:
     conf = settings.resolve(args.recipe, args.run_root)
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     settings.gc_policy()  # and a bad POSTTRAIN_GC
-    if args.stage_id == "bootstrap":  # it registers a version: another run root's model is refused before the SFT
-        from components.core import preflight
-        from components.core.recipe import load_recipe
-        from components.core.storage import Store
-
-        recipe = load_recipe(conf.recipe)
-        Store(conf.run_root, "--run-root").check_reachable()  # a store that is down is named first, as without this
-        preflight.registry_owner(recipe, conf.run_root)
     run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
               orchestrator_run_id=args.orchestrator_run_id)
     return 0

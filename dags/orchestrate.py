@@ -241,12 +241,13 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
     while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
         k = plan(store, recipe, holder, stale=other_local_run)
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
+        from dags.wiring import USER_ERRORS
+
+        USER_ERRORS.clear()  # only this iteration's tasks speak for its failure
         state = run_iteration(recipe_path, store.uri, holder)
         if runner.stopping():  # SIGTERM or Ctrl-C: the command says so itself (no task of ours failed)
             raise tracking.Terminated(f"stopped by {runner.stop_signal().name}")
         if state != "success":
-            from dags.wiring import USER_ERRORS
-
             if USER_ERRORS:  # a task's UserError: its one line and exit 2, as for the checks above
                 raise USER_ERRORS[0]
             say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")

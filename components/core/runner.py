@@ -43,7 +43,7 @@ from pathlib import Path
 from types import ModuleType
 
 from components import __version__
-from components.core import gcpolicy, timeline, tracking
+from components.core import gcpolicy, preflight, timeline, tracking
 from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
@@ -245,6 +245,8 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
         _end_iteration(ctx, orchestrator_run_id)
         say(f"iter {ctx.iteration} | {label} | cache hit | {ctx.store.url(ctx.prefix)}")
         return existing
+    if stage == "bootstrap":  # it registers a version: another run root's model is refused before the SFT writes
+        preflight.registry_owner(ctx.recipe.whole, ctx.store.uri)
     ctx.store.delete(f"{ctx.prefix}/{MANIFEST}")
     if swept := ctx.store.sweep_temporary(ctx.prefix):
         say(f"iter {ctx.iteration} | {label} | removed {len(swept)} temporary file(s) an interrupted write left")
