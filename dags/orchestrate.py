@@ -223,8 +223,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         # home's lock already keeps a second run on this home away from its SQLite MLflow); the
         # task file's before the store's probe, which makes a missing local run root.
         preflight.task_file(recipe)
-        if recipe.taskgen.task_file:
-            check_task_file(recipe.taskgen.task_file, list(recipe.domains))
+        check_task_file(recipe.taskgen.task_file, list(recipe.domains))
         store.check_reachable()
         preflight.policy_source(recipe)
         preflight.registry_owner(recipe, store.uri)  # another run root's registered model: refused before any work
@@ -238,11 +237,11 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
              home: Path) -> int:
     """The loop of ``run_local``, under the home's lock and the pipeline's writer lease."""
     prepare(home, recipe.sandbox.concurrency)
+    from dags.wiring import USER_ERRORS  # after prepare: importing Airflow reads the home's settings
+
     while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
         k = plan(store, recipe, holder, stale=other_local_run)
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
-        from dags.wiring import USER_ERRORS
-
         USER_ERRORS.clear()  # only this iteration's tasks speak for its failure
         state = run_iteration(recipe_path, store.uri, holder)
         if runner.stopping():  # SIGTERM or Ctrl-C: the command says so itself (no task of ours failed)

@@ -134,8 +134,7 @@ def plan() -> dict[str, Any]:
         store = Store(conf.run_root, "run_root")
         store.check_reachable()
         preflight.check_all(recipe, store.uri)  # one line, failed at once: a local run root for an HTTP tracking server, ...
-        if recipe.taskgen.task_file:
-            check_task_file(recipe.taskgen.task_file, list(recipe.domains))  # every row, before any work
+        check_task_file(recipe.taskgen.task_file, list(recipe.domains))  # every row, before any work
         holder = params.get("holder") or f"airflow:{ctx['run_id']}"
         k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
         for done in close_finished_iterations(store, recipe.pipeline):  # a run killed as it ended them

@@ -253,5 +253,6 @@ def check_task_file(source: str, domains: list[str]) -> None:
     """Every row of a recipe's task file, as taskgen will read it, before any work: a bad
     row is one UserError at the orchestrator's preflight, not a failed taskgen after the
     bootstrap. Prompt lengths are counted in characters here; taskgen counts the policy's
-    tokens."""
-    check_domains(load_tasks(source), domains, source)
+    tokens. No task file (``""``) is nothing to check."""
+    if source:
+        check_domains(load_tasks(source), domains, source)
