@@ -2,6 +2,7 @@
 
     posttrain stage <id> --recipe R --run-root URI --iteration K [--shard i/n]
     posttrain run --iterations N [--recipe R] [--run-root URI]
+    posttrain kfp-local --iterations N [--recipe R] [--run-root URI]
     posttrain sandbox run [--lang python|bash] [--timeout S] [--memory MB] FILE
     posttrain serve --checkpoint URI [--host H] [--port P]
     posttrain verify --domain D --task FILE --completion FILE
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     run.add_argument("--iterations", type=int, default=3, help="bring the pipeline to this many finished iterations")
 
+    kfp = sub.add_parser("kfp-local", help="run iterations of the Kubeflow pipeline on this machine (kfp.local)")
+    _common(kfp)
+    kfp.add_argument("--iterations", type=int, default=1, help="bring the pipeline to this many finished iterations")
+    kfp.set_defaults(handler=_kfp_local)
+
     for add in (add_sandbox, add_serve, add_verify, add_replay):  # sandbox, serve, verify, replay
         add(sub)
 
@@ -80,7 +86,7 @@ def _stage(args: argparse.Namespace) -> int:
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     settings.gc_policy()  # and a bad POSTTRAIN_GC
     run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
-              orchestrator_run_id=args.orchestrator_run_id)
+              orchestrator_run_id=args.orchestrator_run_id, in_order=True)
     return 0
 
 
@@ -88,6 +94,12 @@ def _run(args: argparse.Namespace) -> int:
     from dags.orchestrate import run_local
 
     return run_local(args.recipe, args.run_root, args.iterations, stage_host=args.process_entry)
+
+
+def _kfp_local(args: argparse.Namespace) -> int:
+    from pipelines.local import run_kfp_local
+
+    return run_kfp_local(args.recipe, args.run_root, args.iterations)
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:

@@ -192,6 +192,20 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
             lease.release_writer(store, pipeline, holder)
 
 
+def check_before_run(recipe: Recipe, store: Store) -> None:
+    """What ``posttrain run`` and ``posttrain kfp-local`` check before any work, each a
+    UserError (exit 2) or an InfraError: the tracking URI against the run root, the task
+    file (every row; before the store's probe, which makes a missing local run root), the
+    store, the starting policy's source, and the registered model's owner (another run
+    root's model is refused before any work)."""
+    preflight.tracking_vs_run_root(store.uri)
+    preflight.task_file(recipe)
+    check_task_file(recipe.taskgen.task_file, list(recipe.domains))
+    store.check_reachable()
+    preflight.policy_source(recipe)
+    preflight.registry_owner(recipe, store.uri)
+
+
 def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int, stage_host: bool = False) -> int:
     """Bring the pipeline to ``iterations`` finished iterations, one DAG run each.
 
@@ -218,15 +232,9 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
     with home_lock(home), stagehost.hosting(stage_host):  # the stage host shares the lock and dies with this process
         store = Store(conf.run_root, "--run-root")
-        preflight.tracking_vs_run_root(store.uri)
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
-        # home's lock already keeps a second run on this home away from its SQLite MLflow); the
-        # task file's before the store's probe, which makes a missing local run root.
-        preflight.task_file(recipe)
-        check_task_file(recipe.taskgen.task_file, list(recipe.domains))
-        store.check_reachable()
-        preflight.policy_source(recipe)
-        preflight.registry_owner(recipe, store.uri)  # another run root's registered model: refused before any work
+        # home's lock already keeps a second run on this home away from its SQLite MLflow).
+        check_before_run(recipe, store)
         with writer_lease(store, recipe.pipeline, home):
             from dags.local import prepare, run_iteration
 

@@ -18,7 +18,9 @@ Settings come from ``components.core.settings``: empty ``recipe`` / ``run_root``
 parameters mean ``POSTTRAIN_RECIPE`` / ``POSTTRAIN_RUN_ROOT`` in the task's environment
 (on a cluster, the ``posttrain-stage-env`` config map), else the absolute defaults.
 
-Run it locally (each task is a subprocess of this interpreter, no containers)::
+Run it locally (each task is a subprocess of this interpreter, no containers) with
+``posttrain kfp-local --recipe recipes/tiny.yaml --iterations 1`` (``pipelines/local.py``:
+the checks ``posttrain run`` makes first, then ``kfp.local``), or by hand::
 
     import kfp.local
     from pipelines.post_training_iteration import post_training_iteration
@@ -40,7 +42,8 @@ Choices, and what this does not do:
   stage whose store was wiped.
 - Every task retries twice with exponential backoff. KFP cannot tell a user's mistake
   (exit 2 in the CLI) from a transient failure, so a bad recipe is retried too and
-  fails the same way each time.
+  fails the same way each time; ``posttrain kfp-local`` checks the recipe, task file and
+  store before it starts the pipeline.
 - The Airflow DAG's sandbox pool has no KFP equivalent; the loop's ``parallelism`` caps
   the whole rollout->sandbox->reward body instead (unlimited here; kfp.local itself
   runs at most two iterations at once).

@@ -206,16 +206,22 @@ def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> l
         return [single]
     shard_dirs = [d for d in store.listdir(base) if d.startswith("shard-")]
     manifests = [m for d in shard_dirs if (m := read_manifest(store, f"{base}/{d}")) is not None]
+    where = "" if stage == "bootstrap" else f" --iteration {iteration}"
     if not manifests:
+        shard = " --shard i/n" if spec(stage).sharded else ""
+        each = " for each of the recipe's n shards i" if shard else ""
         raise UserError(
             f"stage {stage}", store.url(base), f"no manifested output for iteration {iteration}",
-            f"run 'posttrain stage {stage} --iteration {iteration}' (or the whole iteration) first",
+            f"run 'posttrain stage {stage}{where}{shard} --run-root {store.uri}'{each}, with this run's --recipe, "
+            "first (or the whole iteration: 'posttrain run')",
         )
     count = Shard.parse(manifests[0].shard).count
     if len(manifests) != count:
         done = sorted(m.shard or "" for m in manifests)
+        missing = [f"{i}/{count}" for i in range(count) if f"{i}/{count}" not in done]
         raise UserError(
             f"stage {stage}", store.url(base), f"only shards {done} of {count} are manifested",
-            f"run the missing shards {[f'{i}/{count}' for i in range(count) if f'{i}/{count}' not in done]} of stage {stage} first",
+            f"run 'posttrain stage {stage}{where} --shard S --run-root {store.uri}', with this run's --recipe, "
+            f"for each missing shard S in {missing} first",
         )
     return manifests

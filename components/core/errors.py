@@ -21,15 +21,25 @@ class UserError(Exception):
         super().__init__(self.line())
 
     def __reduce__(self):  # crosses a process boundary (the stage host) as itself; the value as its text
-        return type(self), (self.field, str(self.value), self.problem, self.fix), self.__dict__ | {"value": str(self.value)}
+        value = self.value if _bare(self.value) else str(self.value)
+        return type(self), (self.field, value, self.problem, self.fix), self.__dict__ | {"value": value}
 
     def line(self) -> str:
-        shown = repr(value_text(self.value))
+        """``field=value: problem; fix: fix``; a number or boolean shows as itself
+        (``--nodes=0``), anything else quoted (``--shard='0/3'``), so an empty or padded text is visible."""
+        shown = value_text(self.value) if _bare(self.value) else repr(value_text(self.value))
         return f"{self.field}={shown}: {self.problem}; fix: {self.fix}"
 
 
+def _bare(value: object) -> bool:
+    return isinstance(value, (bool, int, float)) or value is None
+
+
 def value_text(value: object, limit: int = 200) -> str:
-    text = str(value)
+    try:
+        text = str(value)
+    except ValueError:  # an integer past Python's 4300-digit conversion limit
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else f"<a {type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

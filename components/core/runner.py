@@ -43,7 +43,7 @@ from pathlib import Path
 from types import ModuleType
 
 from components import __version__
-from components.core import gcpolicy, preflight, timeline, tracking
+from components.core import gcpolicy, planner, preflight, timeline, tracking
 from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
@@ -85,6 +85,17 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
     store.check_reachable()
     view = RecipeView(recipe, stage, stage_module(stage).SECTIONS)
     return StageContext(stage=stage, recipe=view, store=store, iteration=0 if stage == "bootstrap" else iteration, shard=parsed)
+
+
+def _check_in_order(ctx: StageContext) -> None:
+    """Taskgen of iteration k starts from what iteration k - 1 promoted: refuse it while
+    k - 1 has not finished (no evaluation manifest), naming the iteration that is next."""
+    if ctx.iteration <= 1 or (ctx.iteration - 1) in (done := planner.finished(ctx.store, ctx.pipeline)):
+        return
+    last = max(done, default=0)
+    raise UserError("--iteration", ctx.iteration, f"iteration {ctx.iteration - 1} has not finished in "
+                    f"{ctx.store.url(ctx.pipeline)} (the last finished one is {last or 'none'})",
+                    f"pass --iteration {last + 1}, or let 'posttrain run' pick the next iteration")
 
 
 def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
@@ -169,14 +180,19 @@ def _failpoint(label: str) -> None:
 
 
 def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None,
-              orchestrator_run_id: str = "") -> Manifest | None:
+              orchestrator_run_id: str = "", in_order: bool = False) -> Manifest | None:
     """Run one stage (or find it cached). An outage anywhere inside (the store, the
     tracking server, an inference endpoint) surfaces as ``InfraError``, which callers
     retry; a user's mistake stays a ``UserError``. ``None`` on a follower node of a stage
-    placed on several nodes (see the module docstring), which writes no manifest."""
+    placed on several nodes (see the module docstring), which writes no manifest.
+
+    ``in_order`` (``posttrain stage``): taskgen of iteration k > 1 is refused until
+    iteration k - 1 has finished, so a typed ``--iteration`` cannot open a gap (the
+    orchestrators plan k as the last finished iteration + 1 themselves; library callers,
+    the tests among them, may run any iteration's taskgen)."""
     gcpolicy.settle()  # the set-up's garbage, before this stage allocates
     try:
-        manifest = _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id)
+        manifest = _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id, in_order)
     except (UserError, InfraError, DataQualityError):
         raise
     except Exception as exc:
@@ -222,8 +238,10 @@ def headline(named: dict[str, float], most: int = 4) -> str:
 
 
 def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,
-               orchestrator_run_id: str) -> Manifest | None:
+               orchestrator_run_id: str, in_order: bool = False) -> Manifest | None:
     ctx = make_context(stage, recipe, run_root, iteration, shard)
+    if in_order and stage == "taskgen":
+        _check_in_order(ctx)
     module = stage_module(stage)
     module.inputs(ctx)
     digest = config_digest(ctx.recipe.whole, stage)

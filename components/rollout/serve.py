@@ -21,6 +21,7 @@ error body (``error.message`` names the field, the value and the fix; ``error.pa
 field): token ids must lie in ``0 .. vocab_size - 1``; ``max_tokens`` (default 16, as
 OpenAI's) in ``1 .. max_positions - 1``; ``temperature`` is 0 or in ``0.01 .. 100``
 (default 1; smaller positive values overflow the logits); ``seed`` is a 64-bit integer;
+a request holds at most ``MAX_PROMPTS`` (256) prompts;
 and every prompt's tokens plus ``max_tokens`` must fit the model's
 ``max_position_embeddings`` (as vLLM refuses a request over its context length, where
 ``HFEngine`` itself would shorten the completion).
@@ -32,7 +33,7 @@ forward pass is not interrupted (it is bounded by the context length).
 
 Not covered: chat completions, streaming, ``n > 1``, ``stop`` strings, top-k/top-p,
 ``echo``, concurrent batching of separate requests (requests run one at a time under a
-lock), a bound on the number of prompts in one request, models without
+lock), models without
 ``max_position_embeddings`` (no prompt length limit), authentication. It is a test and
 development server, not a production one.
 """
@@ -53,6 +54,7 @@ from components.rollout.hf_engine import HFEngine
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # besides 0 (greedy)
+MAX_PROMPTS = 256  # prompts in one request (the lock holds every other request while they generate)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; torch.manual_seed takes up to 2**64 - 1, room for the batch index added
 
 
@@ -102,6 +104,9 @@ def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:
         return [policy.encode_prompt(prompt)]
     if isinstance(prompt, list) and prompt and not any(isinstance(p, str | list) for p in prompt):
         return [_token_ids("prompt", prompt, vocab)]
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
+        raise RequestError("prompt", f"prompt holds {len(prompt)} prompts; one request takes at most {MAX_PROMPTS}; "
+                           "send them in several requests")
     if isinstance(prompt, list) and prompt:
         return [policy.encode_prompt(p) if isinstance(p, str) else _token_ids(f"prompt[{i}]", p, vocab)
                 for i, p in enumerate(prompt)]

@@ -171,7 +171,8 @@ def test_stage_without_upstream_manifest_says_what_to_run(booted: Booted, stage:
     assert err.field == f"stage {missing}"
     assert err.value == booted.store.url(f"tiny/iter-000007/{missing}")
     assert "no manifested output for iteration 7" in err.problem
-    assert f"run 'posttrain stage {missing} --iteration 7'" in err.fix
+    assert err.fix == (f"run 'posttrain stage {missing} --iteration 7 --run-root {booted.store.uri}', with this run's "
+                       "--recipe, first (or the whole iteration: 'posttrain run')")
     assert booted.store.glob(f"tiny/iter-000007/{stage}/**") == []
     assert run_count() == runs
 
@@ -179,13 +180,19 @@ def test_stage_without_upstream_manifest_says_what_to_run(booted: Booted, stage:
 def test_missing_shard_is_named(booted: Booted) -> None:
     store = booted.store
     run_stage("taskgen", TINY_RECIPE, booted.root, 4)
+    with pytest.raises(UserError) as info:
+        run_stage("sandbox", TINY_RECIPE, booted.root, 4, "0/2")
+    assert info.value.fix == (f"run 'posttrain stage rollout --iteration 4 --shard i/n --run-root {booted.store.uri}' "
+                              "for each of the recipe's n shards i, with this run's --recipe, first (or the whole "
+                              "iteration: 'posttrain run')")
     run_stage("rollout", TINY_RECIPE, booted.root, 4, "0/2")
     with pytest.raises(UserError) as info:
         run_stage("sandbox", TINY_RECIPE, booted.root, 4, "0/2")
     err = info.value
     assert err.field == "stage rollout"
     assert "only shards ['0/2'] of 2 are manifested" in err.problem
-    assert "['1/2']" in err.fix
+    assert err.fix == (f"run 'posttrain stage rollout --iteration 4 --shard S --run-root {booted.store.uri}', with "
+                       "this run's --recipe, for each missing shard S in ['1/2'] first")
     assert not store.exists(f"tiny/iter-000004/sandbox/shard-00000-of-00002/{MANIFEST}")
 
     run_stage("rollout", TINY_RECIPE, booted.root, 4, "1/2")

@@ -61,3 +61,26 @@ def test_a_shard_the_stage_does_not_have_is_one_line_before_the_store(args, line
     assert code == 2
     assert capsys.readouterr().err.strip() == f"posttrain: error: {line}"
     assert not root.exists()
+
+
+@pytest.mark.parametrize("finished, line", [
+    ((), "--iteration=3: iteration 2 has not finished in {root}/tiny (the last finished one is none); fix: pass "
+         "--iteration 1, or let 'posttrain run' pick the next iteration"),
+    ((1,), "--iteration=3: iteration 2 has not finished in {root}/tiny (the last finished one is 1); fix: pass "
+           "--iteration 2, or let 'posttrain run' pick the next iteration"),
+])
+def test_stage_taskgen_cannot_open_a_gap_in_the_iterations(finished, line, tmp_path, capsys) -> None:
+    """Before, ``posttrain stage taskgen --iteration 3`` ran with iteration 2 missing, and
+    the iterations after it started from a policy no iteration 2 had judged."""
+    from components.cli import main
+    from components.core.manifest import MANIFEST, stage_prefix
+
+    root = tmp_path / "root"
+    for k in finished:  # what the planner reads as finished: iteration k's evaluation manifest
+        done = root / stage_prefix("tiny", k, "evaluation") / MANIFEST
+        done.parent.mkdir(parents=True)
+        done.write_text("{}")
+    code = main(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", "3"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == "posttrain: error: " + line.format(root=f"file://{root}")
+    assert not (root / "tiny" / "iter-3").exists()

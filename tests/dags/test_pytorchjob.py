@@ -158,4 +158,4 @@ def test_the_command_prints_the_job(tmp_path, capsys) -> None:
                  "--publish"]) == 0
     assert (tmp_path / uri.split(root + "/", 1)[1]).read_text() == path.read_text()
     assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "0", "--iteration", "3"]) == 2
-    assert capsys.readouterr().err.strip().endswith("--nodes='0': a job needs 1 to 4096 nodes; fix: pass --nodes from 1 to 4096")
+    assert capsys.readouterr().err.strip().endswith("--nodes=0: a job needs 1 to 4096 nodes; fix: pass --nodes from 1 to 4096")

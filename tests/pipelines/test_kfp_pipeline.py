@@ -210,26 +210,27 @@ def test_a_bad_image_prefix_or_output_is_refused_before_compiling(args, needle, 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
-def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch):
-    import kfp.local
+def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch, capsys):
+    """``posttrain kfp-local``: one iteration of the pipeline under kfp.local, whose output
+    (printed by kfp.local) is the evaluation manifest's digest."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.post_training_iteration import post_training_iteration
+    from components.cli import main
 
     home, store = tmp_path / "home", tmp_path / "store"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("POSTTRAIN_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("POSTTRAIN_RUN_ROOT", raising=False)
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp-root"),
-                   raise_on_error=True)
 
-    task = post_training_iteration(recipe=str(TINY), run_root=str(store))
+    assert main(["kfp-local", "--recipe", str(TINY), "--run-root", str(store), "--iterations", "1"]) == 0
 
     iteration = store / "tiny" / "iter-000001"
     evaluation = json.loads((iteration / "evaluation" / "_MANIFEST.json").read_text())
     assert evaluation["stage"] == "evaluation" and evaluation["iteration"] == 1
-    assert task.output == evaluation["content_digest"]  # the pipeline's output is the evaluation manifest digest
+    out = capsys.readouterr()
+    assert evaluation["content_digest"] in out.out + out.err  # the pipeline's output: the evaluation manifest digest
+    assert (home / "kfp").is_dir()  # kfp.local's pipeline root is in the home
     for stage in SHARDED_STAGES:
         shards = sorted(p.parent.name for p in (iteration / stage).glob("shard-*/_MANIFEST.json"))
         assert shards == ["shard-00000-of-00002", "shard-00001-of-00002"], stage
@@ -244,3 +245,22 @@ def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch):
     assert [p.name for p in (store / "tiny" / "_leases").iterdir()] == ["iter-000001"]  # planned and leased
     assert parent.data.tags["posttrain.iteration"] == "1"
     assert parent.data.tags["posttrain.orchestrator_run_id"] != ""  # the KFP job id reached MLflow
+
+
+@pytest.mark.parametrize(("recipe", "needle"), [
+    ("pipeline: tiny\nrollout: {group_size: 1}\n", "rollout.group_size=1: Input should be greater than or equal to 2"),
+    ("pipeline: tiny\ntaskgen: {task_file: missing.jsonl}\n", "taskgen.task_file='missing.jsonl'"),
+])
+def test_kfp_local_refuses_a_bad_recipe_before_any_task(recipe, needle, tmp_path, monkeypatch, capsys):
+    """Before, a bad recipe went into the pipeline as is: KFP retried its first task's
+    UserError with backoff, 13 tracebacks over about 2 minutes."""
+    from components.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "r.yaml").write_text(recipe)
+    assert main(["kfp-local", "--recipe", "r.yaml", "--run-root", str(tmp_path / "store")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("posttrain: error: ") and needle in lines[0], lines
+    assert not (tmp_path / "store").exists() and not (tmp_path / "home" / "kfp").exists()

@@ -92,6 +92,17 @@ def test_defaults_and_bounds_are_accepted(served) -> None:  # noqa: F811
         assert reply["usage"]["prompt_tokens"] == 1 and 1 <= reply["usage"]["completion_tokens"] <= (body.get("max_tokens") or 16)
 
 
+def test_a_request_holds_at_most_max_prompts(served) -> None:  # noqa: F811
+    """Before, any number of prompts was generated under the one lock every request waits on."""
+    from components.rollout.serve import MAX_PROMPTS
+
+    _, base = served
+    assert refused(base, {"prompt": ["1+2="] * (MAX_PROMPTS + 1)}, "prompt") == (
+        f"prompt holds {MAX_PROMPTS + 1} prompts; one request takes at most {MAX_PROMPTS}; send them in several requests")
+    status, reply = post(base, {"model": MODEL, "prompt": [[1]] * MAX_PROMPTS, "max_tokens": 1})
+    assert status == 200 and len(reply["choices"]) == MAX_PROMPTS
+
+
 def test_prompts_longer_than_the_model_takes_are_refused_before_generation(served) -> None:  # noqa: F811
     _, base = served
     message = refused(base, {"prompt": "a" * 300_000}, "prompt")  # raw format: BOS + one token per character
@@ -112,7 +123,7 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     port, log_path = free_port(), tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "components.cli", "serve", "--checkpoint", store.url("ckpt"),
-                                 "--port", str(port), "--model", MODEL, "--batch-size", "64"],
+                                 "--port", str(port), "--model", MODEL, "--batch-size", "1"],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2])
     base = f"http://127.0.0.1:{port}"
     try:
@@ -144,8 +155,11 @@ def cpu_ticks(pid: int) -> int:
 def test_a_signal_stops_the_server_during_a_long_request(server, sig, code, line) -> None:
     """The request in flight is answered 503 and the command exits like the rest of the CLI."""
     proc, base, log = server
-    # 20000 one-token prompts, 95 near-uniform tokens each: minutes of generation for the tiny model
-    body = {"model": MODEL, "prompt": [[1]] * 20000, "max_tokens": POSITIONS - 1, "temperature": 100}
+    # the most prompts a request may hold, one at a time (--batch-size 1), 95 near-uniform tokens
+    # each: 24,000 forward passes, tens of seconds for the tiny model
+    from components.rollout.serve import MAX_PROMPTS
+
+    body = {"model": MODEL, "prompt": [[1]] * MAX_PROMPTS, "max_tokens": POSITIONS - 1, "temperature": 100}
     before = cpu_ticks(proc.pid)
     with ThreadPoolExecutor(1) as pool:
         reply = pool.submit(post, base, body, 600)

@@ -36,23 +36,23 @@ def files(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("argv", "flag", "value", "fix"), [
-    (["--timeout", "0", "ok.py"], "--timeout", "0", "above 0 and at most 86400"),
-    (["--timeout", "-1", "ok.py"], "--timeout", "-1", "above 0 and at most 86400"),
+    (["--timeout", "0", "ok.py"], "--timeout", "0.0", "above 0 and at most 86400"),
+    (["--timeout", "-1", "ok.py"], "--timeout", "-1.0", "above 0 and at most 86400"),
     (["--timeout", "nan", "ok.py"], "--timeout", "nan", "above 0 and at most 86400"),
     (["--memory", "0", "ok.py"], "--memory", "0", "at least 16 and at most 1048576"),
     (["--output-cap", "10", "ok.py"], "--output-cap", "10", "at least 256 and at most 1073741824"),
     (["--output-cap", "99999999999", "ok.py"], "--output-cap", "99999999999", "at least 256 and at most 1073741824"),
-    (["--stdin-file", "missing.txt", "ok.py"], "--stdin-file", "missing.txt", "no such file"),
-    (["--stdin-file", "folder", "ok.py"], "--stdin-file", "folder", "is a directory"),
-    (["--stdin-file", "latin1.txt", "ok.py"], "--stdin-file", "latin1.txt", "not UTF-8"),
-    (["latin1.py"], "file", "latin1.py", "not UTF-8"),
+    (["--stdin-file", "missing.txt", "ok.py"], "--stdin-file", "'missing.txt'", "no such file"),
+    (["--stdin-file", "folder", "ok.py"], "--stdin-file", "'folder'", "is a directory"),
+    (["--stdin-file", "latin1.txt", "ok.py"], "--stdin-file", "'latin1.txt'", "not UTF-8"),
+    (["latin1.py"], "file", "'latin1.py'", "not UTF-8"),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, argv, flag, value, fix):
     proc = sandbox_run(*argv, cwd=files)
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"posttrain: error: {flag}='{value}"), lines[0]
+    assert lines[0].startswith(f"posttrain: error: {flag}={value}: "), lines[0]  # numbers bare, texts quoted
     assert "; fix: " in lines[0] and fix in lines[0], lines[0]
     assert proc.stdout == ""
 

@@ -130,7 +130,7 @@ def test_the_split_is_deterministic_and_balanced_by_tokens() -> None:
 def test_more_processes_than_samples_is_a_user_error(tmp_path) -> None:
     policy = tiny_policy()
     batches = make_batches(policy)
-    with pytest.raises(UserError, match=r"trainer.processes='11': is more than the 10 samples of the smallest step"):
+    with pytest.raises(UserError, match=r"trainer.processes=11: is more than the 10 samples of the smallest step"):
         train(policy, batches, CFG.model_copy(update={"processes": 11}), temperature=1.0, seed=0, iteration=1,
               workdir=tmp_path)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written

@@ -133,7 +133,7 @@ def test_prompts_per_step_beyond_the_iteration_is_refused(tmp_path) -> None:
     data = yaml.safe_load(TINY_RECIPE.read_text())
     data["trainer"] = {**data["trainer"], "dynamic_sampling": True, "prompts_per_step": 9}
     ctx = make_context("trainer", parse_recipe(data), f"file://{tmp_path}", 1)
-    with pytest.raises(UserError, match=r"trainer.prompts_per_step='9': is more than taskgen.tasks_per_iteration \(8\)"):
+    with pytest.raises(UserError, match=r"trainer.prompts_per_step=9: is more than taskgen.tasks_per_iteration \(8\)"):
         trainer_stage.inputs(ctx)
 
 

@@ -111,7 +111,7 @@ def test_unverified_attention_and_logit_scaling_are_refused() -> None:
     batch = pack_batch(PAIRS, pack_rows([len(p) + len(c) for p, c in PAIRS], 11), fill_id=0)
     policy = tiny_policy()
     policy.model.config._attn_implementation = "flex_attention"
-    with pytest.raises(UserError, match=r"^trainer\.packing='True': .*not the model's 'flex_attention'.*fix: .*trainer\.packing: false"):
+    with pytest.raises(UserError, match=r"^trainer\.packing=True: .*not the model's 'flex_attention'.*fix: .*trainer\.packing: false"):
         packed_token_logprobs(policy.model, batch)
     policy = tiny_policy()
     policy.model.config.logits_scaling = 4.0
