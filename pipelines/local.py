@@ -28,10 +28,11 @@ from components.core.storage import Store
 
 
 def run_kfp_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int) -> int:
-    """Bring the pipeline to ``iterations`` finished iterations, one ``kfp.local`` run each.
+    """Bring the pipeline to ``iterations`` finished iterations, one ``kfp.local`` run each,
+    and print the eval table.
     A failed task ends the command with exit 1 (its log is above); the same command
     resumes: the next run's ``plan`` picks the unfinished iteration again."""
-    from dags.orchestrate import check_before_run
+    from dags.orchestrate import check_before_run, print_table, summary_rows
 
     conf = settings.resolve(recipe_arg, run_root_arg)
     recipe = load_recipe(conf.recipe)
@@ -55,5 +56,8 @@ def run_kfp_local(recipe_arg: str | None, run_root_arg: str | None, iterations: 
             print(f"posttrain: kfp.local: {first} (the task's log is above); run the same command again to resume",
                   file=sys.stderr)
             return 1
-    say(f"kfp.local | {last} finished iteration(s) | {store.uri}")
+        if max(finished(store, recipe.pipeline), default=0) <= last:  # never expected: say so rather than loop
+            print(f"posttrain: kfp.local: the pipeline ended without finishing iteration {last + 1}", file=sys.stderr)
+            return 1
+    print_table(summary_rows(store, recipe, last), list(recipe.domains))  # as posttrain run ends
     return 0
