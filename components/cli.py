@@ -97,9 +97,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _kfp_local(args: argparse.Namespace) -> int:
-    from pipelines.local import run_kfp_local
+    from dags.orchestrate import run_local
+    from pipelines import local
 
-    return run_kfp_local(args.recipe, args.run_root, args.iterations)
+    return run_local(args.recipe, args.run_root, args.iterations, driver=local)
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:

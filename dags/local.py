@@ -128,6 +128,19 @@ def _seed_rows() -> None:
         db.synchronize_log_template(session=session)
 
 
+NAME = "DAG"
+STAGES_IN_PROCESS = True
+"""``run_local``'s driver: ``dag.test()`` runs every task in this process (the stages in the stage host)."""
+
+
+def user_errors() -> list[BaseException]:
+    """The UserErrors this process's tasks raised (``dags.wiring.USER_ERRORS``), for
+    ``run_local`` to end with the first one's line."""
+    from dags.wiring import USER_ERRORS
+
+    return USER_ERRORS
+
+
 def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     """One ``dag.test()`` run for the iteration ``holder`` has leased (its plan task finds
     it); returns the DAG run's final state."""

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from types import ModuleType
 
 from components.core import lease, preflight, runner, settings, tracking
 from components.core.context import read_manifest
@@ -193,7 +194,7 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
 
 
 def check_before_run(recipe: Recipe, store: Store) -> None:
-    """What ``posttrain run`` and ``posttrain kfp-local`` check before any work, each a
+    """What ``run_local`` checks before any work, each a
     UserError (exit 2) or an InfraError: the tracking URI against the run root, the task
     file (every row; before the store's probe, which makes a missing local run root), the
     store, the starting policy's source, and the registered model's owner (another run
@@ -206,58 +207,68 @@ def check_before_run(recipe: Recipe, store: Store) -> None:
     preflight.registry_owner(recipe, store.uri)
 
 
-def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int, stage_host: bool = False) -> int:
-    """Bring the pipeline to ``iterations`` finished iterations, one DAG run each.
+def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int, stage_host: bool = False,
+              driver: ModuleType | None = None) -> int:
+    """Bring the pipeline to ``iterations`` finished iterations, one orchestrator run each.
 
     The planner (``components.core.planner``) picks each iteration and leases it for this
-    home (``local:<home>``); the DAG run's own plan task, given the same holder, finds the
-    same iteration. A killed run started again resumes the iteration it held. With
-    ``stage_host`` (``posttrain run`` as its own process; ``POSTTRAIN_STAGE_HOST=0`` says
-    no), the stages run in a forked child that imported their libraries while this process
-    started Airflow (``dags/stagehost.py``); a caller inside a larger process (a test) keeps
-    them in-process."""
+    home (``local:<home>``); the orchestrator run's own plan task, given the same holder,
+    finds the same iteration. A killed or failed run started again resumes the iteration
+    it held. ``driver`` runs each iteration: ``dags.local`` (default; ``posttrain run``:
+    the Airflow DAG under ``dag.test()``) or ``pipelines.local`` (``posttrain kfp-local``:
+    the Kubeflow pipeline under ``kfp.local``); each has ``NAME``, ``prepare``,
+    ``run_iteration`` and ``user_errors``. With ``stage_host`` (``posttrain run`` as its
+    own process; ``POSTTRAIN_STAGE_HOST=0`` says no), the DAG's stages run in a forked
+    child that imported their libraries while this process started Airflow
+    (``dags/stagehost.py``); a caller inside a larger process (a test) keeps them
+    in-process."""
     conf = settings.resolve(recipe_arg, run_root_arg)
     recipe = load_recipe(conf.recipe)
     if iterations < 1:
         raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
+    if driver is None:
+        from dags import local as driver
     home = settings.made_home()
     holder = f"local:{home}"
-    # The stages run one after the other in this process: each may use every core
-    # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins). Checked here, so
-    # a bad value stops the run before any work instead of failing a stage's task.
-    os.environ["POSTTRAIN_TORCH_THREADS"] = os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto"
+    if driver.STAGES_IN_PROCESS:
+        # The stages run one after the other in this process: each may use every core
+        # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins).
+        os.environ["POSTTRAIN_TORCH_THREADS"] = os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto"
+    # Checked here, so a bad value stops the run before any work instead of failing a stage's task.
     settings.torch_threads()
     settings.gc_policy()
     # The home's lock first: a second run on this home stops here, before it touches the
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
-    with home_lock(home), stagehost.hosting(stage_host):  # the stage host shares the lock and dies with this process
+    with home_lock(home), stagehost.hosting(stage_host and driver.STAGES_IN_PROCESS):  # the host dies with this process
         store = Store(conf.run_root, "--run-root")
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
         # home's lock already keeps a second run on this home away from its SQLite MLflow).
         check_before_run(recipe, store)
         with writer_lease(store, recipe.pipeline, home):
-            from dags.local import prepare, run_iteration
-
-            return _iterate(store, recipe, conf.recipe, holder, iterations, prepare, run_iteration, home)
+            return _iterate(store, recipe, conf.recipe, holder, iterations, driver, home)
 
 
-def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterations: int, prepare, run_iteration,
+def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterations: int, driver: ModuleType,
              home: Path) -> int:
     """The loop of ``run_local``, under the home's lock and the pipeline's writer lease."""
-    prepare(home, recipe.sandbox.concurrency)
-    from dags.wiring import USER_ERRORS  # after prepare: importing Airflow reads the home's settings
+    driver.prepare(home, recipe.sandbox.concurrency)
+    user_errors = driver.user_errors()  # after prepare: importing Airflow reads the home's settings
 
     while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
         k = plan(store, recipe, holder, stale=other_local_run)
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
-        USER_ERRORS.clear()  # only this iteration's tasks speak for its failure
-        state = run_iteration(recipe_path, store.uri, holder)
+        user_errors.clear()  # only this iteration's tasks speak for its failure
+        state = driver.run_iteration(recipe_path, store.uri, holder)
         if runner.stopping():  # SIGTERM or Ctrl-C: the command says so itself (no task of ours failed)
             raise tracking.Terminated(f"stopped by {runner.stop_signal().name}")
         if state != "success":
-            if USER_ERRORS:  # a task's UserError: its one line and exit 2, as for the checks above
-                raise USER_ERRORS[0]
-            say(f"iter {k} | DAG run ended {state}; fix the failing task and run the same command again to resume")
+            if user_errors:  # a task's UserError: its one line and exit 2, as for the checks above
+                raise user_errors[0]
+            say(f"iter {k} | {driver.NAME} run ended {state}; fix the failing task and run the same command again "
+                "to resume")
+            return 1
+        if max(finished(store, recipe.pipeline), default=0) <= last:  # never expected: say so rather than loop
+            say(f"iter {k} | the {driver.NAME} run ended {state} without finishing iteration {k}")
             return 1
         print_table(summary_rows(store, recipe, k), list(recipe.domains))
     # A process killed as it ended the last iteration left that iteration's MLflow run

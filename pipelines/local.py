@@ -1,63 +1,59 @@
 """``posttrain kfp-local``: iterations of the Kubeflow pipeline on this machine (``kfp.local``).
 
-Each iteration is one run of ``pipelines/post_training_iteration.py`` under
+The driver ``dags.orchestrate.run_local`` takes for ``posttrain kfp-local``: each
+iteration is one run of ``pipelines/post_training_iteration.py`` under
 ``kfp.local.SubprocessRunner`` (each task a subprocess of this interpreter, no
-containers), until the pipeline has ``iterations`` finished iterations, as ``posttrain
-run`` does with the Airflow DAG. Before the first task it makes the checks ``posttrain
-run`` makes (``dags.orchestrate.check_before_run``): KFP retries every task
-(``RETRIES``, with backoff) and cannot tell a user's mistake from an outage, so a bad
-recipe, task file or run root handed straight to the pipeline fails each attempt of its
-first task with a traceback for about a minute; here it is one line and exit 2.
+containers). Everything around the runs is ``posttrain run``'s: the checks before any
+work (a bad recipe, task file, run root or setting is one line and exit 2; handed to the
+pipeline itself, KFP would retry it with backoff, a traceback per attempt, since it
+cannot tell a user's mistake from an outage), the home's lock, the pipeline's writer
+lease, the planner, and the eval table after each iteration. The pipeline's ``holder``
+parameter is the run's own (``local:<home>``), so every task finds the iteration this
+process leased, and a rerun after a failure resumes it.
 
-Not covered: a run submitted to a cluster (``kfp.Client``) makes these checks only inside
-its pods, where a user's mistake is retried like an outage; the home's lock and the
-writer lease of ``posttrain run`` (each iteration's ``plan`` task leases its iteration,
-so two runs on one run root do not take the same one).
+Not covered: stopping. SIGTERM or Ctrl-C ends this process, but a task subprocess that
+kfp.local started may finish its stage first (its iteration lease stays with this home,
+so the next run on it resumes). A task's UserError reaches this process only as a failed
+task (its line is in the task's log above), so the command ends with exit 1, not 2.
 """
 
 from __future__ import annotations
 
-import sys
+import re
+from pathlib import Path
 
-from components.core import settings
-from components.core.errors import UserError
-from components.core.planner import finished
 from components.core.progress import say
-from components.core.recipe import load_recipe
-from components.core.storage import Store
+
+NAME = "Kubeflow pipeline"
+STAGES_IN_PROCESS = False
+"""Each task is a subprocess of kfp.local: no stage host, torch threads as ``posttrain stage`` sets them."""
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def run_kfp_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int) -> int:
-    """Bring the pipeline to ``iterations`` finished iterations, one ``kfp.local`` run each,
-    and print the eval table.
-    A failed task ends the command with exit 1 (its log is above); the same command
-    resumes: the next run's ``plan`` picks the unfinished iteration again."""
-    from dags.orchestrate import check_before_run, print_table, summary_rows
-
-    conf = settings.resolve(recipe_arg, run_root_arg)
-    recipe = load_recipe(conf.recipe)
-    if iterations < 1:
-        raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
-    store = Store(conf.run_root, "--run-root")
-    check_before_run(recipe, store)
-    root = settings.made_home() / "kfp"
-
+def prepare(home: Path, sandbox_slots: int) -> None:
+    """Point kfp.local at a pipeline root in the home (``<home>/kfp``); kfp.local has no
+    sandbox pool (``sandbox_slots`` is the DAG's)."""
     import kfp.local
 
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
+                   raise_on_error=True)
+
+
+def user_errors() -> list[BaseException]:
+    """Always empty: the tasks run in subprocesses, whose errors end the run as failed tasks."""
+    return []
+
+
+def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
+    """One pipeline run for the iteration ``holder`` has leased; "success" or "failed" (the
+    failing task's log and kfp.local's line are printed above)."""
     from pipelines.post_training_iteration import post_training_iteration
 
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
-        say(f"kfp.local | iteration {last + 1} of {iterations} | {store.uri}")
-        try:
-            post_training_iteration(recipe=conf.recipe, run_root=store.uri)
-        except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE..."
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "a task failed"
-            print(f"posttrain: kfp.local: {first} (the task's log is above); run the same command again to resume",
-                  file=sys.stderr)
-            return 1
-        if max(finished(store, recipe.pipeline), default=0) <= last:  # never expected: say so rather than loop
-            print(f"posttrain: kfp.local: the pipeline ended without finishing iteration {last + 1}", file=sys.stderr)
-            return 1
-    print_table(summary_rows(store, recipe, last), list(recipe.domains))  # as posttrain run ends
-    return 0
+    try:
+        post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
+    except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE", in colour
+        text = _COLOUR.sub("", str(exc)).strip()
+        say(f"kfp.local: {text.splitlines()[0] if text else 'a task failed'}")
+        return "failed"
+    return "success"

@@ -2,7 +2,8 @@
 
 The same iteration as ``dags/post_training_iteration.py``: a ``plan`` component picks the
 iteration (``components.core.planner``: the last finished one + 1, leased to this run,
-``kfp:<job id>``, so a resubmitted run replays its k), then one lightweight Python
+``kfp:<job id>``, or the ``holder`` parameter: ``posttrain kfp-local`` passes its own, so
+a resubmitted run replays its k), then one lightweight Python
 component per stage (component name = stage id), each calling
 ``components.core.runner.run_stage`` -- the function behind ``posttrain stage <id>``.
 Rollout, sandbox and reward each fan out with ``dsl.ParallelFor`` over the shard list a
@@ -20,7 +21,7 @@ parameters mean ``POSTTRAIN_RECIPE`` / ``POSTTRAIN_RUN_ROOT`` in the task's envi
 
 Run it locally (each task is a subprocess of this interpreter, no containers) with
 ``posttrain kfp-local --recipe recipes/tiny.yaml --iterations 1`` (``pipelines/local.py``:
-the checks ``posttrain run`` makes first, then ``kfp.local``), or by hand::
+``posttrain run``'s checks, lock, leases and planner around ``kfp.local``), or by hand::
 
     import kfp.local
     from pipelines.post_training_iteration import post_training_iteration
@@ -98,10 +99,10 @@ GPU_NODE_SELECTOR = "posttrain.io/pool=gpu"  # the GPU pool's node label (infra/
 STAGE_UID = 10001  # the images' user (containers/base/Dockerfile)
 
 
-def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str) -> str:
+def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder: str) -> str:
     """Shared component body (copied into each component's source by KFP). The iteration is
-    the one the ``plan`` task leased to this job (found again by its holder), so no task
-    takes it as an input."""
+    the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
+    ``kfp:<job id>`` when empty), so no task takes it as an input."""
     from components.core import planner, settings
     from components.core.recipe import load_recipe
     from components.core.runner import run_stage, stop_on_sigterm
@@ -110,13 +111,15 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str) -> str
     stop_on_sigterm()  # a stopped pod: the stage's MLflow run ends KILLED, not RUNNING
     conf = settings.resolve(recipe or None, run_root or None)
     k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
-                                                    f"kfp:{run_id}", replay=True)
+                                                    holder or f"kfp:{run_id}", replay=True)
     return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
 
 
-def plan(recipe: str, run_root: str, run_id: str) -> int:
-    """Pick and lease this job's iteration (``kfp:<job id>`` holds it); end the MLflow runs
-    of iterations that finished while their parent run stayed RUNNING."""
+def plan(recipe: str, run_root: str, run_id: str, holder: str) -> int:
+    """Pick and lease this job's iteration (``holder`` holds it, ``kfp:<job id>`` when empty:
+    ``posttrain kfp-local`` passes one holder for all its runs, so a rerun after a failure
+    resumes the iteration its earlier run leased); end the MLflow runs of iterations that
+    finished while their parent run stayed RUNNING."""
     from components.core import planner, settings
     from components.core.recipe import load_recipe
     from components.core.runner import close_finished_iterations
@@ -126,7 +129,7 @@ def plan(recipe: str, run_root: str, run_id: str) -> int:
     store = Store(conf.run_root, "run_root")
     store.check_reachable()
     loaded = load_recipe(conf.recipe)
-    k = planner.plan(store, loaded, f"kfp:{run_id}", replay=True)
+    k = planner.plan(store, loaded, holder or f"kfp:{run_id}", replay=True)
     close_finished_iterations(store, loaded.pipeline)
     return k
 
@@ -140,36 +143,36 @@ def shards(recipe: str, stage: str) -> list:
     return shard_list(load_recipe(settings.resolve(recipe or None).recipe), stage)
 
 
-def bootstrap(recipe: str, run_root: str, run_id: str) -> str:
-    return _run("bootstrap", recipe, run_root, "", run_id)
+def bootstrap(recipe: str, run_root: str, run_id: str, holder: str) -> str:
+    return _run("bootstrap", recipe, run_root, "", run_id, holder)
 
 
-def taskgen(recipe: str, run_root: str, run_id: str) -> str:
-    return _run("taskgen", recipe, run_root, "", run_id)
+def taskgen(recipe: str, run_root: str, run_id: str, holder: str) -> str:
+    return _run("taskgen", recipe, run_root, "", run_id, holder)
 
 
-def rollout(recipe: str, run_root: str, shard: str, run_id: str) -> str:
-    return _run("rollout", recipe, run_root, shard, run_id)
+def rollout(recipe: str, run_root: str, shard: str, run_id: str, holder: str) -> str:
+    return _run("rollout", recipe, run_root, shard, run_id, holder)
 
 
-def sandbox(recipe: str, run_root: str, shard: str, run_id: str) -> str:
-    return _run("sandbox", recipe, run_root, shard, run_id)
+def sandbox(recipe: str, run_root: str, shard: str, run_id: str, holder: str) -> str:
+    return _run("sandbox", recipe, run_root, shard, run_id, holder)
 
 
-def reward(recipe: str, run_root: str, shard: str, run_id: str) -> str:
-    return _run("reward", recipe, run_root, shard, run_id)
+def reward(recipe: str, run_root: str, shard: str, run_id: str, holder: str) -> str:
+    return _run("reward", recipe, run_root, shard, run_id, holder)
 
 
-def validation(recipe: str, run_root: str, run_id: str) -> str:
-    return _run("validation", recipe, run_root, "", run_id)
+def validation(recipe: str, run_root: str, run_id: str, holder: str) -> str:
+    return _run("validation", recipe, run_root, "", run_id, holder)
 
 
-def trainer(recipe: str, run_root: str, run_id: str) -> str:
-    return _run("trainer", recipe, run_root, "", run_id)
+def trainer(recipe: str, run_root: str, run_id: str, holder: str) -> str:
+    return _run("trainer", recipe, run_root, "", run_id, holder)
 
 
-def evaluation(recipe: str, run_root: str, run_id: str) -> str:
-    return _run("evaluation", recipe, run_root, "", run_id)
+def evaluation(recipe: str, run_root: str, run_id: str, holder: str) -> str:
+    return _run("evaluation", recipe, run_root, "", run_id, holder)
 
 
 def stage_image(stage: str, image_prefix: str = "") -> str:
@@ -240,9 +243,9 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
     @dsl.pipeline(name="post-training-iteration",
                   description="One RL post-training iteration: plan, bootstrap, taskgen, sharded rollout/sandbox/reward, "
                               "validation, trainer, evaluation.")
-    def post_training_iteration(recipe: str = "", run_root: str = "") -> str:
-        planned = step(planner(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER))
-        common = dict(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+    def post_training_iteration(recipe: str = "", run_root: str = "", holder: str = "") -> str:
+        common = dict(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, holder=holder)
+        planned = step(planner(**common))
         fanout = {s: step(lister(recipe=recipe, stage=s).set_display_name(f"{s}-shards"))
                   for s in ("rollout", "sandbox", "reward")}
         boot = step(comp["bootstrap"](**common).after(planned))

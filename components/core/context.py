@@ -19,6 +19,7 @@ before the reading stage sees any of the data.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -212,8 +213,8 @@ def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> l
         each = " for each of the recipe's n shards i" if shard else ""
         raise UserError(
             f"stage {stage}", store.url(base), f"no manifested output for iteration {iteration}",
-            f"run 'posttrain stage {stage}{where}{shard} --run-root {store.uri}'{each}, with this run's --recipe, "
-            "first (or the whole iteration: 'posttrain run')",
+            f"run 'posttrain stage {stage}{where}{shard} --run-root {shlex.quote(store.uri)}'{each}, with this run's "
+            "--recipe, first (or the whole iteration: 'posttrain run')",
         )
     count = Shard.parse(manifests[0].shard).count
     if len(manifests) != count:
@@ -221,7 +222,7 @@ def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> l
         missing = [f"{i}/{count}" for i in range(count) if f"{i}/{count}" not in done]
         raise UserError(
             f"stage {stage}", store.url(base), f"only shards {done} of {count} are manifested",
-            f"run 'posttrain stage {stage}{where} --shard S --run-root {store.uri}', with this run's --recipe, "
-            f"for each missing shard S in {missing} first",
+            f"run 'posttrain stage {stage}{where} --shard S --run-root {shlex.quote(store.uri)}', with this run's "
+            f"--recipe, for each missing shard S in {missing} first",
         )
     return manifests

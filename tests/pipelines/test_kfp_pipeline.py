@@ -111,7 +111,8 @@ def test_every_task_retries_and_skips_the_kfp_cache(compiled):
 def test_pipeline_parameters_default_to_the_environment(compiled):
     params = compiled["root"]["inputDefinitions"]["parameters"]
     assert {k: (v["parameterType"], v["defaultValue"]) for k, v in params.items()} == {
-        "recipe": ("STRING", ""), "run_root": ("STRING", "")}  # empty: POSTTRAIN_RECIPE / POSTTRAIN_RUN_ROOT
+        "recipe": ("STRING", ""), "run_root": ("STRING", ""),  # empty: POSTTRAIN_RECIPE / POSTTRAIN_RUN_ROOT
+        "holder": ("STRING", "")}  # empty: kfp:<job id> holds the iteration's lease
 
 
 def test_image_prefix_names_a_registry(tmp_path):
@@ -223,6 +224,14 @@ def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("POSTTRAIN_RUN_ROOT", raising=False)
 
+    # What a failed or killed earlier run on this home leaves: iteration 1 leased to the home
+    # (``local:<home>``). Before, each kfp.local run leased its iteration as ``kfp:<job id>``, so
+    # a rerun met that lease for its 6 hours; now the pipeline's holder is the home's.
+    from components.core.planner import plan
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+
+    assert plan(Store(str(store)), load_recipe(str(TINY)), f"local:{home}") == 1
     assert main(["kfp-local", "--recipe", str(TINY), "--run-root", str(store), "--iterations", "1"]) == 0
 
     iteration = store / "tiny" / "iter-000001"
@@ -242,7 +251,7 @@ def test_local_run_of_the_tiny_recipe(tmp_path, monkeypatch, capsys):
     versions = sorted(int(v.version) for v in mlflow.search_model_versions("name='tiny-policy'"))
     assert versions == [1, 2]  # v1 from bootstrap, v2 from this iteration's trainer
     parent = mlflow.get_run(json.loads((iteration / "taskgen" / "_MANIFEST.json").read_text())["info"]["parent_run_id"])
-    assert [p.name for p in (store / "tiny" / "_leases").iterdir()] == ["iter-000001"]  # planned and leased
+    assert sorted(p.name for p in (store / "tiny" / "_leases").iterdir()) == ["iter-000001", "writer"]  # planned, leased
     assert parent.data.tags["posttrain.iteration"] == "1"
     assert parent.data.tags["posttrain.orchestrator_run_id"] != ""  # the KFP job id reached MLflow
 
