@@ -149,22 +149,27 @@ def stage_runs(stage: str, iteration: int, root: str) -> list:
 
 
 def test_killed_attempt_is_marked_killed_and_finished_means_manifested(booted: Booted, tmp_path: Path) -> None:
-    prefix = "tiny/iter-000004/taskgen"
-    env = cli_env(booted.home, POSTTRAIN_FAILPOINT="before-manifest:taskgen")
-    proc = subprocess.Popen(posttrain("stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", booted.root,
-                                      "--iteration", "4"), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """A ``posttrain stage`` process killed mid-stage leaves its MLflow run RUNNING; the
+    next attempt of that stage (and shard) marks it KILLED. A rollout shard, whose
+    taskgen this test runs first (``posttrain stage taskgen`` itself refuses an iteration
+    whose predecessor has not finished)."""
+    prefix = "tiny/iter-000004/rollout/shard-00000-of-00002"
+    run_stage("taskgen", TINY_RECIPE, booted.root, 4)
+    env = cli_env(booted.home, POSTTRAIN_FAILPOINT="before-manifest:rollout[0/2]")
+    proc = subprocess.Popen(posttrain("stage", "rollout", "--recipe", str(TINY_RECIPE), "--run-root", booted.root,
+                                      "--iteration", "4", "--shard", "0/2"), cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        read_until(proc.stdout, "failpoint before-manifest:taskgen reached", [])
-        [attempt] = stage_runs("taskgen", 4, booted.store.uri)
+        read_until(proc.stdout, "failpoint before-manifest:rollout[0/2] reached", [])
+        [attempt] = stage_runs("rollout", 4, booted.store.uri)
         assert attempt.info.status == "RUNNING" and not booted.store.exists(f"{prefix}/{MANIFEST}")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert tracking.client().get_run(attempt.info.run_id).info.status == "RUNNING", "a killed process ends nothing"
 
-    manifest = run_stage("taskgen", TINY_RECIPE, booted.root, 4)
-    runs = {r.info.run_id: r.info.status for r in stage_runs("taskgen", 4, booted.store.uri)}
+    manifest = run_stage("rollout", TINY_RECIPE, booted.root, 4, "0/2")
+    runs = {r.info.run_id: r.info.status for r in stage_runs("rollout", 4, booted.store.uri)}
     assert runs == {attempt.info.run_id: "KILLED", manifest.mlflow_run_id: "FINISHED"}
     assert booted.store.exists(f"{prefix}/{MANIFEST}")
 
