@@ -11,17 +11,24 @@ lease, the planner, and the eval table after each iteration. The pipeline's ``ho
 parameter is the run's own (``local:<home>``), so every task finds the iteration this
 process leased, and a rerun after a failure resumes it.
 
+A task's UserError (a mistake only a stage can see) comes back through the file
+``POSTTRAIN_KFP_USER_ERROR`` names (``<home>/kfp/user-error.json``, written by the
+component body): once KFP's retries of that task are spent, the command ends with the
+task's line and exit 2, as ``posttrain run`` does.
+
 Not covered: stopping. SIGTERM or Ctrl-C ends this process, but a task subprocess that
 kfp.local started may finish its stage first (its iteration lease stays with this home,
-so the next run on it resumes). A task's UserError reaches this process only as a failed
-task (its line is in the task's log above), so the command ends with exit 1, not 2.
+so the next run on it resumes).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
+from components.core.errors import UserError
 from components.core.progress import say
 
 NAME = "Kubeflow pipeline"
@@ -29,6 +36,7 @@ STAGES_IN_PROCESS = False
 """Each task is a subprocess of kfp.local: no stage host, torch threads as ``posttrain stage`` sets them."""
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+USER_ERROR_VAR = "POSTTRAIN_KFP_USER_ERROR"  # read by the component body, pipelines/post_training_iteration.py
 
 
 def prepare(home: Path, sandbox_slots: int) -> None:
@@ -36,6 +44,8 @@ def prepare(home: Path, sandbox_slots: int) -> None:
     sandbox pool (``sandbox_slots`` is the DAG's)."""
     import kfp.local
 
+    (home / "kfp").mkdir(parents=True, exist_ok=True)
+    os.environ[USER_ERROR_VAR] = str(home / "kfp" / "user-error.json")  # the task subprocesses inherit it
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
                    raise_on_error=True)
 
@@ -50,10 +60,14 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     failing task's log and kfp.local's line are printed above)."""
     from pipelines.post_training_iteration import post_training_iteration
 
+    error = Path(os.environ[USER_ERROR_VAR])
+    error.unlink(missing_ok=True)  # only this run's tasks speak for its failure
     try:
         post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
     except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE", in colour
         text = _COLOUR.sub("", str(exc)).strip()
         say(f"kfp.local: {text.splitlines()[0] if text else 'a task failed'}")
+        if error.exists():
+            raise UserError(**json.loads(error.read_text())) from None
         return "failed"
     return "success"

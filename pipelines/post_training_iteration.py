@@ -103,16 +103,27 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     """Shared component body (copied into each component's source by KFP). The iteration is
     the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
     ``kfp:<job id>`` when empty), so no task takes it as an input."""
+    import json
+    import os
+
     from components.core import planner, settings
+    from components.core.errors import UserError
     from components.core.recipe import load_recipe
     from components.core.runner import run_stage, stop_on_sigterm
     from components.core.storage import Store
 
     stop_on_sigterm()  # a stopped pod: the stage's MLflow run ends KILLED, not RUNNING
-    conf = settings.resolve(recipe or None, run_root or None)
-    k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
-                                                    holder or f"kfp:{run_id}", replay=True)
-    return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
+    try:
+        conf = settings.resolve(recipe or None, run_root or None)
+        k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
+                                                        holder or f"kfp:{run_id}", replay=True)
+        return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
+    except UserError as exc:  # under posttrain kfp-local (pipelines/local.py) the command ends with this line
+        if where := os.environ.get("POSTTRAIN_KFP_USER_ERROR"):
+            with open(where, "w") as fh:
+                json.dump({"field": exc.field, "value": exc.value, "problem": exc.problem, "fix": exc.fix}, fh,
+                          default=str)
+        raise
 
 
 def plan(recipe: str, run_root: str, run_id: str, holder: str) -> int:

@@ -273,3 +273,30 @@ def test_kfp_local_refuses_a_bad_recipe_before_any_task(recipe, needle, tmp_path
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("posttrain: error: ") and needle in lines[0], lines
     assert not (tmp_path / "store").exists() and not (tmp_path / "home" / "kfp").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
+def test_kfp_local_ends_with_a_tasks_user_error_and_exit_2(tmp_path, monkeypatch, capsys):
+    """A mistake only a stage can see (a task file whose rows are all eval-suite tasks,
+    which taskgen skips): once KFP's retries are spent, ``posttrain kfp-local`` ends with
+    the task's line and exit 2, as ``posttrain run`` does (it ended with exit 1)."""
+    import yaml
+
+    from components.cli import main
+    from tests.dags.test_failures import eval_suite_as_task_file
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("POSTTRAIN_RUN_ROOT", raising=False)
+    tasks = eval_suite_as_task_file(tmp_path)
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["taskgen"]["task_file"] = str(tasks)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(recipe))
+
+    assert main(["kfp-local", "--recipe", "bad.yaml", "--run-root", str(tmp_path / "store")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"posttrain: error: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
+        "['arithmetic', 'code']; fix: add tasks of those domains (tasks equal to eval-suite tasks are skipped) or "
+        "change the weights")
