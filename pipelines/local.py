@@ -24,6 +24,7 @@ so the next run on it resumes).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -62,6 +63,10 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
 
     error = Path(os.environ[USER_ERROR_VAR])
     error.unlink(missing_ok=True)  # only this run's tasks speak for its failure
+    # kfp.local swaps the root logger's handlers per task, from several threads at once
+    # under a ParallelFor, and can leave one of its own behind: put back what was there.
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     try:
         post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
     except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE", in colour
@@ -70,4 +75,7 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
         if error.exists():
             raise UserError(**json.loads(error.read_text())) from None
         return "failed"
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     return "success"
