@@ -23,7 +23,6 @@ so the next run on it resumes).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -38,6 +37,7 @@ STAGES_IN_PROCESS = False
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 USER_ERROR_VAR = "POSTTRAIN_KFP_USER_ERROR"  # read by the component body, pipelines/post_training_iteration.py
+_USER_ERROR_FILE: Path | None = None  # <home>/kfp/user-error.json, set by prepare()
 
 
 def prepare(home: Path, sandbox_slots: int) -> None:
@@ -45,8 +45,9 @@ def prepare(home: Path, sandbox_slots: int) -> None:
     sandbox pool (``sandbox_slots`` is the DAG's)."""
     import kfp.local
 
+    global _USER_ERROR_FILE
     (home / "kfp").mkdir(parents=True, exist_ok=True)
-    os.environ[USER_ERROR_VAR] = str(home / "kfp" / "user-error.json")  # the task subprocesses inherit it
+    _USER_ERROR_FILE = home / "kfp" / "user-error.json"
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
                    raise_on_error=True)
 
@@ -61,21 +62,28 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     failing task's log and kfp.local's line are printed above)."""
     from pipelines.post_training_iteration import post_training_iteration
 
-    error = Path(os.environ[USER_ERROR_VAR])
+    assert _USER_ERROR_FILE is not None, "prepare() first"
+    error = _USER_ERROR_FILE
     error.unlink(missing_ok=True)  # only this run's tasks speak for its failure
     # kfp.local swaps the root logger's handlers per task, from several threads at once
     # under a ParallelFor, and can leave one of its own behind: put back what was there.
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    before = os.environ.get(USER_ERROR_VAR)
+    os.environ[USER_ERROR_VAR] = str(error)  # the task subprocesses inherit it; put back after the run
     try:
         post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
     except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE", in colour
         text = _COLOUR.sub("", str(exc)).strip()
         say(f"kfp.local: {text.splitlines()[0] if text else 'a task failed'}")
         if error.exists():
-            raise UserError(**json.loads(error.read_text())) from None
+            raise UserError.from_json(error.read_text()) from None
         return "failed"
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        if before is None:
+            os.environ.pop(USER_ERROR_VAR, None)
+        else:
+            os.environ[USER_ERROR_VAR] = before
     return "success"

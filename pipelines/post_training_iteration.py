@@ -103,7 +103,6 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     """Shared component body (copied into each component's source by KFP). The iteration is
     the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
     ``kfp:<job id>`` when empty), so no task takes it as an input."""
-    import json
     import os
 
     from components.core import planner, settings
@@ -121,8 +120,7 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     except UserError as exc:  # under posttrain kfp-local (pipelines/local.py) the command ends with this line
         if where := os.environ.get("POSTTRAIN_KFP_USER_ERROR"):
             with open(where, "w") as fh:
-                json.dump({"field": exc.field, "value": exc.value, "problem": exc.problem, "fix": exc.fix}, fh,
-                          default=str)
+                fh.write(exc.to_json())
         raise
 
 

@@ -7,6 +7,8 @@ CLI prints it as one line and exits with status 2; no traceback. Internal invari
 
 from __future__ import annotations
 
+import json
+
 EXIT_USER_ERROR = 2
 
 
@@ -29,6 +31,22 @@ class UserError(Exception):
         (``--nodes=0``), anything else quoted (``--shard='0/3'``), so an empty or padded text is visible."""
         shown = value_text(self.value) if _bare(self.value) else repr(value_text(self.value))
         return f"{self.field}={shown}: {self.problem}; fix: {self.fix}"
+
+    def to_json(self) -> str:
+        """The error as one JSON object, for a process that hands it to its parent (a
+        trainer worker, a Kubeflow task under ``posttrain kfp-local``); the value as in
+        ``__reduce__``."""
+        value = self.value if _bare(self.value) else value_text(self.value, limit=10_000)
+        if isinstance(value, int) and value_text(value).startswith("<"):
+            value = value_text(value)  # past Python's 4300-digit limit: json cannot write it
+        return json.dumps({"field": self.field, "value": value, "problem": self.problem, "fix": self.fix})
+
+    @classmethod
+    def from_json(cls, text: str) -> UserError:
+        """The error ``to_json`` wrote. Not for untrusted text: a file that is not one
+        raises ``ValueError`` or ``KeyError``."""
+        fields = json.loads(text)
+        return cls(str(fields["field"]), fields["value"], str(fields["problem"]), str(fields["fix"]))
 
 
 def _bare(value: object) -> bool:

@@ -169,7 +169,7 @@ def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NO
             proc.wait()
             raise InfraError("trainer workers", str(workdir), f"no result within {timeout_s:.0f}s; killed") from None
     for error in sorted(workdir.glob("error-*.json")):
-        raise UserError(**json.loads(error.read_text()))
+        raise UserError.from_json(error.read_text())
     if code != 0 or (node.leader and not (workdir / OUT / STATS).exists()):
         failed = sorted(workdir.glob("failed-*.txt"))
         why = failed[0].read_text() if failed else _last_error(workdir / "workers.log")
@@ -322,8 +322,7 @@ def main(argv: list[str]) -> int:
         _run(workdir)
     except UserError as exc:
         rank = os.environ.get("RANK", "0")
-        (workdir / f"error-{rank}.json").write_text(json.dumps(
-            {"field": exc.field, "value": exc.value, "problem": exc.problem, "fix": exc.fix}, default=str))
+        (workdir / f"error-{rank}.json").write_text(exc.to_json())
         return 2
     except Exception as exc:  # noqa: BLE001 - any crash: one line for the launcher's InfraError, the traceback in the log
         import traceback

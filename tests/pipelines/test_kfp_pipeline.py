@@ -15,6 +15,7 @@ Dockerfiles only.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -296,6 +297,7 @@ def test_kfp_local_ends_with_a_tasks_user_error_and_exit_2(tmp_path, monkeypatch
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(recipe))
 
     assert main(["kfp-local", "--recipe", "bad.yaml", "--run-root", str(tmp_path / "store")]) == 2
+    assert "POSTTRAIN_KFP_USER_ERROR" not in os.environ  # set for the pipeline's tasks only
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"posttrain: error: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
         "['arithmetic', 'code']; fix: add tasks of those domains (tasks equal to eval-suite tasks are skipped) or "

@@ -1,0 +1,38 @@
+"""UserError's JSON form: what a trainer worker or a Kubeflow task hands its parent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from components.core.errors import UserError
+
+
+@pytest.mark.parametrize("value, shown", [
+    (0, "--nodes=0"),
+    (True, "--nodes=True"),
+    (None, "--nodes=None"),
+    (2.5, "--nodes=2.5"),
+    ("0/3", "--nodes='0/3'"),
+    (Path("/tmp/x y"), "--nodes='/tmp/x y'"),
+    ("", "--nodes=''"),
+])
+def test_a_user_error_comes_back_from_its_json_with_the_same_line(value: object, shown: str) -> None:
+    error = UserError("--nodes", value, "is wrong", "pass 1")
+    back = UserError.from_json(error.to_json())
+    assert back.line() == error.line() == f"{shown}: is wrong; fix: pass 1"
+    assert (back.field, back.problem, back.fix) == ("--nodes", "is wrong", "pass 1")
+
+
+def test_a_number_stays_a_number_and_other_values_become_their_text() -> None:
+    assert UserError.from_json(UserError("f", 7, "p", "x").to_json()).value == 7
+    assert UserError.from_json(UserError("f", Path("/a"), "p", "x").to_json()).value == "/a"
+
+
+def test_an_integer_past_the_digit_limit_and_a_huge_text_still_make_json() -> None:
+    huge = 10 ** 5000
+    back = UserError.from_json(UserError("n", huge, "is too large", "pass less").to_json())
+    assert back.line() == f"n='<an integer of {huge.bit_length()} bits>': is too large; fix: pass less"
+    text = UserError.from_json(UserError("t", "a" * 50_000, "p", "x").to_json()).value
+    assert len(text) == 10_000 and text.endswith("...")
