@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command; ``argv=None`` is the process's own entry (the console script, ``python
     -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
     args = build_parser().parse_args(argv)
-    handlers = {"stage": _stage, "run": _run}
-    policy = argv is None and args.command in handlers
+    handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one
+    policy = argv is None and args.command in ("stage", "run")  # the commands that run stages in this process
     args.process_entry = argv is None  # the process is this command: it may fork a stage host (``posttrain run``)
     if policy:
         gcpolicy.start()

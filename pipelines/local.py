@@ -16,16 +16,22 @@ A task's UserError (a mistake only a stage can see) comes back through the file
 component body): once KFP's retries of that task are spent, the command ends with the
 task's line and exit 2, as ``posttrain run`` does.
 
-Not covered: stopping. SIGTERM or Ctrl-C ends this process, but a task subprocess that
-kfp.local started may finish its stage first (its iteration lease stays with this home,
-so the next run on it resumes).
+Stopping: SIGTERM to this process alone is passed on to the task subprocess that runs
+(kfp.local waits for it otherwise, however long its stage takes), whose stage ends its
+MLflow run KILLED and writes no manifest; the command then says it was stopped (exit
+143), and the same command resumes the iteration. Ctrl-C reaches the tasks as part of
+the terminal's process group. Not covered: a task's own children other than the sandbox
+(which dies with its parent).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
+import threading
 from pathlib import Path
 
 from components.core.errors import UserError
@@ -72,7 +78,8 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     before = os.environ.get(USER_ERROR_VAR)
     os.environ[USER_ERROR_VAR] = str(error)  # the task subprocesses inherit it; put back after the run
     try:
-        post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
+        with _sigterm_reaches_the_tasks():
+            post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
     except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE", in colour
         text = _COLOUR.sub("", str(exc)).strip()
         say(f"kfp.local: {text.splitlines()[0] if text else 'a task failed'}")
@@ -87,3 +94,43 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
         else:
             os.environ[USER_ERROR_VAR] = before
     return "success"
+
+
+@contextlib.contextmanager
+def _sigterm_reaches_the_tasks():
+    """While a pipeline runs, SIGTERM is first sent on to the task kfp.local waits for (the
+    component's Python process, under the ``sh -c`` wrapper KFP runs it in, which would die
+    at once and leave it running), and this process waits up to ``_TASK_STOP_S`` for the
+    task to end its stage; then this process's own handler runs. Off the main thread, or
+    where SIGTERM is ignored, nothing changes."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
+        yield
+        return
+
+    def forward(signum: int, frame) -> None:
+        import psutil
+
+        tasks = []
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error):
+                tasks += child.children() if child.name() in _SHELLS else [child]
+        for task in tasks:
+            with contextlib.suppress(psutil.Error):
+                task.send_signal(signum)
+        psutil.wait_procs(tasks, timeout=_TASK_STOP_S)
+        if callable(previous):
+            previous(signum, frame)
+        else:  # the default action: end this process, as it would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+_SHELLS = {"sh", "dash", "bash"}
+_TASK_STOP_S = 60  # a stage ends its MLflow run KILLED in well under a second

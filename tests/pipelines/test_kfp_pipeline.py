@@ -302,3 +302,44 @@ def test_kfp_local_ends_with_a_tasks_user_error_and_exit_2(tmp_path, monkeypatch
         f"posttrain: error: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
         "['arithmetic', 'code']; fix: add tasks of those domains (tasks equal to eval-suite tasks are skipped) or "
         "change the weights")
+
+
+@pytest.mark.slow
+def test_sigterm_to_kfp_local_alone_stops_the_task_and_a_rerun_resumes(tmp_path):
+    """SIGTERM to ``posttrain kfp-local`` alone (not its process group) reaches the task
+    subprocess kfp.local waits for: exit 143, the stage's MLflow run KILLED, no manifest, no
+    process left. Before, the command waited for the task's stage to finish, however long."""
+    import signal
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.dags.test_stagehost import alive, children, end
+    from tests.fixtures.runs import TINY as TINY_RECIPE
+    from tests.fixtures.runs import cli_env, posttrain, read_until, run_posttrain
+
+    home = tmp_path / ".posttrain"
+    failpoint = "before-manifest:bootstrap"
+    proc = subprocess.Popen(posttrain("kfp-local", "--recipe", str(TINY_RECIPE)), cwd=tmp_path,
+                            env=cli_env(home, POSTTRAIN_FAILPOINT=failpoint), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
+    try:
+        read_until(proc.stdout, f"failpoint {failpoint} reached", seen)
+        tasks = children(proc.pid)
+        assert len(tasks) == 1, f"children of posttrain kfp-local: {tasks}"
+        proc.send_signal(signal.SIGTERM)  # the parent only
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        end(proc)
+    assert proc.returncode == 143, "".join(seen) + rest
+    assert rest.splitlines()[-1] == "posttrain: stopped by SIGTERM; run the same command again to resume"
+    assert not any(alive(pid) for pid in tasks)
+    c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name("tiny").experiment_id], "attributes.run_name = 'bootstrap'")
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert not list((home / "store" / "tiny").glob("bootstrap/_MANIFEST.json"))
+
+    again = run_posttrain(["kfp-local", "--recipe", str(TINY_RECIPE)], tmp_path, cli_env(home))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (home / "store" / "tiny" / "iter-000001" / "evaluation" / "_MANIFEST.json").exists()
