@@ -22,21 +22,25 @@ in-process ``vllm`` engine gives its prompts.
 
 A server that cannot be reached, or answers 5xx, is an ``InfraError`` (the orchestrator
 retries the stage); a 4xx answer is a ``UserError`` naming the URL (a wrong model name or
-an unsupported option will not fix itself). Not covered: chat completions, streaming,
+an unsupported option will not fix itself), and so is a 200 reply of another shape (not a
+JSON object, another number of choices, tokens outside the model's vocabulary, logprobs
+that are not numbers at most 0); a reply cut off midway is an ``InfraError``. Not covered: chat completions, streaming,
 ``n > 1`` per request, retries inside one request, and servers that drop the EOS token
 from ``logprobs.tokens`` (then ``completion_ids`` ends without EOS and EOS is not trained).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import os
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from components.core.errors import InfraError, UserError
+from components.core.errors import InfraError, UserError, value_text
 from components.rollout.engines import Engine, Generation
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
@@ -57,24 +61,76 @@ def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: floa
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+            raw = response.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:200]
         if exc.code >= 500:
             raise InfraError("inference endpoint", url, f"HTTP {exc.code}: {detail}") from None
         raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {exc.code}: {detail}",
                         f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs") from None
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut off mid-reply
         raise InfraError("inference endpoint", url, f"cannot reach the completions server ({exc}); start it "
                          "(e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
+    try:
+        reply = json.loads(raw)
+    except (ValueError, RecursionError):
+        reply = None
+    if not isinstance(reply, dict):
+        raise UserError(ENV_BASE_URL, url, f"the server's reply is not a JSON object: {raw[:80]!r}",
+                        "point it at an OpenAI-compatible server's /v1 (vLLM, posttrain serve)")
+    return reply
 
 
-def _token_id(token: str, tokenizer) -> int:
+def _token_id(token: object, tokenizer, vocab: int) -> int:
+    """The id of one returned token (``token_id:N`` with N below ``vocab``, the model's
+    vocabulary size, which may exceed the tokenizer's; or a token string of the policy's
+    tokenizer); ``ValueError`` for anything else."""
+    if not isinstance(token, str):
+        raise ValueError(f"token {value_text(token, 40)!r} is not a string")
     if token.startswith("token_id:"):
-        return int(token.split(":", 1)[1])
-    tid = tokenizer.convert_tokens_to_ids(token)
-    assert tid is not None, f"server token {token!r} is not in the policy's vocabulary"
-    return int(tid)
+        text = token.split(":", 1)[1]
+        tid = int(text) if text.isascii() and text.isdigit() and len(text) <= 12 else -1
+    else:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        unknown = tid == tokenizer.unk_token_id and token != tokenizer.unk_token
+        tid = tid if isinstance(tid, int) and not unknown else -1
+    if not 0 <= tid < vocab:
+        raise ValueError(f"token {value_text(token, 40)!r} is not in the policy's vocabulary of {vocab}")
+    return tid
+
+
+def _parse_choices(reply: dict[str, Any], n: int, url: str, policy) -> list[tuple[list[int], list[float], bool]]:
+    """Each of the ``n`` choices of ``reply`` in prompt order: (token ids, their logprobs,
+    whether it stopped). A reply of another shape is a UserError naming the server: a
+    wrong server or option will not fix itself."""
+    config = getattr(getattr(policy, "model", None), "config", None)
+    vocab = max(len(policy.tokenizer), getattr(config, "vocab_size", 0) or 0)
+    fix = "use a server that accepts a list of token-id prompts and honours 'logprobs' (vLLM, posttrain serve)"
+    choices = reply.get("choices")
+    if not isinstance(choices, list) or len(choices) != n:
+        got = len(choices) if isinstance(choices, list) else "no list of"
+        raise UserError(ENV_BASE_URL, url, f"the server returned {got} choices for {n} prompts", fix)
+    parsed: dict[int, tuple[list[int], list[float], bool]] = {}
+    try:
+        for choice in choices:
+            index = choice["index"]
+            if not isinstance(index, int) or not 0 <= index < n or index in parsed:
+                raise ValueError(f"choice index {value_text(index, 40)} is not one of 0..{n - 1} once each")
+            lp = choice.get("logprobs") or {}
+            tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
+            if tokens is None or logprobs is None:
+                raise UserError(ENV_BASE_URL, url, "the server returned no per-token logprobs",
+                                "use a server that honours 'logprobs' on /v1/completions")
+            if not isinstance(tokens, list) or not isinstance(logprobs, list) or len(tokens) != len(logprobs):
+                raise ValueError("'tokens' and 'token_logprobs' are not two lists of one length")
+            values = [float(x) for x in logprobs]
+            if any(math.isnan(v) or v > 0 for v in values):
+                raise ValueError("a logprob is NaN or above 0")
+            parsed[index] = ([_token_id(t, policy.tokenizer, vocab) for t in tokens], values, choice.get("finish_reason") == "stop")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(ENV_BASE_URL, url, f"the server's reply is not a completions reply "
+                        f"({type(exc).__name__}: {value_text(exc, 120)})", fix) from None
+    return [parsed[i] for i in range(n)]
 
 
 class OpenAIEngine(Engine):
@@ -106,25 +162,15 @@ class OpenAIEngine(Engine):
             "seed": seed, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
         }
         reply = post_json(url, body, self.api_key)
-        choices = sorted(reply.get("choices", []), key=lambda c: c["index"])
-        if len(choices) != len(chunk):
-            raise UserError(ENV_BASE_URL, url, f"the server returned {len(choices)} choices for {len(chunk)} prompts",
-                            "use a server that accepts a list of token-id prompts (vLLM, posttrain serve)")
         results = []
-        for ids, choice in zip(chunk, choices):
-            lp = choice.get("logprobs") or {}
-            tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
-            if tokens is None or logprobs is None:
-                raise UserError(ENV_BASE_URL, url, "the server returned no per-token logprobs",
-                                "use a server that honours 'logprobs' on /v1/completions")
-            comp = [_token_id(t, policy.tokenizer) for t in tokens]
+        for ids, (comp, logprobs, stopped) in zip(chunk, _parse_choices(reply, len(chunk), url, policy)):
             stop = comp.index(eos) + 1 if eos in comp else len(comp)
-            comp, logprobs = comp[:stop], [float(x) for x in logprobs[:stop]]
+            comp, logprobs = comp[:stop], logprobs[:stop]
             text_ids = comp[:-1] if comp and comp[-1] == eos else comp
             results.append(Generation(
                 prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
                 text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
-                finish_reason="stop" if choice.get("finish_reason") == "stop" else "length",
+                finish_reason="stop" if stopped else "length",
             ))
         return results
 

@@ -119,3 +119,97 @@ def test_missing_settings_are_user_errors_and_an_unreachable_server_an_outage(mo
     with pytest.raises(InfraError, match=r"inference endpoint unreachable at .*cannot reach the completions server.*posttrain serve"):
         OpenAIEngine(base_url=dead, model=MODEL).generate(policy, ["1"], 2, 1.0, 0, 1)
     assert os.environ.get(ENV_BASE_URL) is None
+
+
+class _Canned:
+    """A loopback HTTP server that answers every POST with ``body`` (bytes), or with a
+    ``Content-Length`` longer than the body and then closes (a reply cut off)."""
+
+    def __init__(self, body: bytes, cut: bool = False) -> None:
+        import http.server
+        import threading
+
+        canned = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(canned.body) + (100 if canned.cut else 0)))
+                self.end_headers()
+                self.wfile.write(canned.body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.body, self.cut = body, cut
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> _Canned:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _reply(*choices: dict) -> bytes:
+    return json.dumps({"choices": list(choices)}).encode()
+
+
+def _choice(index: object = 0, tokens: object = ("token_id:14",), logprobs: object = (-0.5,),
+            finish_reason: str = "length") -> dict:
+    return {"index": index, "finish_reason": finish_reason,
+            "logprobs": {"tokens": list(tokens) if isinstance(tokens, tuple) else tokens,
+                         "token_logprobs": list(logprobs) if isinstance(logprobs, tuple) else logprobs}}
+
+
+@pytest.mark.parametrize("body, problem", [
+    (b"<html>proxy error</html>", "the server's reply is not a JSON object: b'<html>proxy error</html>'"),
+    (b"[1, 2]", "the server's reply is not a JSON object: b'[1, 2]'"),
+    (b"[" * 100_000, "the server's reply is not a JSON object: b'" + "[" * 80 + "'"),
+    (_reply(), "the server returned 0 choices for 1 prompts"),
+    (b'{"choices": "x"}', "the server returned no list of choices for 1 prompts"),
+    (_reply({"finish_reason": "stop"}), "the server's reply is not a completions reply (KeyError: 'index')"),
+    (_reply(_choice(index=3)), "the server's reply is not a completions reply (ValueError: choice index 3 is not one "
+                               "of 0..0 once each)"),
+    (_reply(_choice(tokens=("token_id:999999",))), "the server's reply is not a completions reply (ValueError: token "
+                                                   "'token_id:999999' is not in the policy's vocabulary of 101)"),
+    (_reply(_choice(tokens=("token_id:" + "9" * 5000,))), "the server's reply is not a completions reply (ValueError: "
+                                                          "token 'token_id:" + "9" * 28 + "...' is not in the policy's "
+                                                          "vocabulary of 101)"),
+    (_reply(_choice(tokens=(7,))), "the server's reply is not a completions reply (ValueError: token '7' is not a "
+                                   "string)"),
+    (_reply(_choice(logprobs=(None,))), "the server's reply is not a completions reply (TypeError: float() argument "
+                                        "must be a string or a real number, not 'NoneType')"),
+    (_reply(_choice(logprobs=("nan",))), "the server's reply is not a completions reply (ValueError: a logprob is NaN "
+                                         "or above 0)"),
+    (_reply(_choice(logprobs=(-1.0, -2.0))), "the server's reply is not a completions reply (ValueError: 'tokens' and "
+                                             "'token_logprobs' are not two lists of one length)"),
+])
+def test_a_reply_of_another_shape_is_one_user_error_naming_the_server(body: bytes, problem: str) -> None:
+    """A proxy's error page, a server of another API, or a reply that breaks the
+    completions contract: a UserError naming the URL (retrying will not fix it), never a
+    traceback from inside the parsing."""
+    with _Canned(body) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert (caught.value.field, caught.value.value, caught.value.problem) == (
+        ENV_BASE_URL, f"{server.url}/v1/completions", problem)
+
+
+def test_a_reply_cut_off_midway_is_an_outage() -> None:
+    with _Canned(_reply(_choice()), cut=True) as server, pytest.raises(InfraError, match="IncompleteRead"):
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+
+
+def test_a_well_formed_reply_is_parsed_in_prompt_order() -> None:
+    body = _reply(_choice(index=1, tokens=("token_id:15", "token_id:2", "token_id:16"), logprobs=(-0.25, -0.75, -1.0),
+                          finish_reason="stop"),
+                  _choice(index=0, tokens=("token_id:14",), logprobs=(-0.5,)))
+    with _Canned(body) as server:
+        gens = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1", "2"], 2, 1.0, 0, 2)
+    assert [(g.completion_ids, g.logprobs, g.finish_reason) for g in gens] == [([14], [-0.5], "length"),
+                                                                              ([15, 2], [-0.25, -0.75], "stop")]
