@@ -30,7 +30,7 @@ class UserError(Exception):
         """``field=value: problem; fix: fix``; a number or boolean shows as itself
         (``--nodes=0``), anything else quoted (``--shard='0/3'``), so an empty or padded text is visible."""
         shown = value_text(self.value) if _bare(self.value) else repr(value_text(self.value))
-        return f"{self.field}={shown}: {self.problem}; fix: {self.fix}"
+        return f"{_one_line(self.field)}={shown}: {_one_line(self.problem)}; fix: {_one_line(self.fix)}"
 
     def to_json(self) -> str:
         """The error as one JSON object, for a process that hands it to its parent (a
@@ -47,6 +47,15 @@ class UserError(Exception):
         raises ``ValueError`` or ``KeyError``."""
         fields = json.loads(text)
         return cls(str(fields["field"]), fields["value"], str(fields["problem"]), str(fields["fix"]))
+
+
+def _one_line(text: str) -> str:
+    """``text`` with newlines and other unprintable characters escaped (``\\n``), so that
+    a path or value interpolated into a field, problem or fix keeps the error one line."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _bare(value: object) -> bool:

@@ -36,3 +36,11 @@ def test_an_integer_past_the_digit_limit_and_a_huge_text_still_make_json() -> No
     assert back.line() == f"n='<an integer of {huge.bit_length()} bits>': is too large; fix: pass less"
     text = UserError.from_json(UserError("t", "a" * 50_000, "p", "x").to_json()).value
     assert len(text) == 10_000 and text.endswith("...")
+
+
+def test_a_newline_anywhere_in_the_error_stays_escaped_on_one_line() -> None:
+    """A path or value with a newline, interpolated into the field, problem or fix (a task
+    file's path, a row's domain), must not split the CLI's one line."""
+    error = UserError("taskgen.task_file[/t/a\nb.jsonl]", "x\ny", "row 2: domain 'a\nb' \u2028", "fix\r\nit")
+    assert error.line() == r"taskgen.task_file[/t/a\nb.jsonl]='x\ny': row 2: domain 'a\nb' \u2028; fix: fix\r\nit"
+    assert UserError("f", "é", "ü ok", "ß").line() == "f='é': ü ok; fix: ß"  # printable text stays as it is
