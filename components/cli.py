@@ -123,6 +123,9 @@ def _render_pytorchjob(args: argparse.Namespace) -> int:
         uri = pytorchjob.recipe_uri(conf.recipe, conf.run_root)
         job = pytorchjob.render(recipe, uri, conf.run_root, args.iteration, args.nodes)
         if args.publish:
+            from components.core.storage import Store
+
+            Store(conf.run_root, "--run-root").check_reachable()  # an outage or a refusal as one line, not a traceback
             published = publish_recipe(conf.recipe, conf.run_root)
             assert published == uri, (published, uri)
         elif uri != conf.recipe:

@@ -159,3 +159,28 @@ def test_the_command_prints_the_job(tmp_path, capsys) -> None:
     assert (tmp_path / uri.split(root + "/", 1)[1]).read_text() == path.read_text()
     assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "0", "--iteration", "3"]) == 2
     assert capsys.readouterr().err.strip().endswith("--nodes=0: a job needs 1 to 4096 nodes; fix: pass --nodes from 1 to 4096")
+
+
+def test_publish_to_a_store_that_is_down_or_refuses_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """``--publish`` checks the store first: an S3 endpoint nobody answers on is an outage
+    (exit 1), a run root under a regular file a refusal naming --run-root (exit 2); before,
+    botocore's or fsspec's traceback."""
+    import socket
+
+    path = REPO / "recipes" / "tiny.yaml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    args = ["render", "pytorchjob", "--recipe", str(path), "--nodes", "2", "--iteration", "1", "--publish"]
+    assert main([*args, "--run-root", "s3://no-such-bucket/runs"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1].startswith(
+        "posttrain: unreachable: store unreachable at 's3://no-such-bucket/runs': EndpointConnectionError")
+    (tmp_path / "file").write_text("x")
+    assert main([*args, "--run-root", str(tmp_path / "file" / "root")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines()[-1].startswith(
+        f"posttrain: error: --run-root='file://{tmp_path}/file/root': store is not reachable or not writable")
