@@ -40,8 +40,10 @@ development server, not a production one.
 
 from __future__ import annotations
 
+import errno
 import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -253,6 +255,37 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
     return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (the first address ``host`` resolves to); a
+    UserError naming ``--host`` or ``--port`` when that cannot be: a name that does not
+    resolve, an address not on this machine, a port in use or below 1024 without the
+    privilege."""
+    from components.core.errors import UserError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        raise UserError("--host", host, f"does not resolve to an address ({exc})",
+                        "pass 127.0.0.1, 0.0.0.0 or a name of this machine") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UserError("--port", port, f"is in use on {host}", "pass another --port, or stop the process that "
+                            "listens on it") from None
+        if exc.errno == errno.EACCES:
+            raise UserError("--port", port, "needs privileges this process does not have", "pass a port from 1024 "
+                            "to 65535") from None
+        raise UserError("--host", host, f"cannot be listened on here ({exc.strerror})", "pass 127.0.0.1, 0.0.0.0 or "
+                        "an address of this machine") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_size: int = 64,
           prompt_format: str = "auto") -> None:
     """Load ``checkpoint`` and serve it until SIGINT (raises KeyboardInterrupt, as Ctrl-C does
@@ -263,9 +296,14 @@ def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_siz
     from components.core.progress import say
     from components.core.prompts import resolve_format
 
-    policy = load_policy(checkpoint, field="--checkpoint")
-    # the flag's name in the error, not the recipe field's
-    policy.prompt_format = resolve_format(policy.tokenizer, prompt_format, field="--prompt-format")
+    listening = bind(host, port)  # before the checkpoint loads: a taken port is refused at once
+    try:
+        policy = load_policy(checkpoint, field="--checkpoint")
+        # the flag's name in the error, not the recipe field's
+        policy.prompt_format = resolve_format(policy.tokenizer, prompt_format, field="--prompt-format")
+    except BaseException:
+        listening.close()
+        raise
     name = model_name or "posttrain-policy"
     stop = threading.Event()
     received: list[int] = []
@@ -283,8 +321,9 @@ def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_siz
     # give it handlers that do nothing, and stop the command here the way the rest of the CLI stops.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=[listening])
     finally:
+        listening.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if signal.SIGTERM in received:

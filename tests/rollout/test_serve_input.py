@@ -182,3 +182,30 @@ def test_ctrl_c_on_an_idle_server_exits_130_with_one_line(server) -> None:
     assert proc.wait(timeout=120) == 130
     text = log.read_text()
     assert text.rstrip().endswith("posttrain: interrupted (Ctrl-C)") and "Traceback" not in text, text
+
+
+def test_an_address_that_cannot_be_listened_on_is_refused_before_the_checkpoint_loads(tmp_path, capsys) -> None:
+    """The socket is bound first: a taken port, a name that does not resolve or an address
+    of another machine is one line and exit 2 at once (before: the checkpoint loaded, then
+    uvicorn logged the OSError and the command exited 3, the data-quality code)."""
+    import socket
+
+    from components.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        missing = str(tmp_path / "no-checkpoint")  # never read: the address is refused first
+        assert main(["serve", "--checkpoint", missing, "--port", str(port)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"posttrain: error: --port={port}: is in use on 127.0.0.1; fix: pass another --port, or stop the process "
+            "that listens on it")
+    assert main(["serve", "--checkpoint", missing, "--host", "a..b", "--port", "8000"]) == 2  # refused before DNS
+    assert capsys.readouterr().err.strip() == (
+        "posttrain: error: --host='a..b': does not resolve to an address (encoding with 'idna' codec failed "
+        "(UnicodeError: label empty or too long)); fix: pass 127.0.0.1, 0.0.0.0 or a name of this machine")
+    assert main(["serve", "--checkpoint", missing, "--host", "192.0.2.1", "--port", "8000"]) == 2  # TEST-NET-1
+    assert capsys.readouterr().err.strip() == (
+        "posttrain: error: --host='192.0.2.1': cannot be listened on here (Cannot assign requested address); fix: "
+        "pass 127.0.0.1, 0.0.0.0 or an address of this machine")
