@@ -14,8 +14,9 @@ and exit status 2; an unreachable store, tracking server or inference endpoint (
 iteration another run holds) exits 1 and is worth retrying; a failed data-quality gate
 exits 3. ``render pytorchjob`` prints, as YAML, the Kubeflow ``PyTorchJob`` that runs the
 trainer stage of iteration K on N nodes (``dags/execution/pytorchjob.py``; the pods read
-the recipe from the run root, where ``--publish`` puts a local one). ``stage`` and ``run`` stop on SIGTERM (a container or pod being stopped,
-``kill``) and on Ctrl-C (SIGINT): the running stage's MLflow run ends KILLED, and the
+the recipe from the run root, where ``--publish`` puts a local one). ``stage``, ``run``
+and ``kfp-local`` stop on SIGTERM (a container or pod being stopped, ``kill``) and on
+Ctrl-C (SIGINT): the running stage's MLflow run ends KILLED, and the
 command exits 143 (130 for Ctrl-C) with one line saying so. Ctrl-C on any other command
 is one line (``posttrain: interrupted (Ctrl-C)``) and exit 130, never a traceback.
 """
@@ -25,9 +26,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import NoReturn
 
 from components.core import gcpolicy, settings
-from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError
+from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError, one_line
 from components.core.lease import LeaseHeld
 from components.core.stages import stage_ids
 from components.core.tracking import Terminated
@@ -37,6 +39,15 @@ from components.rollout.cli import add_parser as add_serve
 from components.sandbox.cli import add_parser as add_sandbox
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes (a missing flag, ``--iterations abc``) are one line
+    and exit 2 like every other, the fix pointing at the command's ``--help``, instead of
+    the usage block and then the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {one_line(message)}; fix: see '{self.prog} --help'\n")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default=None, help="recipe YAML (default: $POSTTRAIN_RECIPE or recipes/demo.yaml)")
     p.add_argument("--run-root", default=None,
@@ -44,7 +55,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="posttrain", description="RL post-training as recurring, lineage-tracked pipeline runs.")
+    parser = _Parser(prog="posttrain", description="RL post-training as recurring, lineage-tracked pipeline runs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     stage = sub.add_parser("stage", help="run one stage of one iteration")

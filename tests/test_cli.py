@@ -135,3 +135,22 @@ def test_run_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
                       "fix: restore the checkpoint files")
     assert tree(corrupted.root) == before
     assert not (corrupted.root / "tiny/iter-000001/evaluation/_MANIFEST.json").exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["run", "--iterations", "abc"],
+     "posttrain run: error: argument --iterations: invalid int value: 'abc'; fix: see 'posttrain run --help'"),
+    (["render", "pytorchjob"], "posttrain render pytorchjob: error: the following arguments are required: --nodes, "
+                               "--iteration; fix: see 'posttrain render pytorchjob --help'"),
+    (["stage", "taskgen", "--shard"],
+     "posttrain stage: error: argument --shard: expected one argument; fix: see 'posttrain stage --help'"),
+])
+def test_an_argument_argparse_refuses_is_one_line_and_exit_2(argv: list[str], line: str, capsys) -> None:
+    """Not the usage block and then the message: one line, as for every other mistake."""
+    from components.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", line + "\n")

@@ -30,7 +30,7 @@ class UserError(Exception):
         """``field=value: problem; fix: fix``; a number or boolean shows as itself
         (``--nodes=0``), anything else quoted (``--shard='0/3'``), so an empty or padded text is visible."""
         shown = value_text(self.value) if _bare(self.value) else repr(value_text(self.value))
-        return f"{_one_line(self.field)}={shown}: {_one_line(self.problem)}; fix: {_one_line(self.fix)}"
+        return f"{one_line(self.field)}={shown}: {one_line(self.problem)}; fix: {one_line(self.fix)}"
 
     def to_json(self) -> str:
         """The error as one JSON object, for a process that hands it to its parent (a
@@ -49,7 +49,7 @@ class UserError(Exception):
         return cls(str(fields["field"]), fields["value"], str(fields["problem"]), str(fields["fix"]))
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """``text`` with newlines and other unprintable characters escaped (``\\n``), so that
     a path or value interpolated into a field, problem or fix keeps the error one line."""
     text = str(text)
