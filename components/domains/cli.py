@@ -3,10 +3,11 @@
     posttrain verify --domain terminal --task task.json --completion out.txt
 
 ``--task`` is a JSON file of one Task (or a ``.jsonl``/``.parquet`` file, whose first row
-is used), read and validated by :mod:`components.domains.taskfile`; ``--domain`` fills in
-a row without a ``domain`` field and must agree with one that has it. ``--completion`` is a
-text file holding the completion exactly as the policy would produce it. Domains that
-execute (code, terminal) run their plan in the sandbox: ``--backend`` (default: the
+is used), a regular UTF-8 file read and validated by :mod:`components.domains.taskfile`;
+``--domain`` fills in a row without a ``domain`` field and must agree with one that has
+it. ``--completion`` is a regular text file holding the completion exactly as the policy
+would produce it (a FIFO or a device such as ``/dev/zero`` is refused before it is read).
+Domains that execute (code, terminal) run their plan in the sandbox: ``--backend`` (default: the
 recipe default, the hardened ``bwrap``); ``subprocess`` needs ``--allow-weak-isolation``,
 as in a recipe. Prints one JSON object
 with ``score``, ``passed``, ``status``, ``components`` and ``detail``; exits 0 whenever a
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def handle_verify(args: argparse.Namespace) -> int:
     from components.core.errors import UserError
     from components.domains import registry
-    from components.domains.taskfile import parse_task, read_rows
+    from components.domains.taskfile import parse_task, printable, read_rows, short
 
     domain = registry.get(args.domain)  # unknown name -> UserError listing the registered ones
     rows = read_rows(args.task)
@@ -56,9 +56,12 @@ def handle_verify(args: argparse.Namespace) -> int:
     if isinstance(row, dict):
         row = {"domain": args.domain, **row}
         if row["domain"] != args.domain:
-            raise UserError("--domain", args.domain, f"the task's domain is {row['domain']!r}",
-                            f"pass --domain {row['domain']} or a task of domain {args.domain}")
-    task = parse_task(row, f"{args.task} row 0")
+            theirs = row["domain"]  # any JSON value: shown escaped and short, named in the fix only if registered
+            shown = printable(repr(short(theirs)) if isinstance(theirs, str) else str(short(theirs)))
+            fix = (f"pass --domain {theirs} or a task of domain {args.domain}" if isinstance(theirs, str) and theirs in registry.names()
+                   else f"set the task's domain to {args.domain!r} (or drop it: --domain fills it in)")
+            raise UserError("--domain", args.domain, f"the task's domain is {shown}", fix)
+    task = parse_task(row, f"{printable(args.task, limit=10_000)} row 0")
     completion = read_completion(args.completion)
     from pydantic import ValidationError
 
@@ -83,16 +86,12 @@ def read_completion(name: str) -> str:
     ``malformed``), a file over the size limit cut just past it (also ``malformed``)."""
     from components.core.errors import UserError
     from components.domains.base import MAX_COMPLETION_CHARS
+    from components.domains.taskfile import Unreadable, read_regular
 
-    path = Path(name)
-    if not path.is_file():
-        why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
-        raise UserError("--completion", name, why, "pass a text file holding the completion")
-    try:
-        with path.open("rb") as fh:
-            data = fh.read(4 * MAX_COMPLETION_CHARS + 4)
-    except OSError as exc:
-        raise UserError("--completion", name, f"cannot be read ({type(exc).__name__})", "pass a readable file") from None
+    try:  # at most 4 bytes a character: enough to tell a completion over the limit
+        data = read_regular(name, 4 * MAX_COMPLETION_CHARS + 3)
+    except Unreadable as exc:
+        raise UserError("--completion", name, exc.why, "pass a text file holding the completion") from None
     text = data.decode("utf-8", errors="surrogateescape")
     return text[: MAX_COMPLETION_CHARS + 1]
 

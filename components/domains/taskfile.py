@@ -16,6 +16,12 @@ the fix. Each domain checks its reference's shape here (``Domain.reference_probl
 a wrong-shaped reference is an error at load time, not a verifier crash mid-run. Bounds:
 a file of at most ``MAX_FILE_BYTES``, values nested at most ``MAX_DEPTH`` deep, prompts of
 at most ``MAX_PROMPT_CHARS``; values in messages are shortened with ``reprlib`` first.
+A local file must be a regular file (symlinks followed): a FIFO, a device such as
+``/dev/zero`` or a directory is refused before a byte is read, and at most
+``MAX_FILE_BYTES + 1`` bytes are read even from a file that grows (``read_regular``).
+JSON and JSONL files are UTF-8 (a leading BOM is dropped, as in recipes); any other
+encoding, a string that is not valid Unicode (a lone ``\ud800`` escape) and an integer
+of more than 4300 digits are each a ``UserError``.
 Not covered: checking that a reference is *correct* for its prompt (only its shape),
 that a prompt fits the policy's positions (taskgen counts its tokens), CSV, and files
 larger than memory.
@@ -23,14 +29,17 @@ larger than memory.
 
 from __future__ import annotations
 
+import codecs
 import io
 import json
+import os
 import reprlib
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components.core.errors import UserError
+from components.core.errors import UserError, one_line
 from components.core.records import Task
 from components.domains.base import task_id
 
@@ -46,6 +55,71 @@ MAX_DEPTH = 32
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80
 _SHORT.maxlevel = 3
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """``text`` for a field name or a fix in a message: as it is when printable, else with
+    its newlines, control characters and lone surrogates escaped (``a\\nb``), so a message
+    stays one line."""
+    return one_line(text[:limit])
+
+
+class Unreadable(Exception):
+    """``read_regular`` could not read the file; ``why`` says so in words (``no such file``,
+    ``is a directory``, ``is not a regular file (a FIFO)``, ``cannot be read (...)``)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(why)
+
+
+_KINDS = ((stat.S_ISDIR, None), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(mode: int) -> Unreadable:
+    for test, kind in _KINDS:
+        if test(mode):
+            return Unreadable("is a directory" if kind is None else f"is not a regular file ({kind})")
+    return Unreadable("is not a regular file")
+
+
+def read_regular(name: str | Path, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the regular file ``name`` (symlinks followed): a
+    result longer than ``limit`` means "too large", even for a file that grows while it is
+    read. Anything else raises ``Unreadable`` before a byte is read: a FIFO (which would
+    block until a writer comes), a device (``/dev/zero`` never ends), a socket, a
+    directory, a missing or unreadable file. Opened non-blocking, so a FIFO swapped in
+    after the check cannot hang the open; checked again on the open descriptor."""
+    try:
+        mode = os.stat(name).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(mode)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise Unreadable("no such file") from None
+    except OSError as exc:
+        raise Unreadable(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except ValueError:  # a NUL byte in the path
+        raise Unreadable("is not a valid path (it holds a NUL byte)") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(info.st_mode)
+        chunks: list[bytes] = []
+        got = 0
+        while got <= limit:
+            # the whole file in one read (its size + 1), then 1 MiB at a time if it grew
+            chunk = os.read(fd, min(limit + 1 - got, max(info.st_size + 1 - got, 1 << 20)))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as exc:
+        raise Unreadable(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    finally:
+        os.close(fd)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def short(value: Any) -> Any:
@@ -76,25 +150,64 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
+class JSONLimit(ValueError):
+    """Valid JSON past a bound of ours or Python's: ``problem`` and ``fix`` for the message."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        self.problem, self.fix = problem, fix
+        super().__init__(problem)
+
+
+MAX_INT_DIGITS = 4300
+"""Python's limit on converting decimal text to an integer (``sys.get_int_max_str_digits``)."""
+
+
 def loads(text: str) -> Any:
-    """``json.loads`` that turns too-deep nesting into a ``ValueError`` instead of a crash."""
+    """``json.loads`` that turns too-deep nesting and over-long integers into a
+    ``JSONLimit`` (a ``ValueError``) instead of a crash or Python's own advice."""
     try:
         value = json.loads(text)
     except RecursionError:
-        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+        raise JSONLimit(f"nested deeper than {MAX_DEPTH} levels", f"nest values at most {MAX_DEPTH} levels deep") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):
+            raise
+        raise JSONLimit(f"a number has more than {MAX_INT_DIGITS} digits",
+                        f"write numbers of at most {MAX_INT_DIGITS} digits (or quote it as a string)") from None
     if too_deep(value):
-        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        raise JSONLimit(f"nested deeper than {MAX_DEPTH} levels", f"nest values at most {MAX_DEPTH} levels deep")
     return value
 
 
+def decode(data: bytes, uri: str) -> str:
+    """A JSON/JSONL task file's bytes as text: UTF-8, a leading BOM dropped (as in
+    recipes); any other encoding is a UserError naming the first bad byte and its line."""
+    fix = "save it as UTF-8"
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise UserError("task file", uri, "UTF-16 text, not UTF-8", fix)
+    try:
+        return data[start:].decode("utf-8") if start else data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = start + exc.start
+        line = data.count(b"\n", 0, at) + 1
+        raise UserError("task file", uri, f"not UTF-8 text (byte {data[at]:#04x} at offset {at}, line {line})", fix) from None
+
+
 def read_bytes(path_or_uri: str) -> bytes:
+    from fsspec.implementations.local import LocalFileSystem
+
     from components.core.storage import filesystem
 
     uri = str(path_or_uri)
     try:
         if "://" not in uri:
-            return _read_local(uri)
+            return _read_local(uri, uri)
         fs, path = filesystem(uri)
+        if isinstance(fs, LocalFileSystem):  # file://: the same checks as a plain path
+            return _read_local(path, uri)
         data = fs.cat_file(path)
     except (OSError, ValueError) as exc:
         raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
@@ -104,14 +217,16 @@ def read_bytes(path_or_uri: str) -> bytes:
     return data
 
 
-def _read_local(uri: str) -> bytes:
+def _read_local(path: str, uri: str) -> bytes:
     try:
-        if Path(uri).stat().st_size > MAX_FILE_BYTES:
-            raise UserError("task file", uri, f"larger than {MAX_FILE_BYTES >> 20} MiB", "split it into smaller files")
-        return Path(uri).read_bytes()
-    except (OSError, ValueError) as exc:
-        raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
-                        "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
+        data = read_regular(path, MAX_FILE_BYTES)
+    except Unreadable as exc:
+        why = "cannot be read: no such file" if exc.why == "no such file" else exc.why
+        raise UserError("task file", uri, why,
+                        "pass an existing regular .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UserError("task file", uri, f"larger than {MAX_FILE_BYTES >> 20} MiB", "split it into smaller files")
+    return data
 
 
 def read_rows(path_or_uri: str) -> list[Any]:
@@ -129,15 +244,15 @@ def read_rows(path_or_uri: str) -> list[Any]:
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
-    text = data.decode("utf-8", errors="replace")
+    text = decode(data, uri)
     if suffix == ".json":
         try:
             obj = loads(text)
         except json.JSONDecodeError as exc:
             raise UserError("task file", uri, f"not valid JSON at line {exc.lineno}, column {exc.colno}",
                             "fix the JSON syntax there") from None
-        except ValueError as exc:
-            raise UserError("task file", uri, str(exc), f"nest values at most {MAX_DEPTH} levels deep") from None
+        except JSONLimit as exc:
+            raise UserError("task file", uri, exc.problem, exc.fix) from None
         return obj if isinstance(obj, list) else [obj]
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
@@ -148,9 +263,55 @@ def read_rows(path_or_uri: str) -> list[Any]:
         except json.JSONDecodeError as exc:
             raise UserError(f"task file line {n}", line[:60], f"not valid JSON ({exc.msg})",
                             "write one JSON object per line") from None
-        except ValueError as exc:
-            raise UserError(f"task file line {n}", line[:60], str(exc), f"nest values at most {MAX_DEPTH} levels deep") from None
+        except JSONLimit as exc:
+            raise UserError(f"task file line {n}", line[:60], exc.problem, exc.fix) from None
     return rows
+
+
+def not_unicode(row: dict[str, Any]) -> tuple[str, Any] | None:
+    """The path (``reference.cases[0]``) and value of the first string in ``row`` (a key or
+    a value, at any depth) that is not valid Unicode text, so cannot be written as UTF-8:
+    a lone surrogate, as a JSON ``\\ud800`` escape decodes to. None if there is none.
+    Iterative, like ``too_deep``; a path is spelt out only for the string it reports."""
+    stack: list[tuple[Any, Any]] = [(None, row)]  # (where: (parent's where, key or index) or None, value)
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return _path(where), item
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if isinstance(k, str) and not _encodable(k):
+                    return _path((where, k)), k
+                stack.append(((where, k), v))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(((where, i), v) for i, v in enumerate(item))
+    return None
+
+
+def _path(where: Any) -> str:
+    parts: list[str] = []
+    while where is not None:
+        where, key = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{printable(str(key), 60)}")
+    text = "".join(reversed(parts))
+    return text[1:] if text.startswith(".") else text
+
+
+def _check_unicode(row: dict[str, Any], where: str) -> None:
+    bad = not_unicode(row)
+    if bad is not None:
+        name, value = bad
+        raise UserError(f"{where}: {name}", short(value), "is not valid Unicode text (a lone surrogate, e.g. a \\ud800 escape)",
+                        "write the character itself, or both halves of its \\u surrogate pair")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
@@ -160,8 +321,10 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
 
     if not isinstance(row, dict):
         raise UserError(where, short(row), "a task must be a JSON object", f"write an object with {list(REQUIRED)}")
+    where = printable(where, limit=10_000)
     if too_deep(row):
         raise UserError(where, short(row), f"nested deeper than {MAX_DEPTH} levels", "flatten the reference and metadata")
+    _check_unicode(row, where)
     extra = sorted(str(k) for k in set(row) - set(REQUIRED) - set(OPTIONAL))
     if extra:
         name = extra[0][:60] if extra[0].isprintable() else extra[0][:60].encode("unicode_escape").decode("ascii")
@@ -180,6 +343,7 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
                         "shorten it: no policy reads a prompt that long, and tokenizing it alone takes gigabytes")
     reference = _object(row["reference"], f"{where}: reference")
     metadata = _object(row.get("metadata") or {}, f"{where}: metadata")
+    _check_unicode({"reference": reference, "metadata": metadata}, where)  # either may have been a JSON string
     problem = registry.get(row["domain"]).reference_problem(reference)
     if problem is not None:
         name, what = problem
@@ -231,11 +395,12 @@ def load_tasks(path_or_uri: str | Path, count: Callable[[str], int] = len) -> li
     rows = read_rows(uri)
     if not rows:
         raise UserError("task file", uri, "holds no tasks", "add at least one row")
-    tasks = [parse_task(row, f"{uri} row {i}", count) for i, row in enumerate(rows)]
+    shown = printable(uri, limit=10_000)
+    tasks = [parse_task(row, f"{shown} row {i}", count) for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if t.task_id in seen:
-            raise UserError(f"{uri} row {i}: task_id", t.task_id, f"duplicates row {seen[t.task_id]}",
+            raise UserError(f"{shown} row {i}: task_id", t.task_id, f"duplicates row {seen[t.task_id]}",
                             "give each task its own id (or drop task_id to derive it from the prompt)")
         seen[t.task_id] = i
     return tasks

@@ -11,9 +11,11 @@ inside an image build). The main CLI wires ``add_parser`` into its subcommands a
 
 Bad input is a ``UserError`` (one line, exit 2) naming the flag, the value and the fix:
 a limit outside SandboxConfig's range (the range is read from its field constraints),
-and a program or --stdin-file that is missing, unreadable or not UTF-8 (rejected, not
-re-encoded). Not covered: stdin from the terminal (use --stdin-file), extra files
-beside FILE, and values argparse itself rejects (``--timeout abc``: its usage + error).
+and a program or --stdin-file that is missing, unreadable, not a regular file (a FIFO or
+a device such as /dev/zero is refused before it is read, never waited on), larger than
+``MAX_INPUT_BYTES`` or not UTF-8 (rejected, not re-encoded). Not covered: stdin from the
+terminal (use --stdin-file) and extra files beside FILE. A value argparse itself rejects
+(``--timeout abc``) is one line and exit 2 too (``components/cli.py``).
 """
 
 from __future__ import annotations
@@ -102,22 +104,30 @@ def _config(args: argparse.Namespace) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
+MAX_INPUT_BYTES = 16 << 20
+"""Largest program or --stdin-file ``run`` reads: 16 MiB, the largest file a job may write
+(``limits.fsize_mb``)."""
+
+
 def _read_text(flag: str, name: str, fix: str) -> str:
     """``name``'s text as UTF-8 (newlines translated, as ``read_text`` does); a missing,
-    unreadable or non-UTF-8 file is a UserError naming ``flag``."""
+    unreadable, non-regular (FIFO, device), too large or non-UTF-8 file is a UserError
+    naming ``flag``. Reads at most ``MAX_INPUT_BYTES + 1`` bytes, even of a growing file."""
     from components.core.errors import UserError
+    from components.domains.taskfile import Unreadable, read_regular
 
     try:
-        return Path(name).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(flag, name, "no such file", fix) from None
-    except IsADirectoryError:
-        raise UserError(flag, name, "is a directory", fix) from None
-    except OSError as exc:
-        raise UserError(flag, name, f"cannot be read ({exc.strerror or type(exc).__name__})", fix) from None
+        data = read_regular(name, MAX_INPUT_BYTES)
+    except Unreadable as exc:
+        raise UserError(flag, name, exc.why, fix) from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise UserError(flag, name, f"larger than {MAX_INPUT_BYTES >> 20} MiB", "pass a smaller file")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(flag, name, f"is not UTF-8 text (byte {exc.object[exc.start]:#04x})",
+        raise UserError(flag, name, f"is not UTF-8 text (byte {data[exc.start]:#04x})",
                         "save it as UTF-8 text") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def handle_run(args: argparse.Namespace) -> int:
@@ -126,15 +136,13 @@ def handle_run(args: argparse.Namespace) -> int:
     from components.sandbox.executor import get_executor
 
     path = Path(args.file)
-    if not path.is_file():
-        raise UserError("file", args.file, "no such file", "pass the path of a .py or .sh file")
+    source = _read_text("file", args.file, "pass the path of a readable .py or .sh file")
     lang = args.lang or {".py": "python", ".sh": "bash"}.get(path.suffix)
     if lang is None:
         raise UserError("--lang", None, f"cannot tell the language of {path.name}", "pass --lang python or --lang bash")
     name = "main.py" if lang == "python" else "main.sh"
     argv = [PYTHON, "-I", "-S", name] if lang == "python" else ["bash", name]
     config = _config(args)
-    source = _read_text("file", args.file, "pass the path of a readable .py or .sh file")
     stdin = _read_text("--stdin-file", args.stdin_file, "pass a readable text file") if args.stdin_file else ""
     job = Job(job_id=path.name, files={name: source}, argv=argv, stdin=stdin, timeout_s=args.timeout)
     with weak_isolation_flag(), get_executor(config) as executor:

@@ -53,7 +53,7 @@ def test_subprocess_backend_without_the_flag_is_refused(tmp_path, capsys):
     assert "fix: pass --allow-weak-isolation, for trusted code only" in line
 
 
-@pytest.mark.parametrize(("completion", "why"), [("dir", "is a directory"), ("/dev/zero", "is not a regular file"),
+@pytest.mark.parametrize(("completion", "why"), [("dir", "is a directory"), ("/dev/zero", "is not a regular file (a character device)"),
                                                  ("none.txt", "no such file")])
 def test_a_completion_that_is_not_a_file_is_named(tmp_path, capsys, completion, why):
     (tmp_path / "dir").mkdir()

@@ -74,3 +74,31 @@ def test_valid_run_still_succeeds(files):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["status"] == "ok" and out["stdout"] == "CAFÉ\n" and out["lang"] == "python"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("argv", "flag", "value", "why"), [
+    (["--stdin-file", "fifo", "ok.py"], "--stdin-file", "fifo", "is not a regular file (a FIFO)"),
+    (["--lang", "python", "fifo"], "file", "fifo", "is not a regular file (a FIFO)"),
+    (["--stdin-file", "/dev/zero", "ok.py"], "--stdin-file", "/dev/zero", "is not a regular file (a character device)"),
+    (["--stdin-file", "zero.txt", "ok.py"], "--stdin-file", "zero.txt", "is not a regular file (a character device)"),
+])
+def test_a_fifo_or_device_is_refused_not_waited_on(files, argv, flag, value, why):
+    os.mkfifo(files / "fifo")
+    (files / "zero.txt").symlink_to("/dev/zero")
+    proc = subprocess.run([sys.executable, "-m", "components.cli", "sandbox", "run", *argv], capture_output=True,
+                          text=True, timeout=30, cwd=files, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"posttrain: error: {flag}='{value}': {why}; fix: "
+                                        + ("pass a readable text file" if flag == "--stdin-file"
+                                           else "pass the path of a readable .py or .sh file")]
+
+
+def test_an_input_over_the_limit_is_refused(files):
+    from components.sandbox.cli import MAX_INPUT_BYTES
+
+    with open(files / "big.txt", "wb") as fh:
+        fh.truncate(MAX_INPUT_BYTES + 1)  # sparse: no disk written
+    proc = sandbox_run("--stdin-file", "big.txt", "ok.py", cwd=files)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == ["posttrain: error: --stdin-file='big.txt': larger than 16 MiB; fix: pass a smaller file"]

@@ -1,0 +1,196 @@
+"""Task and completion files that are not what they seem: each is one stderr line and exit 2.
+
+A FIFO or a device (``/dev/zero``, or a symlink to it) is refused before it is read (no
+hang, no unbounded read); a non-UTF-8 task file names its byte and line; a UTF-8 BOM is
+dropped; a lone surrogate anywhere in a row, an integer past Python's 4300-digit limit
+and a newline in a value or a path each give a message of their own, on one line. The
+FIFO tests run under a pytest-timeout deadline so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from components.cli import main
+from components.core.errors import UserError
+from components.domains.taskfile import MAX_FILE_BYTES, Unreadable, load_tasks, read_regular
+
+ROW = {"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}
+TASK_FIX = "fix: pass an existing regular .parquet, .jsonl or .json file (local path, file:// or s3:// URI)"
+
+
+def verify(tmp_path, task: str, completion: str | None = None) -> int:
+    """``posttrain verify --domain math --task TASK --completion COMPLETION`` (default: a file holding 2)."""
+    if completion is None:
+        completion = str(tmp_path / "c.txt")
+        (tmp_path / "c.txt").write_text("2")
+    return main(["verify", "--domain", "math", "--task", task, "--completion", completion])
+
+
+def error_line(capsys, code: int) -> str:
+    """The one stderr line of a run that exited 2."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_task_file_is_refused_not_waited_on(tmp_path, capsys):
+    fifo = tmp_path / "f.jsonl"
+    os.mkfifo(fifo)
+    line = error_line(capsys, verify(tmp_path, str(fifo)))
+    assert line == f"posttrain: error: task file='{fifo}': is not a regular file (a FIFO); {TASK_FIX}"
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_task_file_uri_is_refused_not_waited_on(tmp_path, capsys):
+    fifo = tmp_path / "f.json"
+    os.mkfifo(fifo)
+    line = error_line(capsys, verify(tmp_path, f"file://{fifo}"))
+    assert line == f"posttrain: error: task file='file://{fifo}': is not a regular file (a FIFO); {TASK_FIX}"
+
+
+@pytest.mark.timeout(20)
+def test_a_symlink_to_dev_zero_is_refused_not_read(tmp_path, capsys):
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    line = error_line(capsys, verify(tmp_path, str(tmp_path / "zero.jsonl")))
+    assert line == f"posttrain: error: task file='{tmp_path / 'zero.jsonl'}': is not a regular file (a character device); {TASK_FIX}"
+
+
+def test_a_missing_task_file_still_says_cannot_be_read(tmp_path, capsys):
+    line = error_line(capsys, verify(tmp_path, str(tmp_path / "none.jsonl")))
+    assert line == f"posttrain: error: task file='{tmp_path / 'none.jsonl'}': cannot be read: no such file; {TASK_FIX}"
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_completion_is_refused_not_waited_on(tmp_path, capsys):
+    (tmp_path / "t.json").write_text(json.dumps(ROW))
+    fifo = tmp_path / "c.txt"
+    os.mkfifo(fifo)
+    line = error_line(capsys, verify(tmp_path, str(tmp_path / "t.json"), str(fifo)))
+    assert line == (f"posttrain: error: --completion='{fifo}': is not a regular file (a FIFO); "
+                    "fix: pass a text file holding the completion")
+
+
+def test_read_regular_reads_at_most_one_byte_past_the_limit(tmp_path):
+    (tmp_path / "big").write_bytes(b"x" * 100)
+    assert read_regular(tmp_path / "big", 10) == b"x" * 11  # "too large" is visible, the rest is never read
+    assert read_regular(tmp_path / "big", 100) == b"x" * 100
+    (tmp_path / "empty").write_bytes(b"")
+    assert read_regular(tmp_path / "empty", 10) == b""
+    # a /proc file says size 0 but has content: read to its end all the same
+    assert read_regular("/proc/self/status", MAX_FILE_BYTES).startswith(b"Name:")
+    with pytest.raises(Unreadable, match=r"^is a directory$"):
+        read_regular(tmp_path, 10)
+    with pytest.raises(Unreadable, match=r"^no such file$"):
+        read_regular(tmp_path / "none", 10)
+
+
+def test_a_lone_surrogate_in_the_prompt_is_named(tmp_path, capsys):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"domain":"math","prompt":"\\ud800","reference":{"answer":"2"}}\n')
+    line = error_line(capsys, verify(tmp_path, str(path)))
+    assert line == (f"posttrain: error: {path} row 0: prompt='\\ud800': is not valid Unicode text (a lone surrogate, "
+                    "e.g. a \\ud800 escape); fix: write the character itself, or both halves of its \\u surrogate pair")
+
+
+@pytest.mark.parametrize(("text", "field", "value"), [
+    ('{"domain":"math","prompt":"x","reference":{"answer":"2"},"metadata":{"tags":["ok","\\udfff"]}}', "metadata.tags[1]",
+     "\udfff"),
+    ('{"domain":"math","prompt":"x","reference":{"answer":"2","\\ud801x":1}}', "reference.\\ud801x", "\ud801x"),
+    # a reference given as a JSON string (as Parquet files hold it): checked once it is parsed
+    ('{"domain":"math","prompt":"x","reference":"{\\"answer\\": \\"\\\\ud800\\"}"}', "reference.answer", "\ud800"),
+    ('{"domain":"math","prompt":"x","reference":{"answer":"2"},"task_id":"a\\udc80"}', "task_id", "a\udc80"),
+])
+def test_a_lone_surrogate_anywhere_in_a_row_is_named(tmp_path, text, field, value):
+    path = tmp_path / "s.jsonl"
+    path.write_text(text + "\n")
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert (err.value.field, err.value.value) == (f"{path} row 0: {field}", value)
+    assert err.value.problem.startswith("is not valid Unicode text")
+
+
+def test_a_surrogate_pair_is_one_character_and_fine(tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text('{"domain":"math","prompt":"\\ud83d\\ude00 1+1=","reference":{"answer":"2"}}\n')
+    assert load_tasks(str(path))[0].prompt == "\N{GRINNING FACE} 1+1="
+
+
+def test_a_latin1_task_file_names_its_byte_and_line(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(json.dumps(ROW).encode() + b'\n{"domain":"math","prompt":"caf\xe9","reference":{"answer":"2"}}\n')
+    line = error_line(capsys, verify(tmp_path, str(path)))
+    offset = len(json.dumps(ROW)) + 1 + len('{"domain":"math","prompt":"caf')
+    assert line == f"posttrain: error: task file='{path}': not UTF-8 text (byte 0xe9 at offset {offset}, line 2); fix: save it as UTF-8"
+
+
+@pytest.mark.parametrize("name", ["t.json", "t.jsonl"])
+def test_a_utf16_task_file_is_refused(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(json.dumps(ROW).encode("utf-16"))
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert (err.value.field, err.value.problem, err.value.fix) == ("task file", "UTF-16 text, not UTF-8", "save it as UTF-8")
+
+
+@pytest.mark.parametrize("name", ["t.json", "t.jsonl"])
+def test_a_utf8_bom_is_dropped(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROW).encode() + b"\n")
+    [task] = load_tasks(str(path))
+    assert (task.domain, task.prompt, task.reference) == ("math", "1+1=", {"answer": "2"})
+
+
+def test_a_byte_offset_counts_the_bom(tmp_path):
+    path = tmp_path / "t.jsonl"
+    head = b'{"domain":"math","prompt":"'
+    path.write_bytes(b"\xef\xbb\xbf" + head + b'\xff"}\n')
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.problem == f"not UTF-8 text (byte 0xff at offset {3 + len(head)}, line 1)"
+
+
+@pytest.mark.parametrize("name", ["t.json", "t.jsonl"])
+def test_an_integer_past_4300_digits_has_its_own_message(tmp_path, name):
+    path = tmp_path / name
+    path.write_text(json.dumps(ROW)[:-1] + ', "difficulty": ' + "1" * 5000 + "}\n")
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.problem == "a number has more than 4300 digits"
+    assert err.value.fix == "write numbers of at most 4300 digits (or quote it as a string)"
+    assert "set_int_max_str_digits" not in err.value.line() and "nest" not in err.value.fix
+
+
+def test_a_newline_in_the_task_domain_stays_on_one_line(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({**ROW, "domain": "a\nb"}) + "\n")
+    line = error_line(capsys, verify(tmp_path, str(path)))
+    assert line == ("posttrain: error: --domain='math': the task's domain is 'a\\nb'; "
+                    "fix: set the task's domain to 'math' (or drop it: --domain fills it in)")
+
+
+def test_a_registered_task_domain_is_still_named_in_the_fix(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({**ROW, "domain": "code"}))
+    line = error_line(capsys, verify(tmp_path, str(path)))
+    assert line == ("posttrain: error: --domain='math': the task's domain is 'code'; "
+                    "fix: pass --domain code or a task of domain math")
+
+
+def test_a_newline_in_the_task_file_path_stays_on_one_line(tmp_path, capsys):
+    folder = tmp_path / "a\nb"
+    folder.mkdir()
+    path = folder / "t.jsonl"
+    path.write_text(json.dumps({**ROW, "reference": {}}) + "\n")
+    line = error_line(capsys, verify(tmp_path, str(path)))
+    assert line.startswith(f"posttrain: error: {tmp_path}/a\\nb/t.jsonl row 0: reference.answer=None: ")
+    with pytest.raises(UserError) as err:  # load_tasks' duplicate-id message names the path the same way
+        path.write_text((json.dumps(ROW) + "\n") * 2)
+        load_tasks(str(path))
+    assert err.value.field == f"{tmp_path}/a\\nb/t.jsonl row 1: task_id"
