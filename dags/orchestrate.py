@@ -8,8 +8,15 @@ naming the holder (host, pid, start time) and exit status 2. A killed run leaves
 and its lease is taken over at once on the same host (the process is gone), else when
 it expires.
 
-Then checks the recipe, the store, the policy source and the task file up front
-(``components.core.preflight``; each failure is one UserError, exit 2), and drives
+Before any of that, the settings that need nothing made: ``--iterations``,
+``POSTTRAIN_TORCH_THREADS``, ``POSTTRAIN_GC``, ``MLFLOW_TRACKING_URI`` and, for the
+Airflow driver, the DAG's ``POSTTRAIN_EXECUTION``, ``POSTTRAIN_SCHEDULE`` and
+``POSTTRAIN_RETRY_DELAY_S`` (``dags.execution.check_settings``), so a bad one stops the
+run before the home is made. Then, under the lock, the checks of
+``check_before_run`` (``components.core.preflight``: the task file and the policy's
+files, then the store, then the registry; each failure is one UserError, exit 2); a run they
+refuse leaves no run-root folder it made (``<home>/run.lock`` stays: a lock file is
+never removed, or two runs could lock two different files). Then it drives
 ``dags/local.py`` (Airflow's in-process test runner on SQLite), which lives beside it
 in this folder. Which iteration comes next is the planner's choice (the same one the
 scheduled DAG makes), so a killed run started again resumes where it stopped. After
@@ -39,7 +46,7 @@ from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.storage import Store
 from components.domains.taskfile import check_task_file
-from dags import stagehost
+from dags import execution, stagehost
 
 
 def weakest_text(worst: Slice | None) -> str:
@@ -194,17 +201,48 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
 
 
 def check_before_run(recipe: Recipe, store: Store) -> None:
-    """What ``run_local`` checks before any work, each a
-    UserError (exit 2) or an InfraError: the tracking URI against the run root, the task
-    file (every row; before the store's probe, which makes a missing local run root), the
-    store, the starting policy's source, and the registered model's owner (another run
-    root's model is refused before any work)."""
+    """What ``run_local`` checks before any work, each a UserError (exit 2) or an
+    InfraError. First what needs neither the store nor MLflow: the tracking URI and it
+    against the run root, the task file (every row), and a ``model.source`` or
+    ``rollout.policy`` that is a path or store URI. Then the store's probe (it makes a
+    missing local run root; a store that is down is an outage before MLflow's database
+    is opened), and last what reads the registry: the starting policy's alias or
+    ``models:/`` source, and the registered model's owner (another run root's model is
+    refused before any work). ``run_local`` removes a run root made here if a later
+    check refuses the run (``removed_if_refused``)."""
+    preflight.tracking_uri()
     preflight.tracking_vs_run_root(store.uri)
     preflight.task_file(recipe)
     check_task_file(recipe.taskgen.task_file, list(recipe.domains))
+    preflight.policy_source(recipe, registry=False)
     store.check_reachable()
     preflight.policy_source(recipe)
     preflight.registry_owner(recipe, store.uri)
+
+
+@contextmanager
+def removed_if_refused(store: Store) -> Iterator[None]:
+    """The folders of a local run root that did not exist before the body (the run root
+    and any of its parents it made) are removed again if the body raises, each only if
+    still empty, deepest first: a refused run leaves no run root behind; one that existed
+    before stays."""
+    made: list[Path] = []
+    if store.uri.startswith("file://"):
+        cur = Path(store.root)
+        while cur != cur.parent and not os.path.lexists(cur):
+            made.append(cur)
+            cur = cur.parent
+    try:
+        yield
+    except BaseException:
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                continue  # never made (the refusal came first)
+            except OSError:
+                break  # not empty (another run's files), or not ours to remove
+        raise
 
 
 def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int, stage_host: bool = False,
@@ -226,24 +264,31 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     recipe = load_recipe(conf.recipe)
     if iterations < 1:
         raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
+    from dags import local as dag_driver
+
     if driver is None:
-        from dags import local as driver
-    home = settings.made_home()
-    holder = f"local:{home}"
+        driver = dag_driver
     if driver.STAGES_IN_PROCESS:
         # The stages run one after the other in this process: each may use every core
         # (settings.torch_threads; an explicit POSTTRAIN_TORCH_THREADS wins).
         os.environ["POSTTRAIN_TORCH_THREADS"] = os.environ.get("POSTTRAIN_TORCH_THREADS") or "auto"
-    # Checked here, so a bad value stops the run before any work instead of failing a stage's task.
+    # Checked here, so a bad value stops the run before any work (and before the home is
+    # made) instead of failing a stage's task, or the DAG's import after Airflow started.
     settings.torch_threads()
     settings.gc_policy()
+    preflight.tracking_uri()
+    if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
+        execution.check_settings()
+    home = settings.made_home()
+    holder = f"local:{home}"
     # The home's lock first: a second run on this home stops here, before it touches the
     # home's SQLite MLflow (two runs migrating a fresh database at once collide).
     with home_lock(home), stagehost.hosting(stage_host and driver.STAGES_IN_PROCESS):  # the host dies with this process
         store = Store(conf.run_root, "--run-root")
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
         # home's lock already keeps a second run on this home away from its SQLite MLflow).
-        check_before_run(recipe, store)
+        with removed_if_refused(store):
+            check_before_run(recipe, store)
         with writer_lease(store, recipe.pipeline, home):
             return _iterate(store, recipe, conf.recipe, holder, iterations, driver, home)
 

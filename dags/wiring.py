@@ -12,6 +12,11 @@ Schedule (``POSTTRAIN_SCHEDULE``, else the Airflow Variable of that name, else m
 | ``asset:candidate`` | whenever the trainer registers a new candidate |
 | ``asset:task-file`` | whenever a producer updates the asset ``posttrain-task-file`` (e.g. a new task file landed) |
 
+Any other value fails the DAG's import with one ``UserError`` line naming the variable
+and the allowed values, as does a bad ``POSTTRAIN_EXECUTION`` or
+``POSTTRAIN_RETRY_DELAY_S`` (the first retry's delay, 0 to 600 s, default 10; the checks
+are ``dags/execution``'s, which ``posttrain run`` makes before any work).
+
 Each run's first task plans the iteration (``components.core.planner``): k is the last
 finished iteration + 1 (or the half-done one), leased to the run (``airflow:<run_id>``),
 and handed to every task through XCom. Clearing a run replays its k. An outage
@@ -42,38 +47,24 @@ from airflow.sdk import Asset, task
 
 from components.core.stages import StageSpec
 from dags import stagehost
-from dags.execution import container_task, mode
+from dags.execution import MAX_RETRY_DELAY_S, SCHEDULE_VAR, container_task, mode, retry_delay_s, schedule_value
 
 log = logging.getLogger("posttrain")
 
 CANDIDATE = Asset(name="posttrain-policy-candidate", uri="posttrain://policy/candidate")
 CHAMPION = Asset(name="posttrain-policy-champion", uri="posttrain://policy/champion")
 TASK_FILE = Asset(name="posttrain-task-file", uri="posttrain://tasks/new")
-ASSETS = {"asset:champion": CHAMPION, "asset:candidate": CANDIDATE, "asset:task-file": TASK_FILE}
-PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
-SCHEDULE_VAR = "POSTTRAIN_SCHEDULE"
-RETRY_DELAY_VAR = "POSTTRAIN_RETRY_DELAY_S"  # the first retry's delay in seconds (default 10; tests shorten it)
-RETRY = {"retries": 3, "retry_delay": timedelta(seconds=float(os.environ.get(RETRY_DELAY_VAR) or 10)),
-         "retry_exponential_backoff": 2.0, "max_retry_delay": timedelta(minutes=10)}  # 10 s, 20 s, 40 s
+ASSETS = {"asset:champion": CHAMPION, "asset:candidate": CANDIDATE, "asset:task-file": TASK_FILE}  # SCHEDULE_ASSETS
+# The first retry's delay: POSTTRAIN_RETRY_DELAY_S (default 10 s; tests shorten it); a bad value is a UserError.
+RETRY = {"retries": 3, "retry_delay": timedelta(seconds=retry_delay_s()),
+         "retry_exponential_backoff": 2.0, "max_retry_delay": timedelta(seconds=MAX_RETRY_DELAY_S)}  # 10 s, 20 s, 40 s
 
 
 def parse_schedule(value: str) -> str | Asset | None:
-    """The DAG's ``schedule`` for a ``POSTTRAIN_SCHEDULE`` value; ValueError naming the fix."""
-    value = (value or "").strip()
-    if value.lower() in ("", "manual", "none"):
-        return None
-    if value in ASSETS:
-        return ASSETS[value]
-    if value.startswith("@"):
-        if value not in PRESETS:
-            raise ValueError(f"{SCHEDULE_VAR}={value!r}: unknown preset; use one of {list(PRESETS)}")
-        return value
-    from croniter import croniter
-
-    if not croniter.is_valid(value):
-        raise ValueError(f"{SCHEDULE_VAR}={value!r}: neither a cron expression, a preset nor one of "
-                         f"{sorted(ASSETS)}; e.g. '0 2 * * *', '@daily' or 'asset:champion'")
-    return value
+    """The DAG's ``schedule`` for a ``POSTTRAIN_SCHEDULE`` value; a UserError naming the
+    allowed values (``dags.execution.schedule_value``)."""
+    checked = schedule_value(value)
+    return ASSETS[checked] if checked in ASSETS else checked
 
 
 def schedule() -> str | Asset | None:

@@ -9,8 +9,11 @@ bomb) gives one ``UserError``. The loader (``BoundedLoader``) caps nesting at
 ``MAX_YAML_DEPTH`` and the expanded size of the document, aliases included, at
 ``MAX_YAML_NODES``; values are shortened with ``reprlib`` before they enter a message.
 Sizes and fan-outs have upper bounds (``sandbox.concurrency`` at most the sandbox's uid
-pool, ``SANDBOX_UID_SLOTS``), weights must be finite and >= 0, and registered names
-(``domains``, ``rollout.engine``, ``sandbox.backend``) are checked at load.
+pool, ``SANDBOX_UID_SLOTS``), weights must be finite and >= 0 and add up to at most
+``MAX_WEIGHT_SUM``, an integer field takes no text (``shards: "2"``), ``model.source`` and
+``rollout.policy`` must be able to name a checkpoint (not blank, no NUL, a valid store URI
+or path: ``storage.normalize_uri``'s rules), and registered names (``domains``,
+``rollout.engine``, ``sandbox.backend``) are checked at load.
 
 Deployment settings (bucket, tracking URI, image tags) never live here: they come from
 the environment (``POSTTRAIN_RUN_ROOT``, ``MLFLOW_TRACKING_URI``, AWS variables).
@@ -29,7 +32,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from components.core.errors import InfraError, UserError, outage
+from components.core.errors import InfraError, UserError, one_line, outage
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
 from components.core.stages import stage_ids
 
@@ -54,6 +57,10 @@ class _Section(BaseModel):
         field = cls.model_fields.get(info.field_name or "")
         if isinstance(value, bool) and field is not None and field.annotation in (int, float):
             raise ValueError("input should be a number, not true/false")
+        if isinstance(value, str) and field is not None and field.annotation in (int, int | None):
+            # ``shards: "2"`` (quoted) is text, not 2. Floats keep taking text: YAML 1.1 (PyYAML)
+            # reads ``1e-3``, with no dot, as the text "1e-3".
+            raise ValueError("input should be a valid integer, not text (write it without quotes)")
         return value
 
 
@@ -320,28 +327,55 @@ def short(value: Any) -> Any:
         return f"<{type(value).__name__}>"
 
 
-def oneline(text: str) -> str:
-    """``text`` with control characters (newlines included) escaped: an error stays one line."""
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+MAX_WEIGHT_SUM = 1e300
+"""Most that a section's weights may add up to (unlisted domains of ``taskgen.domain_weights``
+count 1 each): taskgen splits up to 16 million tasks by ``count * weight / sum``, which
+must stay a finite float (two weights of 1e308 add up to infinity, and taskgen ended
+in "cannot convert float NaN to integer"). Weights are relative: 1 and 3 say the same
+as 1e300 and 3e300."""
 
 
-def _weights(weights: dict[str, float], where: str) -> None:
+def _weights(weights: dict[str, float], where: str, unlisted: float = 0.0) -> None:
     for name, w in weights.items():
         if not math.isfinite(w) or w < 0:
-            raise UserError(f"{where}.{oneline(short(name))}", w, "negative or not a finite weight", "use a weight >= 0")
+            raise UserError(f"{where}.{one_line(short(name))}", w, "negative or not a finite weight", "use a weight >= 0")
+    total = sum(weights.values()) + unlisted
+    if not total <= MAX_WEIGHT_SUM:  # inf too
+        raise UserError(where, short(weights), f"the weights add up to {total:.3g}, more than {MAX_WEIGHT_SUM:g}",
+                        "use smaller weights: only their ratios matter (e.g. 1 and 3)")
+
+
+def _location(value: str, where: str, fix: str) -> None:
+    """A recipe's checkpoint location (``model.source``, ``rollout.policy``) can name one:
+    not blank, no NUL, a store URI of a known scheme with a valid host part, a ``~`` of a
+    known user; checked at load, before any work, by the same rules the stages resolve it
+    by (``storage.normalize_uri``). Registry (``models:/``) and ``gguf:`` references are
+    the stages' to check."""
+    from components.core.storage import normalize_uri
+
+    if not value.strip():
+        raise UserError(where, value, "empty: names no checkpoint", fix)
+    if value.startswith(("models:/", "gguf:")):
+        if "\0" in value:
+            raise UserError(where, value, "contains a NUL character", fix)
+        return
+    try:
+        normalize_uri(value, where)
+    except UserError as exc:
+        raise UserError(where, value, exc.problem, exc.fix) from None
 
 
 def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
-    source = oneline(source)
+    source = one_line(source)
     if not isinstance(data, dict):
         raise UserError("recipe", source, "the recipe must be a YAML mapping", "write key: value pairs, e.g. 'pipeline: demo'")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         err = exc.errors(include_url=False, include_context=False)[0]
-        loc = ".".join(oneline(str(short(p))) for p in err["loc"]) or "recipe"
+        loc = ".".join(one_line(str(short(p))) for p in err["loc"]) or "recipe"
         loc = loc if len(loc) <= 160 else loc[:157] + "..."
-        msg = oneline(str(err["msg"])[:200]).removeprefix("Value error, ")
+        msg = one_line(str(err["msg"])[:200]).removeprefix("Value error, ")
         raise UserError(f"{source}: {loc}", short(err.get("input", "")), msg, _fix_for(loc, msg)) from None
     except RecursionError:
         raise UserError("recipe", source, f"nested deeper than {MAX_YAML_DEPTH} levels",
@@ -349,7 +383,14 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
     if recipe.sandbox.shards > recipe.rollout.shards * 64:
         raise UserError(f"{source}: sandbox.shards", recipe.sandbox.shards, "more than 64 times rollout.shards",
                         "use at most 64 sandbox shards per rollout shard")
-    _weights(recipe.taskgen.domain_weights, f"{source}: taskgen.domain_weights")
+    if recipe.model.source != "scratch":
+        _location(recipe.model.source, f"{source}: model.source",
+                  "use 'scratch', a Hugging Face model folder, a store URI, models:/<name>@<alias> or gguf:<package>/<file>.gguf")
+    if recipe.rollout.policy not in ("champion", "candidate"):
+        _location(recipe.rollout.policy, f"{source}: rollout.policy",
+                  "use 'champion', 'candidate', or the URI of a checkpoint")
+    _weights(recipe.taskgen.domain_weights, f"{source}: taskgen.domain_weights",
+             unlisted=float(sum(1 for d in recipe.domains if d not in recipe.taskgen.domain_weights)))
     if recipe.taskgen.domain_weights and all(recipe.taskgen.domain_weights.get(d, 1.0) == 0 for d in recipe.domains):
         raise UserError(f"{source}: taskgen.domain_weights", "{...}", "no domain has a positive weight",
                         "give at least one domain a weight > 0")
@@ -372,7 +413,8 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
             if name not in recipe.domains:
                 raise UserError(f"{where}.weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
             if not math.isfinite(w) or w < 0:
-                raise UserError(f"{where}.weights.{oneline(short(name))}", w, "negative weight", "use a weight >= 0")
+                raise UserError(f"{where}.weights.{one_line(short(name))}", w, "negative weight", "use a weight >= 0")
+        _weights(step.weights, f"{where}.weights")
         if not any(w > 0 for w in step.weights.values()):
             raise UserError(f"{where}.weights", short(step.weights) if step.weights else "{}",
                             "no domain has a positive weight", "give at least one domain a weight > 0")
@@ -380,7 +422,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         if name not in stage_ids():
             raise UserError(f"{source}: timeouts", name, "not a stage", f"use one of {list(stage_ids())}")
         if seconds < 1 or seconds > 7 * 86400:
-            raise UserError(f"{source}: timeouts.{oneline(short(name))}", seconds, "not a number of seconds from 1 to a week", "use e.g. 3600")
+            raise UserError(f"{source}: timeouts.{one_line(short(name))}", seconds, "not a number of seconds from 1 to a week", "use e.g. 3600")
     for name in recipe.resources:
         if name not in stage_ids():
             raise UserError(f"{source}: resources", name, "not a stage", f"use one of {list(stage_ids())}")
@@ -423,11 +465,20 @@ def _read_text(path: str | Path) -> str:
         except OSError as exc:
             raise UserError("--recipe", str(path), f"cannot be read ({type(exc).__name__})", "check its permissions") from None
         return _decode(data, path)
-    from components.core.storage import Store
+    from components.core.storage import Store, normalize_uri
 
-    folder, name = str(path).rsplit("/", 1)
-    store = Store(folder, "--recipe")
+    given = str(path)
+    uri = normalize_uri(given, "--recipe")  # a malformed URI is named as the user wrote it
+    scheme, rest = uri.split("://", 1)
+    folder, slash, name = rest.rpartition("/")
+    if scheme == "s3" and not slash:
+        raise UserError("--recipe", given, "names a bucket, not a recipe file in it", "write s3://bucket/prefix/recipe.yaml")
+    if not name:
+        raise UserError("--recipe", given, "names no recipe file", "write file:///path/to/recipe.yaml or s3://bucket/prefix/recipe.yaml")
+    store = Store(f"{scheme}://{folder or '/'}", "--recipe")
     try:
+        if store.isdir(name):
+            raise UserError("--recipe", given, "is a folder, not a recipe file", "name the recipe's YAML file in it")
         if not store.exists(name):
             raise UserError("--recipe", str(path), "no such recipe in the store", "publish it first (the DAG's plan task does)")
         return _decode(store.read_bytes(name), path)

@@ -21,12 +21,14 @@ from the usual AWS/MLflow variables).
 
 from __future__ import annotations
 
+import errno
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from components.core.errors import UserError
-from components.core.storage import normalize_uri
+from components.core.storage import local_path, make_folders, normalize_uri
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = str(CHECKOUT / "recipes" / "demo.yaml")
@@ -36,17 +38,51 @@ def home() -> Path:
     return Path(os.environ.get("POSTTRAIN_HOME") or ".posttrain").resolve()
 
 
+def _home_error(path: Path, exc: OSError) -> UserError:
+    return UserError("POSTTRAIN_HOME", str(path), f"cannot be a folder ({exc.strerror or type(exc).__name__})",
+                     "point POSTTRAIN_HOME at a folder this user can write (default: ./.posttrain)")
+
+
 def made_home() -> Path:
     """``home()``, created if missing; a path that cannot be a folder (a file, ``/dev/null``,
-    under ``/proc``, no permission) is a UserError naming ``POSTTRAIN_HOME``."""
-    from components.core.errors import UserError
-
+    under ``/proc``, no permission) is a UserError naming ``POSTTRAIN_HOME``, and leaves
+    none of the parents it made behind. Call it where work starts, not before the recipe
+    is read: a refused command leaves no home behind (``check_home`` checks without making)."""
     path = home()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_folders(path)
     except OSError as exc:
-        raise UserError("POSTTRAIN_HOME", str(path), f"cannot be a folder ({exc.strerror or type(exc).__name__})",
-                        "point POSTTRAIN_HOME at a folder this user can write (default: ./.posttrain)") from None
+        raise _home_error(path, exc) from None
+    return path
+
+
+def check_home() -> Path:
+    """``home()``, if ``made_home`` could make it, without making anything: the same
+    UserError otherwise. It exists and is a folder, or the nearest folder above it that
+    exists takes a new folder (probed with a uniquely named one, removed at once, so no
+    other process's home is ever touched)."""
+    path = home()
+    try:
+        if path.exists():
+            if not path.is_dir():
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+            return path
+        above, missing = path.parent, [path.name]
+        while not above.exists() and above != above.parent:
+            above, missing = above.parent, [above.name, *missing]
+        if not above.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(above))
+        try:
+            longest = os.pathconf(above, "PC_NAME_MAX")
+        except (OSError, ValueError):  # a filesystem that does not say: the usual limit
+            longest = 255
+        if any(len(os.fsencode(name)) > longest for name in missing):
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(path))
+        probe = above / f".posttrain-probe-{uuid.uuid4().hex}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise _home_error(path, exc) from None
     return path
 
 
@@ -141,9 +177,11 @@ def _check_image_run_root(run_root: str | None) -> None:
     if not given:
         raise UserError("--run-root", "(unset)", "inside an image the run root must be given, not defaulted to a local folder",
                         "pass --run-root s3://bucket/prefix (or set POSTTRAIN_RUN_ROOT), or an absolute path to a mounted volume")
-    if "://" not in given and not Path(given).expanduser().is_absolute():
-        raise UserError("--run-root", given, "a relative run root inside an image lands in the image's read-only install",
-                        "pass an s3:// URI or an absolute path to a mounted volume")
+    if "://" not in given:
+        local_path(given, "--run-root")  # a NUL, ~user of no such user: one line, not a traceback
+        if not Path(given).expanduser().is_absolute():
+            raise UserError("--run-root", given, "a relative run root inside an image lands in the image's read-only install",
+                            "pass an s3:// URI or an absolute path to a mounted volume")
 
 
 def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettings:
@@ -152,7 +190,7 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
     if in_image():
         _check_image_run_root(run_root)
     chosen = recipe or default_recipe()
-    recipe_path = chosen if "://" in chosen else str(Path(chosen).expanduser().resolve())
+    recipe_path = chosen if "://" in chosen else str(local_path(chosen, "--recipe"))
     if not (run_root or os.environ.get("POSTTRAIN_RUN_ROOT")):
-        made_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such
+        check_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such (made when work starts)
     return RunSettings(recipe=recipe_path, run_root=normalize_uri(run_root or default_run_root(), "--run-root"))

@@ -63,27 +63,117 @@ def _file_path(uri: str, field: str) -> Path:
         path = rest
     if not path.startswith("/"):
         raise UserError(field, uri, "a file URI needs an absolute path", "write file:///absolute/path or a bare path")
-    return Path(path).resolve()
+    return local_path(path, field, shown=uri)
+
+
+def local_path(path: str, field: str, shown: str | None = None) -> Path:
+    """``path`` with ``~`` expanded, made absolute and resolved. What cannot name a local
+    path is a UserError naming ``field`` and ``shown`` (default: ``path``): a NUL character,
+    ``~user`` of no such user, a symbolic-link loop (each a ValueError, RuntimeError or
+    OSError from ``pathlib``, else a traceback)."""
+    shown = path if shown is None else shown
+    if "\0" in path:
+        raise UserError(field, shown, "contains a NUL character, which no path can hold", "remove the NUL (\\0) from it")
+    try:
+        expanded = Path(path).expanduser()
+    except RuntimeError:  # "Could not determine home directory": ~user of no such user (or no HOME)
+        user = path[1:].split("/", 1)[0]
+        raise UserError(field, shown, f"'~{user}' is the home of no known user" if user else "'~' but no home folder is known",
+                        "write the path out in full (or set HOME for ~/...)") from None
+    try:
+        return expanded.resolve()
+    except (RuntimeError, OSError) as exc:  # a symbolic-link loop ("Symlink loop from ...")
+        raise UserError(field, shown, f"cannot be resolved ({type(exc).__name__}: {str(exc)[:160]})",
+                        "point it at a folder that is not a symbolic-link loop") from None
+
+
+def _short_enough(path: Path, field: str, shown: str) -> Path:
+    """``path``, if each of its names fits the filesystem's limit (``NAME_MAX`` of the
+    nearest folder that exists, usually 255 bytes): a longer one is a UserError here, before
+    anything is made (``makedirs`` would make the folders above it, then fail)."""
+    above = path
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    try:
+        longest, whole = os.pathconf(above, "PC_NAME_MAX"), os.pathconf(above, "PC_PATH_MAX")
+    except (OSError, ValueError):  # not a folder, or a filesystem that does not say: the usual limits
+        longest, whole = 255, 4096
+    for name in path.parts:
+        if len(os.fsencode(name)) > longest:
+            raise UserError(field, shown, f"has a name of {len(os.fsencode(name))} bytes, more than the "
+                            f"{longest} a file or folder name may have here (File name too long)",
+                            "use shorter folder names")
+    if len(os.fsencode(str(path))) >= whole:
+        raise UserError(field, shown, f"is {len(os.fsencode(str(path)))} bytes long, more than a path may have "
+                        f"here ({whole - 1}; File name too long)", "use a shorter path")
+    return path
+
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def scheme(uri: str) -> str:
+    """The URI scheme of ``uri``, lowercase, as ``urllib.parse.urlsplit`` reads it (``""``
+    for a bare path), without raising on what urlsplit refuses (``s3://[x``: an unclosed
+    bracket, read as an IPv6 host)."""
+    match = _SCHEME.match(uri)
+    return match.group(1).lower() if match else ""
 
 
 def normalize_uri(uri: str, field: str = "run_root") -> str:
-    """Absolute URI for ``uri``; a bare path becomes ``file://<absolute path>``."""
+    """Absolute URI for ``uri``; a bare path becomes ``file://<absolute path>``. Anything
+    that names no store (an empty text, a NUL character, an unknown scheme, an s3 URI
+    without a bucket or whose host part ``urlsplit`` refuses, such as ``s3://[x``) is a
+    UserError naming ``field`` and the URI as given."""
     uri = str(uri).strip()
     if not uri:
         raise UserError(field, uri, "empty storage URI", "pass file:///path or s3://bucket/prefix")
-    parsed = urlparse(uri)
-    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
-        return "file://" + str(Path(uri).expanduser().resolve())
-    if parsed.scheme not in SUPPORTED_SCHEMES:
+    if "\0" in uri:
+        raise UserError(field, uri, "contains a NUL character, which no path or URI can hold", "remove the NUL (\\0) from it")
+    found = scheme(uri)
+    if found == "" or (len(found) == 1 and os.name == "nt"):
+        return "file://" + str(_short_enough(local_path(uri, field), field, uri))
+    if found not in SUPPORTED_SCHEMES:
         raise UserError(
-            field, uri, f"unsupported URI scheme {parsed.scheme!r}",
+            field, uri, f"unsupported URI scheme {found!r}",
             f"use one of {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}",
         )
-    if parsed.scheme == "file":
-        return "file://" + str(_file_path(uri, field))
+    if found == "file":
+        return "file://" + str(_short_enough(_file_path(uri, field), field, uri))
+    try:
+        parsed = urlparse(uri)
+    except ValueError as exc:  # "Invalid IPv6 URL": a '[' or ']' in the bucket part
+        raise UserError(field, uri, f"not a URI ({exc})", "write s3://bucket/prefix (a bucket name has no brackets)") from None
     if not parsed.netloc:
         raise UserError(field, uri, "s3 URI has no bucket", "write s3://bucket/prefix")
     return uri.rstrip("/")
+
+
+def make_folders(path: str | Path) -> None:
+    """``os.makedirs(path, exist_ok=True)``, undone when it fails: the folders this call
+    created are removed again (deepest first, each only if still empty), so a path refused
+    part way (a name too long, a file in the way) leaves none of its parents behind."""
+    missing: list[Path] = []
+    cur = Path(path)
+    while cur != cur.parent and not os.path.lexists(cur):
+        missing.append(cur)
+        cur = cur.parent
+    created: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                os.mkdir(folder)
+            except FileExistsError:  # another process made it meanwhile: not ours to remove
+                continue
+            created.append(folder)
+        os.makedirs(path, exist_ok=True)  # raises as makedirs does when ``path`` is not a folder
+    except BaseException:
+        for folder in reversed(created):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+        raise
 
 
 def _s3_fix(exc: BaseException) -> str:
@@ -113,8 +203,7 @@ def _s3_options() -> dict[str, Any]:
 
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem and in-filesystem path of an absolute URI."""
-    scheme = urlparse(uri).scheme
-    options = _s3_options() if scheme == "s3" else {}
+    options = _s3_options() if scheme(uri) == "s3" else {}
     fs, path = fsspec.core.url_to_fs(uri, **options)
     return fs, path
 
@@ -238,7 +327,7 @@ class Store:
         probe = f"_probe-{uuid.uuid4().hex}"  # a file, not a folder: leaves nothing behind on any backend
         try:
             if self.uri.startswith("file://"):
-                self.fs.makedirs(self.root, exist_ok=True)
+                make_folders(self.root)  # a path refused part way (a name too long) leaves no parents behind
             else:  # some servers (SeaweedFS) create a missing bucket on the first PUT: ask first
                 try:
                     self.fs.call_s3("head_bucket", Bucket=urlparse(self.uri).netloc)

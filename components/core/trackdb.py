@@ -60,7 +60,17 @@ def ensure_created(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None or path.exists():
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission (``tracking.check_uri`` says so first)
+        from components.core.errors import UserError
+
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            raise UserError("MLFLOW_TRACKING_URI", uri, f"cannot make the database's folder "
+                            f"({exc.strerror or type(exc).__name__})", "use a database path in a folder this user "
+                            "can write, or unset it for the embedded SQLite database") from None
+        raise UserError("POSTTRAIN_HOME", str(path.parent), f"cannot be a folder ({exc.strerror or type(exc).__name__})",
+                        "point POSTTRAIN_HOME at a folder this user can write (default: ./.posttrain)") from None
     _remove_leftovers(path)
     tmp = path.with_name(f".{path.name}.creating-{os.getpid()}")
     tmp.unlink(missing_ok=True)

@@ -25,9 +25,15 @@
 
 The embedded default is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db`` with artifacts beside it,
 its schema created whole or not at all (:mod:`components.core.trackdb`);
-``MLFLOW_TRACKING_URI`` selects a remote server. Everything goes through ``MlflowClient``
-(no fluent global state), so in-process orchestrators can run stages side by side.
-Not covered: MLflow authentication set-up (use MLflow's own environment variables).
+``MLFLOW_TRACKING_URI`` selects an MLflow server (``http(s)://``) or another database
+(``sqlite:///path``, ``postgresql://``, ``mysql://``, ``mssql://``; ``SCHEMES``). Any other
+value (a bare path or ``file://``: MLflow's file store; ``databricks``; an in-memory
+``sqlite:///``; a database whose driver is not installed) is a UserError naming the
+variable before anything is created (``check_uri``; ``posttrain run`` checks it first).
+Everything goes through ``MlflowClient`` (no fluent global state), so in-process
+orchestrators can run stages side by side.
+Not covered: MLflow authentication set-up (use MLflow's own environment variables), and
+whether a database server accepts the URI's credentials (that is found on first use).
 """
 
 from __future__ import annotations
@@ -89,31 +95,156 @@ def tracking_uri() -> str:
 
 
 _clients: dict[str, Any] = {}
-SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc")
-"""Tracking URI schemes MLflow has both a tracking and a model registry store for."""
+SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https")
+"""The tracking URI schemes posttrain supports: a database MLflow keeps both its tracking
+and its model registry in (a ``+driver`` suffix allowed, ``postgresql+psycopg2://``), and
+an MLflow server. Not MLflow's file store (a bare path or ``file://``: in maintenance
+mode, refused by MLflow 3 itself) nor Databricks (``databricks``, ``databricks-uc``,
+``uc``: its workspace registry has no aliases, and the run root is not in Unity Catalog)."""
+VARIABLE = "MLFLOW_TRACKING_URI"
+FIX = ("use http(s)://host:port of an MLflow server, a database URI (sqlite:///path, postgresql://...), "
+       "or unset it for the embedded SQLite database")
+DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "MySQLdb": "mysqlclient",
+                   "pymysql": "PyMySQL", "mysql": "mysql-connector-python", "pyodbc": "pyodbc", "pymssql": "pymssql",
+                   "asyncpg": "asyncpg", "pg8000": "pg8000", "oracledb": "oracledb"}
+"""The PyPI package of a database driver module SQLAlchemy imports, for the fix of a missing one."""
 PROBE_TIMEOUT_S = 5.0
 
 
+def shown_uri(uri: str) -> str:
+    """``uri`` with its password (``postgresql://user:secret@host``) replaced by ``***``,
+    for a message; as it is when it has none or cannot be parsed."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        password = parts.password
+    except ValueError:
+        return uri
+    if not password:
+        return uri
+    user, _, host = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}").geturl()
+
+
+def check_uri(uri: str) -> None:
+    """A UserError naming ``MLFLOW_TRACKING_URI`` for a tracking URI posttrain cannot use,
+    found without contacting a server and without creating anything: not a URI, a scheme
+    outside ``SCHEMES``, an HTTP(S) URI without a host, an SQLite URI without a database
+    file (``sqlite:///``, ``:memory:``: the registry would vanish with the process) or
+    whose file cannot be made (under a regular file, a folder, no permission), and a
+    database whose driver is not installed (the fix names the package)."""
+    from urllib.parse import urlsplit
+
+    from components.core.errors import UserError
+
+    shown = shown_uri(uri)
+
+    def refuse(problem: str, fix: str = FIX) -> UserError:
+        return UserError(VARIABLE, shown, problem, fix)
+
+    if uri != uri.strip():
+        raise refuse("has white space around it", "remove the spaces and newlines around the URI")
+    try:
+        parts = urlsplit(uri)
+        scheme = parts.scheme
+        port = parts.port if scheme in ("http", "https") else None
+    except ValueError as exc:  # "Invalid IPv6 URL" (an unclosed '['), a port that is not a number
+        raise refuse(f"not a URI ({exc})") from None
+    base, _, driver = scheme.partition("+")
+    if not base:
+        if uri.lower() in ("databricks", "databricks-uc", "uc"):
+            raise refuse(f"unsupported tracking URI scheme {uri.lower()!r} (Databricks)")
+        raise refuse("not a URI (a bare path would be MLflow's file store, which posttrain does not support)")
+    if base == "file":
+        raise refuse("MLflow's file store is not supported (in maintenance mode in MLflow 3, which refuses it)")
+    if base not in SCHEMES:
+        raise refuse(f"unsupported tracking URI scheme {scheme!r}")
+    if base in ("http", "https"):
+        if driver:
+            raise refuse(f"unsupported tracking URI scheme {scheme!r}")
+        if not parts.hostname:
+            raise refuse("an MLflow server URI without a host", "write http(s)://host:port of the MLflow server")
+        if port == 0:
+            raise refuse("port 0 is no server's port", "write http(s)://host:port of the MLflow server")
+        return
+    if base == "sqlite" and not driver:
+        _check_sqlite(uri, parts.netloc, refuse)
+    _check_driver(uri, refuse)
+
+
+def _check_sqlite(uri: str, host: str, refuse) -> None:
+    """The database file of an ``sqlite:///path`` URI can be used: opened if it exists, made if not."""
+    import stat
+
+    fix = ("write sqlite:///relative/path.db or sqlite:////absolute/path.db (four slashes), "
+           "or unset it for the embedded SQLite database")
+    if host:
+        raise refuse(f"an SQLite URI names a file, not a host ({host!r})", fix)
+    database = trackdb.sqlite_path(uri)
+    if database is None:
+        raise refuse("an in-memory SQLite database: every version and alias would be lost when the process ends", fix)
+    if str(database).startswith("~"):
+        raise refuse("'~' is not expanded in a database URI", "write the path out in full")
+    try:
+        if database.exists():
+            mode = database.stat().st_mode
+            if stat.S_ISDIR(mode):
+                raise refuse(f"the database path {str(database)!r} is a folder", fix)
+            if not stat.S_ISREG(mode):
+                raise refuse(f"the database path {str(database)!r} is not a regular file", fix)
+            if not os.access(database, os.R_OK | os.W_OK):
+                raise refuse(f"the database file {str(database)!r} cannot be read and written by this user",
+                             "give this user read and write permission, or use another path")
+            return
+        above = database.absolute().parent
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            raise refuse(f"cannot make the database: {str(above)!r} is a file, not a folder", fix)
+        if not os.access(above, os.W_OK | os.X_OK):
+            raise refuse(f"cannot make the database: no permission to write in {str(above)!r}",
+                         "use a path in a folder this user can write")
+    except OSError as exc:
+        raise refuse(f"the database path cannot be used ({type(exc).__name__}: {exc.strerror or exc})", fix) from None
+    except ValueError as exc:  # a NUL character
+        raise refuse(f"the database path cannot be used ({exc})", fix) from None
+
+
+def _check_driver(uri: str, refuse) -> None:
+    """SQLAlchemy knows the dialect and driver of a database URI, and the driver is installed."""
+    from sqlalchemy.engine.url import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        dialect = make_url(uri).get_dialect()
+    except NoSuchModuleError:
+        raise refuse(f"unknown database driver in the scheme {uri.split(':', 1)[0]!r}") from None
+    except (ArgumentError, ValueError) as exc:
+        raise refuse(f"not a database URI ({str(exc)[:160]})") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        module = (exc.name or "").split(".", 1)[0] or dialect.driver
+        package = DRIVER_PACKAGES.get(module, module)
+        raise refuse(f"needs the database driver {module!r}, which is not installed",
+                     f"install it into this environment (pip install '{package}'), or unset MLFLOW_TRACKING_URI "
+                     "for the embedded SQLite database") from None
+
+
 def _checked(uri: str) -> None:
-    """A UserError for a tracking URI MLflow cannot use; an InfraError, in seconds, for an
-    HTTP(S) tracking server that cannot be reached (MLflow's own client retries a refused
-    connection for minutes before it says anything). A server that answers, with any
-    status below 500, passes: only reachability is checked here, not credentials."""
+    """``check_uri``'s UserError for a tracking URI posttrain cannot use; an InfraError, in
+    seconds, for an HTTP(S) tracking server that cannot be reached (MLflow's own client
+    retries a refused connection for minutes before it says anything). A server that
+    answers, with any status below 500, passes: only reachability is checked here, not
+    credentials."""
     import urllib.error
     import urllib.request
-    from urllib.parse import urlparse
 
-    from components.core.errors import InfraError, UserError
+    from components.core.errors import InfraError
 
-    fix = ("use http(s)://host:port of an MLflow server, a database URI (sqlite:///path, postgresql://...), "
-           "or unset it for the embedded SQLite database")
-    try:
-        scheme = urlparse(uri).scheme.split("+", 1)[0]
-    except ValueError as exc:
-        raise UserError("MLFLOW_TRACKING_URI", uri, f"not a URI ({exc})", fix) from None
-    if scheme not in SCHEMES:
-        raise UserError("MLFLOW_TRACKING_URI", uri, f"unsupported tracking URI scheme {scheme!r}", fix)
-    if scheme not in ("http", "https"):
+    check_uri(uri)
+    if uri.split(":", 1)[0].lower() not in ("http", "https"):
         return
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S):
@@ -124,7 +255,7 @@ def _checked(uri: str) -> None:
         reason = f"HTTP {exc.code} from /health"
     except (OSError, ValueError) as exc:
         reason = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-    raise InfraError("tracking server", uri, reason)
+    raise InfraError("tracking server", shown_uri(uri), reason)
 
 
 def client():

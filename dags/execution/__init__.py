@@ -16,29 +16,103 @@ any other failure is retried like an outage.
 
 Images are ``<POSTTRAIN_IMAGE_PREFIX>posttrain-<stage>:<POSTTRAIN_IMAGE_TAG>`` (tag:
 the package version by default). Not covered: mixing modes per stage.
+
+The DAG's settings read at parse (``POSTTRAIN_EXECUTION`` here, ``POSTTRAIN_SCHEDULE``
+and ``POSTTRAIN_RETRY_DELAY_S`` for ``dags/wiring.py``) are checked by ``mode``,
+``schedule_value`` and ``retry_delay_s``: a bad value is a ``UserError`` naming the
+variable, the value and the values allowed (a DAG import error under Airflow).
+``check_settings`` runs all three; ``posttrain run`` calls it before any work (one line,
+exit 2). This module imports Airflow only where an operator is built, so those checks
+cost no Airflow start-up.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
-from airflow.sdk import task
-
 from components import __version__
+from components.core.errors import UserError
 from components.core.stages import StageSpec, resources
 
 MODE_VAR = "POSTTRAIN_EXECUTION"
 MODES = ("inprocess", "docker", "kubernetes")
 FAIL_NOW_EXIT_CODES = (2, 3)  # UserError, DataQualityError: retrying cannot help
 
+SCHEDULE_VAR = "POSTTRAIN_SCHEDULE"
+SCHEDULE_PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+SCHEDULE_ASSETS = ("asset:champion", "asset:candidate", "asset:task-file")
+"""The asset schedules (``dags/wiring.py`` maps each to its Airflow ``Asset``)."""
+MANUAL = ("", "manual", "none")
+RETRY_DELAY_VAR = "POSTTRAIN_RETRY_DELAY_S"  # the first retry's delay in seconds (default 10; tests shorten it)
+RETRY_DELAY_DEFAULT_S = 10.0
+MAX_RETRY_DELAY_S = 600.0
+"""The longest wait between retries (``max_retry_delay`` in ``dags/wiring.py``): a longer
+first delay would be cut to it."""
+
 
 def mode() -> str:
-    """The execution mode; ValueError (a DAG import error) naming the fix for a bad value."""
-    value = (os.environ.get(MODE_VAR) or "inprocess").strip().lower()
+    """The execution mode; a UserError (a DAG import error) naming the choices for a bad value."""
+    raw = os.environ.get(MODE_VAR) or ""
+    value = (raw or "inprocess").strip().lower()
     if value not in MODES:
-        raise ValueError(f"{MODE_VAR}={value!r}: unknown execution mode; use one of {list(MODES)}")
+        raise UserError(MODE_VAR, raw, "unknown execution mode",
+                        f"use one of {', '.join(MODES)} (unset: inprocess)")
     return value
+
+
+def schedule_value(value: str) -> str | None:
+    """A ``POSTTRAIN_SCHEDULE`` value, stripped: None for manual (empty, ``manual``,
+    ``none``), else a preset, an asset schedule or a cron expression; a UserError naming
+    the allowed values otherwise."""
+    text = (value or "").strip()
+    if text.lower() in MANUAL:
+        return None
+    if text in SCHEDULE_ASSETS:
+        return text
+    if text.startswith("@"):
+        if text not in SCHEDULE_PRESETS:
+            raise UserError(SCHEDULE_VAR, value, f"unknown preset; the presets are {', '.join(SCHEDULE_PRESETS)}",
+                            "use one of those presets, a cron expression such as '0 2 * * *', or unset it for manual")
+        return text
+    from croniter import croniter
+
+    try:
+        valid = croniter.is_valid(text)
+    except Exception:  # croniter's own errors on odd input: not a cron expression either
+        valid = False
+    if not valid:
+        raise UserError(SCHEDULE_VAR, value,
+                        f"neither a cron expression, a preset nor one of {', '.join(SCHEDULE_ASSETS)}",
+                        "use e.g. '0 2 * * *', '@daily' or 'asset:champion' (unset or 'manual': only when triggered)")
+    return text
+
+
+def retry_delay_s() -> float:
+    """``POSTTRAIN_RETRY_DELAY_S``: the first retry's delay in seconds, from 0 to
+    ``MAX_RETRY_DELAY_S`` (default 10); a UserError otherwise."""
+    raw = os.environ.get(RETRY_DELAY_VAR) or ""
+    if not raw.strip():
+        return RETRY_DELAY_DEFAULT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 <= value <= MAX_RETRY_DELAY_S):  # also NaN
+        raise UserError(RETRY_DELAY_VAR, raw, f"not a number of seconds from 0 to {MAX_RETRY_DELAY_S:g}",
+                        f"set it to e.g. '10' (retries then wait 10 s, 20 s, 40 s), or unset it for "
+                        f"{RETRY_DELAY_DEFAULT_S:g} s")
+    return value
+
+
+def check_settings() -> None:
+    """The DAG's settings from the environment, as its import would read them: a UserError
+    for the first bad one (``POSTTRAIN_EXECUTION``, ``POSTTRAIN_SCHEDULE``,
+    ``POSTTRAIN_RETRY_DELAY_S``). A schedule kept as an Airflow Variable is not read here."""
+    mode()
+    schedule_value(os.environ.get(SCHEDULE_VAR) or "")
+    retry_delay_s()
 
 
 def image_for(stage: str) -> str:
@@ -58,6 +132,7 @@ def stage_arguments(plan: dict[str, Any], run_id: str, shard: str = "") -> list[
 
 def args_task(spec: StageSpec):
     """The argument list(s) of one stage's container task(s): one list, or one per shard."""
+    from airflow.sdk import task
 
     @task(task_id=f"{spec.id}_args")
     def stage_args(plan: dict[str, Any]) -> list[str] | list[list[str]]:

@@ -3,6 +3,7 @@ front, each as one UserError line (exit 2 from the CLI)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,62 @@ def test_posttrain_run_refuses_a_local_run_root_for_an_http_tracking_server(tmp_
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("posttrain: error: run_root=") and "s3://" in lines[0], proc.stderr
     assert not (tmp_path / ".posttrain" / "store").exists()
+
+
+TASK_FILE_FIX = "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)"
+
+
+def _task_file_refusal(tmp_path: Path, source: str) -> UserError:
+    with pytest.raises(UserError) as info:
+        preflight.task_file(_recipe(tmp_path, f"taskgen: {{task_file: '{source}'}}\n"))
+    return info.value
+
+
+@pytest.mark.timeout(30)  # before the fix the FIFO blocked the read forever: a regression fails here instead
+def test_a_task_file_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path: Path, posttrain_home: Path) -> None:
+    """A FIFO (no writer: ``open`` itself would block), ``/dev/zero`` (a read that never
+    ends), a folder, and a symbolic link to a FIFO are refused naming taskgen.task_file,
+    as a path and as a file:// URI."""
+    fifo = tmp_path / "tasks.jsonl"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(fifo)
+    folder = tmp_path / "folder.jsonl"
+    folder.mkdir()
+    cases = {str(fifo): "is not a regular file (a FIFO)", f"file://{fifo}": "is not a regular file (a FIFO)",
+             str(link): "is not a regular file (a FIFO)", "/dev/zero": "is not a regular file (a character device)",
+             str(folder): "is a directory", str(tmp_path / "nope.jsonl"): "no such file"}
+    for source, problem in cases.items():
+        error = _task_file_refusal(tmp_path, source)
+        assert error.line() == f"taskgen.task_file={source!r}: {problem}; fix: {TASK_FILE_FIX}"
+
+
+def test_a_task_file_over_the_size_limit_is_refused_without_reading_it(tmp_path: Path, posttrain_home: Path) -> None:
+    from components.domains.taskfile import MAX_FILE_BYTES
+
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as fh:  # sparse: no disk used
+        fh.truncate(MAX_FILE_BYTES + 1)
+    error = _task_file_refusal(tmp_path, str(big))
+    assert error.line() == (f"taskgen.task_file={str(big)!r}: is {MAX_FILE_BYTES + 1:,} bytes, larger than the "
+                            f"{MAX_FILE_BYTES >> 20} MiB a task file may have; fix: split it into smaller files")
+    with open(big, "wb") as fh:
+        fh.truncate(MAX_FILE_BYTES)  # at the limit: only its first byte is read here
+    preflight.task_file(_recipe(tmp_path, f"taskgen: {{task_file: '{big}'}}\n"))
+
+
+def test_a_bad_tracking_uri_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_all`` (and ``posttrain run``) check ``MLFLOW_TRACKING_URI`` before the
+    tracking-vs-run-root check, which no longer parses it with ``urlparse`` (before: a
+    ValueError traceback for ``http://[x``)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://[x")
+    with pytest.raises(UserError) as info:
+        preflight.tracking_uri()
+    assert (info.value.field, info.value.value) == ("MLFLOW_TRACKING_URI", "http://[x")
+    assert info.value.problem == "not a URI (Invalid IPv6 URL)"
+    with pytest.raises(UserError) as info:
+        preflight.tracking_vs_run_root("/tmp/store")
+    assert info.value.field == "run_root"  # an http(s) scheme with a local run root, whatever follows it
+    preflight.tracking_vs_run_root("s3://bucket/runs")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    preflight.tracking_uri()  # unset: the embedded SQLite

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from components.core import models, tracking
-from components.core.errors import InfraError
+from components.core.errors import InfraError, UserError
 from tests.fixtures.runs import TINY, cli_env, run_posttrain
 
 
@@ -88,3 +88,96 @@ def test_resolve_alias_tells_an_unset_alias_from_an_outage(monkeypatch: pytest.M
     monkeypatch.setattr(tracking, "client", lambda: _Client(denied))
     with pytest.raises(MlflowException, match="Permission denied"):  # neither unset nor an outage: as it is
         models.resolve_alias("demo", "champion")
+
+
+FIX = ("use http(s)://host:port of an MLflow server, a database URI (sqlite:///path, postgresql://...), "
+       "or unset it for the embedded SQLite database")
+SQLITE_FIX = ("write sqlite:///relative/path.db or sqlite:////absolute/path.db (four slashes), "
+              "or unset it for the embedded SQLite database")
+
+
+def _refused(uri: str) -> str:
+    with pytest.raises(UserError) as info:
+        tracking.check_uri(uri)
+    assert info.value.field == "MLFLOW_TRACKING_URI"
+    return info.value.line()
+
+
+def test_only_a_server_or_a_database_is_a_tracking_uri(tmp_path: Path) -> None:
+    """What MLflow 3 refuses (its file store), cannot keep (an in-memory SQLite
+    database), posttrain does not support (Databricks) or cannot parse is one line naming
+    MLFLOW_TRACKING_URI, before anything is created."""
+    regular = tmp_path / "regular"
+    regular.write_text("x")
+    cases = {
+        "garbage": "not a URI (a bare path would be MLflow's file store, which posttrain does not support)",
+        str(tmp_path / "mlruns"): "not a URI (a bare path would be MLflow's file store, which posttrain does not support)",
+        f"file://{regular}": "MLflow's file store is not supported (in maintenance mode in MLflow 3, which refuses it)",
+        "databricks": "unsupported tracking URI scheme 'databricks' (Databricks)",
+        "databricks-uc": "unsupported tracking URI scheme 'databricks-uc' (Databricks)",
+        "databricks://profile": "unsupported tracking URI scheme 'databricks'",
+        "http://[x": "not a URI (Invalid IPv6 URL)",
+        "http://host:abc": "not a URI (Port could not be cast to integer value as 'abc')",
+    }
+    for uri, problem in cases.items():
+        assert _refused(uri) == f"MLFLOW_TRACKING_URI={uri!r}: {problem}; fix: {FIX}"
+    assert _refused("http://") == ("MLFLOW_TRACKING_URI='http://': an MLflow server URI without a host; "
+                                   "fix: write http(s)://host:port of the MLflow server")
+    memory = "an in-memory SQLite database: every version and alias would be lost when the process ends"
+    for uri in ("sqlite:///", "sqlite://", "sqlite:///:memory:"):
+        assert _refused(uri) == f"MLFLOW_TRACKING_URI={uri!r}: {memory}; fix: {SQLITE_FIX}"
+    under_file = f"sqlite:///{regular}/x.db"
+    assert _refused(under_file) == (f"MLFLOW_TRACKING_URI={under_file!r}: cannot make the database: {str(regular)!r} is "
+                                    f"a file, not a folder; fix: {SQLITE_FIX}")
+    a_folder = f"sqlite:///{tmp_path}"
+    assert _refused(a_folder) == (f"MLFLOW_TRACKING_URI={a_folder!r}: the database path {str(tmp_path)!r} is a folder; "
+                                  f"fix: {SQLITE_FIX}")
+    assert list(tmp_path.iterdir()) == [regular]  # nothing made
+    tracking.check_uri(f"sqlite:///{tmp_path}/new/mlflow.db")  # a file that a first run makes
+    tracking.check_uri("http://127.0.0.1:5000")  # a server: reachability is _checked's, not this
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_database_whose_driver_is_missing_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLAlchemy picks the driver (``postgresql://`` is psycopg 3 with SQLAlchemy 2.1); a
+    missing one is a UserError whose fix names the PyPI package, and the password is not
+    shown."""
+    import builtins
+
+    from sqlalchemy.engine.url import make_url
+
+    module = make_url("postgresql://h/db").get_dialect().driver  # psycopg (SQLAlchemy 2.1) or psycopg2
+    real_import = builtins.__import__
+
+    def no_drivers(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002 -- __import__'s own names
+        if level == 0 and name.split(".", 1)[0] in tracking.DRIVER_PACKAGES:  # as if no driver were installed
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_drivers)
+    line = _refused("postgresql://u:secret@127.0.0.1:1/db")
+    assert line == (f"MLFLOW_TRACKING_URI='postgresql://u:***@127.0.0.1:1/db': needs the database driver {module!r}, "
+                    f"which is not installed; fix: install it into this environment (pip install "
+                    f"'{tracking.DRIVER_PACKAGES[module]}'), or unset MLFLOW_TRACKING_URI for the embedded SQLite database")
+    assert "secret" not in line
+    assert "'PyMySQL'" in _refused("mysql+pymysql://h/db")
+    assert _refused("postgresql+nosuch://h/db") == (
+        f"MLFLOW_TRACKING_URI='postgresql+nosuch://h/db': unknown database driver in the scheme 'postgresql+nosuch'; "
+        f"fix: {FIX}")
+
+
+@pytest.mark.parametrize(("uri", "problem"), [
+    ("garbage", "not a URI (a bare path would be MLflow's file store, which posttrain does not support)"),
+    ("sqlite:///", "an in-memory SQLite database: every version and alias would be lost when the process ends"),
+    ("http://[x", "not a URI (Invalid IPv6 URL)"),
+])
+def test_posttrain_run_refuses_a_bad_tracking_uri_before_anything_is_made(uri: str, problem: str, tmp_path: Path) -> None:
+    """Exit 2 and one line before the home, the run root or a database is made (before:
+    a traceback and exit 1 after the run root and the home were made, or, for
+    ``sqlite:///``, a run whose registry vanished with the process)."""
+    proc = run_posttrain(["run", "--recipe", str(TINY), "--run-root", "rr", "--iterations", "1"], tmp_path,
+                         cli_env(tmp_path / "home", MLFLOW_TRACKING_URI=uri), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    fix = SQLITE_FIX if uri.startswith("sqlite") else FIX
+    assert proc.stderr.splitlines() == [f"posttrain: error: MLFLOW_TRACKING_URI={uri!r}: {problem}; fix: {fix}"]
+    assert list(tmp_path.iterdir()) == []

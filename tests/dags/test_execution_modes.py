@@ -57,9 +57,10 @@ def test_the_mode_defaults_to_in_process_and_a_bad_value_names_the_choices(monke
     assert mode() == "docker"
     monkeypatch.setenv("POSTTRAIN_EXECUTION", "ecs")
     monkeypatch.setenv("POSTTRAIN_SCHEDULE", "")
-    with pytest.raises(ValueError, match=r"^POSTTRAIN_EXECUTION='ecs': unknown execution mode; "
-                                         r"use one of \['inprocess', 'docker', 'kubernetes'\]$"):
+    with pytest.raises(UserError) as info:  # a DAG import error of one line
         _parse_dag("ptI_bad_mode")
+    assert info.value.line() == ("POSTTRAIN_EXECUTION='ecs': unknown execution mode; "
+                                 "fix: use one of inprocess, docker, kubernetes (unset: inprocess)")
 
 
 def test_the_flags_file_is_what_the_docker_mode_applies():

@@ -1,0 +1,179 @@
+"""``posttrain run`` refuses bad settings before any work, and a refused run leaves no
+run root behind.
+
+- ``POSTTRAIN_SCHEDULE``, ``POSTTRAIN_EXECUTION``, ``POSTTRAIN_RETRY_DELAY_S``: one line
+  naming the variable, the value and the values allowed, exit 2, in about a second, with
+  nothing made (before: a ValueError traceback and exit 1 from the DAG's import, after 5
+  to 6 s in which the home, Airflow's and MLflow's databases and the run root were made).
+  ``posttrain kfp-local`` reads none of them. Under Airflow each is still a DAG import
+  error (a UserError's line).
+- A run the preflight refuses (``model.source`` that is not there) leaves no run-root
+  folder it made; one that existed before stays. ``<home>/run.lock`` stays (a lock file).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from components.core.errors import UserError
+from components.core.storage import Store
+from dags import execution
+from dags.orchestrate import removed_if_refused
+from tests.fixtures.runs import REPO, TINY, cli_env, run_posttrain
+
+SCHEDULE_FIX = "use e.g. '0 2 * * *', '@daily' or 'asset:champion' (unset or 'manual': only when triggered)"
+RETRY_FIX = "set it to e.g. '10' (retries then wait 10 s, 20 s, 40 s), or unset it for 10 s"
+BAD_SETTINGS = [
+    ("POSTTRAIN_SCHEDULE", "bogus",
+     "POSTTRAIN_SCHEDULE='bogus': neither a cron expression, a preset nor one of asset:champion, asset:candidate, "
+     f"asset:task-file; fix: {SCHEDULE_FIX}"),
+    ("POSTTRAIN_SCHEDULE", "@nightly",
+     "POSTTRAIN_SCHEDULE='@nightly': unknown preset; the presets are @once, @continuous, @hourly, @daily, @weekly, "
+     "@monthly, @quarterly, @yearly; fix: use one of those presets, a cron expression such as '0 2 * * *', or unset "
+     "it for manual"),
+    ("POSTTRAIN_EXECUTION", "bogus",
+     "POSTTRAIN_EXECUTION='bogus': unknown execution mode; fix: use one of inprocess, docker, kubernetes "
+     "(unset: inprocess)"),
+    ("POSTTRAIN_RETRY_DELAY_S", "abc", f"POSTTRAIN_RETRY_DELAY_S='abc': not a number of seconds from 0 to 600; fix: {RETRY_FIX}"),
+    ("POSTTRAIN_RETRY_DELAY_S", "-1", f"POSTTRAIN_RETRY_DELAY_S='-1': not a number of seconds from 0 to 600; fix: {RETRY_FIX}"),
+    ("POSTTRAIN_RETRY_DELAY_S", "nan", f"POSTTRAIN_RETRY_DELAY_S='nan': not a number of seconds from 0 to 600; fix: {RETRY_FIX}"),
+]
+
+
+@pytest.mark.parametrize(("var", "value", "line"), BAD_SETTINGS)
+def test_a_bad_dag_setting_is_a_user_error(var: str, value: str, line: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (execution.MODE_VAR, execution.SCHEDULE_VAR, execution.RETRY_DELAY_VAR):
+        monkeypatch.delenv(name, raising=False)
+    execution.check_settings()  # unset: inprocess, manual, 10 s
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UserError) as info:
+        execution.check_settings()
+    assert info.value.line() == line
+
+
+@pytest.mark.parametrize("value", ["", "manual", "None", "0 2 * * *", "@daily", "@continuous", "asset:champion"])
+def test_the_schedules_the_dag_takes_pass(value: str) -> None:
+    assert execution.schedule_value(value) == (None if value.lower() in ("", "manual", "none") else value)
+
+
+def test_the_checks_import_no_airflow(tmp_path: Path) -> None:
+    """``posttrain run`` makes them before Airflow is set up: importing Airflow without
+    ``AIRFLOW_HOME`` would make ``~/airflow``."""
+    code = ("import sys, dags.execution as e; e.check_settings(); "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'airflow'], 'airflow imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=cli_env(tmp_path / "home"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_wiring_maps_every_asset_schedule() -> None:
+    from dags import wiring
+
+    assert set(wiring.ASSETS) == set(execution.SCHEDULE_ASSETS)
+    assert wiring.parse_schedule("asset:champion") is wiring.CHAMPION
+
+
+@pytest.mark.parametrize(("var", "value", "line"), [BAD_SETTINGS[0], BAD_SETTINGS[2], BAD_SETTINGS[3]])
+def test_posttrain_run_refuses_a_bad_dag_setting_before_any_work(var: str, value: str, line: str, tmp_path: Path) -> None:
+    proc = run_posttrain(["run", "--recipe", str(TINY), "--run-root", "rr", "--iterations", "1"], tmp_path,
+                         cli_env(tmp_path / "home", **{var: value}), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [f"posttrain: error: {line}"]
+    assert list(tmp_path.iterdir()) == []  # no home, no run root, no database
+
+
+def test_a_bad_retry_delay_is_a_dag_import_error(tmp_path: Path) -> None:
+    """Under Airflow the DAG file's import raises it (the DAG processor shows the line)."""
+    env = cli_env(tmp_path / "home", POSTTRAIN_RETRY_DELAY_S="abc", POSTTRAIN_SCHEDULE="",
+                  AIRFLOW_HOME=str(tmp_path / "airflow"))
+    proc = subprocess.run([sys.executable, "-c", "import dags.post_training_iteration"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"components.core.errors.UserError: {BAD_SETTINGS[3][2]}"
+
+
+def _recipe_without_model(tmp_path: Path) -> Path:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TINY.read_text().replace("model: {", "model: {source: /nonexistent, "))
+    return recipe
+
+
+NO_MODEL = ("posttrain: error: model.source='file:///nonexistent': is not a readable checkpoint (no readable "
+            "config.json: FileNotFoundError); fix: point model.source at a Hugging Face model folder or URI, or use "
+            "'scratch'")
+
+
+@pytest.mark.parametrize("run_root", ["rr", "a/b/rr", None])
+def test_a_refused_run_leaves_no_run_root(run_root: str | None, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    recipe = _recipe_without_model(tmp_path)
+    args = ["run", "--recipe", str(recipe), "--iterations", "1"] + (["--run-root", run_root] if run_root else [])
+    proc = run_posttrain(args, work, cli_env(work / "home"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [NO_MODEL]
+    left = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
+    assert left == ["home", "home/run.lock"]  # the home and its lock file; no run root, no store, no MLflow database
+
+
+def test_a_run_refused_after_the_store_probe_removes_the_run_root_it_made(tmp_path: Path) -> None:
+    """A ``models:/`` source is read through MLflow, after the store's probe made the run
+    root: the refusal removes it again (and the parents it made)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(TINY.read_text().replace("model: {", "model: {source: 'models:/nosuch@champion', "))
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_posttrain(["run", "--recipe", str(recipe), "--run-root", "a/b/rr", "--iterations", "1"], work,
+                         cli_env(work / "home"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1].startswith(
+        "posttrain: error: model.source='models:/nosuch@champion': no such registered model version at sqlite:///")
+    assert sorted(p.name for p in work.iterdir()) == ["home"]  # no a/b/rr
+
+
+def test_a_refused_run_keeps_a_run_root_that_was_there(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "keep").write_text("x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    recipe = _recipe_without_model(tmp_path)
+    for given in (root, empty):
+        proc = run_posttrain(["run", "--recipe", str(recipe), "--run-root", str(given), "--iterations", "1"], tmp_path,
+                             cli_env(tmp_path / "home"), timeout=120)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [NO_MODEL], proc.stderr[-2000:]
+    assert (root / "keep").read_text() == "x" and empty.is_dir() and list(empty.iterdir()) == []
+
+
+def test_kfp_local_reads_no_dag_setting(tmp_path: Path) -> None:
+    """``posttrain kfp-local`` runs the Kubeflow pipeline: a bad ``POSTTRAIN_SCHEDULE`` is
+    not its to refuse (its preflight then refuses the recipe, as it would anyway)."""
+    proc = run_posttrain(["kfp-local", "--recipe", str(_recipe_without_model(tmp_path)), "--run-root", "rr",
+                          "--iterations", "1"], tmp_path, cli_env(tmp_path / "home", POSTTRAIN_SCHEDULE="bogus"),
+                         timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [NO_MODEL]
+
+
+def test_removed_if_refused_removes_only_the_folders_it_found_missing(tmp_path: Path) -> None:
+    """The guard around ``check_before_run``: a refusal after the store's probe made the
+    run root (a probe that then fails to write) removes the folders that were missing,
+    deepest first, each only if empty."""
+    store = Store(str(tmp_path / "a" / "b" / "rr"))
+    with pytest.raises(UserError), removed_if_refused(store):
+        (tmp_path / "a" / "b" / "rr").mkdir(parents=True)
+        raise UserError("run_root", store.uri, "refused", "fix")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "a").mkdir()
+    with pytest.raises(UserError), removed_if_refused(store):
+        (tmp_path / "a" / "b" / "rr").mkdir(parents=True)
+        (tmp_path / "a" / "b" / "other").write_text("someone else's")
+        raise UserError("run_root", store.uri, "refused", "fix")
+    assert sorted(p.name for p in (tmp_path / "a").rglob("*")) == ["b", "other"]  # rr removed; b holds a file; a was there
+    with removed_if_refused(store):  # not refused: what was made stays
+        (tmp_path / "a" / "b" / "rr").mkdir()
+    assert (tmp_path / "a" / "b" / "rr").is_dir()
