@@ -20,7 +20,10 @@ documentation asks to run on a backup).
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 PREFIX = "sqlite:///"
@@ -53,6 +56,21 @@ def _remove_leftovers(path: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+@contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """The loggers ``names`` at WARNING for the body: a first run (or a refusal that comes
+    after the database is made) prints no schema-creation INFO lines before its own."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def ensure_created(uri: str) -> None:
     """Create the MLflow schema of the SQLite database at ``uri`` if the file does not
     exist yet, atomically (see the module docstring); a no-op for other URIs and for an
@@ -78,7 +96,8 @@ def ensure_created(uri: str) -> None:
         from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
         # The tracking store's migrations create the model registry's tables too.
-        store = SqlAlchemyStore(f"{PREFIX}{tmp}", (path.parent / "mlartifacts").as_uri())
+        with _quiet("mlflow.store.db.utils", "alembic"):  # its "Creating initial MLflow database tables" lines
+            store = SqlAlchemyStore(f"{PREFIX}{tmp}", (path.parent / "mlartifacts").as_uri())
         store.engine.dispose()
         try:
             os.link(tmp, path)

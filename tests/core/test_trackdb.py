@@ -87,3 +87,19 @@ def test_an_existing_file_and_other_uris_are_left_alone(tmp_path):
     assert db.read_bytes() == b"not a database"
     trackdb.ensure_created("http://127.0.0.1:9/")  # no server is contacted
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_creating_the_database_prints_none_of_mlflows_schema_lines(tmp_path, capfd) -> None:
+    """MLflow logs "Creating initial MLflow database tables..." and "Updating database
+    tables" at INFO as it builds the schema: before a refusal's one line, or a first run's
+    own lines. Quiet while it builds; the loggers' levels are put back."""
+    import logging
+
+    from components.core import trackdb
+
+    before = logging.getLogger("mlflow.store.db.utils").level
+    trackdb.ensure_created(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out, err = capfd.readouterr()
+    assert (tmp_path / "mlflow.db").exists()
+    assert "database tables" not in out + err, out + err
+    assert logging.getLogger("mlflow.store.db.utils").level == before
