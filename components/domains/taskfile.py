@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components.core.errors import UserError, one_line
+from components.core.errors import InfraError, UserError, one_line, outage
 from components.core.records import Task
 from components.domains.base import task_id
 
@@ -202,14 +202,20 @@ def read_bytes(path_or_uri: str) -> bytes:
     from components.core.storage import filesystem
 
     uri = str(path_or_uri)
+    if "://" not in uri:
+        return _read_local(uri, uri)
     try:
-        if "://" not in uri:
-            return _read_local(uri, uri)
         fs, path = filesystem(uri)
-        if isinstance(fs, LocalFileSystem):  # file://: the same checks as a plain path
-            return _read_local(path, uri)
-        data = fs.cat_file(path)
     except (OSError, ValueError) as exc:
+        raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
+                        "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
+    if isinstance(fs, LocalFileSystem):  # file://: the same checks as a plain path
+        return _read_local(path, uri)
+    try:
+        data = fs.cat_file(path, start=0, end=MAX_FILE_BYTES + 1)  # never more than one byte past the limit
+    except Exception as exc:  # noqa: BLE001 - botocore's errors are not OSErrors: an outage or the user's
+        if (down := outage(exc)) is not None:  # the store, not the file: retry once it is back
+            raise InfraError("store", uri, down) from None
         raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
                         "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
     if len(data) > MAX_FILE_BYTES:

@@ -194,3 +194,43 @@ def test_a_newline_in_the_task_file_path_stays_on_one_line(tmp_path, capsys):
         path.write_text((json.dumps(ROW) + "\n") * 2)
         load_tasks(str(path))
     assert err.value.field == f"{tmp_path}/a\\nb/t.jsonl row 1: task_id"
+
+
+def test_an_s3_task_file_is_read_one_byte_past_the_limit_at_most(s3_env, monkeypatch) -> None:
+    """An object over the limit is refused after reading the limit and one byte (a ranged
+    GET), not read whole into memory first; a store nobody answers is an outage."""
+    from components.core.errors import InfraError
+    from components.domains import taskfile
+    from tests.fixtures.s3 import closed_port, unique_prefix
+
+    key = f"{unique_prefix('task-file-limit')}/tasks.jsonl"
+    row = b'{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n'
+    s3_env.client().put_object(Bucket=s3_env.bucket, Key=key, Body=row * 4)
+    uri = f"s3://{s3_env.bucket}/{key}"
+    assert taskfile.read_bytes(uri) == row * 4
+    from components.core import storage
+
+    asked: list[tuple] = []
+    real = storage.filesystem
+
+    class Spy:
+        def __init__(self, fs) -> None:
+            self.fs = fs
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            asked.append((start, end))
+            return self.fs.cat_file(path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(storage, "filesystem", lambda u: (Spy(real(u)[0]), real(u)[1]))
+    monkeypatch.setattr(taskfile, "MAX_FILE_BYTES", len(row))  # the object is 4 rows: over this limit
+    with pytest.raises(UserError) as caught:
+        taskfile.read_bytes(uri)
+    assert (caught.value.field, caught.value.value) == ("task file", uri)
+    assert caught.value.problem.startswith("larger than")
+    assert asked == [(0, len(row) + 1)]  # a ranged read: the limit and one byte
+    with pytest.raises(UserError) as caught:  # no such object: the user's to fix
+        taskfile.read_bytes(f"s3://{s3_env.bucket}/missing-{key}")
+    assert caught.value.problem == "cannot be read (FileNotFoundError)"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    with pytest.raises(InfraError, match="EndpointConnectionError"):  # before: botocore's traceback
+        taskfile.read_bytes(f"s3://{s3_env.bucket}/other-{key}")
