@@ -109,10 +109,20 @@ def retry_delay_s() -> float:
 def check_settings() -> None:
     """The DAG's settings from the environment, as its import would read them: a UserError
     for the first bad one (``POSTTRAIN_EXECUTION``, ``POSTTRAIN_SCHEDULE``,
-    ``POSTTRAIN_RETRY_DELAY_S``). A schedule kept as an Airflow Variable is not read here."""
-    mode()
+    ``POSTTRAIN_RETRY_DELAY_S``, and the chosen mode's own: the docker mode's
+    ``POSTTRAIN_CONTAINER_FLAGS`` file, the kubernetes mode's cluster settings). A schedule
+    kept as an Airflow Variable is not read here."""
+    chosen = mode()
     schedule_value(os.environ.get(SCHEDULE_VAR) or "")
     retry_delay_s()
+    if chosen == "docker":
+        from dags.execution import docker
+
+        docker.container_flags()
+    elif chosen == "kubernetes":
+        from dags.execution import cluster
+
+        cluster.cluster_settings()
 
 
 def image_for(stage: str) -> str:

@@ -32,6 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from components.core.errors import UserError
 from components.core.stages import Resources, StageSpec
 
 ARGS_FIELD = "command"
@@ -47,13 +48,16 @@ SECRET = re.compile(r"SECRET|TOKEN|PASSWORD", re.I)
 class ContainerFlags:
     """The podman/docker run flags a stage container needs, parsed from one line of a file:
     ``--security-opt X``, ``--ulimit name=soft:hard``, ``--runtime R`` (anything else is a
-    ValueError naming the flag, so the file cannot silently drift from what is applied)."""
+    UserError naming the flag, so the file cannot silently drift from what is applied)."""
 
     def __init__(self, text: str, source: str = "<flags>") -> None:
         self.security_opt: list[str] = []
         self.ulimits: list[tuple[str, int, int]] = []
         self.runtime: str | None = None
-        words = shlex.split(text, comments=True)
+        try:
+            words = shlex.split(text, comments=True)
+        except ValueError as exc:  # "No closing quotation"
+            raise UserError(FLAGS_VAR, source, f"not shell words ({exc})", "close its quotes") from None
         pairs = [w.split("=", 1) if w.startswith("--") and "=" in w else [w] for w in words]
         flat = [p for pair in pairs for p in pair]
         for flag, value in zip(flat[::2], flat[1::2]):
@@ -64,12 +68,16 @@ class ContainerFlags:
             elif flag == "--ulimit":
                 name, _, limits = value.partition("=")
                 soft, _, hard = limits.partition(":")
-                self.ulimits.append((name, int(soft), int(hard or soft)))
+                hard = hard or soft
+                if not (name and soft.isdigit() and hard.isdigit()):
+                    raise UserError(FLAGS_VAR, source, f"--ulimit {value!r} is not name=soft[:hard]",
+                                    "write e.g. --ulimit nofile=1024:1024")
+                self.ulimits.append((name, int(soft), int(hard)))
             else:
-                raise ValueError(f"{source}: flag {flag!r} is not one the docker mode applies; "
-                                 "use only --security-opt, --ulimit and --runtime there")
+                raise UserError(FLAGS_VAR, source, f"flag {flag!r} is not one the docker mode applies",
+                                "use only --security-opt, --ulimit and --runtime there")
         if len(flat) % 2:
-            raise ValueError(f"{source}: flag {flat[-1]!r} has no value")
+            raise UserError(FLAGS_VAR, source, f"flag {flat[-1]!r} has no value", "give it its value")
 
 
 @cache
@@ -77,10 +85,20 @@ def container_flags() -> ContainerFlags:
     path = os.environ.get(FLAGS_VAR) or (str(DEFAULT_FLAGS) if DEFAULT_FLAGS.is_file() else "")
     if not path:
         return ContainerFlags("")
-    if not Path(path).is_file():
-        raise ValueError(f"{FLAGS_VAR}={path!r}: no such file; point it at a file of podman run flags "
-                         "such as containers/podman-run-flags")
-    return ContainerFlags(Path(path).read_text(), path)
+    from components.domains.taskfile import Unreadable, read_regular
+
+    fix = "point it at a file of podman run flags such as containers/podman-run-flags"
+    try:
+        data = read_regular(path, 1 << 16)
+    except Unreadable as exc:
+        raise UserError(FLAGS_VAR, path, exc.why, fix) from None
+    if len(data) > 1 << 16:
+        raise UserError(FLAGS_VAR, path, "larger than 64 KiB", fix)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(FLAGS_VAR, path, "not UTF-8 text", fix) from None
+    return ContainerFlags(text, path)
 
 
 def passed_environment() -> tuple[dict[str, str], dict[str, str]]:

@@ -17,8 +17,9 @@ What a stage pod gets (``operator(spec, res)``):
 - sandboxed stages (``spec.sandboxed``): the sandbox's security context instead (below),
   ``hostUsers: false``, and ``runtimeClassName`` ``POSTTRAIN_SANDBOX_RUNTIME_CLASS`` when set.
 
-Settings, read at DAG parse (a bad value is a DAG import error: one line naming the
-variable and the fix):
+Settings, read at DAG parse (``dags/execution/cluster.py``; a bad value is a DAG import
+error, and ``posttrain run`` refuses it before any work: one line naming the variable and
+the fix):
 
 | variable | default | meaning |
 |---|---|---|
@@ -60,9 +61,6 @@ account's ``imagePullSecrets``).
 
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import dataclass
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -70,91 +68,22 @@ from kubernetes.client import models as k8s
 
 from components.core.stages import Resources, StageSpec
 from dags.execution import FAIL_NOW_EXIT_CODES, image_for
+from dags.execution.cluster import (  # noqa: F401 - the settings, read by this mode (and by the tests through it)
+    CONFIGMAP_VAR,
+    DEFAULTS,
+    GPU_NODE_SELECTOR_VAR,
+    NAMESPACE_VAR,
+    RUNTIME_CLASS_VAR,
+    SERVICE_ACCOUNT_VAR,
+    STARTUP_TIMEOUT_VAR,
+    ClusterSettings,
+    cluster_settings,
+)
 
 ARGS_FIELD = "arguments"
 
-NAMESPACE_VAR = "POSTTRAIN_NAMESPACE"
-SERVICE_ACCOUNT_VAR = "POSTTRAIN_STAGE_SERVICE_ACCOUNT"
-CONFIGMAP_VAR = "POSTTRAIN_STAGE_CONFIGMAP"
-RUNTIME_CLASS_VAR = "POSTTRAIN_SANDBOX_RUNTIME_CLASS"
-GPU_NODE_SELECTOR_VAR = "POSTTRAIN_GPU_NODE_SELECTOR"
-STARTUP_TIMEOUT_VAR = "POSTTRAIN_POD_STARTUP_TIMEOUT_S"
-
-DEFAULTS = {NAMESPACE_VAR: "posttrain", SERVICE_ACCOUNT_VAR: "posttrain-stage", CONFIGMAP_VAR: "posttrain-stage-env",
-            RUNTIME_CLASS_VAR: "", GPU_NODE_SELECTOR_VAR: "posttrain.io/pool=gpu", STARTUP_TIMEOUT_VAR: "600"}
-
 GPU_RESOURCE = "nvidia.com/gpu"
 STAGE_UID = 10001  # the images' user "posttrain" (containers/base/Dockerfile)
-
-_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-DNS_LABEL = re.compile(rf"^{_LABEL}$")  # namespaces
-DNS_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")  # service accounts, config maps, runtime classes
-_QUALIFIED = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
-LABEL_KEY = re.compile(rf"^({_LABEL}(\.{_LABEL})*/)?{_QUALIFIED}$")
-LABEL_VALUE = re.compile(rf"^({_QUALIFIED})?$")
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    namespace: str
-    service_account: str
-    config_map: str
-    runtime_class: str  # "" = the cluster's default runtime
-    gpu_node_selector: dict[str, str]
-    startup_timeout_s: int
-
-
-def _env(name: str) -> str:
-    value = os.environ.get(name)
-    return DEFAULTS[name] if value is None else value.strip()
-
-
-def _name(var: str, pattern: re.Pattern, max_len: int, example: str, allow_empty: bool = False) -> str:
-    value = _env(var)
-    if allow_empty and not value:
-        return ""
-    if len(value) > max_len or not pattern.match(value):
-        raise ValueError(f"{var}={value!r}: not a Kubernetes name (at most {max_len} lowercase letters, digits, '-'"
-                         f"{'' if pattern is DNS_LABEL else ' and .'}); set it to e.g. {example!r}"
-                         f"{' or leave it unset' if allow_empty else ''}")
-    return value
-
-
-def _node_selector(var: str) -> dict[str, str]:
-    value = _env(var)
-    selector: dict[str, str] = {}
-    for pair in filter(None, (p.strip() for p in value.split(","))):
-        key, sep, label = pair.partition("=")
-        key, label = key.strip(), label.strip()
-        if not sep or len(key.split("/")[-1]) > 63 or len(label) > 63 or not LABEL_KEY.match(key) \
-                or not LABEL_VALUE.match(label):
-            raise ValueError(f"{var}={value!r}: {pair!r} is not a node label 'key=value'; "
-                             f"set it to e.g. 'posttrain.io/pool=gpu' (comma-separated for several), or '' for none")
-        selector[key] = label
-    return selector
-
-
-def _positive_int(var: str, example: int) -> int:
-    value = _env(var)
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise ValueError(f"{var}={value!r}: not a positive whole number of seconds; set it to e.g. '{example}'")
-    return number
-
-
-def cluster_settings() -> ClusterSettings:
-    """The deployment's cluster settings from the environment; ValueError naming the variable and the fix."""
-    return ClusterSettings(
-        namespace=_name(NAMESPACE_VAR, DNS_LABEL, 63, "posttrain"),
-        service_account=_name(SERVICE_ACCOUNT_VAR, DNS_SUBDOMAIN, 253, "posttrain-stage"),
-        config_map=_name(CONFIGMAP_VAR, DNS_SUBDOMAIN, 253, "posttrain-stage-env"),
-        runtime_class=_name(RUNTIME_CLASS_VAR, DNS_SUBDOMAIN, 253, "gvisor", allow_empty=True),
-        gpu_node_selector=_node_selector(GPU_NODE_SELECTOR_VAR),
-        startup_timeout_s=_positive_int(STARTUP_TIMEOUT_VAR, 600),
-    )
 
 
 def security_contexts(sandboxed: bool) -> tuple[k8s.V1PodSecurityContext, k8s.V1SecurityContext]:

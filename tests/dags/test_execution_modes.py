@@ -69,10 +69,15 @@ def test_the_flags_file_is_what_the_docker_mode_applies():
     assert flags.security_opt == ["seccomp=unconfined", "apparmor=unconfined", "unmask=ALL"]
     assert flags.ulimits == [("nofile", 1024, 1024), ("nproc", 1000, 1000)]
     assert docker_mode.ContainerFlags("--ulimit=nofile=64 # comment").ulimits == [("nofile", 64, 64)]
-    with pytest.raises(ValueError, match=r"^f: flag '--privileged' is not one the docker mode applies; "):
+    with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='f': flag '--privileged' is not one the docker "
+                                        r"mode applies; fix: use only"):
         docker_mode.ContainerFlags("--privileged true", "f")
-    with pytest.raises(ValueError, match=r"^f: flag '--runtime' has no value$"):
+    with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='f': flag '--runtime' has no value; "):
         docker_mode.ContainerFlags("--ulimit nofile=1 --runtime", "f")
+    with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='f': --ulimit 'nofile=a:b' is not name=soft\[:hard\]; "):
+        docker_mode.ContainerFlags("--ulimit nofile=a:b", "f")
+    with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='f': not shell words \(No closing quotation\); "):
+        docker_mode.ContainerFlags("--runtime 'runc", "f")
 
 
 def test_the_dag_in_docker_mode_runs_every_stage_in_its_image(docker_env):
@@ -118,7 +123,7 @@ def test_the_recipe_sets_a_stage_memory_limit(docker_env):
 
 def test_a_bad_flags_file_fails_the_parse_with_its_name(docker_env, tmp_path):
     docker_env.setenv(docker_mode.FLAGS_VAR, str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match=r"^POSTTRAIN_CONTAINER_FLAGS='.*missing': no such file; "):
+    with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='.*missing': no such file; "):
         _parse_dag("ptI_bad_flags")
 
 

@@ -26,6 +26,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
 from components import __version__
+from components.core.errors import UserError
 from components.core.stages import Resources, StageSpec, registered, resources
 from dags.execution import kubernetes as mode
 
@@ -204,9 +205,9 @@ def test_mapped_shards_render_one_pod_each():
 ])
 def test_a_bad_setting_is_one_line_naming_the_variable_and_the_fix(var, value, hint, monkeypatch):
     monkeypatch.setenv(var, value)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UserError) as err:
         mode.operator(registered()[0], resources(registered()[0].id))
-    line = str(err.value)
+    line = err.value.line()
     assert "\n" not in line
     assert line.startswith(f"{var}={value!r}: ")
     assert hint in line
@@ -236,8 +237,8 @@ def test_a_bad_setting_fails_the_dag_parse(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_EXECUTION", "kubernetes")
     monkeypatch.setenv("POSTTRAIN_SCHEDULE", "")
     monkeypatch.setenv(mode.STARTUP_TIMEOUT_VAR, "5m")
-    with pytest.raises(ValueError, match=r"^POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a positive whole number of seconds; "
-                                         r"set it to e\.g\. '600'$"):
+    with pytest.raises(UserError, match=r"^POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a positive whole number of seconds; "
+                                        r"fix: set it to e\.g\. '600'$"):
         _parse_dag()
 
 

@@ -60,14 +60,41 @@ def test_the_schedules_the_dag_takes_pass(value: str) -> None:
     assert execution.schedule_value(value) == (None if value.lower() in ("", "manual", "none") else value)
 
 
-def test_the_checks_import_no_airflow(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["inprocess", "docker", "kubernetes"])
+def test_the_checks_import_no_airflow(mode: str, tmp_path: Path) -> None:
     """``posttrain run`` makes them before Airflow is set up: importing Airflow without
     ``AIRFLOW_HOME`` would make ``~/airflow``."""
     code = ("import sys, dags.execution as e; e.check_settings(); "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'airflow'], 'airflow imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=cli_env(tmp_path / "home"))
+                          env=cli_env(tmp_path / "home", POSTTRAIN_EXECUTION=mode))
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("mode", "var", "value", "line"), [
+    ("kubernetes", "POSTTRAIN_POD_STARTUP_TIMEOUT_S", "5m",
+     "POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a positive whole number of seconds; fix: set it to e.g. '600'"),
+    ("kubernetes", "POSTTRAIN_NAMESPACE", "Post_Train",
+     "POSTTRAIN_NAMESPACE='Post_Train': not a Kubernetes name (at most 63 lowercase letters, digits, '-'); fix: set it "
+     "to e.g. 'posttrain'"),
+    ("docker", "POSTTRAIN_CONTAINER_FLAGS", "/nonexistent/flags",
+     "POSTTRAIN_CONTAINER_FLAGS='/nonexistent/flags': no such file; fix: point it at a file of podman run flags such "
+     "as containers/podman-run-flags"),
+])
+def test_the_chosen_modes_own_settings_are_checked_too(mode: str, var: str, value: str, line: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad cluster setting or flags file is refused by ``posttrain run`` before any work,
+    not first by the DAG's import after Airflow started (a ValueError traceback)."""
+    from dags.execution import docker
+
+    docker.container_flags.cache_clear()
+    monkeypatch.setenv(execution.MODE_VAR, mode)
+    monkeypatch.delenv(execution.SCHEDULE_VAR, raising=False)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UserError) as info:
+        execution.check_settings()
+    assert info.value.line() == line
+    docker.container_flags.cache_clear()
 
 
 def test_the_wiring_maps_every_asset_schedule() -> None:
