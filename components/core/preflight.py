@@ -118,10 +118,10 @@ def _too_large(size: int, limit: int) -> str:
 
 
 def _check_local_task_file(path: str, limit: int) -> str | None:
-    """Why the local file ``path`` cannot be a task file, or None: ``taskfile.read_regular``
+    """Why the local file ``path`` cannot be a task file, or None: ``files.read_regular``
     refuses a FIFO, a device, a folder or a missing file before a byte is read (symbolic
     links followed); a regular file within ``limit`` has only its first byte read here."""
-    from components.domains.taskfile import Unreadable, read_regular
+    from components.core.files import Unreadable, read_regular
 
     try:
         read_regular(path, 0)
@@ -136,7 +136,7 @@ def _check_local_task_file(path: str, limit: int) -> str | None:
 def task_file(recipe: Recipe) -> None:
     from fsspec.implementations.local import LocalFileSystem
 
-    from components.domains.taskfile import MAX_FILE_BYTES
+    from components.core.files import MAX_TASK_FILE_BYTES as MAX_FILE_BYTES
 
     source = recipe.taskgen.task_file
     if not source:

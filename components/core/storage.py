@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.core.errors import InfraError, UserError, outage
+from components.core.files import Unreadable, read_regular
 
 SUPPORTED_SCHEMES = ("file", "s3")
 
@@ -265,6 +266,9 @@ def mismatch(url: str, expected: Expected, size: int | None, digest: str | None)
     return UserError("file", url, problem, expected.remedy)
 
 
+MAX_UNSIZED_READ = 64 << 30
+"""Most bytes ``Store.read_bytes`` reads of a local manifested file whose manifest gives
+no size (every manifest this version writes gives one)."""
 CONDITIONAL_CONFLICT_TRIES = 5
 TMP_MARK = ".tmp-"  # file:// writes go to <path>.tmp-<8 hex> and are renamed into place
 
@@ -437,10 +441,20 @@ class Store:
         expected = expected or expected_for(url)
         if expected is None:
             return self.fs.cat_file(self._path(rel))
+        path = self._fresh(self._path(rel))
         try:
-            data = self.fs.cat_file(self._fresh(self._path(rel)))
+            if self.uri.startswith("file://"):  # a FIFO or /dev/zero in its place: refused, not waited on or read on
+                data = read_regular(path, expected.size if expected.size is not None else MAX_UNSIZED_READ)
+            else:
+                if expected.size is not None and (found := int(self.fs.size(path))) != expected.size:
+                    raise mismatch(url, expected, found, None)  # not read: it may be any size
+                data = self.fs.cat_file(path)
         except FileNotFoundError:
             raise mismatch(url, expected, None, None) from None
+        except Unreadable as exc:
+            if exc.why == "no such file":
+                raise mismatch(url, expected, None, None) from None
+            raise UserError("file", url, f"manifested output of stage {expected.stage} {exc.why}", expected.remedy) from None
         if (expected.size is not None and len(data) != expected.size) or sha256_bytes(data) != expected.sha256:
             raise mismatch(url, expected, len(data), sha256_bytes(data))
         return data
@@ -548,10 +562,15 @@ class Store:
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)
             inner = path[len(root):] if path.startswith(root) else f"{rel}/{name}".strip("/")
+            want = wanted.pop(name, None) or expected_for(self.url(inner))
+            if self.uri.startswith("file://") and not os.path.isfile(path):  # a FIFO or device: never copied
+                raise UserError("file", self.url(inner), "is not a regular file (a FIFO, a device or a socket)",
+                                want.remedy if want else f"remove it from {self.url(rel)}")
+            if want is not None and want.size is not None and (found := int(self.fs.size(path))) != want.size:
+                raise mismatch(self.url(inner), want, found, None)  # not copied: it may be any size
             with open(target, "wb") as out:
                 size, digest = self.hash_file(inner, sink=out)
             digests[name] = digest
-            want = wanted.pop(name, None) or expected_for(self.url(inner))
             if want is not None and (digest != want.sha256 or (want.size is not None and size != want.size)):
                 raise mismatch(self.url(inner), want, size, digest)
         for name, want in wanted.items():  # a manifested file that is not there at all

@@ -85,8 +85,8 @@ def read_completion(name: str) -> str:
     """The completion file's text; undecodable bytes kept as surrogate escapes (judged
     ``malformed``), a file over the size limit cut just past it (also ``malformed``)."""
     from components.core.errors import UserError
+    from components.core.files import Unreadable, read_regular
     from components.domains.base import MAX_COMPLETION_CHARS
-    from components.domains.taskfile import Unreadable, read_regular
 
     try:  # at most 4 bytes a character: enough to tell a completion over the limit
         data = read_regular(name, 4 * MAX_COMPLETION_CHARS + 3)

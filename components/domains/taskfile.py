@@ -32,21 +32,20 @@ from __future__ import annotations
 import codecs
 import io
 import json
-import os
 import reprlib
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from components.core.errors import InfraError, UserError, one_line, outage
+from components.core.files import MAX_TASK_FILE_BYTES, Unreadable, read_regular
 from components.core.records import Task
 from components.domains.base import task_id
 
 REQUIRED = ("domain", "prompt", "reference")
 OPTIONAL = ("task_id", "split", "difficulty", "context_tokens", "metadata")
 FORMATS = (".parquet", ".jsonl", ".json")
-MAX_FILE_BYTES = 1 << 30
+MAX_FILE_BYTES = MAX_TASK_FILE_BYTES
 MAX_PROMPT_CHARS = 1_000_000
 """Longest prompt of a task (about 250k tokens of English: beyond any policy's context). A
 50 MB prompt took 20 GB of memory to tokenize before this bound."""
@@ -62,64 +61,6 @@ def printable(text: str, limit: int = 200) -> str:
     its newlines, control characters and lone surrogates escaped (``a\\nb``), so a message
     stays one line."""
     return one_line(text[:limit])
-
-
-class Unreadable(Exception):
-    """``read_regular`` could not read the file; ``why`` says so in words (``no such file``,
-    ``is a directory``, ``is not a regular file (a FIFO)``, ``cannot be read (...)``)."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-        super().__init__(why)
-
-
-_KINDS = ((stat.S_ISDIR, None), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def _not_regular(mode: int) -> Unreadable:
-    for test, kind in _KINDS:
-        if test(mode):
-            return Unreadable("is a directory" if kind is None else f"is not a regular file ({kind})")
-    return Unreadable("is not a regular file")
-
-
-def read_regular(name: str | Path, limit: int) -> bytes:
-    """At most ``limit + 1`` bytes of the regular file ``name`` (symlinks followed): a
-    result longer than ``limit`` means "too large", even for a file that grows while it is
-    read. Anything else raises ``Unreadable`` before a byte is read: a FIFO (which would
-    block until a writer comes), a device (``/dev/zero`` never ends), a socket, a
-    directory, a missing or unreadable file. Opened non-blocking, so a FIFO swapped in
-    after the check cannot hang the open; checked again on the open descriptor."""
-    try:
-        mode = os.stat(name).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(mode)
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
-    except FileNotFoundError:
-        raise Unreadable("no such file") from None
-    except OSError as exc:
-        raise Unreadable(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    except ValueError:  # a NUL byte in the path
-        raise Unreadable("is not a valid path (it holds a NUL byte)") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _not_regular(info.st_mode)
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit:
-            # the whole file in one read (its size + 1), then 1 MiB at a time if it grew
-            chunk = os.read(fd, min(limit + 1 - got, max(info.st_size + 1 - got, 1 << 20)))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-    except OSError as exc:
-        raise Unreadable(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
-    finally:
-        os.close(fd)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def short(value: Any) -> Any:

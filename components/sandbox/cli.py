@@ -114,7 +114,7 @@ def _read_text(flag: str, name: str, fix: str) -> str:
     unreadable, non-regular (FIFO, device), too large or non-UTF-8 file is a UserError
     naming ``flag``. Reads at most ``MAX_INPUT_BYTES + 1`` bytes, even of a growing file."""
     from components.core.errors import UserError
-    from components.domains.taskfile import Unreadable, read_regular
+    from components.core.files import Unreadable, read_regular
 
     try:
         data = read_regular(name, MAX_INPUT_BYTES)

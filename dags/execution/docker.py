@@ -85,7 +85,7 @@ def container_flags() -> ContainerFlags:
     path = os.environ.get(FLAGS_VAR) or (str(DEFAULT_FLAGS) if DEFAULT_FLAGS.is_file() else "")
     if not path:
         return ContainerFlags("")
-    from components.domains.taskfile import Unreadable, read_regular
+    from components.core.files import Unreadable, read_regular
 
     fix = "point it at a file of podman run flags such as containers/podman-run-flags"
     try:

@@ -113,3 +113,46 @@ def test_a_cut_manifest_is_named(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         read_manifest(store, "p/iter-000001/rollout/shard-00000-of-00002")
     assert f"shard-00000-of-00002/{MANIFEST}" in str(err.value) and "re-run stage rollout" in str(err.value)
+
+
+@pytest.mark.timeout(60)  # a FIFO read blocked forever before: a regression fails here instead of hanging
+def test_a_fifo_or_dev_zero_in_place_of_a_manifested_file_is_named_not_read(tmp_path: Path) -> None:
+    """A local manifested file replaced by a FIFO (its read waited for a writer forever) or
+    a symbolic link to /dev/zero (read until memory ran out): one line naming the file and
+    the stage to re-run, before a byte is read; the same for a checkpoint's files."""
+    import os
+
+    store = Store(f"file://{tmp_path / 'root'}")
+    data = b"0123456789" * 100
+    want = expected(data)
+    store.write_bytes("a/f.bin", data)
+    target = Path(store.root) / "a" / "f.bin"
+    target.unlink()
+    os.mkfifo(target)
+    with pytest.raises(UserError) as err:
+        store.read_bytes("a/f.bin", want)
+    assert err.value.line() == (f"file={store.url('a/f.bin')!r}: manifested output of stage rollout is not a regular "
+                                f"file (a FIFO); fix: {REMEDY}")
+    target.unlink()
+    target.symlink_to("/dev/zero")
+    with pytest.raises(UserError, match=r"manifested output of stage rollout is not a regular file \(a character device\)"):
+        store.read_bytes("a/f.bin", want)
+    store.write_bytes("ck/config.json", b"{}")
+    (Path(store.root) / "ck" / "model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(UserError, match=r"model\.safetensors'?: is not a regular file \(a FIFO, a device or a socket\); "
+                                        r"fix: " + REMEDY):
+        store.download_dir("ck", tmp_path / "dl", {"model.safetensors": want})
+
+
+def test_an_s3_object_of_another_size_is_refused_before_it_is_read(s3_env, monkeypatch) -> None:
+    """Its size comes from a HEAD: a file replaced by a huge object is not read into memory."""
+    from tests.fixtures.s3 import unique_prefix
+
+    store = Store(f"s3://{s3_env.bucket}/{unique_prefix('sized-read')}")
+    data = b"0123456789" * 100
+    store.write_bytes("a/f.bin", data * 3)
+    read: list[str] = []
+    monkeypatch.setattr(store.fs, "cat_file", lambda path, **kw: read.append(path))
+    with pytest.raises(UserError, match=r"has 3000 bytes, its manifest says 1000 \(truncated or overwritten\)"):
+        store.read_bytes("a/f.bin", expected(data))
+    assert read == []

@@ -16,7 +16,8 @@ import pytest
 
 from components.cli import main
 from components.core.errors import UserError
-from components.domains.taskfile import MAX_FILE_BYTES, Unreadable, load_tasks, read_regular
+from components.core.files import Unreadable, read_regular
+from components.domains.taskfile import MAX_FILE_BYTES, load_tasks
 
 ROW = {"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}
 TASK_FIX = "fix: pass an existing regular .parquet, .jsonl or .json file (local path, file:// or s3:// URI)"
