@@ -22,6 +22,7 @@ hundred bytes per change).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -81,10 +82,33 @@ def current(store: Store, pipeline: str, iteration: int) -> Lease | None:
         return None
     rel = f"{folder}/{max(names, key=lambda n: int(n[:-5]))}"
     try:
-        return Lease(**store.read_json(rel))
-    except (ValueError, TypeError):  # not JSON, or not a lease's fields: written by something else
+        lease = _parse(store.read_small(rel, MAX_LEASE_BYTES))
+    except FileNotFoundError:
+        raise
+    except (ValueError, TypeError, RecursionError, OSError):  # not a lease's JSON: written by something else
+        lease = None
+    if lease is None:
         raise UserError("lease", store.url(rel), "is not a lease record (corrupted or written by another tool)",
-                        "stop any run of this pipeline, then delete that object; the next run takes the lease anew") from None
+                        "stop any run of this pipeline, then delete that object; the next run takes the lease anew")
+    return lease
+
+
+MAX_LEASE_BYTES = 64 << 10  # a lease record is about 150 bytes
+
+
+def _parse(data: bytes) -> Lease | None:
+    """The lease in ``data``, or None when it is not one (another shape, wrong-typed fields)."""
+    if len(data) > MAX_LEASE_BYTES:
+        return None
+    fields = json.loads(data)
+    if not isinstance(fields, dict) or set(fields) != {f.name for f in dataclasses.fields(Lease)}:
+        return None
+    whole = all(isinstance(fields[k], int) and not isinstance(fields[k], bool) for k in ("iteration", "generation"))
+    times = all(isinstance(fields[k], (int, float)) and not isinstance(fields[k], bool)
+                for k in ("acquired_at", "expires_at"))
+    if not (whole and times and isinstance(fields["holder"], str) and fields["generation"] >= 0):
+        return None
+    return Lease(**fields)
 
 
 def _write_next(store: Store, pipeline: str, iteration: int, after: Lease | None, holder: str, ttl_s: float) -> Lease | None:

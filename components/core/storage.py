@@ -459,6 +459,20 @@ class Store:
             raise mismatch(url, expected, len(data), sha256_bytes(data))
         return data
 
+    def read_small(self, rel: str, limit: int) -> bytes:
+        """At most ``limit`` + 1 bytes of a small stored file no manifest covers (a lease, a
+        marker): a local FIFO, device or folder is an ``OSError`` before a byte is read, and a
+        remote object over the limit is not read past it (its size from a HEAD first)."""
+        path = self._fresh(self._path(rel))
+        if self.uri.startswith("file://"):
+            try:
+                return read_regular(path, limit)
+            except Unreadable as exc:
+                raise (FileNotFoundError if exc.why == "no such file" else OSError)(f"{path}: {exc.why}") from None
+        if int(self.fs.size(path)) > limit:
+            return b"\0" * (limit + 1)  # "too large", without reading it
+        return self.fs.cat_file(path)
+
     def size(self, rel: str) -> int:
         return int(self.fs.size(self._fresh(self._path(rel))))
 

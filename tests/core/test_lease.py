@@ -128,10 +128,35 @@ def test_held_by_lists_a_holders_iterations_newest_first(store_uri: str) -> None
     assert lease.held_by(store, "other-pipeline", "alice") == []
 
 
-@pytest.mark.parametrize("garbage", [b"\xff\xfe not json", b"[1, 2]", b'{"holder": "x"}', b"{" * 5000])
-def test_a_corrupted_lease_is_one_line_naming_the_object(garbage: bytes, tmp_path: Path) -> None:
+GOOD = {"iteration": 1, "holder": "x", "generation": 0, "acquired_at": 1.0, "expires_at": 2.0}
+
+
+def _with(**changed) -> bytes:
+    return json.dumps(GOOD | changed).encode()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\xff\xfe not json", b"[1, 2]", b'{"holder": "x"}', b"{" * 5000, b"[" * 100_000,
+    _with(expires_at="soon"), _with(generation="x"), _with(generation=None), _with(generation=-1), _with(holder=[1]),
+    _with(iteration=True), b" " * (lease.MAX_LEASE_BYTES + 1),
+    "fifo", "dev-zero", "folder",
+])
+@pytest.mark.timeout(60)  # a FIFO blocked the read forever before
+def test_a_corrupted_lease_is_one_line_naming_the_object(garbage: bytes | str, tmp_path: Path) -> None:
+    """Not JSON, another shape, fields of the wrong type (a traceback from the planner
+    before), deep nesting (a RecursionError), a FIFO (a hang), a link to /dev/zero (read
+    until memory ran out) or a folder in its place: one line naming the object."""
+    import os
+
     store = Store(str(tmp_path / "store"))
-    store.write_bytes("p/_leases/iter-000001/000000.json", garbage)
+    store.write_bytes("p/_leases/iter-000001/000000.json", b"{}")
+    path = Path(store.root) / "p" / "_leases" / "iter-000001" / "000000.json"
+    if isinstance(garbage, bytes):
+        path.write_bytes(garbage)
+    else:
+        path.unlink()
+        {"fifo": lambda: os.mkfifo(path), "dev-zero": lambda: path.symlink_to("/dev/zero"),
+         "folder": lambda: path.mkdir()}[garbage]()
     with pytest.raises(UserError) as info:
         lease.acquire(store, "p", 1, "me")
     assert info.value.line() == (
