@@ -19,6 +19,7 @@ before the reading stage sees any of the data.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -181,6 +182,10 @@ def verify_outputs(store: Store, manifest: Manifest) -> None:
         store.verify(out.digested, expected_output(store, manifest, out))
 
 
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest read (a stage's manifest is a few kilobytes; its facts a few megabytes at most)."""
+
+
 def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     """The manifest under ``rel_prefix`` (None if there is none). Its outputs become
     expectations: any later read of them through a Store in this process is checked."""
@@ -188,11 +193,16 @@ def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     if not store.exists(rel):
         return None
     try:
-        manifest = Manifest.from_json(store.read_json(rel))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # cut short, or not a manifest at all
+        data = store.read_small(rel, MAX_MANIFEST_BYTES)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+        manifest = Manifest.from_json(json.loads(data))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as exc:  # cut short, not a manifest
         parts = rel_prefix.strip("/").split("/")
         stage = parts[-2] if parts[-1].startswith("shard-") and len(parts) > 1 else parts[-1]
-        raise UserError("file", store.url(rel), f"manifest is unreadable ({type(exc).__name__})",
+        detail = f"{type(exc).__name__}: {str(exc)[:120]}" if str(exc) and not isinstance(exc, RecursionError) \
+            else type(exc).__name__
+        raise UserError("file", store.url(rel), f"manifest is unreadable ({detail})",
                         f"delete it and re-run stage {stage}") from None
     for out in manifest.outputs.values():
         expect(store.url(out.digested), expected_output(store, manifest, out))

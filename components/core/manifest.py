@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -140,9 +141,48 @@ class Manifest:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Manifest:
+    def from_json(cls, data: Any) -> Manifest:
+        """The manifest in ``data`` (parsed JSON); a ``ValueError`` saying which field when it
+        is not one (another shape, a field of the wrong type: tampered with, or written by
+        something else), so no later read trips over it."""
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         data = dict(data)
         data.pop("content_digest", None)
+        _check(data, _MANIFEST_FIELDS, "")
+        if data.get("shard") is not None and not re.fullmatch(r"\d{1,9}/\d{1,9}", data["shard"]):
+            raise ValueError(f"shard {data['shard'][:40]!r} is not i/n")
+        for name, field_types in (("inputs", _INPUT_FIELDS), ("outputs", _OUTPUT_FIELDS)):
+            for key, value in data[name].items():
+                if not isinstance(value, dict):
+                    raise ValueError(f"{name}.{str(key)[:40]} is not an object")
+                _check(value, field_types, f"{name}.{str(key)[:40]}.")
         data["inputs"] = {k: InputRef(**v) for k, v in data["inputs"].items()}
         data["outputs"] = {k: OutputFile(**v) for k, v in data["outputs"].items()}
         return cls(**data)
+
+
+_MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "stage": (str,), "pipeline": (str,), "iteration": (int,), "shard": (str, type(None)), "inputs": (dict,),
+    "config_digest": (str,), "code_version": (str,), "outputs": (dict,), "metrics": (dict,), "info": (dict,),
+    "timings": (dict,), "mlflow_run_id": (str,),
+}
+_INPUT_FIELDS: dict[str, tuple[type, ...]] = {"uri": (str,), "digest": (str,)}
+_OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {"path": (str,), "rows": (int,), "sha256": (str,), "size": (int, type(None))}
+_OPTIONAL = {"outputs", "metrics", "info", "timings", "mlflow_run_id", "size"}
+
+
+def _check(data: dict[str, Any], types: dict[str, tuple[type, ...]], where: str) -> None:
+    """Every key of ``data`` is one of ``types`` and of its type (a bool is no int), and every
+    key not in ``_OPTIONAL`` is there; a ``ValueError`` naming the first that is not."""
+    for key in data:
+        if key not in types:
+            raise ValueError(f"unknown field {where}{str(key)[:40]}")
+    for key, allowed in types.items():
+        if key not in data:
+            if key in _OPTIONAL:
+                continue
+            raise ValueError(f"no field {where}{key}")
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise ValueError(f"field {where}{key} is a {type(value).__name__}, not {'/'.join(t.__name__ for t in allowed)}")

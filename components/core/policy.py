@@ -23,6 +23,7 @@ Not covered: sharded or quantised checkpoints, and tokenizers that need remote c
 
 from __future__ import annotations
 
+import json
 import string
 import tempfile
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ neither downloads nor needs it."""
 def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     """{file in the checkpoint folder: what it must hold} from the manifest of the stage
     that wrote the checkpoint at ``uri`` (empty when no manifest describes it)."""
-    from components.core.context import expected_output, read_manifest
+    from components.core.context import MAX_MANIFEST_BYTES, expected_output, read_manifest
     from components.core.manifest import MANIFEST, Manifest
 
     uri = uri.rstrip("/")
@@ -135,7 +136,11 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     above = Store(parent, "policy")
     if not above.exists(MANIFEST):
         return {}
-    found = Manifest.from_json(above.read_json(MANIFEST))
+    try:
+        found = Manifest.from_json(json.loads(above.read_small(MANIFEST, MAX_MANIFEST_BYTES)))
+    except (ValueError, RecursionError, OSError) as exc:  # cut short, tampered with, or not a manifest at all
+        raise UserError("file", above.url(MANIFEST), f"manifest is unreadable ({type(exc).__name__})",
+                        "delete it and re-run the stage that wrote this checkpoint") from None
     if not parent.endswith("/" + found.prefix):
         return {}  # a manifest of some other layout: not one of ours
     root = Store(parent[: -len(found.prefix) - 1], "policy")

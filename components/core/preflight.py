@@ -42,7 +42,7 @@ import os
 from components.core import models, tracking
 from components.core.errors import InfraError, UserError, outage
 from components.core.recipe import Recipe
-from components.core.storage import filesystem, join, normalize_uri, scheme
+from components.core.storage import Store, filesystem, normalize_uri, scheme
 
 
 def tracking_uri(uri: str | None = None) -> None:
@@ -65,11 +65,13 @@ def tracking_vs_run_root(run_root: str, tracking_uri: str | None = None) -> None
                         "can read, or a local tracking URI (unset MLFLOW_TRACKING_URI for the embedded SQLite)")
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a model's config.json is a few kilobytes
+
+
 def _readable(what: str, uri: str, fix: str) -> None:
     """``uri`` (a checkpoint folder) has a readable ``config.json``; else a UserError."""
-    fs, path = filesystem(uri)
     try:
-        json.loads(fs.cat_file(join(path, "config.json")))
+        json.loads(Store(uri, what).read_small("config.json", MAX_CONFIG_BYTES))
     except Exception as exc:
         if (down := outage(exc)) is not None:
             raise InfraError("store", uri, down) from None

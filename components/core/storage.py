@@ -440,6 +440,8 @@ class Store:
         url = self.url(rel)
         expected = expected or expected_for(url)
         if expected is None:
+            if self.uri.startswith("file://"):  # not a FIFO or a device: an OSError, as for a missing file
+                return self.read_small(rel, MAX_UNSIZED_READ)
             return self.fs.cat_file(self._path(rel))
         path = self._fresh(self._path(rel))
         try:

@@ -131,3 +131,19 @@ def test_a_bad_tracking_uri_is_refused_first(monkeypatch: pytest.MonkeyPatch) ->
     preflight.tracking_vs_run_root("s3://bucket/runs")
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     preflight.tracking_uri()  # unset: the embedded SQLite
+
+
+@pytest.mark.timeout(30)  # a FIFO config.json blocked the preflight forever before
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_checkpoint_whose_config_is_a_fifo_or_dev_zero_is_refused_without_reading_it(kind: str, tmp_path: Path,
+                                                                                      posttrain_home: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    if kind == "fifo":
+        os.mkfifo(folder / "config.json")
+    else:
+        (folder / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(UserError) as info:
+        preflight.policy_source(_recipe(tmp_path, f"model: {{source: '{folder}'}}\n"))
+    assert (info.value.field, info.value.problem) == ("model.source", "is not a readable checkpoint (no readable "
+                                                                      "config.json: OSError)")

@@ -11,7 +11,7 @@ import pytest
 
 from components.core.context import read_manifest
 from components.core.errors import UserError
-from components.core.manifest import MANIFEST, Manifest, OutputFile
+from components.core.manifest import MANIFEST, InputRef, Manifest, OutputFile
 from components.core.storage import Expected, Store, sha256_bytes
 
 REMEDY = "delete x/_MANIFEST.json and re-run stage rollout"
@@ -113,6 +113,52 @@ def test_a_cut_manifest_is_named(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         read_manifest(store, "p/iter-000001/rollout/shard-00000-of-00002")
     assert f"shard-00000-of-00002/{MANIFEST}" in str(err.value) and "re-run stage rollout" in str(err.value)
+
+
+def _real_manifest() -> dict:
+    return Manifest(stage="rollout", pipeline="p", iteration=1, shard="0/2", inputs={"tasks": InputRef("u", "d")},
+                    config_digest="c", code_version="v",
+                    outputs={"rollouts": OutputFile("p/x.parquet", 3, "ab" * 32, 10)}).to_json()
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"iteration": "x"}, "ValueError: field iteration is a str, not int"),
+    ({"iteration": True}, "ValueError: field iteration is a bool, not int"),
+    ({"shard": 5}, "ValueError: field shard is a int, not str/NoneType"),
+    ({"shard": "5"}, "ValueError: shard '5' is not i/n"),
+    ({"info": [1]}, "ValueError: field info is a list, not dict"),
+    ({"outputs": {"rollouts": {"path": 7, "rows": 3, "sha256": "s"}}}, "ValueError: field outputs.rollouts.path is a "
+                                                                      "int, not str"),
+    ({"outputs": {"rollouts": {"path": "p", "rows": 3, "sha256": 123}}}, "ValueError: field outputs.rollouts.sha256 "
+                                                                        "is a int, not str"),
+    ({"inputs": {"tasks": "u"}}, "ValueError: inputs.tasks is not an object"),
+    ({"stage": None}, "ValueError: field stage is a NoneType, not str"),
+    ({"extra": 1}, "ValueError: unknown field extra"),
+])
+def test_a_manifest_with_a_field_of_the_wrong_type_is_named_at_once(change: dict, problem: str, tmp_path: Path) -> None:
+    """Tampered with, or written by something else: refused as it is read, naming the field,
+    not a TypeError or AttributeError later in whichever stage trips over it (a retried
+    task and exit 1 before)."""
+    import json
+
+    store = Store(f"file://{tmp_path}")
+    prefix = "p/iter-000001/rollout/shard-00000-of-00002"
+    assert read_manifest(store, prefix) is None
+    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps(_real_manifest()).encode())
+    assert read_manifest(store, prefix).outputs["rollouts"].size == 10  # the untouched one reads
+    store.write_bytes(f"{prefix}/{MANIFEST}", json.dumps(_real_manifest() | change).encode())
+    with pytest.raises(UserError) as err:
+        read_manifest(store, prefix)
+    assert err.value.line() == (f"file={store.url(prefix + '/' + MANIFEST)!r}: manifest is unreadable ({problem}); "
+                                "fix: delete it and re-run stage rollout")
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b" " * ((64 << 20) + 1)])
+def test_a_manifest_nested_too_deep_or_too_large_is_named(body: bytes, tmp_path: Path) -> None:
+    store = Store(f"file://{tmp_path}")
+    store.write_bytes(f"p/iter-000001/rollout/{MANIFEST}", body)
+    with pytest.raises(UserError, match=r"manifest is unreadable \((RecursionError|ValueError: larger than 64 MiB)\)"):
+        read_manifest(store, "p/iter-000001/rollout")
 
 
 @pytest.mark.timeout(60)  # a FIFO read blocked forever before: a regression fails here instead of hanging
