@@ -462,17 +462,18 @@ class Store:
         return data
 
     def read_small(self, rel: str, limit: int) -> bytes:
-        """At most ``limit`` + 1 bytes of a small stored file no manifest covers (a lease, a
-        marker): a local FIFO, device or folder is an ``OSError`` before a byte is read, and a
-        remote object over the limit is not read past it (its size from a HEAD first)."""
+        """A small stored file no manifest covers (a lease, a manifest, a config): at most
+        ``limit`` + 1 bytes of a local one (more than ``limit`` means "too large"), a FIFO,
+        device or folder an ``OSError`` before a byte is read; a remote object over
+        ``limit`` an ``OSError`` from its HEAD, never read."""
         path = self._fresh(self._path(rel))
         if self.uri.startswith("file://"):
             try:
                 return read_regular(path, limit)
             except Unreadable as exc:
                 raise (FileNotFoundError if exc.why == "no such file" else OSError)(f"{path}: {exc.why}") from None
-        if int(self.fs.size(path)) > limit:
-            return b"\0" * (limit + 1)  # "too large", without reading it
+        if (size := int(self.fs.size(path))) > limit:  # not read: it may be any size
+            raise OSError(f"{path}: {size} bytes, more than the {limit} read here")
         return self.fs.cat_file(path)
 
     def size(self, rel: str) -> int:

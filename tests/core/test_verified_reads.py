@@ -202,3 +202,16 @@ def test_an_s3_object_of_another_size_is_refused_before_it_is_read(s3_env, monke
     with pytest.raises(UserError, match=r"has 3000 bytes, its manifest says 1000 \(truncated or overwritten\)"):
         store.read_bytes("a/f.bin", expected(data))
     assert read == []
+
+
+def test_read_small_refuses_an_s3_object_over_its_limit_from_the_head(s3_env, monkeypatch) -> None:
+    from tests.fixtures.s3 import unique_prefix
+
+    store = Store(f"s3://{s3_env.bucket}/{unique_prefix('read-small')}")
+    store.write_bytes("lease.json", b"x" * 100)
+    assert store.read_small("lease.json", 100) == b"x" * 100
+    read: list[str] = []
+    monkeypatch.setattr(store.fs, "cat_file", lambda path, **kw: read.append(path))
+    with pytest.raises(OSError, match=r"100 bytes, more than the 10 read here"):
+        store.read_small("lease.json", 10)
+    assert read == []
