@@ -44,10 +44,12 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start_at_failpoint(tmp_path: Path, **extra: str) -> tuple[subprocess.Popen, list[str], Path]:
+def start_at_failpoint(tmp_path: Path, command: str = "run", **extra: str) -> tuple[subprocess.Popen, list[str], Path]:
+    """``posttrain <command>`` (``run`` or ``kfp-local``) on the tiny recipe, read until its
+    bootstrap blocks at the failpoint."""
     home = tmp_path / ".posttrain"
     env = cli_env(home, POSTTRAIN_FAILPOINT=FAILPOINT, **extra)
-    proc = subprocess.Popen(posttrain("run", "--recipe", str(TINY), "--iterations", "1"), cwd=tmp_path, env=env,
+    proc = subprocess.Popen(posttrain(command, "--recipe", str(TINY), "--iterations", "1"), cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen: list[str] = []
     read_until(proc.stdout, f"failpoint {FAILPOINT} reached", seen)

@@ -310,22 +310,15 @@ def test_sigterm_to_kfp_local_alone_stops_the_task_and_a_rerun_resumes(tmp_path)
     subprocess kfp.local waits for: exit 143, the stage's MLflow run KILLED, no manifest, no
     process left. Before, the command waited for the task's stage to finish, however long."""
     import signal
-    import subprocess
 
     from mlflow.tracking import MlflowClient
 
-    from tests.dags.test_stagehost import alive, children, end
+    from tests.dags.test_stagehost import alive, children, end, start_at_failpoint
     from tests.fixtures.runs import TINY as TINY_RECIPE
-    from tests.fixtures.runs import cli_env, posttrain, read_until, run_posttrain
+    from tests.fixtures.runs import cli_env, run_posttrain
 
-    home = tmp_path / ".posttrain"
-    failpoint = "before-manifest:bootstrap"
-    proc = subprocess.Popen(posttrain("kfp-local", "--recipe", str(TINY_RECIPE)), cwd=tmp_path,
-                            env=cli_env(home, POSTTRAIN_FAILPOINT=failpoint), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen: list[str] = []
+    proc, seen, home = start_at_failpoint(tmp_path, "kfp-local")
     try:
-        read_until(proc.stdout, f"failpoint {failpoint} reached", seen)
         tasks = children(proc.pid)
         assert len(tasks) == 1, f"children of posttrain kfp-local: {tasks}"
         proc.send_signal(signal.SIGTERM)  # the parent only
