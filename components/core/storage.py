@@ -123,7 +123,7 @@ def scheme(uri: str) -> str:
 
 def normalize_uri(uri: str, field: str = "run_root") -> str:
     """Absolute URI for ``uri``; a bare path becomes ``file://<absolute path>``. Anything
-    that names no store (an empty text, a NUL character, an unknown scheme, an s3 URI
+    that names no store (an empty text, a NUL or other control character, an unknown scheme, an s3 URI
     without a bucket or whose host part ``urlsplit`` refuses, such as ``s3://[x``) is a
     UserError naming ``field`` and the URI as given."""
     uri = str(uri).strip()
@@ -131,6 +131,10 @@ def normalize_uri(uri: str, field: str = "run_root") -> str:
         raise UserError(field, uri, "empty storage URI", "pass file:///path or s3://bucket/prefix")
     if "\0" in uri:
         raise UserError(field, uri, "contains a NUL character, which no path or URI can hold", "remove the NUL (\\0) from it")
+    control = next((c for c in uri if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if control is not None:  # a path may hold one, but it makes folders no one can type or see in a listing
+        raise UserError(field, uri, f"contains the control character U+{ord(control):04X}",
+                        "remove it (a pasted line break or escape sequence, most likely)")
     found = scheme(uri)
     if found == "" or (len(found) == 1 and os.name == "nt"):
         return "file://" + str(_short_enough(local_path(uri, field), field, uri))
@@ -278,6 +282,23 @@ def _write_local(path: str, data: bytes) -> None:
         fh.write(data)
 
 
+def _in_the_way(path: str, root: str) -> UserError:
+    """The UserError for a local write that something else blocks: a folder where the file
+    goes, or a file (or link to one) where one of its folders goes. Names the first such
+    path below ``root``; posttrain made neither, so the fix is to move it away."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        return UserError("file", path, "is a folder where posttrain writes a file",
+                         "move that folder out of the run root (posttrain never makes it) and run again")
+    at = Path(root)
+    for part in Path(path).relative_to(root).parts[:-1]:
+        at = at / part
+        if os.path.lexists(at) and not os.path.isdir(at):
+            return UserError("file", str(at), "is a file where posttrain needs a folder",
+                             "move that file out of the run root (posttrain never makes it) and run again")
+    return UserError("file", path, "cannot be written: something in the run root is in its way",
+                     "move what is at that path out of the run root and run again")
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -371,11 +392,17 @@ class Store:
         path = self._path(rel)
         forget(self.url(rel))
         if self.uri.startswith("file://"):
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            try:
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise _in_the_way(path, self.root) from None
             tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
             try:
                 _write_local(tmp, data)
                 os.replace(tmp, path)
+            except IsADirectoryError:
+                _unlink_quietly(tmp)
+                raise _in_the_way(path, self.root) from None
             except BaseException:  # disk full, killed mid-write: leave no half file behind
                 _unlink_quietly(tmp)
                 raise

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from components.core import lease, planner
+from components.core.errors import UserError
 from components.core.manifest import MANIFEST, stage_prefix
 from components.core.recipe import load_recipe
 from components.core.storage import Store
@@ -121,3 +122,25 @@ def test_racing_planners_one_wins_the_others_are_told_who(store_uri: str, recipe
     assert cur.holder == winner and cur.live()
     assert cur.generation == {"fresh": 0, "expired": 1, "released": 2}[before]
     assert [h for h in holders if lease.held_by(store, "tiny", h)] == [winner]
+
+
+def test_a_folder_where_the_recipe_snapshot_goes_is_one_line_naming_it(tmp_path, recipe) -> None:
+    store = Store(f"file://{tmp_path}")
+    (tmp_path / "tiny/iter-000001/recipe.json").mkdir(parents=True)
+    with pytest.raises(UserError) as err:
+        planner.plan(store, recipe, "alice")
+    assert err.value.field == "file"
+    assert err.value.value == str(tmp_path / "tiny/iter-000001/recipe.json")
+    assert err.value.problem == "is a folder where posttrain writes a file"
+    assert [p.name for p in (tmp_path / "tiny/iter-000001").iterdir()] == ["recipe.json"]  # no .tmp- file left
+
+
+def test_a_file_where_an_iteration_folder_goes_is_one_line_naming_it(tmp_path, recipe) -> None:
+    store = Store(f"file://{tmp_path}")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny/iter-000001").write_text("not a folder")
+    with pytest.raises(UserError) as err:
+        planner.plan(store, recipe, "alice")
+    assert (err.value.value, err.value.problem) == (str(tmp_path / "tiny/iter-000001"),
+                                                    "is a file where posttrain needs a folder")
+    assert (tmp_path / "tiny/iter-000001").read_text() == "not a folder"

@@ -83,6 +83,9 @@ def test_a_bracket_in_a_store_uri_is_one_line(argv: list[str], environ: dict[str
     ("/tmp/a\0b", "contains a NUL character, which no path or URI can hold"),
     ("file:///tmp/a\0b", "contains a NUL character, which no path or URI can hold"),
     ("s3://bucket/a\0b", "contains a NUL character, which no path or URI can hold"),
+    ("/tmp/a\x01b", "contains the control character U+0001"),
+    ("s3://bucket/a\nb", "contains the control character U+000A"),
+    ("file:///tmp/a\x7fb", "contains the control character U+007F"),
     ("~nosuchuser-posttrain/x", "'~nosuchuser-posttrain' is the home of no known user"),
 ])
 def test_normalize_uri_names_what_cannot_be_a_store(uri: str, problem: str) -> None:
