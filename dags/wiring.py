@@ -110,12 +110,12 @@ def plan() -> dict[str, Any]:
     """Pick and lease this run's iteration; hand it, the settings and the shard lists on."""
     from airflow.sdk import get_current_context
 
-    from components.core import planner, preflight, tracking
+    from components.core import planner, tracking
     from components.core.recipe import load_recipe, publish_recipe
     from components.core.runner import close_finished_iterations
     from components.core.stages import registered, shard_list
     from components.core.storage import Store
-    from components.domains.taskfile import check_task_file
+    from dags.orchestrate import check_before_run, removed_if_refused
 
     ctx = get_current_context()
     params = ctx["params"]
@@ -123,9 +123,10 @@ def plan() -> dict[str, Any]:
         conf = _settings(params)
         recipe = load_recipe(conf.recipe)
         store = Store(conf.run_root, "run_root")
-        store.check_reachable()
-        preflight.check_all(recipe, store.uri)  # one line, failed at once: a local run root for an HTTP tracking server, ...
-        check_task_file(recipe.taskgen.task_file, list(recipe.domains))  # every row, before any work
+        # posttrain run's checks, in its order: one line, failed at once (a local run root for an
+        # HTTP tracking server, a bad task file row, ...), and a refused run makes no run root
+        with removed_if_refused(store):
+            check_before_run(recipe, store)
         holder = params.get("holder") or f"airflow:{ctx['run_id']}"
         k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
         for done in close_finished_iterations(store, recipe.pipeline):  # a run killed as it ended them

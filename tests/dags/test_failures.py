@@ -32,11 +32,11 @@ print(json.dumps({"state": str(dr.state), "run_id": dr.run_id}))
 """
 
 
-def dag_run(home: Path, recipe: Path) -> dict:
+def dag_run(home: Path, recipe: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
     env.update(POSTTRAIN_HOME=str(home), POSTTRAIN_RECIPE=str(recipe), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
                AIRFLOW_HOME=str(home / "airflow"), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-               AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"))
+               AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"), **extra)
     proc = subprocess.run([sys.executable, "-c", ONE_RUN], env=env, capture_output=True, text=True, timeout=600,
                           cwd=home.parent)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -147,3 +147,19 @@ def test_a_task_file_with_a_bad_row_stops_posttrain_run_before_any_work(content:
     [line] = proc.stderr.strip().splitlines()
     assert all(n in line for n in needles), line
     assert not (home / "store").exists()  # nothing ran, and no run root was made
+
+
+def test_a_refused_plan_task_makes_no_run_root(tmp_path: Path) -> None:
+    """The DAG's plan task checks what ``posttrain run`` checks, in its order: a task file
+    that is not there is refused before the store's probe, which would make a missing
+    local run root (before, the plan task probed first and left an empty one behind)."""
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["taskgen"]["task_file"] = str(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(recipe))
+    root = tmp_path / "new" / "root"
+    run = dag_run(tmp_path / ".posttrain", bad, POSTTRAIN_RUN_ROOT=str(root))
+    assert run["state"] == "failed"
+    assert (f"AirflowFailException: taskgen.task_file='{tmp_path / 'missing.jsonl'}': no such file; "
+            "fix: pass an existing .parquet, .jsonl or .json file") in run["log"]
+    assert not (tmp_path / "new").exists()
