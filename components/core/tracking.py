@@ -87,11 +87,17 @@ def stage_run_name(label: str, iteration: int) -> str:
     return label if label == "bootstrap" else f"{label}{SEP}{iteration_name(iteration)}"
 
 
+def embedded_uri() -> str:
+    """The tracking URI of the home's own SQLite database (made by nothing here)."""
+    return f"sqlite:///{settings.home() / 'mlflow.db'}"
+
+
 def tracking_uri() -> str:
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         return uri
-    return f"sqlite:///{settings.made_home() / 'mlflow.db'}"
+    settings.made_home()
+    return embedded_uri()
 
 
 _clients: dict[str, Any] = {}
@@ -128,7 +134,8 @@ def shown_uri(uri: str) -> str:
 
 
 def check_uri(uri: str) -> None:
-    """A UserError naming ``MLFLOW_TRACKING_URI`` for a tracking URI posttrain cannot use,
+    """A UserError naming ``MLFLOW_TRACKING_URI`` for a tracking URI posttrain cannot use
+    (``POSTTRAIN_HOME`` for the embedded database, when that variable is unset),
     found without contacting a server and without creating anything: not a URI, a scheme
     outside ``SCHEMES``, an HTTP(S) URI without a host, an SQLite URI without a database
     file (``sqlite:///``, ``:memory:``: the registry would vanish with the process) or
@@ -139,8 +146,12 @@ def check_uri(uri: str) -> None:
     from components.core.errors import UserError
 
     shown = shown_uri(uri)
+    embedded = uri == embedded_uri()  # the home's database (posttrain itself may have exported it to the variable)
 
     def refuse(problem: str, fix: str = FIX) -> UserError:
+        if embedded:
+            return UserError("POSTTRAIN_HOME", str(settings.home()), f"holds the embedded MLflow database, but {problem}",
+                             "point POSTTRAIN_HOME at a folder this user can write (default: ./.posttrain)")
         return UserError(VARIABLE, shown, problem, fix)
 
     if uri != uri.strip():

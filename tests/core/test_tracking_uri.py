@@ -181,3 +181,19 @@ def test_posttrain_run_refuses_a_bad_tracking_uri_before_anything_is_made(uri: s
     fix = SQLITE_FIX if uri.startswith("sqlite") else FIX
     assert proc.stderr.splitlines() == [f"posttrain: error: MLFLOW_TRACKING_URI={uri!r}: {problem}; fix: {fix}"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_embedded_database_that_cannot_be_made_names_the_home(tmp_path: Path) -> None:
+    """With MLFLOW_TRACKING_URI unset the database lives in the home: what keeps it from
+    being made is the home's problem, and the line names POSTTRAIN_HOME, which the user
+    set (or can set), not a variable the user never set."""
+    home = tmp_path / "home"
+    (home / "mlflow.db").mkdir(parents=True)
+    proc = run_posttrain(["run", "--recipe", str(TINY), "--run-root", "rr", "--iterations", "1"], tmp_path,
+                         cli_env(home), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"posttrain: error: POSTTRAIN_HOME='{home}': holds the embedded MLflow database, but the database path "
+        f"'{home / 'mlflow.db'}' is a folder; fix: point POSTTRAIN_HOME at a folder this user can write "
+        "(default: ./.posttrain)"]
+    assert not (tmp_path / "rr").exists()
