@@ -17,30 +17,41 @@ pipeline puts them. Token-id prompts are used as they are. A request is generate
 (default 0), so the same request returns the same completions.
 
 Every request is checked before any generation and refused with HTTP 400 and an OpenAI
-error body (``error.message`` names the field, the value and the fix; ``error.param`` the
-field): token ids must lie in ``0 .. vocab_size - 1``; ``max_tokens`` (default 16, as
+error body (``error.message`` names the field, the value and the fix, a long value
+shortened; ``error.param`` the field): the body is a JSON object of at most
+``MAX_BODY_BYTES`` (8 MiB; more is 413, answered from ``Content-Length`` without reading
+it); token ids must lie in ``0 .. vocab_size - 1``; ``max_tokens`` (default 16, as
 OpenAI's) in ``1 .. max_positions - 1``; ``temperature`` is 0 or in ``0.01 .. 100``
 (default 1; smaller positive values overflow the logits); ``seed`` is a 64-bit integer;
-a request holds at most ``MAX_PROMPTS`` (256) prompts;
-and every prompt's tokens plus ``max_tokens`` must fit the model's
-``max_position_embeddings`` (as vLLM refuses a request over its context length, where
-``HFEngine`` itself would shorten the completion).
+``logprobs`` an integer from 0 to 5, ``n`` the integer 1, ``echo`` and ``stream`` false,
+``return_tokens_as_token_ids`` a boolean; a request holds at most ``MAX_PROMPTS`` (256)
+prompts; a text prompt is UTF-8 text (no lone surrogate) of at most ``max_positions``
+times the longest token's characters (checked before it is tokenised); and every
+prompt's tokens plus ``max_tokens`` must fit the model's ``max_position_embeddings`` (as
+vLLM refuses a request over its context length, where ``HFEngine`` itself would shorten
+the completion). Other paths and methods get OpenAI's error body too (404, 405); there
+are no ``/docs`` pages. Requests wait their turn on the event loop, and one whose client
+has gone by then is not generated.
 
 SIGINT or SIGTERM stops the server: a request in flight stops at its next forward pass
 and is answered 503, then the command exits like the rest of the CLI (130 with
 ``posttrain: interrupted (Ctrl-C)``, 143 with ``posttrain: stopped by SIGTERM``). A single
-forward pass is not interrupted (it is bounded by the context length).
+forward pass is not interrupted (it is bounded by the context length); connections still
+open (a client stalled mid-upload) are closed after ``GRACEFUL_SHUTDOWN_S`` (5 s).
 
 Not covered: chat completions, streaming, ``n > 1``, ``stop`` strings, top-k/top-p,
 ``echo``, concurrent batching of separate requests (requests run one at a time under a
 lock), models without
-``max_position_embeddings`` (no prompt length limit), authentication. It is a test and
+``max_position_embeddings`` (no prompt length limit), authentication, and timeouts on a
+client that sends its request slowly (a reverse proxy's job). It is a test and
 development server, not a production one.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import json
 import math
 import signal
 import socket
@@ -58,14 +69,19 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # besides 0 (greedy)
 MAX_PROMPTS = 256  # prompts in one request (the lock holds every other request while they generate)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; torch.manual_seed takes up to 2**64 - 1, room for the batch index added
+MAX_BODY_BYTES = 8 << 20  # a request body; 256 prompts of the longest context fit many times over
+MAX_LOGPROBS = 5  # OpenAI's completions take 'logprobs' from 0 to 5 (only the sampled token's are returned)
+GRACEFUL_SHUTDOWN_S = 5  # a client that stalls its upload does not hold the server up past this on SIGTERM
 
 
 class RequestError(ValueError):
-    """A request the server refuses with HTTP 400; ``param`` is the request field at fault."""
+    """A request the server refuses with HTTP ``status`` (400, or 413 for a body too
+    large); ``param`` is the request field at fault."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 class Stopped(Exception):
@@ -94,24 +110,50 @@ def _token_ids(field: str, ids: Any, vocab: int) -> list[int]:
                            "or a non-empty list of token ids")
     for k, t in enumerate(ids):
         if not _is_int(t) or not 0 <= t < vocab:
-            raise RequestError("prompt", f"{field}[{k}]={t!r} is not a token id of this model: ids are integers "
+            raise RequestError("prompt", f"{field}[{k}]={_short(t)} is not a token id of this model: ids are integers "
                                f"from 0 to {vocab - 1}; send ids of this model's tokenizer, or send text")
     return ids
 
 
-def _prompts(policy: Policy, prompt: Any) -> list[list[int]]:
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (special tokens included,
+    which a text may spell out): a text of more than that many characters per position
+    cannot fit the model, so it is refused without tokenising it."""
+    vocab = tokenizer.get_vocab()
+    return max([len(t) for t in vocab] + [len(t) for t in getattr(tokenizer, "all_special_tokens", [])] + [1])
+
+
+def _text(policy: Policy, field: str, text: str, positions: int) -> list[int]:
+    """A text prompt as token ids, refused first if it cannot be text or cannot fit: a lone
+    surrogate (JSON's ``\\ud800``) is no character a tokenizer takes, and a text longer
+    than ``positions`` of the longest token would cost the tokenizer its length (hundreds
+    of bytes per character) only to be refused."""
+    most = positions * _longest_token(policy.tokenizer)
+    if len(text) > most:
+        raise RequestError("prompt", f"{field} has {len(text)} characters; at most {most} can fit the model's "
+                           f"{positions} positions; shorten it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError("prompt", f"{field} holds U+{ord(text[exc.start]):04X} at character {exc.start}, a lone "
+                           "surrogate, which is not text; send UTF-8 text") from None
+    return policy.encode_prompt(text)
+
+
+def _prompts(policy: Policy, prompt: Any, positions: int) -> list[list[int]]:
     """Normalise every OpenAI ``prompt`` shape to token-id lists (strings in the policy's prompt format, as rollout)."""
     vocab = int(policy.model.config.vocab_size)
     if isinstance(prompt, str):
-        return [policy.encode_prompt(prompt)]
+        return [_text(policy, "prompt", prompt, positions)]
     if isinstance(prompt, list) and prompt and not any(isinstance(p, str | list) for p in prompt):
         return [_token_ids("prompt", prompt, vocab)]
     if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS:
         raise RequestError("prompt", f"prompt holds {len(prompt)} prompts; one request takes at most {MAX_PROMPTS}; "
                            "send them in several requests")
     if isinstance(prompt, list) and prompt:
-        return [policy.encode_prompt(p) if isinstance(p, str) else _token_ids(f"prompt[{i}]", p, vocab)
-                for i, p in enumerate(prompt)]
+        return [_text(policy, f"prompt[{i}]", p, positions) if isinstance(p, str)
+                else _token_ids(f"prompt[{i}]", p, vocab) for i, p in enumerate(prompt)]
     raise RequestError("prompt", f"prompt={_short(prompt)} is missing or empty; send a string, a list of strings, "
                        "a list of token ids or a list of token-id lists")
 
@@ -134,32 +176,49 @@ def _int(body: dict[str, Any], key: str, default: int, low: int, high: int, why:
 def parse(policy: Policy, body: dict[str, Any]) -> Request:
     """``body`` checked against what this server and ``policy``'s model take (raises RequestError)."""
     for key, ok in (("n", 1), ("echo", False), ("stream", False)):
-        if body.get(key, ok) not in (ok, None):
+        value = body.get(key, ok)
+        if value is not None and (type(value) is not type(ok) or value != ok):  # not True for n, not 0 for echo
             raise RequestError(key, f"{key}={_short(body[key])} is not supported by posttrain serve (only {key}={ok!r})")
     if body.get("stop"):
         raise RequestError("stop", "'stop' strings are not supported by posttrain serve (generation stops on EOS only)")
-    if body.get("top_p") not in (None, 1):
-        raise RequestError("top_p", f"top_p={_short(body['top_p'])}: top_p != 1 is not supported by posttrain serve "
+    top_p = body.get("top_p")
+    if top_p is not None and (not isinstance(top_p, int | float) or isinstance(top_p, bool) or top_p != 1):
+        raise RequestError("top_p", f"top_p={_short(top_p)}: top_p != 1 is not supported by posttrain serve "
                            "(logprobs are of the full distribution); leave it out or send 1")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise RequestError("logprobs", f"logprobs={_short(logprobs)} is out of range: send an integer from 0 to "
+                           f"{MAX_LOGPROBS} (each choice carries its sampled tokens' logprobs), or leave it out for none")
+    token_ids = body.get("return_tokens_as_token_ids", False)
+    if not isinstance(token_ids, bool) and token_ids is not None:
+        raise RequestError("return_tokens_as_token_ids", f"return_tokens_as_token_ids={_short(token_ids)} is not "
+                           "true or false")
     limit = int(getattr(policy.model.config, "max_position_embeddings", 0) or 10**9)
     max_tokens = _int(body, "max_tokens", min(DEFAULT_MAX_TOKENS, limit - 1), 1, limit - 1,
                       f" (the model takes {limit} positions, prompt included)")
     temperature = body.get("temperature")
     if temperature is None:
         temperature = 1.0
-    if (not isinstance(temperature, int | float) or isinstance(temperature, bool) or not math.isfinite(temperature)
+    if (not isinstance(temperature, int | float) or isinstance(temperature, bool) or not _finite(temperature)
             or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
         raise RequestError("temperature", f"temperature={_short(temperature)} is out of range: send 0 (greedy) or a "
                            f"number from {MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}, or leave it out for 1")
     seed = _int(body, "seed", 0, *SEED_RANGE, "")
-    prompts = _prompts(policy, body.get("prompt"))
+    prompts = _prompts(policy, body.get("prompt"), limit)
     for i, ids in enumerate(prompts):
         if len(ids) + max_tokens > limit:
             raise RequestError("prompt", f"prompt{f'[{i}]' if len(prompts) > 1 else ''} has {len(ids)} tokens; with "
                                f"max_tokens={max_tokens} at most {limit - max_tokens} fit (the model takes {limit} "
                                "positions, prompt + completion); shorten the prompt or lower max_tokens")
-    return Request(prompts, max_tokens, float(temperature), seed, bool(body.get("return_tokens_as_token_ids", False)),
-                   body.get("logprobs") is not None)
+    return Request(prompts, max_tokens, float(temperature), seed, bool(token_ids), logprobs is not None)
+
+
+def _finite(x: int | float) -> bool:
+    """Whether ``x`` is a finite number a float can hold (an integer of 400 digits is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 class _StoppableModel:
@@ -223,35 +282,77 @@ def _error(status: int, message: str, kind: str, param: str | None = None):
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
 
 
+async def read_body(request: Any) -> dict[str, Any]:
+    """The request's JSON object, read up to ``MAX_BODY_BYTES`` (RequestError past it, or
+    for a body that is not a JSON object: not UTF-8, not JSON, nested past the parser's
+    depth, an integer of more digits than Python converts)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise RequestError("body", f"the body has {int(declared)} bytes; at most {MAX_BODY_BYTES} are read; "
+                           "send fewer or shorter prompts per request", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise RequestError("body", f"the body has more than {MAX_BODY_BYTES} bytes; send fewer or shorter "
+                               "prompts per request", 413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise RequestError("body", f"the body is not a JSON object ({type(exc).__name__}: {_short(str(exc))}); "
+                           "send a JSON object with 'prompt'") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", f"the body is a JSON {type(body).__name__}, not an object; send a JSON object "
+                           "with 'prompt'")
+    return body
+
+
 def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: threading.Event | None = None):
     """The FastAPI application serving ``policy`` under ``model_name``; once ``stop`` is set,
-    the request in flight and those waiting are answered 503."""
-    from fastapi import Body, FastAPI
+    the request in flight and those waiting are answered 503. Requests wait for the
+    generation in flight on the event loop (not on a worker thread: ``/v1/models`` answers
+    however many wait), and one whose client has gone by its turn is not generated."""
+    import asyncio
 
-    app = FastAPI(title="posttrain serve")
-    lock = threading.Lock()
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="posttrain serve", docs_url=None, redoc_url=None, openapi_url=None)
+    lock = asyncio.Lock()
     stop = stop or threading.Event()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):  # another path or method: OpenAI's error body too
+        return _error(exc.status_code, f"{request.method} {_short(request.url.path)}: {exc.detail}; posttrain serve "
+                      "serves POST /v1/completions and GET /v1/models", "invalid_request_error")
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "posttrain"}]}
 
-    @app.post("/v1/completions")
-    def completions(body: dict[str, Any] = Body(...)):  # noqa: B008 - FastAPI's idiom
-        if body.get("model") not in (None, "", model_name):
-            return _error(404, f"model {body.get('model')!r} is not served here; use {model_name!r}", "invalid_request_error",
-                          "model")
+    async def completions(request):  # a plain route: the Starlette request, the body read here
         try:
-            req = parse(policy, body)  # outside the lock: a refused request never waits for another's generation
-            with lock:
+            body = await read_body(request)
+            if body.get("model") not in (None, "", model_name):
+                return _error(404, f"model {_short(body.get('model'))} is not served here; use {model_name!r}",
+                              "invalid_request_error", "model")
+            # checked outside the lock: a refused request never waits for another's generation
+            req = await run_in_threadpool(parse, policy, body)
+            async with lock:
                 if stop.is_set():
                     raise Stopped
-                return generate(policy, req, batch_size, model_name, stop)
+                if await request.is_disconnected():
+                    return _error(499, "the client closed the connection before its turn", "invalid_request_error")
+                return JSONResponse(await run_in_threadpool(generate, policy, req, batch_size, model_name, stop))
         except RequestError as exc:
-            return _error(400, str(exc), "invalid_request_error", exc.param)
+            return _error(exc.status, str(exc), "invalid_request_error", exc.param)
         except Stopped:
             return _error(503, "posttrain serve is shutting down; send the request again once it is back", "server_error")
 
+    app.add_route("/v1/completions", completions, methods=["POST"])
     return app
 
 
@@ -314,7 +415,8 @@ def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_siz
             received.append(sig)
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(make_app(policy, name, batch_size, stop), host=host, port=port, log_level="warning"))
+    server = Server(uvicorn.Config(make_app(policy, name, batch_size, stop), host=host, port=port, log_level="warning",
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     say(f"serve | {policy.uri} as {name!r} on http://{host}:{port}/v1")
     # After shutting down, uvicorn re-raises the signal into the handlers it found; that SIGINT
     # never reached this caller (uvloop, uvicorn 0.54), and uvicorn.run swallows KeyboardInterrupt:

@@ -105,9 +105,13 @@ def test_a_request_holds_at_most_max_prompts(served) -> None:  # noqa: F811
 
 def test_prompts_longer_than_the_model_takes_are_refused_before_generation(served) -> None:  # noqa: F811
     _, base = served
-    message = refused(base, {"prompt": "a" * 300_000}, "prompt")  # raw format: BOS + one token per character
-    assert message == (f"prompt has 300001 tokens; with max_tokens=16 at most {POSITIONS - 16} fit (the model takes "
+    message = refused(base, {"prompt": "a" * 300}, "prompt")  # raw format: BOS + one token per character
+    assert message == (f"prompt has 301 tokens; with max_tokens=16 at most {POSITIONS - 16} fit (the model takes "
                        f"{POSITIONS} positions, prompt + completion); shorten the prompt or lower max_tokens")
+    # longer than the longest token ("<bos>", 5 characters) at every position: refused before it is tokenised
+    # (tokenising costs hundreds of bytes per character: a 50 MB prompt took 19 GB)
+    message = refused(base, {"prompt": ["1+2=", "a" * 5_000_000]}, "prompt")
+    assert message == f"prompt[1] has 5000000 characters; at most {POSITIONS * 5} can fit the model's {POSITIONS} positions; shorten it"
     message = refused(base, {"prompt": [[1], [1] * (POSITIONS - 7)], "max_tokens": 8}, "prompt")
     assert message.startswith(f"prompt[1] has {POSITIONS - 7} tokens; with max_tokens=8 at most {POSITIONS - 8} fit")
     status, reply = post(base, {"model": MODEL, "prompt": [[1], [1] * (POSITIONS - 8)], "max_tokens": 8})
@@ -209,3 +213,98 @@ def test_an_address_that_cannot_be_listened_on_is_refused_before_the_checkpoint_
     assert capsys.readouterr().err.strip() == (
         "posttrain: error: --host='192.0.2.1': cannot be listened on here (Cannot assign requested address); fix: "
         "pass 127.0.0.1, 0.0.0.0 or an address of this machine")
+
+
+def raw_post(base: str, data: bytes, path: str = "/v1/completions", method: str = "POST",
+             content_type: str = "application/json") -> tuple[int, dict[str, Any], int]:
+    """(status, JSON body, body size) of any request, the body sent as given."""
+    req = urllib.request.Request(f"{base}{path}", data=data if method == "POST" else None, method=method,
+                                 headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            return r.status, json.loads(raw), len(raw)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        return exc.code, json.loads(raw), len(raw)
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    (b"not json", "the body is not a JSON object (JSONDecodeError: "),
+    (b'{"prompt": "\xff"}', "the body is not a JSON object (UnicodeDecodeError: "),
+    (b"[" * 100_000 + b"]" * 100_000, "the body is not a JSON object (RecursionError: "),
+    (b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", "the body is not a JSON object (ValueError: "),
+    (b'["a"]', "the body is a JSON list, not an object; send a JSON object with 'prompt'"),
+])
+def test_a_body_that_is_not_a_json_object_is_one_openai_error(served, data, problem) -> None:  # noqa: F811
+    """Before, FastAPI answered these with its own shapes (422 ``{"detail": [...]}``, or 400
+    ``{"detail": "There was an error parsing the body"}``), not OpenAI's error body."""
+    _, base = served
+    status, reply, _ = raw_post(base, data)
+    assert status == 400 and reply["error"]["param"] == "body", reply
+    assert reply["error"]["message"].startswith(problem), reply
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(served) -> None:  # noqa: F811
+    """The declared length is enough: the server answers without reading the body."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from components.rollout.serve import MAX_BODY_BYTES
+
+    _, base = served
+    conn = http.client.HTTPConnection(urlsplit(base).netloc, timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(50 << 20))
+        conn.endheaders()  # and not one byte of the 50 MB
+        response = conn.getresponse()
+        status, reply = response.status, json.loads(response.read())
+    finally:
+        conn.close()
+    assert status == 413 and reply["error"]["param"] == "body", reply
+    assert reply["error"]["message"] == (f"the body has {50 << 20} bytes; at most {MAX_BODY_BYTES} are read; send "
+                                         "fewer or shorter prompts per request")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("temperature", 10**400, "temperature=1000000000"),  # a float cannot hold it (was a 500: OverflowError)
+    ("n", True, "n=True is not supported by posttrain serve (only n=1)"),
+    ("n", 1.0, "n=1.0 is not supported"),
+    ("echo", 0, "echo=0 is not supported by posttrain serve (only echo=False)"),
+    ("top_p", True, "top_p=True: top_p != 1 is not supported"),
+    ("logprobs", False, "logprobs=False is out of range: send an integer from 0 to 5"),
+    ("logprobs", -1, "logprobs=-1 is out of range"),
+    ("return_tokens_as_token_ids", "false", "return_tokens_as_token_ids='false' is not true or false"),
+])
+def test_options_of_the_wrong_type_are_refused(served, field, value, message) -> None:  # noqa: F811
+    _, base = served
+    assert refused(base, {"prompt": "1+2=", field: value}, field).startswith(message)
+
+
+def test_a_lone_surrogate_in_a_text_prompt_is_refused(served) -> None:  # noqa: F811
+    """JSON's ``\\ud800`` decodes to no character a tokenizer takes (was a 500 from the tokenizer)."""
+    _, base = served
+    status, reply, _ = raw_post(base, b'{"prompt": ["1+2=", "ab\\ud800"]}')
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+    assert reply["error"]["message"] == ("prompt[1] holds U+D800 at character 2, a lone surrogate, which is not text; "
+                                         "send UTF-8 text")
+
+
+def test_errors_show_a_long_value_shortened(served) -> None:  # noqa: F811
+    """A 1M-character value came back whole in the error (a 1 MB error body)."""
+    _, base = served
+    status, reply, size = raw_post(base, json.dumps({"prompt": [[1, "A" * 1_000_000]]}).encode())
+    assert status == 400 and size < 1000 and "prompt[0][1]='AAAA" in reply["error"]["message"], reply
+    status, reply, size = raw_post(base, json.dumps({"prompt": "a", "model": "A" * 1_000_000}).encode())
+    assert status == 404 and size < 1000 and reply["error"]["param"] == "model", reply
+
+
+@pytest.mark.parametrize(("path", "method", "status"), [("/nope", "GET", 404), ("/docs", "GET", 404),
+                                                        ("/openapi.json", "GET", 404), ("/v1/completions", "GET", 405)])
+def test_other_paths_and_methods_get_an_openai_error(served, path, method, status) -> None:  # noqa: F811
+    _, base = served
+    code, reply, _ = raw_post(base, b"", path, method)
+    assert code == status and reply["error"]["type"] == "invalid_request_error", reply
+    assert reply["error"]["message"].endswith("posttrain serve serves POST /v1/completions and GET /v1/models")
