@@ -35,6 +35,7 @@ import http.client
 import json
 import math
 import os
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -53,17 +54,65 @@ def completions_url(base: str) -> str:
     return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
 
 
+MAX_REPLY_BYTES = 256 << 20
+"""The most bytes of one reply read (a completions reply of 256 prompts of 4,096 tokens
+with their logprobs is about 40 MiB)."""
+MIN_LOGPROB = -1e4
+"""The lowest log-probability a sampled token's may be (vLLM writes -9999.0 for -inf):
+below it, the trainer's importance ratio overflows."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused, not followed: urllib would send the POST on as a GET, the
+    API key with it, to wherever ``Location`` points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        raise UserError(ENV_BASE_URL, req.full_url, f"the server redirects (HTTP {code}) to "
+                        f"{value_text(newurl, 200)!r}, which is not followed (the API key would go with it)",
+                        f"set {ENV_BASE_URL} to the server's own base URL")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _read(response, url: str, limit: int, deadline: float) -> bytes:
+    """At most ``limit`` bytes of ``response`` (a UserError past it), before ``deadline``
+    (``time.monotonic()``; an InfraError after it: a server that trickles its reply
+    resets every per-read timeout)."""
+    chunks, size = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise InfraError("inference endpoint", url, f"the reply did not end within the request's time limit "
+                             f"({size} bytes read)")
+        chunk = response.read1(1 << 16)
+        if not chunk:
+            if getattr(response, "length", None):  # the connection closed before the promised Content-Length
+                raise http.client.IncompleteRead(b"".join(chunks), response.length)
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise UserError(ENV_BASE_URL, url, f"the server's reply is over {limit} bytes",
+                            "ask for fewer prompts per request (rollout.batch_size), or check the server")
+        chunks.append(chunk)
+
+
 def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0) -> dict[str, Any]:
-    """POST ``body`` as JSON: an unreachable server or a 5xx is an InfraError, a 4xx a UserError."""
+    """POST ``body`` as JSON: an unreachable server, a 5xx or a reply that does not end in
+    ``timeout_s`` is an InfraError; a 4xx, a redirect or a reply over ``MAX_REPLY_BYTES`` a
+    UserError."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    deadline = time.monotonic() + timeout_s
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            raw = response.read()
+        with _OPENER.open(request, timeout=timeout_s) as response:
+            raw = _read(response, url, MAX_REPLY_BYTES, deadline)
     except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:200]
+        try:  # only as much as the message shows; a body cut off short is no reason to fail differently
+            detail = exc.read(4096).decode(errors="replace")[:200]
+        except (OSError, http.client.HTTPException):
+            detail = "(no readable body)"
         if exc.code >= 500:
             raise InfraError("inference endpoint", url, f"HTTP {exc.code}: {detail}") from None
         raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {exc.code}: {detail}",
@@ -124,10 +173,10 @@ def _parse_choices(reply: dict[str, Any], n: int, url: str, policy) -> list[tupl
             if not isinstance(tokens, list) or not isinstance(logprobs, list) or len(tokens) != len(logprobs):
                 raise ValueError("'tokens' and 'token_logprobs' are not two lists of one length")
             values = [float(x) for x in logprobs]
-            if any(math.isnan(v) or v > 0 for v in values):
-                raise ValueError("a logprob is NaN or above 0")
+            if any(not math.isfinite(v) or not MIN_LOGPROB <= v <= 0 for v in values):
+                raise ValueError(f"a logprob is not a number from {MIN_LOGPROB:g} to 0")
             parsed[index] = ([_token_id(t, policy.tokenizer, vocab) for t in tokens], values, choice.get("finish_reason") == "stop")
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # OverflowError: a 400-digit logprob
         raise UserError(ENV_BASE_URL, url, f"the server's reply is not a completions reply "
                         f"({type(exc).__name__}: {value_text(exc, 120)})", fix) from None
     return [parsed[i] for i in range(n)]

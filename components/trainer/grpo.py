@@ -41,6 +41,7 @@ trainer's models load with; others are refused rather than trusted).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -90,6 +91,7 @@ class StepStats:
     grad_norm: float
     tokens: int
     lr: float = 0.0
+    skipped: bool = False  # the gradient was not finite: no update (grpo_step)
 
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum")
@@ -241,7 +243,9 @@ def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps:
     a DDP/FSDP2-wrapped ``Scorer``; with ``part`` this process scores only its share of the
     step, with every token weighted as in the whole step, and gradients are summed over
     the processes (the loss is scaled by ``part.world`` against the wrappers' averaging),
-    so the step equals the one-process step on the same samples."""
+    so the step equals the one-process step on the same samples. A step whose gradient norm
+    is not finite (a sample whose recorded logprob makes the importance ratio overflow)
+    updates nothing (``StepStats.skipped``); the scheduler still steps."""
     from components.trainer.device import forward_precision
 
     scorer = model if isinstance(model, (Scorer, torch.nn.parallel.DistributedDataParallel)) else Scorer(model)
@@ -283,13 +287,18 @@ def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps:
                 sums["ent"] += float((entropy * mask).sum())
     norm = torch.nn.utils.clip_grad_norm_([p for p in scorer.parameters() if p.requires_grad], max_grad_norm)
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # an FSDP2 norm is a DTensor
-    optimizer.step()
+    skipped = not math.isfinite(grad_norm)
+    if skipped:  # an infinite or NaN loss (an overflowing ratio): the update would write NaN into every weight
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
     if scheduler is not None:
         scheduler.step()
     if part:
         sums = dict(zip(sums, part.all_reduce(list(sums.values()))))
     return StepStats(loss=sums["loss"], clip_frac=sums["clip"] / total_tokens, kl=sums["kl"] / total_tokens,
-                     entropy=sums["ent"] / total_tokens, grad_norm=grad_norm, tokens=total_tokens, lr=lr)
+                     entropy=sums["ent"] / total_tokens, grad_norm=grad_norm, tokens=total_tokens, lr=lr,
+                     skipped=skipped)
 
 
 def step_batches(groups: list[list[Sample]], prompts_per_step: int, epochs: int, seed: int) -> list[list[Sample]]:

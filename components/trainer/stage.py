@@ -218,6 +218,10 @@ def run(ctx: StageContext) -> dict[str, float]:
                               f"`{models.model_name(ctx.pipeline)}` version {version}, trained from version {start.policy_version}.")
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
     n = max(1, len(batches))
+    skipped = sum(s.skipped for s in trained.stats)
+    if skipped:
+        say(f"iter {ctx.iteration} | trainer | WARNING: {skipped} of {len(batches)} steps had a gradient that is not "
+            "finite and updated nothing (trainer/skipped_steps); check the rollout's logprobs")
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups "
         f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | {cfg.processes} process(es)"
         f"{f' x {node.count} nodes' if node.multi else ''} | "
@@ -226,7 +230,7 @@ def run(ctx: StageContext) -> dict[str, float]:
         "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
         "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
         "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-        "lr": totals["lr"] / n, "global_step": float(position),
+        "lr": totals["lr"] / n, "global_step": float(position), "skipped_steps": float(skipped),
         "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes * node.count if launched else 0),
         "torch_threads": float(trained.threads),
         **selection.metrics(),

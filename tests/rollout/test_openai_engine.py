@@ -125,7 +125,8 @@ class _Canned:
     """A loopback HTTP server that answers every POST with ``body`` (bytes), or with a
     ``Content-Length`` longer than the body and then closes (a reply cut off)."""
 
-    def __init__(self, body: bytes, cut: bool = False) -> None:
+    def __init__(self, body: bytes, cut: bool = False, status: int = 200, headers: dict[str, str] | None = None,
+                 trickle_s: float = 0.0) -> None:
         import http.server
         import threading
 
@@ -134,16 +135,28 @@ class _Canned:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self.send_response(200)
+                canned.posts.append((self.path, dict(self.headers)))
+                self.send_response(canned.status)
                 self.send_header("Content-Type", "application/json")
+                for name, value in canned.headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(canned.body) + (100 if canned.cut else 0)))
                 self.end_headers()
-                self.wfile.write(canned.body)
+                for k in range(len(canned.body)):  # one byte at a time, trickle_s apart (or all at once)
+                    if not canned.trickle_s:
+                        self.wfile.write(canned.body)
+                        break
+                    self.wfile.write(canned.body[k:k + 1])
+                    self.wfile.flush()
+                    time.sleep(canned.trickle_s)
+
+            do_GET = do_POST  # noqa: N815 - a redirected request arrives as a GET
 
             def log_message(self, *args) -> None:
                 pass
 
-        self.body, self.cut = body, cut
+        self.body, self.cut, self.status, self.headers, self.trickle_s = body, cut, status, headers or {}, trickle_s
+        self.posts: list[tuple[str, dict[str, str]]] = []
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -185,8 +198,14 @@ def _choice(index: object = 0, tokens: object = ("token_id:14",), logprobs: obje
                                    "string)"),
     (_reply(_choice(logprobs=(None,))), "the server's reply is not a completions reply (TypeError: float() argument "
                                         "must be a string or a real number, not 'NoneType')"),
-    (_reply(_choice(logprobs=("nan",))), "the server's reply is not a completions reply (ValueError: a logprob is NaN "
-                                         "or above 0)"),
+    (_reply(_choice(logprobs=("nan",))), "the server's reply is not a completions reply (ValueError: a logprob is not "
+                                         "a number from -10000 to 0)"),
+    (b'{"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:14"], "token_logprobs": [-Infinity]}}]}',
+     "the server's reply is not a completions reply (ValueError: a logprob is not a number from -10000 to 0)"),
+    (_reply(_choice(logprobs=(-1e300,))), "the server's reply is not a completions reply (ValueError: a logprob is not "
+                                          "a number from -10000 to 0)"),
+    (_reply(_choice(logprobs=(-10**400,))), "the server's reply is not a completions reply (OverflowError: int too "
+                                            "large to convert to float)"),
     (_reply(_choice(logprobs=(-1.0, -2.0))), "the server's reply is not a completions reply (ValueError: 'tokens' and "
                                              "'token_logprobs' are not two lists of one length)"),
 ])
@@ -213,3 +232,35 @@ def test_a_well_formed_reply_is_parsed_in_prompt_order() -> None:
         gens = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1", "2"], 2, 1.0, 0, 2)
     assert [(g.completion_ids, g.logprobs, g.finish_reason) for g in gens] == [([14], [-0.5], "length"),
                                                                               ([15, 2], [-0.25, -0.75], "stop")]
+
+
+def test_an_error_reply_cut_short_is_still_one_user_error() -> None:
+    """A 4xx whose body ends before its Content-Length: the status decides (it was
+    http.client.IncompleteRead, raised while reading the error's body)."""
+    with _Canned(b"nope!", cut=True, status=400) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.problem.startswith("the server answered HTTP 400: ")
+
+
+def test_a_redirect_is_refused_and_the_key_goes_nowhere() -> None:
+    """urllib followed a 302 as a GET with the Authorization header to wherever Location pointed."""
+    with _Canned(b"", status=302, headers={"Location": "/elsewhere"}) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL, api_key="SECRET").generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.problem == (f"the server redirects (HTTP 302) to '{server.url}/elsewhere', which is not "
+                                    "followed (the API key would go with it)")
+    assert [path for path, _ in server.posts] == ["/v1/completions"]  # nothing followed
+
+
+def test_a_reply_over_the_limit_is_refused_and_a_trickle_is_an_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    from components.rollout import openai_engine
+
+    monkeypatch.setattr(openai_engine, "MAX_REPLY_BYTES", 1000)
+    with _Canned(_reply(*[_choice(index=0)] * 50)) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.problem == "the server's reply is over 1000 bytes"
+    # one byte every 0.2 s resets every per-read timeout; the request's own time limit ends it
+    with _Canned(_reply(_choice()), trickle_s=0.2) as server, pytest.raises(InfraError) as slow:
+        started = time.monotonic()
+        openai_engine.post_json(f"{server.url}/v1/completions", {"prompt": [[1]]}, timeout_s=1.0)
+    assert "the reply did not end within the request's time limit" in str(slow.value)
+    assert time.monotonic() - started < 10

@@ -91,3 +91,22 @@ def test_token_weights_and_token_budget() -> None:
     assert micro_batches(lengths, max_rows=3, max_tokens=0) == [[1, 3, 2], [0]]
     with pytest.raises(ValueError, match="unknown loss aggregation 'bogus'"):
         token_weights(s, "bogus")
+
+
+def test_a_step_whose_gradient_is_not_finite_updates_nothing() -> None:
+    """One sample's recorded logprob of -1e4 (the floor a server may send) makes its
+    importance ratio overflow with a negative advantage and the KL term overflow: the
+    gradient is NaN. The step is skipped, so no weight turns NaN (before: every weight the
+    step touched did, and the checkpoint was saved so)."""
+    policy = tiny_policy()
+    samples = rollout_batch(policy)
+    bad = samples[1]  # advantage -1
+    samples[1] = Sample(bad.prompt_ids, bad.completion_ids, [-1e4] * len(bad.old_logprobs), bad.advantage)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    stats = step(policy.model, samples, kl_coef=0.1)
+    assert stats.skipped and not torch.isfinite(torch.tensor(stats.grad_norm))
+    for name, param in policy.model.named_parameters():
+        assert torch.equal(param, before[name]), name
+    healthy = step(policy.model, rollout_batch(policy), kl_coef=0.1)  # the next step trains as usual
+    assert not healthy.skipped and torch.isfinite(torch.tensor(healthy.grad_norm))
+    assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
