@@ -345,17 +345,18 @@ def _weights(weights: dict[str, float], where: str, unlisted: float = 0.0) -> No
                         "use smaller weights: only their ratios matter (e.g. 1 and 3)")
 
 
-def _location(value: str, where: str, fix: str) -> None:
-    """A recipe's checkpoint location (``model.source``, ``rollout.policy``) can name one:
-    not blank, no NUL, a store URI of a known scheme with a valid host part, a ``~`` of a
-    known user; checked at load, before any work, by the same rules the stages resolve it
-    by (``storage.normalize_uri``). Registry (``models:/``) and ``gguf:`` references are
-    the stages' to check."""
+def _location(value: str, where: str, fix: str, what: str = "checkpoint") -> None:
+    """A recipe's location of a checkpoint (``model.source``, ``rollout.policy``) or of a
+    task file (``taskgen.task_file``, ``what="task file"``) can name one: not blank, no
+    NUL, a store URI of a known scheme with a valid host part, a ``~`` of a known user;
+    checked at load, before any work, by the same rules the stages resolve it by
+    (``storage.normalize_uri``). A checkpoint's registry (``models:/``) and ``gguf:``
+    references are the stages' to check."""
     from components.core.storage import normalize_uri
 
     if not value.strip():
-        raise UserError(where, value, "empty: names no checkpoint", fix)
-    if value.startswith(("models:/", "gguf:")):
+        raise UserError(where, value, f"empty: names no {what}", fix)
+    if what == "checkpoint" and value.startswith(("models:/", "gguf:")):
         if "\0" in value:
             raise UserError(where, value, "contains a NUL character", fix)
         return
@@ -389,6 +390,9 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
     if recipe.rollout.policy not in ("champion", "candidate"):
         _location(recipe.rollout.policy, f"{source}: rollout.policy",
                   "use 'champion', 'candidate', or the URI of a checkpoint")
+    if recipe.taskgen.task_file:
+        _location(recipe.taskgen.task_file, f"{source}: taskgen.task_file", "pass an existing .parquet, .jsonl or .json "
+                  "file (local path, file:// or s3:// URI), or leave it out to generate tasks", what="task file")
     _weights(recipe.taskgen.domain_weights, f"{source}: taskgen.domain_weights",
              unlisted=float(sum(1 for d in recipe.domains if d not in recipe.taskgen.domain_weights)))
     if recipe.taskgen.domain_weights and all(recipe.taskgen.domain_weights.get(d, 1.0) == 0 for d in recipe.domains):

@@ -120,12 +120,21 @@ def test_a_symlink_loop_is_named(tmp_path: Path) -> None:
     ('rollout: {policy: "file://[x/y"}', "file://[x/y", "a file URI with the host '[x': only local paths are supported"),
     ('rollout: {policy: "a\\0b"}', "a\0b", "contains a NUL character, which no path or URI can hold"),
     ("rollout: {policy: ''}", "", "empty: names no checkpoint"),
+    ('taskgen: {task_file: "s3://[x/t.jsonl"}', "s3://[x/t.jsonl", "not a URI (Invalid IPv6 URL)"),
+    ('taskgen: {task_file: "~nosuchuser-posttrain/t.jsonl"}', "~nosuchuser-posttrain/t.jsonl",
+     "'~nosuchuser-posttrain' is the home of no known user"),
+    ("taskgen: {task_file: ' '}", " ", "empty: names no task file"),
+    ('taskgen: {task_file: "file://host/t.jsonl"}', "file://host/t.jsonl",
+     "a file URI with the host 'host': only local paths are supported"),
+    ('taskgen: {task_file: "models:/a@champion"}', "models:/a@champion", "unsupported URI scheme 'models'"),
 ])
 def test_a_checkpoint_location_is_checked_at_load(section: str, value: str, problem: str, tmp_path: Path) -> None:
+    """So is a task file's (before, a malformed one was refused only at the preflight, as
+    'cannot be read (ValueError)' or 'no such file', after the home was made)."""
     path = recipe_file(tmp_path, f"pipeline: tiny\n{section}\n")
     with pytest.raises(UserError) as info:
         load_recipe(path)
-    field = "model.source" if section.startswith("model") else "rollout.policy"
+    field = {"model": "model.source", "rollout": "rollout.policy", "taskgen": "taskgen.task_file"}[section.split(":")[0]]
     assert (info.value.field, info.value.value, info.value.problem) == (f"{path}: {field}", value, problem)
 
 
