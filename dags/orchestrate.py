@@ -279,6 +279,10 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     preflight.tracking_uri()
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
         execution.check_settings()
+        if execution.mode() == "inprocess" and recipe.trainer.device == "cuda":
+            from components.trainer.device import resolve_device
+
+            resolve_device("cuda")  # the trainer runs here: no GPU is refused now, not after rollout and reward
     home = settings.made_home()
     holder = f"local:{home}"
     # The home's lock first: a second run on this home stops here, before it touches the

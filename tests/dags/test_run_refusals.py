@@ -204,3 +204,24 @@ def test_removed_if_refused_removes_only_the_folders_it_found_missing(tmp_path: 
     with removed_if_refused(store):  # not refused: what was made stays
         (tmp_path / "a" / "b" / "rr").mkdir()
     assert (tmp_path / "a" / "b" / "rr").is_dir()
+
+
+def test_a_trainer_on_cuda_without_a_gpu_is_refused_before_any_work(tmp_path: Path) -> None:
+    """In-process, the trainer runs on this machine: ``trainer.device: cuda`` where torch
+    sees no GPU is one line and exit 2 at once (it was the trainer task's failure, after
+    bootstrap, rollout, sandbox, reward and validation, with Airflow's traceback)."""
+    import torch
+    import yaml
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["trainer"] = {**recipe.get("trainer", {}), "device": "cuda"}
+    path = tmp_path / "cuda.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = run_posttrain(["run", "--recipe", str(path), "--iterations", "1"], tmp_path, cli_env(tmp_path / "home"),
+                         timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == ["posttrain: error: trainer.device='cuda': torch sees no CUDA device on this "
+                                        "machine; fix: set trainer.device: auto or cpu, or run the trainer on a GPU node"]
+    assert not (tmp_path / "home").exists()
