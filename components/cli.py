@@ -68,11 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run iterations of the Airflow DAG on the embedded defaults")
     _common(run)
-    run.add_argument("--iterations", type=int, default=3, help="bring the pipeline to this many finished iterations")
+    run.add_argument("--iterations", type=int, default=3, help="bring the pipeline to this many finished iterations (default: %(default)s)")
 
     kfp = sub.add_parser("kfp-local", help="run iterations of the Kubeflow pipeline on this machine (kfp.local)")
     _common(kfp)
-    kfp.add_argument("--iterations", type=int, default=1, help="bring the pipeline to this many finished iterations")
+    kfp.add_argument("--iterations", type=int, default=1, help="bring the pipeline to this many finished iterations (default: %(default)s)")
     kfp.set_defaults(handler=_kfp_local)
 
     for add in (add_sandbox, add_serve, add_verify, add_replay):  # sandbox, serve, verify, replay
