@@ -218,6 +218,7 @@ def check_before_run(recipe: Recipe, store: Store) -> None:
     store.check_reachable()
     preflight.policy_source(recipe)
     preflight.registry_owner(recipe, store.uri)
+    preflight.registered_here(recipe, store)
 
 
 @contextmanager

@@ -27,6 +27,9 @@ plan task fails at once, not after its retries).
    to this run root (model tag ``posttrain.run_root``), so this run cannot register
    versions into, or move the aliases of, another run root's pipeline. Fix: a pipeline
    name (recipe ``pipeline:``) or a tracking server of this run root's own.
+5. ``registered_here`` (``posttrain run`` and the plan task, after the store's probe): a
+   run root that was bootstrapped has its model in this tracking database. Fix: the home
+   or tracking URI the run root was made with.
 
 What is unreachable because a service is down (the store, the tracking server) is not
 judged here: those calls raise ``InfraError`` and are retried. Not covered: checking
@@ -174,6 +177,28 @@ def registry_owner(recipe: Recipe, run_root: str) -> None:
         if (down := outage(exc)) is not None:
             raise InfraError("tracking server", tracking.tracking_uri(), down) from None
         raise
+
+
+def registered_here(recipe: Recipe, store: Store) -> None:
+    """A run root whose bootstrap finished has its policy registered in the tracking
+    database it ran with. When this one has no ``<pipeline>-policy`` at all, the run root
+    was made under another (another ``POSTTRAIN_HOME`` or ``MLFLOW_TRACKING_URI``): its
+    bootstrap would be a cache hit that registers nothing, and the first stage to read the
+    champion would fail after minutes of work."""
+    from components.core.manifest import MANIFEST, stage_prefix
+
+    try:
+        if models.owner(recipe.pipeline) is not None:
+            return
+    except Exception as exc:
+        if (down := outage(exc)) is not None:
+            raise InfraError("tracking server", tracking.tracking_uri(), down) from None
+        raise
+    if store.exists(f"{stage_prefix(recipe.pipeline, 0, 'bootstrap')}/{MANIFEST}"):
+        raise UserError("run_root", store.uri, f"was bootstrapped under another MLflow tracking database: the one in use "
+                        f"({tracking.shown_uri(tracking.tracking_uri())}) has no '{models.model_name(recipe.pipeline)}'",
+                        "run with the POSTTRAIN_HOME (or MLFLOW_TRACKING_URI) this run root was made with, or use a new "
+                        "run root")
 
 
 def check_all(recipe: Recipe, run_root: str) -> None:

@@ -147,3 +147,25 @@ def test_a_checkpoint_whose_config_is_a_fifo_or_dev_zero_is_refused_without_read
         preflight.policy_source(_recipe(tmp_path, f"model: {{source: '{folder}'}}\n"))
     assert (info.value.field, info.value.problem) == ("model.source", "is not a readable checkpoint (no readable "
                                                                       "config.json: OSError)")
+
+
+def test_a_run_root_bootstrapped_under_another_tracking_database_is_refused(tmp_path: Path,
+                                                                            posttrain_home: Path) -> None:
+    """Another home (its own embedded MLflow) on a run root whose bootstrap finished: the
+    bootstrap would be a cache hit registering nothing, and rollout failed on 'no champion
+    yet' after the DAG had started. Now one line before any work; a run root not yet
+    bootstrapped, or one whose model this database has, passes."""
+    from components.core import models
+    from components.core.storage import Store
+
+    recipe = load_recipe(TINY)
+    store = Store(str(tmp_path / "root"))
+    preflight.registered_here(recipe, store)  # nothing bootstrapped yet: the first run will register
+    store.write_json("tiny/bootstrap/_MANIFEST.json", {"stage": "bootstrap"})
+    with pytest.raises(UserError) as info:
+        preflight.registered_here(recipe, store)
+    assert (info.value.field, info.value.value) == ("run_root", f"file://{tmp_path / 'root'}")
+    assert info.value.problem == ("was bootstrapped under another MLflow tracking database: the one in use "
+                                  f"(sqlite:///{posttrain_home / 'mlflow.db'}) has no 'tiny-policy'")
+    models._claim("tiny", store.uri)  # the database the run root was made with
+    preflight.registered_here(recipe, store)
