@@ -85,6 +85,10 @@ tasks in-process (``dag.test()``) and ends with the first one's line and exit 2,
 its own check had found it."""
 
 
+FAILED_TASKS: list[str] = []
+"""The tasks of this process that failed for good (``stage_failed``), first first."""
+
+
 def _fail_now(exc: BaseException) -> BaseException:
     """Retrying cannot fix a user's mistake or bad data: fail the task at once."""
     from airflow.sdk.exceptions import AirflowFailException
@@ -172,6 +176,7 @@ def stage_failed(context: dict[str, Any]) -> None:
     MLflow run as a tag; that run ends FAILED and the task's stage runs still RUNNING
     (a process killed under it) end KILLED."""
     ti = context["ti"]
+    FAILED_TASKS.append(ti.task_id)
     reason = f"{type(context.get('exception')).__name__}: {context.get('exception')}"[:4000]
     log.error("posttrain task %s failed: %s", ti.task_id, reason)
     try:
