@@ -150,6 +150,9 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     # deprecates: a warning on every run that no user of posttrain can act on.
     warnings.filterwarnings("ignore", message=r"GitWildMatchPattern \('gitwildmatch'\) is deprecated",
                             category=DeprecationWarning)
+    from dags.wiring import FAILED_TASKS
+
+    FAILED_TASKS.clear()  # this run's failures only
     dag_log = logging.getLogger("airflow.sdk.definitions.dag")
     dag_log.addFilter(_after_a_failure)
     try:

@@ -206,9 +206,10 @@ def check_before_run(recipe: Recipe, store: Store) -> None:
     against the run root, the task file (every row), and a ``model.source`` or
     ``rollout.policy`` that is a path or store URI. Then the store's probe (it makes a
     missing local run root; a store that is down is an outage before MLflow's database
-    is opened), and last what reads the registry: the starting policy's alias or
-    ``models:/`` source, and the registered model's owner (another run root's model is
-    refused before any work). ``run_local`` removes a run root made here if a later
+    is opened), and last what reads the registry: the registered model's owner (another
+    run root's model is refused before any work, and before its champion is read), that
+    a bootstrapped run root's model is in this database, and the starting policy's alias
+    or ``models:/`` source. ``run_local`` removes a run root made here if a later
     check refuses the run (``removed_if_refused``)."""
     preflight.tracking_uri()
     preflight.tracking_vs_run_root(store.uri)
@@ -216,9 +217,29 @@ def check_before_run(recipe: Recipe, store: Store) -> None:
     check_task_file(recipe.taskgen.task_file, list(recipe.domains))
     preflight.policy_source(recipe, registry=False)
     store.check_reachable()
-    preflight.policy_source(recipe)
-    preflight.registry_owner(recipe, store.uri)
+    preflight.registry_owner(recipe, store.uri)  # before the champion is read: another run root's is not ours to read
     preflight.registered_here(recipe, store)
+    preflight.policy_source(recipe)
+
+
+CUDA_CHECK = (
+    "import sys\nfrom components.core.errors import UserError\nfrom components.trainer.device import resolve_device\n"
+    "try:\n    resolve_device('cuda')\nexcept UserError as exc:\n    sys.stdout.write(exc.to_json())\n"
+)
+
+
+def check_cuda() -> None:
+    """``trainer.device: cuda`` on a machine whose torch sees no GPU: the trainer's own
+    UserError, found in a child process. In this one, asking torch would import it before
+    the stage host forks and mark CUDA unusable in every process forked after (torch's
+    fork poisoning), the stage host's trainer among them."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CUDA_CHECK], capture_output=True, text=True, timeout=300,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    if proc.returncode == 0 and proc.stdout.strip():
+        raise UserError.from_json(proc.stdout.strip())
 
 
 @contextmanager
@@ -281,9 +302,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
         execution.check_settings()
         if execution.mode() == "inprocess" and recipe.trainer.device == "cuda":
-            from components.trainer.device import resolve_device
-
-            resolve_device("cuda")  # the trainer runs here: no GPU is refused now, not after rollout and reward
+            check_cuda()  # the trainer runs here: no GPU is refused now, not after rollout and reward
     home = settings.made_home()
     holder = f"local:{home}"
     # The home's lock first: a second run on this home stops here, before it touches the

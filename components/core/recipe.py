@@ -356,6 +356,10 @@ def _location(value: str, where: str, fix: str, what: str = "checkpoint") -> Non
 
     if not value.strip():
         raise UserError(where, value, f"empty: names no {what}", fix)
+    from components.core.storage import SUPPORTED_SCHEMES, scheme
+
+    if what == "task file" and scheme(value) not in ("", *SUPPORTED_SCHEMES):
+        return  # another fsspec protocol (https://, hf://): the preflight reads it
     if what == "checkpoint" and value.startswith(("models:/", "gguf:")):
         if "\0" in value:
             raise UserError(where, value, "contains a NUL character", fix)

@@ -58,8 +58,9 @@ MAX_REPLY_BYTES = 256 << 20
 """The most bytes of one reply read (a completions reply of 256 prompts of 4,096 tokens
 with their logprobs is about 40 MiB)."""
 MIN_LOGPROB = -1e4
-"""The lowest log-probability a sampled token's may be (vLLM writes -9999.0 for -inf):
-below it, the trainer's importance ratio overflows."""
+"""The lowest log-probability a sampled token's may be (vLLM writes -9999.0 for -inf);
+lower, or not a finite number, is no server's honest answer. Values this low still make
+the trainer's importance ratio overflow: that step updates nothing (``grpo_step``)."""
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -31,19 +31,23 @@ prompt's tokens plus ``max_tokens`` must fit the model's ``max_position_embeddin
 vLLM refuses a request over its context length, where ``HFEngine`` itself would shorten
 the completion). Other paths and methods get OpenAI's error body too (404, 405); there
 are no ``/docs`` pages. Requests wait their turn on the event loop, and one whose client
-has gone by then is not generated.
+has gone by then is not generated when the server has seen the connection close (for a
+body over 64 KiB uvicorn may have stopped reading it, and the request is generated).
 
 SIGINT or SIGTERM stops the server: a request in flight stops at its next forward pass
 and is answered 503, then the command exits like the rest of the CLI (130 with
 ``posttrain: interrupted (Ctrl-C)``, 143 with ``posttrain: stopped by SIGTERM``). A single
 forward pass is not interrupted (it is bounded by the context length); connections still
-open (a client stalled mid-upload) are closed after ``GRACEFUL_SHUTDOWN_S`` (5 s).
+open (a client stalled mid-upload) are closed after ``GRACEFUL_SHUTDOWN_S`` (30 s; a
+request whose forward pass runs longer than that is dropped, not answered 503).
 
 Not covered: chat completions, streaming, ``n > 1``, ``stop`` strings, top-k/top-p,
 ``echo``, concurrent batching of separate requests (requests run one at a time under a
 lock), models without
-``max_position_embeddings`` (no prompt length limit), authentication, and timeouts on a
-client that sends its request slowly (a reverse proxy's job). It is a test and
+``max_position_embeddings`` (no prompt length limit), authentication, timeouts on a
+client that sends its request slowly (a reverse proxy's job), and tokenizers that drop
+or merge characters (collapsed whitespace, runs of unknown characters): a text longer
+than the positions times the longest token is refused even if it would tokenise short. It is a test and
 development server, not a production one.
 """
 
@@ -71,7 +75,7 @@ MAX_PROMPTS = 256  # prompts in one request (the lock holds every other request 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; torch.manual_seed takes up to 2**64 - 1, room for the batch index added
 MAX_BODY_BYTES = 8 << 20  # a request body; 256 prompts of the longest context fit many times over
 MAX_LOGPROBS = 5  # OpenAI's completions take 'logprobs' from 0 to 5 (only the sampled token's are returned)
-GRACEFUL_SHUTDOWN_S = 5  # a client that stalls its upload does not hold the server up past this on SIGTERM
+GRACEFUL_SHUTDOWN_S = 30  # a client that stalls its upload does not hold the server up past this on SIGTERM
 
 
 class RequestError(ValueError):
@@ -120,7 +124,10 @@ def _longest_token(tokenizer: Any) -> int:
     """The most characters one token of ``tokenizer`` stands for (special tokens included,
     which a text may spell out): a text of more than that many characters per position
     cannot fit the model, so it is refused without tokenising it."""
-    vocab = tokenizer.get_vocab()
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):  # a tokenizer that cannot list its vocabulary: no limit here
+        return 1 << 30
     return max([len(t) for t in vocab] + [len(t) for t in getattr(tokenizer, "all_special_tokens", [])] + [1])
 
 
@@ -290,13 +297,18 @@ async def read_body(request: Any) -> dict[str, Any]:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError("body", f"the body has {int(declared)} bytes; at most {MAX_BODY_BYTES} are read; "
                            "send fewer or shorter prompts per request", 413)
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestError("body", f"the body has more than {MAX_BODY_BYTES} bytes; send fewer or shorter "
-                               "prompts per request", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError("body", f"the body has more than {MAX_BODY_BYTES} bytes; send fewer or shorter "
+                                   "prompts per request", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: nobody reads the answer, and it is no server error
+        raise RequestError("body", "the client closed the connection before the body ended", 499) from None
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -326,8 +338,10 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):  # another path or method: OpenAI's error body too
-        return _error(exc.status_code, f"{request.method} {_short(request.url.path)}: {exc.detail}; posttrain serve "
-                      "serves POST /v1/completions and GET /v1/models", "invalid_request_error")
+        reply = _error(exc.status_code, f"{request.method} {_short(request.url.path)}: {exc.detail}; posttrain serve "
+                       "serves POST /v1/completions and GET /v1/models", "invalid_request_error")
+        reply.headers.update(exc.headers or {})  # a 405's Allow
+        return reply
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:

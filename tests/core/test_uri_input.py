@@ -126,7 +126,6 @@ def test_a_symlink_loop_is_named(tmp_path: Path) -> None:
     ("taskgen: {task_file: ' '}", " ", "empty: names no task file"),
     ('taskgen: {task_file: "file://host/t.jsonl"}', "file://host/t.jsonl",
      "a file URI with the host 'host': only local paths are supported"),
-    ('taskgen: {task_file: "models:/a@champion"}', "models:/a@champion", "unsupported URI scheme 'models'"),
 ])
 def test_a_checkpoint_location_is_checked_at_load(section: str, value: str, problem: str, tmp_path: Path) -> None:
     """So is a task file's (before, a malformed one was refused only at the preflight, as
@@ -136,6 +135,13 @@ def test_a_checkpoint_location_is_checked_at_load(section: str, value: str, prob
         load_recipe(path)
     field = {"model": "model.source", "rollout": "rollout.policy", "taskgen": "taskgen.task_file"}[section.split(":")[0]]
     assert (info.value.field, info.value.value, info.value.problem) == (f"{path}: {field}", value, problem)
+
+
+def test_a_task_file_of_another_fsspec_protocol_is_left_to_the_preflight(tmp_path: Path) -> None:
+    """Task files are read through fsspec: https:// or hf:// load, and the preflight reads them."""
+    for uri in ("https://example.com/tasks.jsonl", "hf://datasets/org/name/tasks.jsonl"):
+        path = recipe_file(tmp_path, f"pipeline: tiny\ntaskgen: {{task_file: '{uri}'}}\n")
+        assert load_recipe(path).taskgen.task_file == uri
 
 
 @pytest.mark.parametrize("section", ["model: {source: scratch}", "model: {source: /no/such/folder}",

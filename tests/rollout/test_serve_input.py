@@ -308,3 +308,23 @@ def test_other_paths_and_methods_get_an_openai_error(served, path, method, statu
     code, reply, _ = raw_post(base, b"", path, method)
     assert code == status and reply["error"]["type"] == "invalid_request_error", reply
     assert reply["error"]["message"].endswith("posttrain serve serves POST /v1/completions and GET /v1/models")
+
+
+def test_a_client_gone_mid_upload_is_no_server_error(server) -> None:
+    """The body ends early with the connection (it was an unhandled ClientDisconnect: a
+    500 and uvicorn's 'Exception in ASGI application' traceback in the log)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    proc, base, log = server
+    host, port = urlsplit(base).hostname, urlsplit(base).port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.5)
+    time.sleep(1.0)
+    status, reply = post(base, {"model": MODEL, "prompt": [[1]], "max_tokens": 1})
+    assert status == 200 and len(reply["choices"]) == 1
+    assert proc.poll() is None
+    text = log.read_text()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-2000:]
