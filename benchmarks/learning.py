@@ -125,9 +125,14 @@ def shuffled_control(run_root: Path, pipeline: str, iterations: int) -> bool:
 
 
 def arm_env(home: Path) -> dict[str, str]:
-    """``env_for(home)`` (a private POSTTRAIN_HOME), keeping this process's torch thread count."""
+    """``env_for(home)`` (a private POSTTRAIN_HOME), keeping this process's torch thread
+    count, with this checkout first on ``PYTHONPATH``: the commands run in the seed's
+    folder, where ``python -m components.cli`` would otherwise import whichever checkout
+    is installed (another worktree's, for a trial run from this one)."""
     threads = os.environ.get("POSTTRAIN_TORCH_THREADS")
-    return {**env_for(home), **({"POSTTRAIN_TORCH_THREADS": threads} if threads else {})}
+    env = env_for(home)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return {**env, **({"POSTTRAIN_TORCH_THREADS": threads} if threads else {})}
 
 
 def run_seed(seed: int, recipe: dict, iterations: int, folder: Path, arms: tuple[str, ...] = tuple(ARMS)) -> dict:
