@@ -232,7 +232,9 @@ def check_cuda() -> None:
     """``trainer.device: cuda`` on a machine whose torch sees no GPU: the trainer's own
     UserError, found in a child process. In this one, asking torch would import it before
     the stage host forks and mark CUDA unusable in every process forked after (torch's
-    fork poisoning), the stage host's trainer among them."""
+    fork poisoning), the stage host's trainer among them. A child that fails for another
+    reason (torch does not import) decides nothing here: the trainer meets that failure
+    itself, with its own traceback."""
     import subprocess
     import sys
 

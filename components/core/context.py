@@ -193,10 +193,7 @@ def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     if not store.exists(rel):
         return None
     try:
-        data = store.read_small(rel, MAX_MANIFEST_BYTES)
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ValueError(f"larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-        manifest = Manifest.from_json(json.loads(data))
+        manifest = Manifest.from_json(json.loads(store.read_small(rel, MAX_MANIFEST_BYTES)))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as exc:  # cut short, not a manifest
         parts = rel_prefix.strip("/").split("/")
         stage = parts[-2] if parts[-1].startswith("shard-") and len(parts) > 1 else parts[-1]

@@ -39,8 +39,10 @@ that read them say so, with the field to fix).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 
 from components.core import models, tracking
 from components.core.errors import InfraError, UserError, outage
@@ -167,16 +169,24 @@ def task_file(recipe: Recipe) -> None:
         raise UserError("taskgen.task_file", source, problem, fix)
 
 
-def registry_owner(recipe: Recipe, run_root: str) -> None:
-    """``<pipeline>-policy`` is this run root's, or nobody's yet (the first registration claims it)."""
+@contextlib.contextmanager
+def _asking_the_registry() -> Iterator[None]:
+    """A tracking server that cannot be reached while the body asks the registry is an
+    outage (InfraError); every other error passes as it is."""
     try:
-        models.check_owner(recipe.pipeline, normalize_uri(run_root, "run_root"))
+        yield
     except UserError:
         raise
     except Exception as exc:
         if (down := outage(exc)) is not None:
             raise InfraError("tracking server", tracking.tracking_uri(), down) from None
         raise
+
+
+def registry_owner(recipe: Recipe, run_root: str) -> None:
+    """``<pipeline>-policy`` is this run root's, or nobody's yet (the first registration claims it)."""
+    with _asking_the_registry():
+        models.check_owner(recipe.pipeline, normalize_uri(run_root, "run_root"))
 
 
 def registered_here(recipe: Recipe, store: Store) -> None:
@@ -187,13 +197,9 @@ def registered_here(recipe: Recipe, store: Store) -> None:
     champion would fail after minutes of work."""
     from components.core.manifest import MANIFEST, stage_prefix
 
-    try:
+    with _asking_the_registry():
         if models.owner(recipe.pipeline) is not None:
             return
-    except Exception as exc:
-        if (down := outage(exc)) is not None:
-            raise InfraError("tracking server", tracking.tracking_uri(), down) from None
-        raise
     if store.exists(f"{stage_prefix(recipe.pipeline, 0, 'bootstrap')}/{MANIFEST}"):
         raise UserError("run_root", store.uri, f"was bootstrapped under another MLflow tracking database: the one in use "
                         f"({tracking.shown_uri(tracking.tracking_uri())}) has no '{models.model_name(recipe.pipeline)}'",

@@ -352,12 +352,10 @@ def _location(value: str, where: str, fix: str, what: str = "checkpoint") -> Non
     checked at load, before any work, by the same rules the stages resolve it by
     (``storage.normalize_uri``). A checkpoint's registry (``models:/``) and ``gguf:``
     references are the stages' to check."""
-    from components.core.storage import normalize_uri
+    from components.core.storage import SUPPORTED_SCHEMES, normalize_uri, scheme
 
     if not value.strip():
         raise UserError(where, value, f"empty: names no {what}", fix)
-    from components.core.storage import SUPPORTED_SCHEMES, scheme
-
     if what == "task file" and scheme(value) not in ("", *SUPPORTED_SCHEMES):
         return  # another fsspec protocol (https://, hf://): the preflight reads it
     if what == "checkpoint" and value.startswith(("models:/", "gguf:")):

@@ -489,18 +489,21 @@ class Store:
         return data
 
     def read_small(self, rel: str, limit: int) -> bytes:
-        """A small stored file no manifest covers (a lease, a manifest, a config): at most
-        ``limit`` + 1 bytes of a local one (more than ``limit`` means "too large"), a FIFO,
-        device or folder an ``OSError`` before a byte is read; a remote object over
-        ``limit`` an ``OSError`` from its HEAD, never read."""
+        """A small stored file no manifest covers (a lease, a manifest, a config), of at
+        most ``limit`` bytes: a larger one is an ``OSError`` (a local file after reading one
+        byte past the limit, a remote object from its HEAD, never read), and so is a local
+        FIFO, device or folder, before a byte is read."""
         path = self._fresh(self._path(rel))
         if self.uri.startswith("file://"):
             try:
-                return read_regular(path, limit)
+                data = read_regular(path, limit)
             except Unreadable as exc:
                 raise (FileNotFoundError if exc.why == "no such file" else OSError)(f"{path}: {exc.why}") from None
+            if len(data) > limit:
+                raise OSError(f"more than {limit} bytes, the most read here")
+            return data
         if (size := int(self.fs.size(path))) > limit:  # not read: it may be any size
-            raise OSError(f"{path}: {size} bytes, more than the {limit} read here")
+            raise OSError(f"{size} bytes, more than the {limit} read here")
         return self.fs.cat_file(path)
 
     def size(self, rel: str) -> int:

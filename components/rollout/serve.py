@@ -293,12 +293,12 @@ async def read_body(request: Any) -> dict[str, Any]:
     """The request's JSON object, read up to ``MAX_BODY_BYTES`` (RequestError past it, or
     for a body that is not a JSON object: not UTF-8, not JSON, nested past the parser's
     depth, an integer of more digits than Python converts)."""
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise RequestError("body", f"the body has {int(declared)} bytes; at most {MAX_BODY_BYTES} are read; "
                            "send fewer or shorter prompts per request", 413)
-    from starlette.requests import ClientDisconnect
-
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
