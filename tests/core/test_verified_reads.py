@@ -153,12 +153,14 @@ def test_a_manifest_with_a_field_of_the_wrong_type_is_named_at_once(change: dict
                                 "fix: delete it and re-run stage rollout")
 
 
-@pytest.mark.parametrize("body", [b"[" * 100_000, b" " * ((64 << 20) + 1)])
-def test_a_manifest_nested_too_deep_or_too_large_is_named(body: bytes, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("body", "problem"), [(b"[" * 100_000, "RecursionError"),
+                                               (b" " * ((64 << 20) + 1), "OSError: more than 67108864 bytes, the most read here")])
+def test_a_manifest_nested_too_deep_or_too_large_is_named(body: bytes, problem: str, tmp_path: Path) -> None:
     store = Store(f"file://{tmp_path}")
     store.write_bytes(f"p/iter-000001/rollout/{MANIFEST}", body)
-    with pytest.raises(UserError, match=r"manifest is unreadable \((RecursionError|OSError: more than 67108864 bytes, the most read here)\)"):
+    with pytest.raises(UserError) as err:
         read_manifest(store, "p/iter-000001/rollout")
+    assert err.value.problem == f"manifest is unreadable ({problem})"
 
 
 @pytest.mark.timeout(60)  # a FIFO read blocked forever before: a regression fails here instead of hanging
