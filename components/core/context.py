@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Manifest, OutputFile, Shard, stage_prefix
@@ -34,6 +38,7 @@ from components.core.storage import Expected, Store, expect
 
 R = TypeVar("R")
 F = TypeVar("F")
+T = TypeVar("T")
 
 
 class UndeclaredSection(AssertionError):
@@ -136,10 +141,7 @@ class StageContext:
         for m in self.upstream(stage):
             if shard_only and m.shard is not None and m.shard != str(self.shard):
                 continue
-            out = m.outputs[name]
-            expected = expected_output(self.store, m, out)
-            data = self.store.read_bytes(out.path, expected)
-            rows.extend(from_table(cls, read_parquet(data, self.store.url(out.path), expected)))
+            rows.extend(read_output_records(self.store, m, name, cls))
         return rows
 
     def depend_on(self, stage: str, shard_only: bool = False) -> list[Manifest]:
@@ -173,6 +175,47 @@ def read_parquet(data: bytes, url: str, expected: Expected):
         raise UserError("file", url, f"output of stage {expected.stage} is not readable Parquet "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})",
                         expected.remedy) from None
+
+
+def read_output(store: Store, manifest: Manifest, name: str, parse: Callable[[bytes, str, Expected], T]) -> T:
+    """Output ``name`` of ``manifest``, read verified and parsed by ``parse(data, url,
+    expected)``. Bytes that match the manifest's sha256 can still not be what the stage
+    writes (a manifest rewritten by hand with the new digest, another writer): a
+    ``ValueError`` from ``parse`` (``LayoutError``, pydantic's ``ValidationError``) is a
+    UserError naming the file, the problem and the stage to re-run, not a traceback in
+    whatever later trips over it. Checks the shape, not what the values mean."""
+    out = manifest.outputs.get(name)
+    url = store.url(out.path) if out else store.url(f"{manifest.prefix}/{MANIFEST}")
+    remedy = manifest.remedy(store.url(manifest.prefix))
+    if out is None:
+        raise UserError("file", url, f"manifest of stage {manifest.stage} lists no output {name!r}", remedy)
+    expected = expected_output(store, manifest, out)
+    try:
+        return parse(store.read_bytes(out.path, expected), url, expected)
+    except ValueError as exc:
+        if isinstance(exc, ValidationError):
+            first = exc.errors()[0]
+            detail = f"{'.'.join(map(str, first['loc'])) or 'top level'}: {first['msg']}"
+        else:
+            detail = str(exc)
+        raise UserError("file", url, f"output of stage {manifest.stage} is not what it writes ({detail[:200]})",
+                        remedy) from None
+
+
+def read_output_records(store: Store, manifest: Manifest, name: str, cls: type[R]) -> list[R]:
+    """Records ``name`` of ``manifest`` (Parquet, read verified, checked against ``cls``'s layout)."""
+    return read_output(store, manifest, name, lambda data, url, expected: from_table(cls, read_parquet(data, url, expected)))
+
+
+@cache
+def _adapter(shape: Any) -> TypeAdapter:
+    return TypeAdapter(shape)
+
+
+def read_output_json(store: Store, manifest: Manifest, name: str, shape: type[T]) -> T:
+    """JSON output ``name`` of ``manifest``, read verified and validated as ``shape`` (a
+    pydantic model or any type pydantic validates)."""
+    return read_output(store, manifest, name, lambda data, url, expected: _adapter(shape).validate_json(data))
 
 
 def verify_outputs(store: Store, manifest: Manifest) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, FiniteFloat, NonNegativeInt, TypeAdapter, ValidationError
+from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
 
 from components.core.errors import UserError
 
@@ -58,12 +59,20 @@ class StartingPolicy:
     baseline_pass_rates: dict[str, float] = field(default_factory=dict)
 
 
+class Moments(TypedDict):
+    """One domain's running reward statistics as JSON (``reward.normalize.RunningStats``)."""
+
+    count: NonNegativeInt
+    mean: FiniteFloat
+    m2: Annotated[FiniteFloat, Field(ge=0)]  # sum of squared deviations from the mean
+
+
 @dataclass(frozen=True)
 class NormPrior:
     """reward: the running per-domain statistics this shard normalised with."""
 
     norm_prior_iteration: int  # the last iteration those statistics include (0: none)
-    norm_prior: dict[str, dict[str, float]]  # domain -> RunningStats as JSON
+    norm_prior: dict[str, Moments]  # domain -> RunningStats as JSON
 
 
 @dataclass(frozen=True)

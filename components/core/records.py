@@ -8,8 +8,12 @@ vocabulary, stored as a string), ``dict[str, float]`` / ``dict[str, Any]`` / ``A
 and ``list[<record>]`` of a nested record (stored as a list of structs).
 
 Records are stored as Parquet through :mod:`components.core.storage`; read them back
-with :func:`from_table`. What this module does not do: schema evolution. A Parquet file
-written by an older record layout fails to load with a message naming the missing field.
+with :func:`from_table`, which checks the layout (every column with its type, no nulls, a
+``Literal`` field's value in its vocabulary, a JSON field's value of its type) and raises
+``LayoutError`` naming the first column that does not fit: a file of another record type,
+or one written by hand, is refused before any of it is used. What this module does not do:
+schema evolution (a Parquet file written by an older record layout is refused, naming the
+missing column), or checking what a value means (a finite logprob, a known domain).
 """
 
 from __future__ import annotations
@@ -203,21 +207,62 @@ def _to_row(record: Any) -> dict[str, Any]:
     return row
 
 
+class LayoutError(ValueError):
+    """A table or row that is not a record type's layout: another type's file, an older
+    layout, or one written by hand."""
+
+
+def _json_value(cls: type, name: str, hint: Any, text: str) -> Any:
+    """A JSON field's stored text as its value: ``Any`` takes whatever parses, a ``dict``
+    field an object (of numbers, for ``dict[str, float]``)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise LayoutError(f"{cls.__name__}.{name} is not JSON ({type(exc).__name__})") from None
+    if hint is Any:
+        return value
+    if not isinstance(value, dict):
+        raise LayoutError(f"{cls.__name__}.{name} is a JSON {type(value).__name__}, not an object")
+    if get_args(hint)[1] is float:
+        bad = next((k for k, v in value.items() if isinstance(v, bool) or not isinstance(v, int | float)), None)
+        if bad is not None:
+            raise LayoutError(f"{cls.__name__}.{name}[{bad[:40]!r}] is not a number")
+    return value
+
+
 def _from_row(cls: type[R], row: dict[str, Any]) -> R:
     hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name not in row:
-            raise KeyError(f"{cls.__name__} row has no field {f.name!r}; was it written by an older layout?")
+            raise LayoutError(f"{cls.__name__} row has no field {f.name!r}; was it written by an older layout?")
         value = row[f.name]
+        if value is None:
+            raise LayoutError(f"{cls.__name__}.{f.name} is null")
         hint = hints[f.name]
         if _is_json_field(hint):
-            value = json.loads(value)
+            value = _json_value(cls, f.name, hint, value)
+        elif typing.get_origin(hint) is Literal and value not in get_args(hint):
+            raise LayoutError(f"{cls.__name__}.{f.name} is {value[:40]!r}, not one of {list(get_args(hint))}")
         elif typing.get_origin(hint) is list:
             inner = typing.get_args(hint)[0]
             value = [_from_row(inner, item) for item in value] if dataclasses.is_dataclass(inner) else list(value)
+            if value and any(v is None for v in value):
+                raise LayoutError(f"{cls.__name__}.{f.name} holds a null")
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def check_layout(cls: type, schema: pa.Schema) -> None:
+    """A ``LayoutError`` naming the first of ``cls``'s columns that ``schema`` lacks or
+    types otherwise (extra columns are allowed)."""
+    for want in schema_of(cls):
+        index = schema.get_field_index(want.name)
+        if index < 0:
+            raise LayoutError(f"no column {want.name!r} of the {cls.__name__} layout (another record type, or an older layout)")
+        got = schema.field(index).type
+        if not got.equals(want.type):
+            raise LayoutError(f"column {want.name!r} is {got}, where the {cls.__name__} layout has {want.type}")
 
 
 def to_table(records: list[Any], cls: type | None = None) -> pa.Table:
@@ -230,5 +275,7 @@ def to_table(records: list[Any], cls: type | None = None) -> pa.Table:
 
 
 def from_table(cls: type[R], table: pa.Table) -> list[R]:
-    """Arrow table back to records; the inverse of :func:`to_table`."""
+    """Arrow table back to records; the inverse of :func:`to_table`. A ``LayoutError``
+    when the table is not ``cls``'s layout."""
+    check_layout(cls, table.schema)
     return [_from_row(cls, row) for row in table.to_pylist()]

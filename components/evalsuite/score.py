@@ -23,10 +23,10 @@ import json
 from dataclasses import dataclass
 
 from components.core import models, tracking
-from components.core.context import StageContext, expected_output, read_manifest, read_parquet
+from components.core.context import StageContext, read_manifest, read_output_records
 from components.core.facts import Slice
 from components.core.manifest import Manifest, stage_prefix
-from components.core.records import EvalResult, from_table
+from components.core.records import EvalResult
 from components.core.storage import Store
 from components.evalsuite.report import log_layered
 from components.evalsuite.suite import eval_tasks, pass_rates, run_suite, sampled_pass_at_k
@@ -109,9 +109,7 @@ def scored_results(store: Store, scoring: Scoring) -> tuple[list[EvalResult], st
     were scored for another version (a stage re-run since)."""
     if scoring.manifest is None:
         return [], scoring.missing
-    out = scoring.manifest.outputs["eval_results"]
-    expected = expected_output(store, scoring.manifest, out)
-    rows = from_table(EvalResult, read_parquet(store.read_bytes(out.path, expected), store.url(out.path), expected))
+    rows = read_output_records(store, scoring.manifest, "eval_results", EvalResult)
     if any(r.policy_version != scoring.version for r in rows):
         return [], f"the eval_results under {store.url(scoring.manifest.prefix)} are not version {scoring.version}'s"
     return rows, ""

@@ -26,12 +26,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import NotRequired
 
-from components.core.context import StageContext, read_manifests
+from typing_extensions import TypedDict
+
+from components.core.context import StageContext, read_manifests, read_output_json
+from components.core.facts import Moments
 from components.core.manifest import MANIFEST, InputRef, Shard, stage_prefix
 
 STATS_OUTPUT = "norm_stats"
+
+
+class StatsFile(TypedDict):
+    """``norm_stats.json`` as read back (validated: counts, finite means, M2 >= 0)."""
+
+    prior_iteration: NotRequired[int]
+    prior: dict[str, Moments]
+    batch: NotRequired[dict[str, Moments]]  # absent in files written before per-shard batches
 
 
 @dataclass(frozen=True)
@@ -73,11 +84,13 @@ def merge_all(*parts: Stats) -> Stats:
     return out
 
 
-def to_json(stats: Stats) -> dict[str, Any]:
-    return {d: asdict(s) for d, s in sorted(stats.items())}
+def to_json(stats: Stats) -> dict[str, Moments]:
+    return {d: Moments(**asdict(s)) for d, s in sorted(stats.items())}
 
 
-def from_json(data: dict[str, Any]) -> Stats:
+def from_json(data: dict[str, Moments]) -> Stats:
+    """Stats from their JSON, already validated as ``Moments`` (a manifest's facts, or a
+    ``StatsFile`` read with ``read_output_json``)."""
     return {d: RunningStats(int(v["count"]), float(v["mean"]), float(v["m2"])) for d, v in data.items()}
 
 
@@ -103,8 +116,8 @@ def cumulative_after(ctx: StageContext, iteration: int) -> tuple[int, Stats]:
                                                                          digest=m.content_digest)
             if STATS_OUTPUT not in m.outputs:
                 continue  # written before normalisation existed: contributes nothing
-            data = ctx.store.read_json(m.outputs[STATS_OUTPUT].path)
+            data = read_output_json(ctx.store, m, STATS_OUTPUT, StatsFile)
             prior = from_json(data["prior"]) if prior is None else prior
-            batches.append(from_json(data["batch"]))
+            batches.append(from_json(data.get("batch", {})))
         return j, merge_all(prior or {}, *batches)
     return 0, {}

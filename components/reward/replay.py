@@ -29,11 +29,11 @@ import argparse
 import hashlib
 import json
 
-from components.core.context import read_manifests
+from components.core.context import read_manifests, read_output_json, read_output_records
 from components.core.manifest import Manifest, Shard, iteration_prefix
-from components.core.records import Execution, Reward, Rollout, Task, from_table, to_table
+from components.core.records import Execution, Reward, Rollout, Task, to_table
 from components.core.storage import Store
-from components.reward.normalize import STATS_OUTPUT, Stats, from_json
+from components.reward.normalize import STATS_OUTPUT, Stats, StatsFile, from_json
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -57,7 +57,7 @@ def _by_shard(store: Store, pipeline: str, iteration: int, stage: str) -> dict[s
 def _read(store: Store, manifest: Manifest | None, name: str, cls: type) -> list:
     if manifest is None or name not in manifest.outputs:
         return []
-    return from_table(cls, store.read_table(manifest.outputs[name].path))
+    return read_output_records(store, manifest, name, cls)
 
 
 def replay(recipe, store: Store, iteration: int) -> dict:
@@ -75,7 +75,8 @@ def replay(recipe, store: Store, iteration: int) -> dict:
     for shard, m in sorted(originals.items(), key=lambda kv: str(kv[0])):
         rollouts = _read(store, rollouts_m.get(shard), "rollouts", Rollout)
         executions = {e.rollout_id: e for e in _read(store, sandbox_m.get(shard), "executions", Execution)}
-        prior: Stats = from_json(store.read_json(m.outputs[STATS_OUTPUT].path)["prior"]) if STATS_OUTPUT in m.outputs else {}
+        prior: Stats = from_json(read_output_json(store, m, STATS_OUTPUT, StatsFile)["prior"]) \
+            if STATS_OUTPUT in m.outputs else {}
         old.extend(_read(store, m, "rewards", Reward))
         seed = control_seed(recipe.seed, pipeline, iteration, Shard.parse(shard).index)
         new.extend(score(tasks, rollouts, executions, recipe.reward, prior, seed))

@@ -41,12 +41,15 @@ import random
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from components.core.context import StageContext, expected_output, read_manifests, read_parquet
+from pydantic import Field
+from typing_extensions import TypedDict
+
+from components.core.context import StageContext, read_manifests, read_output_json, read_output_records
 from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Manifest, Shard, stage_prefix
-from components.core.records import Reward, Task, from_table
+from components.core.records import Reward, Task
 from components.domains.base import Domain
 
 OUTPUT = "curriculum"
@@ -161,14 +164,14 @@ class Prior:
     pass_rates: Rates = field(default_factory=dict)
 
 
-def _rates(data: Mapping[str, Mapping[str, float]]) -> Rates:
-    return {d: {int(k): float(v) for k, v in by.items()} for d, by in data.items()}
+class _StateFile(TypedDict):
+    """The part of ``curriculum.json`` read back: pass rates per domain and difficulty."""
+
+    pass_rates: dict[str, dict[int, Annotated[float, Field(ge=0, le=1)]]]
 
 
 def _records(ctx: StageContext, m: Manifest, name: str, cls: type) -> list:
-    out = m.outputs[name]
-    expected = expected_output(ctx.store, m, out)
-    return from_table(cls, read_parquet(ctx.store.read_bytes(out.path, expected), ctx.store.url(out.path), expected))
+    return read_output_records(ctx.store, m, name, cls)
 
 
 def prior(ctx: StageContext, iteration: int, memory: float) -> Prior:
@@ -190,7 +193,7 @@ def prior(ctx: StageContext, iteration: int, memory: float) -> Prior:
                                                             digest=taskgen.content_digest)
         old: Rates = {}
         if OUTPUT in taskgen.outputs:  # absent when iteration j ran without adaptive difficulty
-            old = _rates(ctx.store.read_json(taskgen.outputs[OUTPUT].path)["pass_rates"])
+            old = read_output_json(ctx.store, taskgen, OUTPUT, _StateFile)["pass_rates"]
         latest = tally(rewards, _records(ctx, taskgen, "tasks", Task))
         return Prior(after_iteration=j, latest=latest, pass_rates=blend(old, latest, memory))
     return Prior()

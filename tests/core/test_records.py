@@ -13,6 +13,7 @@ from components.core.records import (
     RECORD_TYPES,
     EvalResult,
     Execution,
+    LayoutError,
     Reward,
     Rollout,
     Task,
@@ -134,8 +135,39 @@ def test_dict_fields_are_json_strings_readable_by_pandas(tmp_path: Path) -> None
 def test_table_missing_a_field_names_it(missing: str, tmp_path: Path) -> None:
     store = Store(f"file://{tmp_path}")
     store.write_table("old.parquet", to_table(ROLLOUTS).drop_columns([missing]))
-    with pytest.raises(KeyError, match=f"Rollout row has no field '{missing}'"):
+    with pytest.raises(LayoutError, match=f"no column '{missing}' of the Rollout layout"):
         from_table(Rollout, store.read_table("old.parquet"))
+
+
+def test_a_table_of_another_record_type_is_refused_naming_the_column(tmp_path: Path) -> None:
+    with pytest.raises(LayoutError, match="^no column 'rollout_id' of the Reward layout"):
+        from_table(Reward, to_table(TASKS))
+    with pytest.raises(LayoutError, match="^no column 'difficulty' of the EvalResult layout"):
+        from_table(EvalResult, to_table(REWARDS))
+
+
+def replaced(table: pa.Table, name: str, column: pa.Array) -> pa.Table:
+    return table.set_column(table.schema.get_field_index(name), name, column)
+
+
+@pytest.mark.parametrize(("cls", "name", "column", "problem"), [
+    (Reward, "advantage", pa.array(["1.5", "0"]), "column 'advantage' is string, where the Reward layout has double"),
+    (Reward, "group_index", pa.array([0.0, 3.0]), "column 'group_index' is double, where the Reward layout has int64"),
+    (Rollout, "turns", pa.array([[], []], pa.list_(pa.string())), "column 'turns' is list<item: string>, where the Rollout layout"),
+    (Reward, "advantage", pa.array([1.0, None], pa.float64()), "Reward.advantage is null"),
+    (Reward, "status", pa.array(["ok", "approved"]), r"Reward.status is 'approved', not one of \['ok', 'excluded', "),
+    (Reward, "components", pa.array(["{}", '{"a": '] ), "Reward.components is not JSON"),
+    (Reward, "components", pa.array(["{}", "[" * 100_000 + "]" * 100_000]), "Reward.components is not JSON"),
+    (Reward, "components", pa.array(["{}", "[1]"]), "Reward.components is a JSON list, not an object"),
+    (Reward, "components", pa.array(["{}", '{"ok": "yes"}']), r"Reward.components\['ok'\] is not a number"),
+    (Reward, "components", pa.array(["{}", '{"ok": true}']), r"Reward.components\['ok'\] is not a number"),
+    (Task, "reference", pa.array(["null", "{}"]), "Task.reference is a JSON NoneType, not an object"),
+    (Rollout, "logprobs", pa.array([[-0.1, None, -2.0], []], pa.list_(pa.float64())), "Rollout.logprobs holds a null"),
+])
+def test_a_column_that_is_not_the_layout_is_refused(cls: type, name: str, column: pa.Array, problem: str) -> None:
+    table = replaced(to_table(SAMPLES[cls]), name, column)
+    with pytest.raises(LayoutError, match=f"^{problem}"):
+        from_table(cls, table)
 
 
 def test_records_are_frozen() -> None:

@@ -217,3 +217,77 @@ def test_read_small_refuses_an_s3_object_over_its_limit_from_the_head(s3_env, mo
     with pytest.raises(OSError, match=r"100 bytes, more than the 10 read here"):
         store.read_small("lease.json", 10)
     assert read == []
+
+
+def _manifested(store: Store, stage: str, name: str, rel: str, data: bytes) -> Manifest:
+    """A manifest whose output ``name`` is ``data``, digest and size matching (as a hand-edited
+    run root would have them)."""
+    store.write_bytes(rel, data)
+    prefix = rel.rsplit("/", 1)[0]
+    manifest = Manifest(stage=stage, pipeline="p", iteration=1, shard=None, inputs={}, config_digest="c",
+                        code_version="v", outputs={name: OutputFile(rel, 1, sha256_bytes(data), len(data))})
+    store.write_json(f"{prefix}/{MANIFEST}", manifest.to_json())
+    return read_manifest(store, prefix)
+
+
+def _parquet(table: pa.Table) -> bytes:
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def test_records_of_another_type_under_a_matching_digest_are_one_line(tmp_path: Path) -> None:
+    """Bytes that match the manifest can still not be what the stage writes: a Parquet file
+    of tasks put where rollouts belong is refused naming the file, the missing column and
+    the stage to re-run (a KeyError traceback, retried, before)."""
+    from components.core.context import read_output_records
+    from components.core.records import Rollout, Task, to_table
+
+    store = Store(f"file://{tmp_path}")
+    task = Task(task_id="t", domain="math", split="train", difficulty=1, prompt="1+1=", context_tokens=4,
+                reference={"answer": "2"})
+    rel = "p/iter-000001/rollout/rollouts.parquet"
+    manifest = _manifested(store, "rollout", "rollouts", rel, _parquet(to_table([task])))
+    assert read_output_records(store, manifest, "rollouts", Task) == [task]
+    with pytest.raises(UserError) as err:
+        read_output_records(store, manifest, "rollouts", Rollout)
+    assert err.value.line() == (
+        f"file={store.url(rel)!r}: output of stage rollout is not what it writes (no column 'rollout_id' of the "
+        f"Rollout layout (another record type, or an older layout)); fix: delete "
+        f"{store.url('p/iter-000001/rollout')}/{MANIFEST} and re-run stage rollout ('posttrain stage rollout "
+        "--iteration 1', or the whole iteration)")
+    with pytest.raises(UserError, match="manifest of stage rollout lists no output 'executions'"):
+        read_output_records(store, manifest, "executions", Rollout)
+
+
+@pytest.mark.parametrize(("body", "problem"), [
+    (b'{"prior": {"math": {"count": 3, "mean": NaN, "m2": 0.5}}}', "prior.math.mean: Input should be a finite number"),
+    (b'{"prior": {"math": {"count": -1, "mean": 0.5, "m2": 0.5}}}', "prior.math.count: Input should be greater than or "
+                                                                    "equal to 0"),
+    (b'{"prior": {"math": {"count": 3, "mean": 0.5, "m2": -2}}}', "prior.math.m2: Input should be greater than or "
+                                                                  "equal to 0"),
+    (b'{"prior": {"math": {"count": 3, "mean": 0.5}}}', "prior.math.m2: Field required"),
+    (b'{"prior": [1, 2]}', "prior: Input should be an object"),
+    (b'{"batch": {}}', "prior: Field required"),
+    (b"[" * 100_000, "top level: Invalid JSON: recursion limit exceeded at line 1 column 202"),
+    (b'{"prior": {}', "top level: Invalid JSON: EOF while parsing an object at line 1 column 12"),
+])
+def test_norm_stats_that_are_not_statistics_are_one_line(body: bytes, problem: str, tmp_path: Path) -> None:
+    from components.core.context import read_output_json
+    from components.reward.normalize import STATS_OUTPUT, StatsFile, from_json
+
+    store = Store(f"file://{tmp_path}")
+    rel = "p/iter-000001/reward/norm_stats.json"
+    good = _manifested(store, "reward", STATS_OUTPUT, rel,
+                       b'{"prior": {"math": {"count": 3, "mean": 0.5, "m2": 0.75}}, "batch": {}, "prior_iteration": 0}')
+    assert from_json(read_output_json(store, good, STATS_OUTPUT, StatsFile)["prior"])["math"].std == 0.5
+    manifest = _manifested(store, "reward", STATS_OUTPUT, rel, body)
+    with pytest.raises(UserError) as err:
+        read_output_json(store, manifest, STATS_OUTPUT, StatsFile)
+    assert err.value.field == "file" and err.value.value == store.url(rel)
+    assert err.value.problem == f"output of stage reward is not what it writes ({problem})"
+    assert "re-run stage reward" in err.value.fix

@@ -96,6 +96,33 @@ def test_truncated_parquet_is_refused_when_read(booted: Booted) -> None:
     assert not booted.store.glob("tiny/iter-000002/sandbox/**/_MANIFEST.json"), "the stage ran on bad data"
 
 
+def test_another_record_type_under_a_matching_digest_is_refused_when_read(booted: Booted) -> None:
+    """The tasks' Parquet file copied over a shard's rollouts, and the manifest's digest and
+    size rewritten to match: the sandbox stage refuses it in one line naming the file, the
+    missing column and the stage to re-run (a KeyError traceback, retried, before)."""
+    import json
+
+    from components.core.storage import sha256_bytes
+
+    first = rollouts(booted, 6)[0]
+    tasks = run_stage("taskgen", TINY_RECIPE, booted.root, 6)  # a cache hit: the iteration's tasks
+    rel = first.outputs["rollouts"].path
+    data = local(booted, tasks.outputs["tasks"].path).read_bytes()
+    local(booted, rel).write_bytes(data)
+    manifest_path = local(booted, f"{first.prefix}/{MANIFEST}")
+    edited = json.loads(manifest_path.read_text())
+    edited["outputs"]["rollouts"].update(sha256=sha256_bytes(data), size=len(data))
+    manifest_path.write_text(json.dumps(edited))
+    n = shard_count(TINY, "sandbox")
+    with pytest.raises(UserError) as err:
+        run_stage("sandbox", TINY_RECIPE, booted.root, 6, f"0/{n}")
+    assert err.value.value == booted.store.url(rel)
+    assert err.value.problem == ("output of stage rollout is not what it writes (no column 'rollout_id' of the "
+                                 "Rollout layout (another record type, or an older layout))")
+    assert err.value.fix.startswith(f"delete {booted.store.url(first.prefix)}/{MANIFEST} and re-run stage rollout")
+    assert not booted.store.glob("tiny/iter-000006/sandbox/**/_MANIFEST.json"), "the stage ran on bad data"
+
+
 def test_flipped_byte_in_checkpoint_is_refused_before_load(booted: Booted) -> None:
     copy = booted.tmp / "flipped"
     shutil.copytree(Path(booted.store.root), copy / "store")
