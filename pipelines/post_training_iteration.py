@@ -70,6 +70,9 @@ Choices, and what this does not do:
   bubblewrap cannot mount its ``/proc`` and the sandbox refuses untrusted code unless the
   recipe allows weaker isolation. For full sandbox isolation on a cluster, run the
   iteration through the Airflow DAG's ``kubernetes`` mode (``dags/execution/kubernetes.py``).
+- Retries: KFP retries every task but ``plan`` twice (10 s, then 20 s), whatever its exit
+  status. ``plan`` waits out outages itself, so a bad recipe or run root fails the run
+  once, at its first task; a mistake only a stage can see is still retried.
 - One iteration per run, like the DAG; a KFP recurring run plans the next iteration
   itself (``max_concurrency=1`` on the recurring run: iteration k+1 needs checkpoint k).
 - MLflow: a stage task stopped with SIGTERM ends its stage run KILLED (``_run`` installs
@@ -103,7 +106,6 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     """Shared component body (copied into each component's source by KFP). The iteration is
     the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
     ``kfp:<job id>`` when empty), so no task takes it as an input."""
-    import os
 
     from components.core import planner, settings
     from components.core.errors import UserError
@@ -117,27 +119,56 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
         k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
                                                         holder or f"kfp:{run_id}", replay=True)
         return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
-    except UserError as exc:  # under posttrain kfp-local (pipelines/local.py) the command ends with this line
-        if where := os.environ.get("POSTTRAIN_KFP_USER_ERROR"):
-            with open(where, "w") as fh:
-                fh.write(exc.to_json())
+    except UserError as exc:
+        _tell_kfp_local(exc)
         raise
+
+
+def _tell_kfp_local(exc: Exception) -> None:
+    """Under ``posttrain kfp-local`` (``pipelines/local.py``), hand a task's UserError to the
+    command, which ends with its line (copied into each component's source by KFP)."""
+    import os
+
+    if where := os.environ.get("POSTTRAIN_KFP_USER_ERROR"):
+        with open(where, "w") as fh:
+            fh.write(exc.to_json())
 
 
 def plan(recipe: str, run_root: str, run_id: str, holder: str) -> int:
     """Pick and lease this job's iteration (``holder`` holds it, ``kfp:<job id>`` when empty:
     ``posttrain kfp-local`` passes one holder for all its runs, so a rerun after a failure
     resumes the iteration its earlier run leased); end the MLflow runs of iterations that
-    finished while their parent run stayed RUNNING."""
+    finished while their parent run stayed RUNNING.
+
+    KFP does not retry this task (``make_pipeline``): a bad recipe or run root fails it
+    once, at the start of the run. It rides out an outage of the store or the tracking
+    server itself, waiting 10 s, 20 s and 40 s (``POSTTRAIN_RETRY_DELAY_S`` sets the first).
+    Not covered: a pod lost while it plans fails the run (the next run plans again)."""
+    import sys
+
+    from components.core.errors import UserError, retry_outages
+    from dags.execution import retry_delay_s
+
+    try:
+        first = retry_delay_s()
+        return retry_outages(lambda: _plan_once(recipe, run_root, run_id, holder), (first, 2 * first, 4 * first),
+                             lambda line: print(f"plan: {line}", file=sys.stderr, flush=True))
+    except UserError as exc:
+        _tell_kfp_local(exc)
+        raise
+
+
+def _plan_once(recipe: str, run_root: str, run_id: str, holder: str) -> int:
+    """One attempt of ``plan`` (copied into its component's source by KFP)."""
     from components.core import planner, settings
     from components.core.recipe import load_recipe
     from components.core.runner import close_finished_iterations
     from components.core.storage import Store
 
     conf = settings.resolve(recipe or None, run_root or None)
+    loaded = load_recipe(conf.recipe)  # first: a bad recipe leaves no run root behind
     store = Store(conf.run_root, "run_root")
     store.check_reachable()
-    loaded = load_recipe(conf.recipe)
     k = planner.plan(store, loaded, holder or f"kfp:{run_id}", replay=True)
     close_finished_iterations(store, loaded.pipeline)
     return k
@@ -238,24 +269,25 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
     bodies = {f.__name__: f for f in (bootstrap, taskgen, rollout, sandbox, reward, validation, trainer, evaluation)}
     assert tuple(bodies) == STAGES, "one component per stage, in stage order"
     comp = {name: dsl.component(f, base_image=stage_image(name, image_prefix), install_kfp_package=False,
-                                additional_funcs=[_run])
+                                additional_funcs=[_run, _tell_kfp_local])
             for name, f in bodies.items()}
-    planner = dsl.component(plan, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False)
+    planner = dsl.component(plan, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False,
+                            additional_funcs=[_plan_once, _tell_kfp_local])
     lister = dsl.component(shards, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False)
 
-    def step(task: dsl.PipelineTask) -> dsl.PipelineTask:
+    def step(task: dsl.PipelineTask, retried: bool = True) -> dsl.PipelineTask:
         task.set_caching_options(False)
         stage = task.component_spec.name if task.component_spec.name in STAGES else ""
         on_cluster(task, stage, **cluster)
-        return task.set_retry(num_retries=RETRIES, backoff_duration=BACKOFF, backoff_factor=2.0)
+        return task.set_retry(num_retries=RETRIES, backoff_duration=BACKOFF, backoff_factor=2.0) if retried else task
 
     @dsl.pipeline(name="post-training-iteration",
                   description="One RL post-training iteration: plan, bootstrap, taskgen, sharded rollout/sandbox/reward, "
                               "validation, trainer, evaluation.")
     def post_training_iteration(recipe: str = "", run_root: str = "", holder: str = "") -> str:
         common = dict(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, holder=holder)
-        planned = step(planner(**common))
-        fanout = {s: step(lister(recipe=recipe, stage=s).set_display_name(f"{s}-shards"))
+        planned = step(planner(**common), retried=False)  # it retries outages itself; a mistake fails once
+        fanout = {s: step(lister(recipe=recipe, stage=s).set_display_name(f"{s}-shards").after(planned))
                   for s in ("rollout", "sandbox", "reward")}
         boot = step(comp["bootstrap"](**common).after(planned))
         tasks = step(comp["taskgen"](**common).after(boot))

@@ -8,6 +8,11 @@ CLI prints it as one line and exits with status 2; no traceback. Internal invari
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 EXIT_USER_ERROR = 2
 
@@ -147,3 +152,21 @@ def outage(exc: BaseException) -> str | None:
             return f"{type(cur).__name__}: {str(cur).splitlines()[0]}"
         cur = cur.__cause__ or cur.__context__
     return server_side(exc)
+
+
+def retry_outages(fn: Callable[[], T], delays_s: Sequence[float], say: Callable[[str], None]) -> T:
+    """``fn()``, called again after each of ``delays_s`` while it fails on an outage (an
+    ``InfraError``, or what ``outage`` recognises), with one line to ``say`` per wait. A
+    UserError or any other failure, and the outage after the last delay, propagate at once.
+    For a step an orchestrator must not retry (a mistake would fail once per retry, each
+    after its backoff) that still has to ride out a restarting store."""
+    for attempt, delay in enumerate((*delays_s, None), start=1):
+        try:
+            return fn()
+        except Exception as exc:
+            reason = exc.line() if isinstance(exc, InfraError) else outage(exc)
+            if reason is None or delay is None:
+                raise
+            say(f"{reason} (attempt {attempt} of {len(delays_s) + 1}; again in {delay:g} s)")
+            time.sleep(delay)
+    raise AssertionError("unreachable: the last attempt returns or raises")

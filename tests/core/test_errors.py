@@ -44,3 +44,44 @@ def test_a_newline_anywhere_in_the_error_stays_escaped_on_one_line() -> None:
     error = UserError("taskgen.task_file[/t/a\nb.jsonl]", "x\ny", "row 2: domain 'a\nb' \u2028", "fix\r\nit")
     assert error.line() == r"taskgen.task_file[/t/a\nb.jsonl]='x\ny': row 2: domain 'a\nb' \u2028; fix: fix\r\nit"
     assert UserError("f", "é", "ü ok", "ß").line() == "f='é': ü ok; fix: ß"  # printable text stays as it is
+
+
+def test_retry_outages_waits_out_an_outage_and_passes_a_mistake_at_once(monkeypatch) -> None:
+    from components.core import errors
+    from components.core.errors import InfraError, UserError, retry_outages
+
+    slept: list[float] = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    said: list[str] = []
+    calls = iter([InfraError("store", "s3://b", "503"), ConnectionRefusedError("Connection refused"), 7])
+
+    def flaky() -> int:
+        step = next(calls)
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    assert retry_outages(flaky, (10, 20, 40), said.append) == 7
+    assert slept == [10, 20]
+    assert said == ["store unreachable at 's3://b': 503; retry once it is back (attempt 1 of 4; again in 10 s)",
+                    "ConnectionRefusedError: Connection refused (attempt 2 of 4; again in 20 s)"]
+
+    slept.clear()
+    mistake = UserError("recipe", "r.yaml", "is not a recipe", "fix it")
+
+    def wrong() -> None:
+        raise mistake
+
+    with pytest.raises(UserError) as err:
+        retry_outages(wrong, (10, 20, 40), said.append)
+    assert err.value is mistake and slept == []
+    with pytest.raises(KeyError):  # a bug is not waited out either
+        retry_outages(lambda: {}["x"], (10,), said.append)
+    assert slept == []
+
+    def down() -> None:
+        raise InfraError("store", "s3://b", "503")
+
+    with pytest.raises(InfraError):
+        retry_outages(down, (1, 2), said.append)
+    assert slept == [1, 2]

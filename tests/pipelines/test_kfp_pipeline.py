@@ -98,12 +98,18 @@ def test_the_wiring_follows_the_stage_registry(compiled):
             assert task["inputs"]["parameters"]["shard"] == {"componentInputParameter": f"{channel}-loop-item"}
 
 
-def test_every_task_retries_and_skips_the_kfp_cache(compiled):
+def test_every_task_but_plan_retries_and_none_uses_the_kfp_cache(compiled):
+    """``plan`` retries outages itself: KFP retrying it would run a bad recipe three times."""
     tasks = {name: task for name, (task, _) in _tasks(compiled).items()}
     assert sorted(tasks) == sorted(["plan", "shards", "shards-2", "shards-3", *STAGES])
+    assert "retryPolicy" not in tasks["plan"]
     for name, task in tasks.items():
+        if name == "plan":
+            continue
         assert task["retryPolicy"]["maxRetryCount"] == 2, name
         assert task["retryPolicy"]["backoffDuration"] == "10s", name
+        if name.startswith("shards"):  # a recipe reaches them only once plan has checked it
+            assert task["dependentTasks"] == ["plan"], name
         assert task["cachingOptions"] == {}, name  # enableCache absent = false: manifests are the cache
         if not name.startswith("shards"):
             assert task["inputs"]["parameters"]["run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
@@ -274,6 +280,25 @@ def test_kfp_local_refuses_a_bad_recipe_before_any_task(recipe, needle, tmp_path
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("posttrain: error: ") and needle in lines[0], lines
     assert not (tmp_path / "store").exists() and not (tmp_path / "home" / "kfp").exists()
+
+
+@pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
+def test_a_bad_recipe_fails_the_plan_task_once(tmp_path, monkeypatch, capfd):
+    """The pipeline run straight under kfp.local, as on a cluster (no ``posttrain
+    kfp-local`` checks first): ``plan`` meets the bad recipe, is not retried (it was twice,
+    after 10 s and 20 s), no other task starts, and the run ends with the recipe's line."""
+    from components.core.errors import UserError
+    from pipelines import local
+
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path / "home"))
+    (tmp_path / "bad.yaml").write_text("pipeline: tiny\nrollout: {group_size: 1}\n")
+    local.prepare(tmp_path / "home", 1)
+    with pytest.raises(UserError) as err:
+        local.run_iteration(str(tmp_path / "bad.yaml"), str(tmp_path / "store"), "h")
+    assert err.value.line().startswith(f"{tmp_path / 'bad.yaml'}: rollout.group_size=1: Input should be greater")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
+    assert re.findall(r"Executing task '([\w-]+)'", out) == ["plan"]
+    assert not (tmp_path / "store").exists()
 
 
 @pytest.mark.slow
