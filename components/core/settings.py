@@ -28,14 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.core.errors import UserError
-from components.core.storage import local_path, make_folders, normalize_uri
+from components.core.storage import local_path, make_folders, normalize_uri, unusable_text
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = str(CHECKOUT / "recipes" / "demo.yaml")
 
 
 def home() -> Path:
-    return Path(os.environ.get("POSTTRAIN_HOME") or ".posttrain").resolve()
+    """``POSTTRAIN_HOME`` (default ``./.posttrain``), absolute; a UserError when its text
+    cannot name a folder (``storage.unusable_text``)."""
+    raw = os.environ.get("POSTTRAIN_HOME") or ".posttrain"
+    if (problem := unusable_text(raw)) is not None:
+        raise UserError("POSTTRAIN_HOME", raw, *problem)
+    return Path(raw).resolve()
 
 
 def _home_error(path: Path, exc: OSError) -> UserError:
@@ -193,4 +198,6 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
     recipe_path = chosen if "://" in chosen else str(local_path(chosen, "--recipe"))
     if not (run_root or os.environ.get("POSTTRAIN_RUN_ROOT")):
         check_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such (made when work starts)
+    else:
+        home()  # its text at least, before the run root is made: the embedded MLflow database lives there
     return RunSettings(recipe=recipe_path, run_root=normalize_uri(run_root or default_run_root(), "--run-root"))

@@ -121,20 +121,33 @@ def scheme(uri: str) -> str:
     return match.group(1).lower() if match else ""
 
 
+def unusable_text(text: str) -> tuple[str, str] | None:
+    """(problem, fix) when ``text`` cannot name a folder anyone can type, list or log: a
+    NUL, another control character, or bytes that are not UTF-8 (Python holds them as lone
+    surrogates, which neither SQLite URLs nor S3 keys nor log lines can encode). None when
+    it is fine."""
+    if "\0" in text:
+        return "contains a NUL character, which no path or URI can hold", "remove the NUL (\\0) from it"
+    control = next((c for c in text if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if control is not None:  # a path may hold one, but it makes folders no one can type or see in a listing
+        return (f"contains the control character U+{ord(control):04X}",
+                "remove it (a pasted line break or escape sequence, most likely)")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        return "is not UTF-8 text (it holds bytes no UTF-8 text has)", "use a path whose name is UTF-8"
+    return None
+
+
 def normalize_uri(uri: str, field: str = "run_root") -> str:
     """Absolute URI for ``uri``; a bare path becomes ``file://<absolute path>``. Anything
-    that names no store (an empty text, a NUL or other control character, an unknown scheme, an s3 URI
+    that names no store (an empty text, a NUL or other control character, bytes that are
+    not UTF-8, an unknown scheme, an s3 URI
     without a bucket or whose host part ``urlsplit`` refuses, such as ``s3://[x``) is a
     UserError naming ``field`` and the URI as given."""
     uri = str(uri).strip()
     if not uri:
         raise UserError(field, uri, "empty storage URI", "pass file:///path or s3://bucket/prefix")
-    if "\0" in uri:
-        raise UserError(field, uri, "contains a NUL character, which no path or URI can hold", "remove the NUL (\\0) from it")
-    control = next((c for c in uri if ord(c) < 0x20 or ord(c) == 0x7F), None)
-    if control is not None:  # a path may hold one, but it makes folders no one can type or see in a listing
-        raise UserError(field, uri, f"contains the control character U+{ord(control):04X}",
-                        "remove it (a pasted line break or escape sequence, most likely)")
+    if (problem := unusable_text(uri)) is not None:
+        raise UserError(field, uri, *problem)
     found = scheme(uri)
     if found == "" or (len(found) == 1 and os.name == "nt"):
         return "file://" + str(_short_enough(local_path(uri, field), field, uri))

@@ -25,3 +25,18 @@ def test_a_home_that_cannot_be_a_folder_is_named(command: list[str], make: str, 
         f"posttrain: error: POSTTRAIN_HOME='{home}': cannot be a folder ({why}); fix: point POSTTRAIN_HOME at a "
         "folder this user can write (default: ./.posttrain)"]
     assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.parametrize(("name", "problem"), [("h\udcff", "is not UTF-8 text (it holds bytes no UTF-8 text has)"),
+                                               ("h\x01\x1b[31mRED", "contains the control character U+0001")])
+def test_a_home_no_one_can_type_is_refused_even_with_a_run_root(name: str, problem: str, tmp_path: Path) -> None:
+    """Non-UTF-8 bytes (``$'\\xff'``) crashed every stage in SQLAlchemy's URL with a
+    UnicodeEncodeError traceback; a control character was taken as is when --run-root was
+    given. Both are one line now, and no folder is made."""
+    home = tmp_path / name
+    proc = run_posttrain(["stage", "bootstrap", "--recipe", str(TINY), "--run-root", str(tmp_path / "store")],
+                         tmp_path, cli_env(home), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("posttrain: error: POSTTRAIN_HOME=") and problem in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing made"

@@ -86,6 +86,8 @@ def test_a_bracket_in_a_store_uri_is_one_line(argv: list[str], environ: dict[str
     ("/tmp/a\x01b", "contains the control character U+0001"),
     ("s3://bucket/a\nb", "contains the control character U+000A"),
     ("file:///tmp/a\x7fb", "contains the control character U+007F"),
+    ("/tmp/rr\udcff", "is not UTF-8 text (it holds bytes no UTF-8 text has)"),  # $'\xff': a traceback in MLflow before
+    ("s3://bucket/a\udcffb", "is not UTF-8 text (it holds bytes no UTF-8 text has)"),
     ("~nosuchuser-posttrain/x", "'~nosuchuser-posttrain' is the home of no known user"),
 ])
 def test_normalize_uri_names_what_cannot_be_a_store(uri: str, problem: str) -> None:
