@@ -37,6 +37,7 @@ import math
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -183,6 +184,32 @@ def _parse_choices(reply: dict[str, Any], n: int, url: str, policy) -> list[tupl
     return [parsed[i] for i in range(n)]
 
 
+def check_base_url(url: str) -> None:
+    """A UserError naming ``POSTTRAIN_OPENAI_BASE_URL`` unless ``url`` is an http(s) URL of
+    a host, with no user, query or fragment, in ASCII: urllib would otherwise fail on it
+    with a traceback (no scheme, a bad port, non-ASCII), read a ``file:`` URL from local
+    disk, or report a mistyped URL as an outage and retry it."""
+    fix = f"set {ENV_BASE_URL} to the server's base URL, e.g. http://127.0.0.1:8000"
+    if not url.isascii() or any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
+        raise UserError(ENV_BASE_URL, url, "holds a space, a control character or a non-ASCII character", fix)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # "Invalid IPv6 URL", "Port out of range 0-65535", "Port could not be cast"
+        raise UserError(ENV_BASE_URL, url, f"not a URL ({exc})", fix) from None
+    if parts.scheme not in ("http", "https"):
+        raise UserError(ENV_BASE_URL, url, f"the scheme is {parts.scheme or 'missing'}, not http or https", fix)
+    if not parts.hostname:
+        raise UserError(ENV_BASE_URL, url, "names no host", fix)
+    if parts.username is not None or parts.password is not None:
+        raise UserError(ENV_BASE_URL, url, "holds a user name or password",
+                        f"drop it from the URL and put the key in {ENV_API_KEY}")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise UserError(ENV_BASE_URL, url, "has a query or fragment, which /v1/completions would be put after", fix)
+    if port == 0:
+        raise UserError(ENV_BASE_URL, url, "names port 0", fix)
+
+
 class OpenAIEngine(Engine):
     name = "openai"
 
@@ -198,6 +225,7 @@ class OpenAIEngine(Engine):
         if not self.base_url:
             raise UserError(ENV_BASE_URL, "", "rollout.engine 'openai' needs the server's base URL",
                             f"export {ENV_BASE_URL}=http://host:port (deployment settings come from the environment)")
+        check_base_url(self.base_url)
         if not self.model:
             raise UserError(ENV_MODEL, "", "rollout.engine 'openai' needs the served model's name",
                             f"export {ENV_MODEL}=<name the server serves>")

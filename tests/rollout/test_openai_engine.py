@@ -264,3 +264,29 @@ def test_a_reply_over_the_limit_is_refused_and_a_trickle_is_an_outage(monkeypatc
         openai_engine.post_json(f"{server.url}/v1/completions", {"prompt": [[1]]}, timeout_s=1.0)
     assert "the reply did not end within the request's time limit" in str(slow.value)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("abc", "the scheme is missing, not http or https"),
+    ("-1", "the scheme is missing, not http or https"),
+    ("/tmp/x", "the scheme is missing, not http or https"),
+    ("ftp://127.0.0.1", "the scheme is ftp, not http or https"),
+    ("file:///etc/passwd", "the scheme is file, not http or https"),  # urllib read the local path before
+    ("http://", "names no host"),
+    ("http://[::1", "not a URL (Invalid IPv6 URL)"),
+    ("http://127.0.0.1:99999", "not a URL (Port out of range 0-65535)"),
+    ("http://127.0.0.1:0", "names port 0"),
+    ("http://user:pass@127.0.0.1:8000", "holds a user name or password"),
+    ("http://127.0.0.1:8000/?x=1", "has a query or fragment, which /v1/completions would be put after"),
+    ("http://127.0.0.1:8000#x", "has a query or fragment, which /v1/completions would be put after"),
+    ("http://127.0.0.1:8000/\udcff", "holds a space, a control character or a non-ASCII character"),
+    ("http://127.0.0.1:8000/a\x01b", "holds a space, a control character or a non-ASCII character"),
+])
+def test_a_base_url_that_is_no_server_url_is_one_user_error(url: str, problem: str) -> None:
+    """Each was a ValueError or UnicodeEncodeError traceback from urllib, or an outage
+    retried with backoff ("no host given", "Name or service not known")."""
+    engine = OpenAIEngine(base_url=url, model="m")
+    with pytest.raises(UserError) as err:
+        engine.generate(None, ["p"], 4, 1.0, 0, 1)
+    assert (err.value.field, err.value.value, err.value.problem) == (ENV_BASE_URL, url, problem)
+    OpenAIEngine(base_url="https://models.example.com:8443/v1", model="m")._check()  # a real one passes
