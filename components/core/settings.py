@@ -22,6 +22,7 @@ from the usual AWS/MLflow variables).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -115,14 +116,20 @@ def vllm_python() -> str:
     return str(default) if default.exists() else ""
 
 
+MAX_VLLM_START_TIMEOUT_S = 86400.0
+
+
 def vllm_start_timeout_s() -> float:
+    """``POSTTRAIN_VLLM_START_TIMEOUT_S``: seconds above 0 and up to a day (default 600); a
+    UserError otherwise (NaN, inf and 1e400 would wait for ever)."""
     raw = os.environ.get("POSTTRAIN_VLLM_START_TIMEOUT_S") or "600"
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise UserError("POSTTRAIN_VLLM_START_TIMEOUT_S", raw, "not a positive number of seconds",
+        value = math.nan
+    if not (0 < value <= MAX_VLLM_START_TIMEOUT_S):  # also NaN
+        raise UserError("POSTTRAIN_VLLM_START_TIMEOUT_S", raw,
+                        f"not a number of seconds above 0 and at most {MAX_VLLM_START_TIMEOUT_S:g}",
                         "export POSTTRAIN_VLLM_START_TIMEOUT_S=600 (or unset it)")
     return value
 

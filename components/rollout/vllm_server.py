@@ -73,12 +73,24 @@ print(json.dumps(sizes))
 def cpu_head_sizes(python: str) -> tuple[int, ...]:
     """The head sizes the CPU build behind ``python`` has attention kernels for (empty: not the
     CPU build, or a vLLM layout that does not say; vLLM then decides itself)."""
-    done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    fix = "run `make vllm` again, or point POSTTRAIN_VLLM_PYTHON at a Python with vllm"
+    try:
+        done = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, errors="replace", timeout=300)
+    except OSError as exc:  # not executable, not a program at all
+        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot run it ({exc.strerror or type(exc).__name__})",
+                        fix) from None
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-LOG_TAIL_LINES:])
-        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot import vllm there ({tail})",
-                        "run `make vllm` again, or point POSTTRAIN_VLLM_PYTHON at a Python with vllm")
-    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot import vllm there ({tail})", fix)
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    try:
+        sizes = json.loads(last)
+    except (ValueError, RecursionError):
+        sizes = None
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"is not a Python that ran the vllm probe "
+                        f"(it printed {last[:80]!r})", fix)
+    return tuple(sizes)
 
 
 def check_head_size(folder: Path, uri: str, sizes: tuple[int, ...] | list[int]) -> None:

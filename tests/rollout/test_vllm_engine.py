@@ -236,3 +236,33 @@ def test_vllm_server_that_cannot_start_is_one_error_with_its_log(checkpoints, tm
                        r"on .*broken; its log ends: .*NoSuchModelForCausalLM.*; fix: fix what the log says"):
         engine.generate(broken, ["1+2="], 4, 1.0, 0, 8)
     assert engine._server is None
+
+
+@pytest.mark.parametrize(("program", "problem"), [
+    (None, "cannot run it (Permission denied)"),
+    ("#!/bin/sh\nexit 0\n", "is not a Python that ran the vllm probe (it printed '')"),
+    ("#!/bin/sh\necho 'not json'\n", "is not a Python that ran the vllm probe (it printed 'not json')"),
+    ("#!/bin/sh\necho 5\n", "is not a Python that ran the vllm probe (it printed '5')"),
+    ("#!/bin/sh\necho '[64, true]'\n", "is not a Python that ran the vllm probe (it printed '[64, true]')"),
+])
+def test_a_vllm_python_that_is_no_vllm_python_is_named(program: str | None, problem: str, tmp_path) -> None:
+    """Before: PermissionError, IndexError, JSONDecodeError or TypeError tracebacks."""
+    from components.rollout.vllm_server import cpu_head_sizes
+
+    fake = tmp_path / "python"
+    fake.write_text(program or "not a program")
+    fake.chmod(0o755 if program else 0o644)
+    with pytest.raises(UserError) as err:
+        cpu_head_sizes(str(fake))
+    assert (err.value.field, err.value.value, err.value.problem) == ("POSTTRAIN_VLLM_PYTHON", str(fake), problem)
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "1e400", "99999999999999999999999", "0", "-1", "abc"])
+def test_a_vllm_start_timeout_that_would_wait_for_ever_is_refused(raw: str, monkeypatch) -> None:
+    from components.core.settings import vllm_start_timeout_s
+
+    monkeypatch.setenv("POSTTRAIN_VLLM_START_TIMEOUT_S", raw)
+    with pytest.raises(UserError, match=r"not a number of seconds above 0 and at most 86400"):
+        vllm_start_timeout_s()
+    monkeypatch.setenv("POSTTRAIN_VLLM_START_TIMEOUT_S", "90.5")
+    assert vllm_start_timeout_s() == 90.5
