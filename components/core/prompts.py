@@ -67,16 +67,42 @@ def has_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def resolve_format(tokenizer: Any, fmt: str, field: str = FIELD) -> Resolved:
-    """``raw`` or ``chat`` for a requested format; ``chat`` without a template is a UserError."""
+def _resolved(tokenizer: Any, fmt: str, field: str) -> Resolved:
     if fmt not in FORMATS:
         raise UserError(field, fmt, "unknown prompt format", f"use one of {list(FORMATS)}")
-    if fmt == "auto":
-        return "chat" if has_template(tokenizer) else "raw"
     if fmt == "chat" and not has_template(tokenizer):
         raise UserError(field, fmt, "the policy's tokenizer has no chat template",
                         "set rollout.prompt_format: raw (or auto), or start from a checkpoint whose tokenizer has one")
-    return fmt  # type: ignore[return-value]
+    return ("chat" if has_template(tokenizer) else "raw") if fmt == "auto" else fmt  # type: ignore[return-value]
+
+
+def resolve_format(tokenizer: Any, fmt: str, field: str = FIELD) -> Resolved:
+    """``raw`` or ``chat`` for a requested format; ``chat`` without a template is a UserError,
+    and so is a template that cannot render a prompt (checked here, once: as the policy loads)."""
+    resolved = _resolved(tokenizer, fmt, field)
+    if resolved == "chat":
+        chat_text(tokenizer, "1+1=")
+    return resolved
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> str:
+    """``apply_chat_template(messages, tokenize=False, **options)``; a template that fails
+    to render (``raise_exception``, a syntax error, an undefined variable, a template that
+    is not text) is a UserError naming the tokenizer's folder. Not covered: a template that
+    renders for ever (Jinja's sandbox bounds ``range`` but not nested loops)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    except Exception as exc:  # jinja2's TemplateError family, TypeError, OverflowError, RecursionError, ...
+        detail = str(exc).splitlines()[0][:160] if str(exc) else ""
+        raise UserError("chat_template", getattr(tokenizer, "name_or_path", "") or "the policy's tokenizer",
+                        f"the tokenizer's chat template fails to render ({type(exc).__name__}: {detail})",
+                        "fix chat_template in the checkpoint's tokenizer_config.json (or chat_template.jinja), "
+                        "or set rollout.prompt_format: raw") from None
+    if not isinstance(text, str):
+        raise UserError("chat_template", getattr(tokenizer, "name_or_path", "") or "the policy's tokenizer",
+                        f"the tokenizer's chat template renders a {type(text).__name__}, not text",
+                        "fix chat_template in the checkpoint's tokenizer_config.json, or set rollout.prompt_format: raw")
+    return text
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -85,13 +111,12 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 def chat_text(tokenizer: Any, prompt: str) -> str:
     """The chat template around ``prompt`` as one user turn, generation prompt added."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    return _render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
 def encode(tokenizer: Any, prompt: str, fmt: str) -> list[int]:
     """The ids a policy generates from for ``prompt`` under ``fmt`` (``auto`` is resolved here)."""
-    if resolve_format(tokenizer, fmt) == "chat":
+    if _resolved(tokenizer, fmt, FIELD) == "chat":
         return _ids(tokenizer, chat_text(tokenizer, prompt))
     bos = tokenizer.bos_token_id
     return ([bos] if bos is not None else []) + _ids(tokenizer, prompt)
@@ -112,9 +137,8 @@ def _turn_pieces(tokenizer: Any) -> tuple[str, str, str]:
     """(closing of an assistant turn, text before an observation, text after it) as the
     chat template writes a conversation extended by one user turn."""
     first = [{"role": "user", "content": "task"}, {"role": "assistant", "content": _ACTION}]
-    base = tokenizer.apply_chat_template(first, tokenize=False)
-    full = tokenizer.apply_chat_template(first + [{"role": "user", "content": _OBSERVATION}], tokenize=False,
-                                         add_generation_prompt=True)
+    base = _render(tokenizer, first)
+    full = _render(tokenizer, first + [{"role": "user", "content": _OBSERVATION}], add_generation_prompt=True)
     if not full.startswith(base) or _ACTION not in base or full[len(base):].count(_OBSERVATION) != 1:
         raise UserError(FIELD, "chat", "the tokenizer's chat template does not extend a conversation by appending turns",
                         "set rollout.prompt_format: raw for recipes with multi-turn episodes")

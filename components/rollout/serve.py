@@ -65,6 +65,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from components.core.errors import UserError
 from components.core.policy import Policy
 from components.rollout.engines import TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
@@ -145,7 +146,10 @@ def _text(policy: Policy, field: str, text: str, positions: int) -> list[int]:
     except UnicodeEncodeError as exc:
         raise RequestError("prompt", f"{field} holds U+{ord(text[exc.start]):04X} at character {exc.start}, a lone "
                            "surrogate, which is not text; send UTF-8 text") from None
-    return policy.encode_prompt(text)
+    try:
+        return policy.encode_prompt(text)
+    except UserError as exc:  # a chat template that refuses this prompt (its raise_exception)
+        raise RequestError("prompt", f"{field}: {exc.problem}") from None
 
 
 def _prompts(policy: Policy, prompt: Any, positions: int) -> list[list[int]]:
@@ -375,7 +379,6 @@ def bind(host: str, port: int) -> socket.socket:
     UserError naming ``--host`` or ``--port`` when that cannot be: a name that does not
     resolve, an address not on this machine, a port in use or below 1024 without the
     privilege."""
-    from components.core.errors import UserError
 
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,

@@ -84,6 +84,37 @@ def test_a_template_that_cannot_append_turns_is_a_user_error_for_episodes() -> N
     assert err.value.field == "rollout.prompt_format" and "appending turns" in err.value.problem
 
 
+@pytest.mark.parametrize(("template", "problem"), [
+    ('{{ raise_exception("boom") }}', "TemplateError: boom"),
+    ("{% for %}", "TemplateSyntaxError: "),
+    ("{{ messages[5].content }}", "UndefinedError: "),
+    ("{% for i in range(100000000) %}{% endfor %}", "OverflowError: "),
+    (12345, "TypeError: "),
+])
+def test_a_chat_template_that_cannot_render_is_one_line_as_the_policy_loads(template, problem: str, tmp_path) -> None:
+    """Edited into a checkpoint's tokenizer_config.json: taskgen and rollout ended in a
+    50-60 line jinja2 traceback, and ``posttrain serve`` answered every text prompt 500."""
+    policy = tiny_policy()
+    save_policy(policy.model, policy.tokenizer, Store(f"file://{tmp_path}"), "ck")
+    config = tmp_path / "ck" / "tokenizer_config.json"
+    import json
+
+    data = json.loads(config.read_text())
+    data["chat_template"] = template
+    config.write_text(json.dumps(data))
+    (tmp_path / "ck" / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(UserError) as err:
+        load_policy(f"file://{tmp_path}/ck", prompt_format="auto")
+    assert err.value.field == "chat_template"
+    assert err.value.problem.startswith(f"the tokenizer's chat template fails to render ({problem}")
+    assert "rollout.prompt_format: raw" in err.value.fix and "\n" not in err.value.line()
+    tok = templated()
+    tok.chat_template = '{% if "secret" in messages[0].content %}{{ raise_exception("no") }}{% endif %}ok'
+    assert prompts.resolve_format(tok, "auto") == "chat"  # renders the probe prompt
+    with pytest.raises(UserError, match="fails to render \\(TemplateError: no\\)"):  # only this prompt fails
+        prompts.encode(tok, "a secret", "chat")
+
+
 def test_context_tokens_count_policy_tokens() -> None:
     task = Task(task_id="t", domain="math", split="train", difficulty=1, prompt="hi", context_tokens=2, reference={})
     assert [t.context_tokens for t in prompts.context_tokens([task], prompts.counter(templated(), "auto"))] == [9]
