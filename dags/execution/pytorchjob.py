@@ -67,6 +67,7 @@ KIND = "PyTorchJob"
 CONTAINER = "pytorch"  # the container the operator gives torchrun's settings to
 STAGE = "trainer"
 MAX_NAME = 48  # job name + "-worker-<n>" must stay a DNS label (63) for the replicas' services
+MAX_ITERATION = 10**9 - 1  # "-trainer-<k>" leaves the pipeline's name at least 30 of MAX_NAME's characters
 
 
 def job_name(pipeline: str, iteration: int) -> str:
@@ -109,6 +110,9 @@ def check(recipe: Recipe, iteration: int, nodes: int, res: Resources) -> None:
         raise UserError("--nodes", nodes, f"a job needs 1 to {MAX_NODES} nodes", f"pass --nodes from 1 to {MAX_NODES}")
     if iteration < 1:
         raise UserError("--iteration", iteration, "the trainer runs in iterations 1 and up", "pass --iteration 1 or more")
+    if iteration > MAX_ITERATION:  # the job name keeps the number whole, and a label value holds at most 63 characters
+        raise UserError("--iteration", iteration, f"more than {MAX_ITERATION}, too long for the job's name",
+                        f"pass an iteration from 1 to {MAX_ITERATION}")
     processes = recipe.trainer.processes
     if res.gpus > 0 and processes > res.gpus:
         raise UserError("trainer.processes", processes, f"needs one GPU per process (nccl) but each node gets "
