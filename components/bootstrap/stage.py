@@ -183,7 +183,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     metrics["parameters"] = float(sum(p.numel() for p in policy.model.parameters()))
     rel = f"{ctx.prefix}/checkpoint"
     digests = save_policy(policy.model, policy.tokenizer, ctx.store, rel)
-    ctx.add_output("checkpoint", rel, rows=int(metrics["parameters"]), digest=digests["model.safetensors"])
+    ctx.add_checkpoint(rel, rows=int(metrics["parameters"]), digests=digests)
     uri = ctx.store.url(rel)
     version = models.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
                                            {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri},

@@ -20,6 +20,7 @@ before the reading stage sees any of the data.
 from __future__ import annotations
 
 import json
+import posixpath
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter, ValidationError
 
 from components.core.errors import UserError
-from components.core.manifest import MANIFEST, InputRef, Manifest, OutputFile, Shard, stage_prefix
+from components.core.manifest import MANIFEST, WEIGHTS, InputRef, Manifest, OutputFile, Shard, stage_prefix
 from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
@@ -118,6 +119,17 @@ class StageContext:
         under this stage's prefix; its size is read back from the store."""
         out = OutputFile(path=rel, rows=rows, sha256=digest)
         self.outputs[name] = OutputFile(path=rel, rows=rows, sha256=digest, size=self.store.size(out.digested))
+
+    def add_checkpoint(self, rel: str, rows: int, digests: dict[str, str]) -> None:
+        """Record a checkpoint folder written under this stage's prefix (``digests``: {file:
+        sha256}, as ``save_policy``/``upload_dir`` return them): the folder as the output
+        ``checkpoint``, digested by its weights file, and each other file (config, tokenizer,
+        generation config) as ``checkpoint:<file>``, so a load and a cache hit check them
+        all; an edited ``config.json`` would otherwise load partly random weights silently."""
+        self.add_output("checkpoint", rel, rows=rows, digest=digests[WEIGHTS])
+        for name, digest in sorted(digests.items()):
+            if name != WEIGHTS and posixpath.splitext(name)[1]:  # an output without an extension reads as a folder
+                self.add_output(f"checkpoint:{name}", f"{rel}/{name}", rows=1, digest=digest)
 
     # -- reading -------------------------------------------------------------------------
     def upstream(self, stage: str, iteration: int | None = None) -> list[Manifest]:

@@ -258,6 +258,8 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
         return None
     if hit:
         verify_outputs(ctx.store, existing)  # a hit only if every output is still what it recorded
+        if stage == "bootstrap":  # a hit registers nothing: under another tracking database nothing would have a champion
+            preflight.registered_here(ctx.recipe.whole, ctx.store)
         # killed between its manifest and the end of its run: the work is done, so is the run
         tracking.end_if_running(existing.mlflow_run_id)
         _end_iteration(ctx, orchestrator_run_id)

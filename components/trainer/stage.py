@@ -201,7 +201,7 @@ def run(ctx: StageContext) -> dict[str, float]:
                                  step=trained.global_step + step)
     tokens, elapsed = sum(s.tokens for s in trained.stats), trained.seconds
     position = trained.global_step + len(batches)
-    ctx.add_output("checkpoint", rel, rows=trained.parameters, digest=trained.weights_digest)
+    ctx.add_checkpoint(rel, rows=trained.parameters, digests=trained.checkpoint_digests)
     ctx.add_output("trainer_state", f"{rel}/{STATE_FILE}", rows=position, digest=trained.state_digest)
     uri = ctx.store.url(rel)
     # The served model's default completion length is evaluation's (what the version is
@@ -248,7 +248,7 @@ class Outcome:
     step the run started at and whether it carried optimizer state in."""
 
     stats: list[StepStats]
-    weights_digest: str
+    checkpoint_digests: dict[str, str]  # {file in the checkpoint folder: sha256}
     state_digest: str
     parameters: int
     global_step: int
@@ -295,7 +295,7 @@ def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, te
     state_digest = save_trainer_state(ctx.store, rel, optimizer, scheduler, position)
     import torch
 
-    return Outcome(stats, digests["model.safetensors"], state_digest, sum(p.numel() for p in model.parameters()),
+    return Outcome(stats, digests, state_digest, sum(p.numel() for p in model.parameters()),
                    global_step, carried is not None, logged=True, seconds=seconds, threads=torch.get_num_threads())
 
 
@@ -331,5 +331,5 @@ def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: 
         data = result.trainer_state.read_bytes()
         ctx.store.write_bytes(f"{rel}/{STATE_FILE}", data)
     position = read_trainer_state(data, ctx.store.url(f"{rel}/{STATE_FILE}"))["position"]
-    return Outcome(result.stats, digests["model.safetensors"], sha256_bytes(data), result.parameters,
+    return Outcome(result.stats, digests, sha256_bytes(data), result.parameters,
                    int(position["global_step"]) - len(batches), carried is not None, logged=False, seconds=seconds)

@@ -76,10 +76,14 @@ def test_bootstrap_manifest(booted: Booted) -> None:
     assert (m.stage, m.pipeline, m.iteration, m.shard, m.inputs) == ("bootstrap", "tiny", 0, None, {})
     assert m.config_digest == config_digest(TINY, "bootstrap")
     assert m.code_version == code_version()
-    assert set(m.outputs) == {"checkpoint", "eval_results", "layered"}
+    files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert set(m.outputs) == {"checkpoint", "eval_results", "layered", *(f"checkpoint:{f}" for f in files)}
     ckpt = m.outputs["checkpoint"]
     assert ckpt.path == "tiny/bootstrap/checkpoint"
     assert ckpt.sha256 == sha256_of(store, "tiny/bootstrap/checkpoint/model.safetensors")
+    for f in files:  # every file of the checkpoint is digested, not only its weights
+        assert m.outputs[f"checkpoint:{f}"].path == f"tiny/bootstrap/checkpoint/{f}"
+        assert m.outputs[f"checkpoint:{f}"].sha256 == sha256_of(store, f"tiny/bootstrap/checkpoint/{f}")
     assert ckpt.rows == int(m.metrics["bootstrap/parameters"]) > 0
     evals = m.outputs["eval_results"]
     assert evals.path == "tiny/bootstrap/eval_results.parquet"

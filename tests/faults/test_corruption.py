@@ -141,6 +141,45 @@ def test_flipped_byte_in_checkpoint_is_refused_before_load(booted: Booted) -> No
         run_stage("bootstrap", TINY_RECIPE, root, 0)
 
 
+def test_an_edited_checkpoint_config_is_refused_before_load_and_is_no_cache_hit(booted: Booted) -> None:
+    """Only the weights were digested: a config.json edited to 2 layers loaded with the rest
+    of the model newly initialised, and rollout ran on it with exit 0; re-running bootstrap,
+    as the refusal said, was a cache hit that kept the edit."""
+    import json
+
+    copy = booted.tmp / "edited"
+    shutil.copytree(Path(booted.store.root), copy / "store")
+    root = f"file://{copy / 'store'}"
+    checkpoint = f"{root}/{booted.boot.outputs['checkpoint'].path}"
+    config = copy / "store" / booted.boot.outputs["checkpoint"].path / "config.json"
+    edited = json.loads(config.read_text()) | {"num_hidden_layers": 1}
+    config.write_text(json.dumps(edited))
+    with pytest.raises(UserError) as err:
+        load_policy(checkpoint)
+    assert err.value.value == f"{checkpoint}/config.json" and "re-run stage bootstrap" in err.value.fix
+    with pytest.raises(UserError) as again:  # the fix it names: the manifest goes, not a cache hit
+        run_stage("bootstrap", TINY_RECIPE, root, 0)
+    assert again.value.value == f"{checkpoint}/config.json"
+    assert again.value.fix.startswith(f"delete {root}/tiny/bootstrap/{MANIFEST} and re-run stage bootstrap")
+
+
+def test_a_bootstrap_cache_hit_under_another_home_is_refused(booted: Booted, tmp_path: Path) -> None:
+    """``posttrain stage bootstrap`` on a finished run root under another home was a cache
+    hit registering nothing, so taskgen's "no champion yet; run bootstrap first" sent the
+    user round in a loop. The hit now names the database in use."""
+    with pytest.MonkeyPatch.context() as mp:
+        other = use_home(mp, tmp_path / "other-home")
+        try:
+            with pytest.raises(UserError) as err:
+                run_stage("bootstrap", TINY_RECIPE, booted.root, 0)
+        finally:
+            reset_tracking_clients()
+    assert (err.value.field, err.value.value) == ("run_root", booted.root)
+    assert err.value.problem == ("was bootstrapped under another MLflow tracking database: the one in use "
+                                 f"(sqlite:///{other / 'mlflow.db'}) has no 'tiny-policy'")
+    assert run_stage("bootstrap", TINY_RECIPE, booted.root, 0).content_digest == booted.boot.content_digest
+
+
 def test_disk_full_mid_write_leaves_no_temporary_file(booted: Booted, monkeypatch: pytest.MonkeyPatch) -> None:
     real = storage._write_local
 
