@@ -154,3 +154,22 @@ def test_an_argument_argparse_refuses_is_one_line_and_exit_2(argv: list[str], li
     assert exited.value.code == 2
     out, err = capsys.readouterr()
     assert (out, err) == ("", line + "\n")
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--batch-size", "99999999999999"], "posttrain: error: --batch-size=99999999999999: must be from 1 to 4096; "
+                                         "fix: pass --batch-size from 1 to 4096 (default 64)"),
+    (["--batch-size", "0"], "posttrain: error: --batch-size=0: must be from 1 to 4096; fix: pass --batch-size from 1 "
+                            "to 4096 (default 64)"),
+    (["--model", ""], "posttrain: error: --model='': is no model name clients can send (empty, or a control "
+                      "character); fix: pass a name such as posttrain-policy"),
+    (["--model", "a\x1bb"], "is no model name clients can send"),
+])
+def test_serve_refuses_a_batch_size_or_model_name_it_cannot_serve(argv: list[str], line: str, tmp_path: Path,
+                                                                   capsys) -> None:
+    """Both started a server before: 10**14 sequences per batch, and a model name no client can send."""
+    from components.cli import main
+
+    assert main(["serve", "--checkpoint", str(tmp_path / "nowhere"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err

@@ -79,7 +79,7 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
     if not sharded and parsed.count != 1:
         raise UserError("--shard", shard, f"stage {stage} is not sharded", "leave --shard out")
     if sharded and parsed.count != (n := shard_count(recipe, stage)):
-        raise UserError("--shard", shard if shard else "not given", f"the recipe shards this stage {n} ways",
+        raise UserError("--shard", shard if shard is not None else "not given", f"the recipe shards this stage {n} ways",
                         f"pass --shard i/{n}, i from 0 to {n - 1}")
     store = Store(run_root, "--run-root")
     store.check_reachable()

@@ -24,13 +24,21 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=_serve)
 
 
+MAX_BATCH_SIZE = 4096
+"""The most sequences one generation batch takes (``serve``'s requests hold at most 256 prompts)."""
+
+
 def _serve(args: argparse.Namespace) -> int:
     from components.core.errors import UserError
     from components.rollout.serve import serve
 
     if not 0 < args.port < 65536:
         raise UserError("--port", args.port, "not a TCP port", "pass a port between 1 and 65535")
-    if args.batch_size < 1:
-        raise UserError("--batch-size", args.batch_size, "must be at least 1", "pass --batch-size 1 or more")
+    if not 1 <= args.batch_size <= MAX_BATCH_SIZE:  # a batch is padded to its longest sequence: 10**14 would never fit
+        raise UserError("--batch-size", args.batch_size, f"must be from 1 to {MAX_BATCH_SIZE}",
+                        f"pass --batch-size from 1 to {MAX_BATCH_SIZE} (default 64)")
+    if not args.model.strip() or not args.model.isprintable():
+        raise UserError("--model", args.model, "is no model name clients can send (empty, or a control character)",
+                        "pass a name such as posttrain-policy")
     serve(args.checkpoint, args.host, args.port, args.model, args.batch_size, args.prompt_format)
     return 0
