@@ -224,7 +224,7 @@ def _json_value(cls: type, name: str, hint: Any, text: str) -> Any:
     if not isinstance(value, dict):
         raise LayoutError(f"{cls.__name__}.{name} is a JSON {type(value).__name__}, not an object")
     if get_args(hint)[1] is float:
-        bad = next((k for k, v in value.items() if isinstance(v, bool) or not isinstance(v, int | float)), None)
+        bad = next((k for k, v in value.items() if not isinstance(v, int | float)), None)  # a bool is a number too
         if bad is not None:
             raise LayoutError(f"{cls.__name__}.{name}[{bad[:40]!r}] is not a number")
     return value

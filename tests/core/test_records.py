@@ -160,7 +160,7 @@ def replaced(table: pa.Table, name: str, column: pa.Array) -> pa.Table:
     (Reward, "components", pa.array(["{}", "[" * 100_000 + "]" * 100_000]), "Reward.components is not JSON"),
     (Reward, "components", pa.array(["{}", "[1]"]), "Reward.components is a JSON list, not an object"),
     (Reward, "components", pa.array(["{}", '{"ok": "yes"}']), r"Reward.components\['ok'\] is not a number"),
-    (Reward, "components", pa.array(["{}", '{"ok": true}']), r"Reward.components\['ok'\] is not a number"),
+    (Reward, "components", pa.array(["{}", '{"ok": null}']), r"Reward.components\['ok'\] is not a number"),
     (Task, "reference", pa.array(["null", "{}"]), "Task.reference is a JSON NoneType, not an object"),
     (Rollout, "logprobs", pa.array([[-0.1, None, -2.0], []], pa.list_(pa.float64())), "Rollout.logprobs holds a null"),
 ])
