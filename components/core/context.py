@@ -202,8 +202,9 @@ def read_output(store: Store, manifest: Manifest, name: str, parse: Callable[[by
     if out is None:
         raise UserError("file", url, f"manifest of stage {manifest.stage} lists no output {name!r}", remedy)
     expected = expected_output(store, manifest, out)
+    data = store.read_bytes(out.path, expected)
     try:
-        return parse(store.read_bytes(out.path, expected), url, expected)
+        return parse(data, url, expected)
     except ValueError as exc:
         if isinstance(exc, ValidationError):
             first = exc.errors()[0]
