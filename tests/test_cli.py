@@ -121,8 +121,9 @@ def test_rollout_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
     assert taskgen.returncode == 0, taskgen.stderr
     before = tree(corrupted.root)
     proc = posttrain(["stage", "rollout", *common, "--shard", "0/2"], corrupted.env)
-    # the weights no longer match the bootstrap manifest: named, with the stage to re-run, before anything loads
-    assert_user_error(proc, f"file='{corrupted.checkpoint}/model.safetensors'", "manifested output of stage bootstrap",
+    # the files no longer match the bootstrap manifest: the first named (every file of a checkpoint is digested, in
+    # name order), with the stage to re-run, before anything loads
+    assert_user_error(proc, f"file='{corrupted.checkpoint}/config.json'", "manifested output of stage bootstrap",
                       f"fix: delete {corrupted.uri}/tiny/bootstrap/_MANIFEST.json and re-run stage bootstrap")
     assert tree(corrupted.root) == before
     assert not (corrupted.root / "tiny/iter-000001/rollout").exists()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NotRequired, TypeVar
 
 from pydantic import Field, FiniteFloat, NonNegativeInt, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic validates typing.TypedDict only from Python 3.12
@@ -65,6 +65,14 @@ class Moments(TypedDict):
     count: NonNegativeInt
     mean: FiniteFloat
     m2: Annotated[FiniteFloat, Field(ge=0)]  # sum of squared deviations from the mean
+
+
+class StatsFile(TypedDict):
+    """A reward shard's ``norm_stats.json`` as read back (``components/reward/normalize.py``)."""
+
+    prior_iteration: NotRequired[int]
+    prior: dict[str, Moments]
+    batch: NotRequired[dict[str, Moments]]  # absent in files written before per-shard batches
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from components.core import tracking
 from components.core.context import read_manifest, read_manifests, read_output_json
+from components.core.facts import StatsFile
 from components.core.intervals import wilson
 from components.core.manifest import Manifest, stage_prefix
 from components.core.storage import Store
@@ -65,9 +66,7 @@ def _reward_means(store: Store, shards: list[Manifest]) -> dict[str, float]:
     for m in shards:
         batch = None
         if "norm_stats" in m.outputs:
-            from components.reward.normalize import STATS_OUTPUT, StatsFile
-
-            batch = read_output_json(store, m, STATS_OUTPUT, StatsFile).get("batch")
+            batch = read_output_json(store, m, "norm_stats", StatsFile).get("batch")
         if batch:
             for domain, stats in batch.items():
                 acc = sums.setdefault(domain, [0.0, 0.0])

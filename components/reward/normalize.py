@@ -26,23 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import NotRequired
-
-from typing_extensions import TypedDict
 
 from components.core.context import StageContext, read_manifests, read_output_json
-from components.core.facts import Moments
+from components.core.facts import Moments, StatsFile
 from components.core.manifest import MANIFEST, InputRef, Shard, stage_prefix
 
 STATS_OUTPUT = "norm_stats"
 
-
-class StatsFile(TypedDict):
-    """``norm_stats.json`` as read back (validated: counts, finite means, M2 >= 0)."""
-
-    prior_iteration: NotRequired[int]
-    prior: dict[str, Moments]
-    batch: NotRequired[dict[str, Moments]]  # absent in files written before per-shard batches
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ import hashlib
 import json
 
 from components.core.context import read_manifests, read_output_json, read_output_records
+from components.core.facts import StatsFile
 from components.core.manifest import Manifest, Shard, iteration_prefix
 from components.core.records import Execution, Reward, Rollout, Task, to_table
 from components.core.storage import Store
-from components.reward.normalize import STATS_OUTPUT, Stats, StatsFile, from_json
+from components.reward.normalize import STATS_OUTPUT, Stats, from_json
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
