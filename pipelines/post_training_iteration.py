@@ -106,7 +106,6 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     """Shared component body (copied into each component's source by KFP). The iteration is
     the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
     ``kfp:<job id>`` when empty), so no task takes it as an input."""
-
     from components.core import planner, settings
     from components.core.errors import UserError
     from components.core.recipe import load_recipe

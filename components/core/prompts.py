@@ -92,16 +92,14 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> s
     renders for ever (Jinja's sandbox bounds ``range`` but not nested loops)."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        if not isinstance(text, str):
+            raise TypeError(f"it renders a {type(text).__name__}, not text")
     except Exception as exc:  # jinja2's TemplateError family, TypeError, OverflowError, RecursionError, ...
         detail = str(exc).splitlines()[0][:160] if str(exc) else ""
         raise UserError("chat_template", getattr(tokenizer, "name_or_path", "") or "the policy's tokenizer",
                         f"the tokenizer's chat template fails to render ({type(exc).__name__}: {detail})",
                         "fix chat_template in the checkpoint's tokenizer_config.json (or chat_template.jinja), "
                         "or set rollout.prompt_format: raw") from None
-    if not isinstance(text, str):
-        raise UserError("chat_template", getattr(tokenizer, "name_or_path", "") or "the policy's tokenizer",
-                        f"the tokenizer's chat template renders a {type(text).__name__}, not text",
-                        "fix chat_template in the checkpoint's tokenizer_config.json, or set rollout.prompt_format: raw")
     return text
 
 

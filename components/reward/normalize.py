@@ -34,7 +34,6 @@ from components.core.manifest import MANIFEST, InputRef, Shard, stage_prefix
 STATS_OUTPUT = "norm_stats"
 
 
-
 @dataclass(frozen=True)
 class RunningStats:
     count: int = 0

@@ -379,7 +379,6 @@ def bind(host: str, port: int) -> socket.socket:
     UserError naming ``--host`` or ``--port`` when that cannot be: a name that does not
     resolve, an address not on this machine, a port in use or below 1024 without the
     privilege."""
-
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]

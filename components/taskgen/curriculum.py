@@ -48,7 +48,7 @@ from typing_extensions import TypedDict
 
 from components.core.context import StageContext, read_manifests, read_output_json, read_output_records
 from components.core.errors import UserError
-from components.core.manifest import MANIFEST, InputRef, Manifest, Shard, stage_prefix
+from components.core.manifest import MANIFEST, InputRef, Shard, stage_prefix
 from components.core.records import Reward, Task
 from components.domains.base import Domain
 
@@ -170,10 +170,6 @@ class _StateFile(TypedDict):
     pass_rates: dict[str, dict[int, Annotated[float, Field(ge=0, le=1)]]]
 
 
-def _records(ctx: StageContext, m: Manifest, name: str, cls: type) -> list:
-    return read_output_records(ctx.store, m, name, cls)
-
-
 def prior(ctx: StageContext, iteration: int, memory: float) -> Prior:
     """The estimate after the latest j <= ``iteration`` whose reward stage ran (``Prior()``
     when there is none), recording the manifests it read as inputs; a UserError when that
@@ -186,7 +182,7 @@ def prior(ctx: StageContext, iteration: int, memory: float) -> Prior:
             rel = stage_prefix(ctx.pipeline, j, "reward", Shard.parse(m.shard) if m.shard else None)
             ctx.inputs[f"curriculum_rewards[iter-{j}][{m.shard}]"] = InputRef(uri=ctx.store.url(f"{rel}/{MANIFEST}"),
                                                                               digest=m.content_digest)
-            rewards.extend(_records(ctx, m, "rewards", Reward))
+            rewards.extend(read_output_records(ctx.store, m, "rewards", Reward))
         taskgen = read_manifests(ctx.store, ctx.pipeline, j, "taskgen")[0]
         rel = stage_prefix(ctx.pipeline, j, "taskgen")
         ctx.inputs[f"curriculum_tasks[iter-{j}]"] = InputRef(uri=ctx.store.url(f"{rel}/{MANIFEST}"),
@@ -194,7 +190,7 @@ def prior(ctx: StageContext, iteration: int, memory: float) -> Prior:
         old: Rates = {}
         if OUTPUT in taskgen.outputs:  # absent when iteration j ran without adaptive difficulty
             old = read_output_json(ctx.store, taskgen, OUTPUT, _StateFile)["pass_rates"]
-        latest = tally(rewards, _records(ctx, taskgen, "tasks", Task))
+        latest = tally(rewards, read_output_records(ctx.store, taskgen, "tasks", Task))
         return Prior(after_iteration=j, latest=latest, pass_rates=blend(old, latest, memory))
     return Prior()
 

@@ -230,16 +230,6 @@ def _manifested(store: Store, stage: str, name: str, rel: str, data: bytes) -> M
     return read_manifest(store, prefix)
 
 
-def _parquet(table: pa.Table) -> bytes:
-    import io
-
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    return buf.getvalue()
-
-
 def test_records_of_another_type_under_a_matching_digest_are_one_line(tmp_path: Path) -> None:
     """Bytes that match the manifest can still not be what the stage writes: a Parquet file
     of tasks put where rollouts belong is refused naming the file, the missing column and
@@ -251,7 +241,8 @@ def test_records_of_another_type_under_a_matching_digest_are_one_line(tmp_path: 
     task = Task(task_id="t", domain="math", split="train", difficulty=1, prompt="1+1=", context_tokens=4,
                 reference={"answer": "2"})
     rel = "p/iter-000001/rollout/rollouts.parquet"
-    manifest = _manifested(store, "rollout", "rollouts", rel, _parquet(to_table([task])))
+    data, _ = store.write_table(rel, to_table([task]))
+    manifest = _manifested(store, "rollout", "rollouts", rel, data)
     assert read_output_records(store, manifest, "rollouts", Task) == [task]
     with pytest.raises(UserError) as err:
         read_output_records(store, manifest, "rollouts", Rollout)
