@@ -38,9 +38,11 @@ conversation by appending turns (a ``UserError`` for multi-turn episodes under `
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +59,10 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgp
 MODEL_FILES = ("config.json", "generation_config.json")
 """The model's own settings: read by ``load_tokenizer`` only when ``tokenizer_config.json``
 does not name the tokenizer class (transformers then finds it through the model type)."""
+
+PROBE_LIMIT_S = 10.0
+"""Seconds the chat template may take to render the probe prompt as the policy loads (a
+real template takes milliseconds)."""
 
 _ACTION = "\x00posttrain-action\x00"
 _OBSERVATION = "\x00posttrain-observation\x00"
@@ -81,25 +87,65 @@ def resolve_format(tokenizer: Any, fmt: str, field: str = FIELD) -> Resolved:
     and so is a template that cannot render a prompt (checked here, once: as the policy loads)."""
     resolved = _resolved(tokenizer, fmt, field)
     if resolved == "chat":
-        chat_text(tokenizer, "1+1=")
+        _probe(tokenizer)
     return resolved
+
+
+def _probe(tokenizer: Any) -> None:
+    """Render a one-line prompt with the chat template on a thread, waiting at most
+    ``PROBE_LIMIT_S``: a template that renders for ever (nested loops, each under Jinja's
+    ``range`` bound) is a UserError instead of a hang, and its render is stopped by an
+    exception raised in that thread at its next Python step. Not covered: a template that
+    runs long only on some prompts, one that writes gigabytes of text (a single C call, such
+    as repeating a string, runs to its end before the thread can be stopped)."""
+    failed: list[BaseException] = []
+
+    def render() -> None:
+        try:
+            chat_text(tokenizer, "1+1=")
+        except BaseException as exc:  # handed to the caller below (or the stop, ignored)
+            failed.append(exc)
+
+    thread = threading.Thread(target=render, name="posttrain-chat-template-probe", daemon=True)
+    thread.start()
+    thread.join(PROBE_LIMIT_S)
+    if thread.is_alive():
+        assert thread.ident is not None
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Overran))
+        thread.join(PROBE_LIMIT_S)
+        raise UserError("chat_template", _name(tokenizer),
+                        f"the tokenizer's chat template renders a one-line prompt for over {PROBE_LIMIT_S:g} s",
+                        _TEMPLATE_FIX)
+    if failed:
+        raise failed[0]
+
+
+class _Overran(Exception):
+    """Raised in a probe's thread to stop a render that ran past ``PROBE_LIMIT_S``."""
+
+
+def _name(tokenizer: Any) -> str:
+    return getattr(tokenizer, "name_or_path", "") or "the policy's tokenizer"
+
+
+_TEMPLATE_FIX = ("fix chat_template in the checkpoint's tokenizer_config.json (or chat_template.jinja), "
+                 "or set rollout.prompt_format: raw")
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> str:
     """``apply_chat_template(messages, tokenize=False, **options)``; a template that fails
     to render (``raise_exception``, a syntax error, an undefined variable, a template that
-    is not text) is a UserError naming the tokenizer's folder. Not covered: a template that
-    renders for ever (Jinja's sandbox bounds ``range`` but not nested loops)."""
+    is not text) is a UserError naming the tokenizer's folder. Not time-limited here (see
+    ``_probe``, which ``resolve_format`` runs as the policy loads)."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
         if not isinstance(text, str):
             raise TypeError(f"it renders a {type(text).__name__}, not text")
     except Exception as exc:  # jinja2's TemplateError family, TypeError, OverflowError, RecursionError, ...
         detail = str(exc).splitlines()[0][:160] if str(exc) else ""
-        raise UserError("chat_template", getattr(tokenizer, "name_or_path", "") or "the policy's tokenizer",
+        raise UserError("chat_template", _name(tokenizer),
                         f"the tokenizer's chat template fails to render ({type(exc).__name__}: {detail})",
-                        "fix chat_template in the checkpoint's tokenizer_config.json (or chat_template.jinja), "
-                        "or set rollout.prompt_format: raw") from None
+                        _TEMPLATE_FIX) from None
     return text
 
 
@@ -150,7 +196,7 @@ def observation_ids(tokenizer: Any, observation: str, fmt: str, action_stopped: 
     under ``raw``; under ``chat`` the end of the assistant turn (less the EOS the action
     already ended with when ``action_stopped``), the observation as a user turn, and the
     generation prompt."""
-    if resolve_format(tokenizer, fmt) == "raw":
+    if _resolved(tokenizer, fmt, FIELD) == "raw":  # the policy's format, probed as it loaded
         return _ids(tokenizer, observation)
     closing, before, after = _turn_pieces(tokenizer)
     eos = tokenizer.eos_token or ""

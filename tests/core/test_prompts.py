@@ -115,6 +115,28 @@ def test_a_chat_template_that_cannot_render_is_one_line_as_the_policy_loads(temp
         prompts.encode(tok, "a secret", "chat")
 
 
+def test_a_chat_template_that_renders_for_ever_is_one_line_and_its_render_stops(monkeypatch) -> None:
+    """Nested loops, each under Jinja's range bound (10**10 steps): taskgen, rollout and
+    serve hung as the policy loaded. The probe gives up after PROBE_LIMIT_S and stops the
+    render's thread; a template that renders in time still loads."""
+    import threading
+    import time
+
+    monkeypatch.setattr(prompts, "PROBE_LIMIT_S", 0.5)
+    tok = templated()
+    tok.chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TEMPLATE
+    started = time.monotonic()
+    with pytest.raises(UserError) as err:
+        prompts.resolve_format(tok, "auto")
+    assert time.monotonic() - started < 30
+    assert err.value.field == "chat_template"
+    assert err.value.problem == "the tokenizer's chat template renders a one-line prompt for over 0.5 s"
+    assert "rollout.prompt_format: raw" in err.value.fix
+    assert not [t for t in threading.enumerate() if t.name == "posttrain-chat-template-probe"]
+    tok.chat_template = "{% for i in range(1000) %}{% endfor %}" + TEMPLATE
+    assert prompts.resolve_format(tok, "auto") == "chat"
+
+
 def test_context_tokens_count_policy_tokens() -> None:
     task = Task(task_id="t", domain="math", split="train", difficulty=1, prompt="hi", context_tokens=2, reference={})
     assert [t.context_tokens for t in prompts.context_tokens([task], prompts.counter(templated(), "auto"))] == [9]
