@@ -19,32 +19,41 @@ writes it after the job has exited, when its page faults are cheap. The worker n
 reads the job's data itself (so no job's files linger in the memory later children
 inherit); it forks:
 
-    worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
-            enforces the wall clock, reports to the host). At start it empties the
-            capability bounding and ambient sets, locks securebits and sets
-            no_new_privs once; every child inherits that.
-      └─ J: the job, pid 1 of a new pid namespace, so when it exits (or is killed) the
-            kernel kills everything it left in the namespace. New mount and ipc
-            namespaces, private mounts, fresh size-capped tmpfs /work, /tmp and /dev/shm, its own
-            /proc. Reads the spec, writes files, sets rlimits, drops its capabilities,
-            installs the job seccomp filter (seccomp.py's ``job-on-zygote``: the
-            namespace calls; the rest of the job policy is the worker's own filter,
-            which J inherits), then runs the program. ``{python} -I -S
-            script`` runs in this already-started interpreter (the warm path: no exec,
-            no interpreter start-up); anything else is exec'd. The worker reads J's exit
-            status and resource use with wait4, after J has exited: while J lives,
-            each page the worker writes is a copy-on-write copy, so the worker blocks
-            on J first and tidies up after.
+    zygote (pid 2 of the sandbox): makes a new pid namespace, forks the worker into
+            it, waits for it and exits with it (``own_pid_namespace``).
+      └─ worker (pid 1 of that namespace, with its own mount namespace and a /proc of
+            it; CAP_SYS_ADMIN inside its own user namespace only; enforces the wall
+            clock, reports to the host). At start it empties the capability bounding
+            and ambient sets, locks securebits and sets no_new_privs once; every child
+            inherits that.
+          └─ J: the job, a child of that init, as a job is a child of bwrap's init in
+            strict mode (as pid 1 itself, a job would ignore the signals it sends itself
+            and those its children send it, and its ``setsid`` would fail). New mount
+            and ipc namespaces, private mounts, fresh size-capped tmpfs /work, /tmp and
+            /dev/shm. Reads the spec, writes files, sets rlimits, drops its
+            capabilities, installs the job seccomp filter (seccomp.py's
+            ``job-on-zygote``: the namespace calls; the rest of the job policy is the
+            worker's own filter, which J inherits), then runs the program. ``{python}
+            -I -S script`` runs in this already-started interpreter (the warm path: no
+            exec, no interpreter start-up; ``run_inline`` does what the interpreter does
+            at start and at exit); anything else is exec'd. The worker reads J's exit
+            status and resource use with wait4, after J has exited (while J lives, each
+            page the worker writes is a copy-on-write copy, so the worker blocks on J
+            first and tidies up after), then kills and reaps whatever J left in the
+            namespace (``clear_namespace``): the next job finds no process of this one.
 
-The job cannot see or signal the worker (outside its pid namespace), cannot mount or
-unshare (seccomp, no capabilities) and gets nothing from earlier jobs (fresh tmpfs and
-IPC namespace; /dev is read-only, so nothing else there is writable; the worker holds no job data). As the init of its namespace, J ignores
-signals it has no handler for when they come from inside (its own children), as any
-init does; the wall-clock SIGKILL comes from the worker, outside.
+The job sees the worker as pid 1 of its /proc but cannot signal it (an init receives
+signals from inside its namespace only through a handler, and the worker has none: its
+SIGINT is SIG_DFL), read its memory or fds (it is not dumpable; ptrace is denied by
+seccomp), mount or unshare (seccomp, no capabilities), and it gets nothing from earlier
+jobs (fresh tmpfs and IPC namespace; /dev is read-only, so nothing else there is
+writable; the worker holds no job data). Unlike strict mode, pid numbers go on from
+job to job instead of starting at 2.
 
 Not covered: a job in the warm path shares the interpreter's already-imported stdlib
 modules (ctypes, json, socket, ...) — they are imported but carry no state from other
-jobs; threads a warm-path job leaves running are not joined at exit (os._exit).
+jobs; at a warm-path job's exit the globals of modules other than ``__main__`` are not
+torn down (see ``run_inline``).
 """
 
 import atexit
@@ -56,11 +65,11 @@ import json
 import marshal
 import os
 import resource
-import select
 import signal
 import socket
 import struct
 import sys
+import time
 
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
@@ -94,10 +103,13 @@ def fail_setup(fd=2):
         os._exit(SETUP_FAILED)
 
 
-def report_uncaught():
+def report_uncaught(from_script=False):
     """What the interpreter does with an uncaught exception: ``sys.excepthook``, and if
-    the hook itself fails, both errors (as ``PyErr_PrintEx`` prints them)."""
+    the hook itself fails, both errors (as ``PyErr_PrintEx`` prints them).
+    ``from_script``: the traceback starts at the script, not at run_inline's frame."""
     exc = sys.exc_info()
+    if from_script and exc[2] is not None and exc[2].tb_next is not None:
+        exc = (exc[0], exc[1].with_traceback(exc[2].tb_next), exc[2].tb_next)
     try:
         sys.excepthook(*exc)
     except BaseException:
@@ -248,10 +260,14 @@ def inline_python(argv):
 
 
 def stream(fd, mode, errors="surrogateescape", line_buffering=False):
-    """A text stream over ``fd`` as the interpreter builds sys.stdin/stdout/stderr."""
+    """A text stream over ``fd`` as the interpreter builds sys.stdin/stdout/stderr (its
+    name and mode too, which its repr shows)."""
     raw = io.FileIO(fd, mode, closefd=False)
+    raw.name = ("<stdin>", "<stdout>", "<stderr>")[fd]
     buffered = io.BufferedReader(raw) if mode == "r" else io.BufferedWriter(raw)
-    return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
+    text = io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
+    text.mode = mode
+    return text
 
 
 def job_stdio():
@@ -284,45 +300,96 @@ def run_inline(args):
 
     As the interpreter does for a script: a fresh ``__main__`` module, the source compiled
     with the script's path, ``sys.argv`` set, ``SystemExit`` turned into the exit status.
+    Then its shutdown, in its order: non-daemon threads joined, ``atexit`` functions,
+    stdout and stderr flushed (exit status 120 when that fails), ``__main__``'s globals
+    dropped (``__del__`` runs, an unclosed file is flushed), the streams flushed again;
+    an uncaught ``KeyboardInterrupt`` ends the job by SIGINT.
     Signal dispositions are the interpreter's start-up defaults already: the worker
     installs no handlers (``test_warm_job_signal_dispositions_are_the_interpreters``).
+    Not covered: other modules' globals are not torn down and there is no last garbage
+    collection (a ``__del__`` there or in a reference cycle does not run; the collection
+    cost ~6% of a trivial job's throughput).
     """
     sys.stdin, sys.stdout, sys.stderr = JOB_STDIO
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = list(args)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the worker's own is SIG_DFL (serve)
     code = 0
+    interrupted = False
     main = type(sys)("__main__")
-    main.__file__ = args[0]
+    main.__file__ = path = os.path.abspath(args[0])  # as the interpreter makes a script's path
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     try:
-        fd = os.open(args[0], os.O_RDONLY)  # not open(): no buffered file object to build
+        fd = os.open(path, os.O_RDONLY)  # not open(): no buffered file object to build
         try:
             source = read_all(fd)
         finally:
             os.close(fd)
-        exec(compile(source, args[0], "exec"), main.__dict__)
+        exec(compile(source, path, "exec"), main.__dict__)
     except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # the job's own uncaught error: the interpreter hands it to sys.excepthook too
-        report_uncaught()
+        code = exit_code(exc)
+    except BaseException as exc:  # the job's own uncaught error: the interpreter hands it to sys.excepthook too
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        report_uncaught(from_script=True)
         code = 1
+    if not finalize(main):
+        code = 120
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
+def exit_code(exc):
+    """The exit status a ``SystemExit`` asks for (anything but None or an int is printed, status 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def finalize(main):
+    """The interpreter's shutdown for a warm-path job (see ``run_inline``); False when
+    stdout or stderr could not be flushed."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()  # joins the job's non-daemon threads
+        except BaseException:
+            report_uncaught()
     try:
         atexit._run_exitfuncs()
     except BaseException:
         report_uncaught()
+    flushed = flush_streams()
+    for name in list(main.__dict__):
+        if name != "__builtins__":
+            main.__dict__[name] = None
+    return flush_streams(report=False) and flushed  # said once, as the interpreter does
+
+
+def flush_streams(report=True):
+    """Flush sys.stdout, then sys.stderr, skipping a closed or missing one; a failure on
+    stdout is reported as the interpreter reports it at exit ("Exception ignored in:
+    ...") when ``report``. False if either failed."""
+    ok = True
     for out in (sys.stdout, sys.stderr):
         try:
+            if out is None or out.closed:
+                continue
             out.flush()
-        except BaseException:
-            pass
-    os._exit(code & 0xFF)
+        except BaseException as exc:
+            ok = False
+            if report and out is sys.stdout:
+                try:
+                    sys.stderr.write(f"Exception ignored in: {out!r}\n{type(exc).__name__}: {exc}\n")
+                    sys.stderr.flush()
+                except BaseException:
+                    pass
+    return ok
 
 
 def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
@@ -351,7 +418,7 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         oom = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(oom, b"1000")
         os.close(oom)
-        os.setsid()  # its own session and process group: kill(0, sig) cannot reach the worker
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)  # the worker's mask, not a program's
         set_limits(spec["limits"])
         drop.apply()
         os.write(READY_W, b"1")
@@ -380,16 +447,15 @@ def tmpfs_options(limits):
 
 
 def private_mounts(fresh, tmpfs):
-    """New mount and ipc namespaces; fresh tmpfs /work, /tmp and /dev/shm; this pid
-    namespace's /proc. Every argument is prebuilt: J runs as little Python as it can
-    before the job (each object it touches costs a copy-on-write page fault)."""
+    """New mount and ipc namespaces; fresh tmpfs /work, /tmp and /dev/shm. Every argument
+    is prebuilt: J runs as little Python as it can before the job (each object it touches
+    costs a copy-on-write page fault). /proc is the worker's (``own_pid_namespace``)."""
     check(UNSHARE(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
     mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
     if fresh:
         mount(b"tmpfs", b"/work", b"tmpfs", TMPFS_FLAGS, tmpfs[0])
         mount(b"tmpfs", b"/tmp", b"tmpfs", TMPFS_FLAGS, tmpfs[1])
         mount(b"tmpfs", b"/dev/shm", b"tmpfs", TMPFS_FLAGS, tmpfs[2])
-    mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
 
 
 def reset_session(tmpfs):
@@ -406,9 +472,10 @@ def reset_session(tmpfs):
     os.chdir("/work")
 
 
-def job_pid1(job_args, fresh, tmpfs):
-    """The forked child: J, pid 1 of its own pid namespace. Never returns (and never
-    unwinds back into the worker's loop); J closes the worker's fds in job_main."""
+def job_child(job_args, fresh, tmpfs):
+    """The forked child: J, the job, a child of the worker, which is pid 1 of the pid
+    namespace J runs in. Never returns (and never unwinds back into the worker's loop);
+    J closes the worker's fds in job_main."""
     try:
         PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
         private_mounts(fresh, tmpfs)
@@ -421,20 +488,48 @@ def job_pid1(job_args, fresh, tmpfs):
 
 
 def wait_job(pid, timeout_s):
-    """Wait for J (our child) under the wall clock; kill it when the clock runs out.
-    Returns the report dict (status, CPU time and peak memory from wait4)."""
-    pidfd = os.pidfd_open(pid)
+    """Wait for J (our child) under the wall clock, reaping the orphans J leaves to us
+    meanwhile (as bwrap's init does in strict mode: exited ones would otherwise count
+    against the job's process limits); kill J when the clock runs out. Then kill and reap
+    whatever J left in the namespace (``clear_namespace``). Returns the report dict
+    (status, CPU time and peak memory from wait4 on J). SIGCHLD is blocked in the worker
+    (``serve``), so one that comes between a reap and the wait is kept pending, not lost."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
     timed_out = False
-    try:
-        ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout_s))
-        if not ready:
+    while True:
+        done, status, usage = os.wait4(-1, os.WNOHANG)
+        if done == pid:
+            break
+        if done:
+            continue  # an orphan reaped; look again
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             timed_out = True
             os.kill(pid, signal.SIGKILL)
-    finally:
-        os.close(pidfd)
-    _, status, usage = os.wait4(pid, 0)
+            _, status, usage = os.wait4(pid, 0)
+            break
+        signal.sigtimedwait(CHILD_SIGNALS, remaining)
+    clear_namespace()
     return {"timed_out": timed_out, "status": status, "cpu_s": usage.ru_utime + usage.ru_stime,
             "maxrss_kb": usage.ru_maxrss}
+
+
+CHILD_SIGNALS = (signal.SIGCHLD,)
+
+
+def clear_namespace():
+    """Kill and reap every process J left behind. Each one is a descendant of the worker,
+    the namespace's init (orphans are re-parented to it), so while one lives the worker
+    has a child; ``kill(-1)`` from the init reaches every process in the namespace but
+    the init itself."""
+    try:
+        while True:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:  # a live child: J left processes behind
+                os.kill(-1, signal.SIGKILL)
+                while True:
+                    os.waitpid(-1, 0)
+    except ChildProcessError:  # none left
+        pass
 
 
 READY_W = -1  # set by open_ready_pipe(): J's "setup done" fd, the same number in every job
@@ -499,12 +594,15 @@ def warm_up():
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
+    # The worker is the jobs' pid 1: a signal from a job reaches it only through a handler,
+    # and the interpreter's SIGINT handler is the one it starts with (run_inline puts it back).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_SIGNALS)  # wait_job waits for it; each job unblocks it
     global JOB_STDIO
     drop = PrivilegeDrop(bpf)
     JOB_STDIO = job_stdio()
     warm_up()
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
-    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     ready_r = open_ready_pipe()
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
@@ -531,25 +629,18 @@ def serve(ctl, bpf, python, fresh):
             return
         spec_fd, out_fd, err_fd = fds[:3]
         result_fd = fds[3] if len(fds) > 3 else -1
+        tmpfs = tmpfs_options(req["limits"])
         try:
-            tmpfs = tmpfs_options(req["limits"])
-            timeout_s = req["limits"]["timeout_s"]
-            check(UNSHARE(CLONE_NEWPID), "unshare pid")  # applies to the next child only
+            pid = os.fork()
         except OSError:
-            report = {"error": format_exc()[-2000:]}
-        else:
-            try:
-                pid = os.fork()
-            except OSError:
-                pid, report = -1, {"error": format_exc()[-2000:]}
-            if pid == 0:
-                job_pid1((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), fresh, tmpfs)
-            if pid > 0:
-                # Wait first, tidy up after: while J lives, each page the worker writes is
-                # copied (copy-on-write, ~4.5 us here); once J is gone it is only re-enabled (~1 us).
-                report = wait_job(pid, timeout_s)
-            check(SETNS(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
-            if pid > 0 and not job_was_ready(ready_r):
+            pid, report = -1, {"error": format_exc()[-2000:]}
+        if pid == 0:
+            job_child((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), fresh, tmpfs)
+        if pid > 0:
+            # Wait first, tidy up after: while J lives, each page the worker writes is
+            # copied (copy-on-write, ~4.5 us here); once J is gone it is only re-enabled (~1 us).
+            report = wait_job(pid, req["limits"]["timeout_s"])
+            if not job_was_ready(ready_r):
                 report["setup_failed"] = True
         for fd in fds:
             os.close(fd)
@@ -558,10 +649,28 @@ def serve(ctl, bpf, python, fresh):
         ctl.send(json.dumps(report).encode())
 
 
+def own_pid_namespace():
+    """Make the rest of the worker pid 1 of a new pid namespace, with its own mount
+    namespace and a /proc of that namespace; returns in the new worker. The process that
+    called it stays outside, waits for it and exits with its status (bwrap's sandbox
+    ends with it)."""
+    check(UNSHARE(CLONE_NEWPID), "unshare pid")
+    pid = os.fork()
+    if pid > 0:
+        _, status = os.waitpid(pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+    check(UNSHARE(CLONE_NEWNS), "unshare mount")
+    mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
+    mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
+    os.setsid()  # the jobs' session and process group: kill(0, sig) in a job reaches only its namespace
+
+
 def main():
     ctl = socket.socket(fileno=int(sys.argv[1]))
     with open(sys.argv[2], "rb") as fh:
         bpf = fh.read()
+    own_pid_namespace()
     serve(ctl, bpf, python=sys.argv[3], fresh=sys.argv[4:5] != ["session"])
 
 

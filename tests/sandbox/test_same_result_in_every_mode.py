@@ -1,0 +1,141 @@
+"""A job gets the same result in strict mode, warm mode and a session: a verdict must not
+depend on how the sandbox runs it.
+
+In warm mode the job used to be pid 1 of its pid namespace, and a warm-path Python job
+ended with ``os._exit`` without the interpreter's shutdown. So a program could not kill
+itself (``kill -9 $$``, ``os.abort()``), its ``setsid()`` failed, it inherited orphans,
+an uncaught ``KeyboardInterrupt`` was exit 1, a failed flush of stdout was exit 0, and
+output from a non-daemon thread or a ``__del__`` at exit was lost: a solution that
+killed its own test harness passed in warm mode and failed in strict mode. Each case
+names the result a plain ``python3 -I -S`` or ``bash`` gives under bwrap's init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from components.core.jobs import Job, JobResult
+from tests.sandbox.helpers import bwrap_unavailable, sandbox_config
+
+PY = ["{python}", "-I", "-S", "main.py"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: list[str]
+    source: str
+    status: str
+    exit_code: int
+    signal: int = 0
+    stdout: str = ""
+
+
+def py(name: str, source: str, status: str, exit_code: int, signal: int = 0, stdout: str = "") -> Case:
+    return Case(name, PY, source, status, exit_code, signal, stdout)
+
+
+def sh(name: str, source: str, status: str, exit_code: int, signal: int = 0, stdout: str = "") -> Case:
+    return Case(name, ["bash", "main.sh"], source, status, exit_code, signal, stdout)
+
+
+CASES = [
+    py("python kills itself", "import os\nos.kill(os.getpid(), 9)\nprint('alive')", "killed", 137, 9),
+    py("python terminates itself", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')",
+       "killed", 143, 15),
+    py("abort", "import os\nprint('before', flush=True)\nos.abort()", "killed", 134, 6, "before\n"),
+    sh("bash kills itself", "echo before\nkill -9 $$\necho after", "killed", 137, 9, "before\n"),
+    sh("bash kills its group", "echo before\nkill -9 0\necho after", "killed", 137, 9, "before\n"),
+    sh("a child kills its parent", "echo before\nsh -c 'kill -9 $PPID'\necho after", "killed", 137, 9, "before\n"),
+    sh("the init cannot be killed from inside", "echo $PPID\nkill -9 $PPID\necho alive $?", "ok", 0, 0,
+       "1\nalive 0\n"),
+    py("the job is the init's child and may start its own session",
+       "import os\nos.setsid()\nprint(os.getpid() > 1, os.getppid())", "ok", 0, 0, "True 1\n"),
+    py("orphans go to the init, not the job",
+       "import os, subprocess\nsubprocess.run(['sh', '-c', 'sleep 0.2 &'])\n"
+       "try:\n    os.wait()\nexcept ChildProcessError:\n    print('no child')", "ok", 0, 0, "no child\n"),
+    py("exited orphans are reaped while the job runs",
+       "import subprocess\nfor _ in range(100):\n    subprocess.run(['sh', '-c', 'true &'], check=True)\nprint('done')",
+       "ok", 0, 0, "done\n"),
+    py("the interpreter's signal handlers and mask",
+       "import signal\nprint(signal.getsignal(signal.SIGINT).__name__, signal.getsignal(signal.SIGCHLD),"
+       " signal.pthread_sigmask(signal.SIG_BLOCK, []))", "ok", 0, 0, "default_int_handler 0 set()\n"),
+    py("an uncaught KeyboardInterrupt ends by SIGINT", "raise KeyboardInterrupt", "killed", 130, 2),
+    py("stdout that cannot be flushed at exit", "import os\nprint('x')\nos.close(1)", "failed", 120),
+    py("a closed stdout is not flushed at exit", "import sys\nprint('x')\nsys.stdout.close()", "ok", 0, 0, "x\n"),
+    py("non-daemon threads are joined at exit",
+       "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.1), print('thread done'))).start()\n"
+       "print('main done')", "ok", 0, 0, "main done\nthread done\n"),
+    py("__del__ and atexit run at exit",
+       "import atexit\natexit.register(print, 'atexit')\nclass A:\n    def __del__(self):\n        print('del ran')\n"
+       "a = A()", "ok", 0, 0, "atexit\ndel ran\n"),
+    py("the script's path is absolute", "print(__file__)\n1/0", "failed", 1, 0, "/work/main.py\n"),
+]
+
+
+class SessionRunner:
+    """One command per session, through a pooled session worker."""
+
+    def __init__(self) -> None:
+        from components.sandbox.session import SessionPool
+
+        cfg = sandbox_config(mode="warm")
+        self.pool = SessionPool(cfg, 1)
+
+    def run(self, job: Job) -> JobResult:
+        session = self.pool.open(60)
+        try:
+            return session.exec(list(job.argv), timeout_s=job.timeout_s, files=job.files, stdin=job.stdin)
+        finally:
+            session.close()
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@pytest.fixture(scope="module")
+def runners():
+    if bwrap_unavailable():
+        pytest.skip(f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+    from components.sandbox.executor import get_executor
+
+    made = {"strict": get_executor(sandbox_config(mode="strict")), "warm": get_executor(sandbox_config(mode="warm")),
+            "session": SessionRunner()}
+    yield made
+    for runner in made.values():
+        runner.close()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_job_gets_the_same_result_in_every_mode(runners, case: Case) -> None:
+    files = {"main.py" if case.argv is PY else "main.sh": case.source}
+    for mode, runner in runners.items():
+        result = runner.run(Job(job_id=case.name, files=files, argv=case.argv))
+        got = (result.status, result.exit_code, result.signal, result.stdout)
+        assert got == (case.status, case.exit_code, case.signal, case.stdout), (mode, result.stderr)
+
+
+def test_a_traceback_starts_at_the_script(runners) -> None:
+    """No frame of the warm worker's own in a warm-path job's traceback."""
+    job = Job(job_id="tb", files={"main.py": "1/0"}, argv=PY)
+    errors = {mode: runner.run(job).stderr for mode, runner in runners.items()}
+    expected = ('Traceback (most recent call last):\n  File "/work/main.py", line 1, in <module>\n    1/0\n'
+                "    ~^~\nZeroDivisionError: division by zero\n")
+    assert errors == {mode: expected for mode in runners}
+
+
+def test_the_job_cannot_stop_the_warm_worker_it_sees_as_pid_1(runners) -> None:
+    """The worker is the job's init: signals from the job reach it only through a handler,
+    and it has none (the interpreter's SIGINT handler is SIG_DFL there), so the next job
+    on the same worker runs as usual (a stopped worker would make that job's result an
+    infra_error, which is retried and left out of rewards)."""
+    src = ("import os, signal\nfor s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGSTOP,"
+           " signal.SIGKILL):\n    os.kill(1, s)\nprint('alive')")
+    hello = Job(job_id="next", files={"main.py": "print('next')"}, argv=PY)
+    for mode, runner in runners.items():
+        result = runner.run(Job(job_id="signals", files={"main.py": src}, argv=PY))
+        assert (result.status, result.stdout) == ("ok", "alive\n"), (mode, result.stderr)
+        after = runner.run(hello)
+        assert (after.status, after.stdout) == ("ok", "next\n"), (mode, after.stderr)
