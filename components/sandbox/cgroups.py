@@ -177,6 +177,16 @@ class JobCgroup:
         text = self._read("cpuacct", "cpuacct.usage").strip()
         return int(text) / 1e9 if text else None
 
+    def memory_bytes(self) -> int | None:
+        """The group's memory use now (None without a memory controller)."""
+        text = self._read("memory", "memory.usage_in_bytes").strip()
+        return int(text) if text.isdigit() else None
+
+    def limit_memory(self, memory_bytes: int) -> None:
+        """A new (lower) memory limit; memory+swap follows it down."""
+        self._write("memory", "memory.limit_in_bytes", memory_bytes)
+        self._write("memory", "memory.memsw.limit_in_bytes", memory_bytes, optional=True)
+
     def oom_kills(self) -> int:
         """OOM kills inside the group so far (v1 ``memory.oom_control``: oom_kill N)."""
         kills = self._key("memory", "memory.oom_control", "oom_kill")
@@ -331,6 +341,14 @@ class JobCgroupV2(JobCgroup):
     def cpu_time_s(self) -> float | None:
         usec = self._key("v2", "cpu.stat", "usage_usec")
         return None if usec is None else usec / 1e6
+
+    def memory_bytes(self) -> int | None:
+        text = self._read("v2", "memory.current").strip() if "memory" in self.controllers else ""
+        return int(text) if text.isdigit() else None
+
+    def limit_memory(self, memory_bytes: int) -> None:
+        if "memory" in self.controllers:
+            self._write("v2", "memory.max", memory_bytes)
 
     def oom_kills(self) -> int:
         return self._key("v2", "memory.events", "oom_kill") or 0

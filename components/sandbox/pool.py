@@ -116,7 +116,22 @@ class Worker:
             err = self.proc.stderr.read(4000).decode(errors="replace") if self.proc.stderr else ""
             raise WorkerDied(f"warm sandbox worker did not start: {err.strip()}")
         self.proc.stderr.close()
+        if not self.session:
+            self.fit_memory()
         self.alive = True
+
+    def fit_memory(self) -> None:
+        """Give the worker's jobs the memory a strict job gets: the group's limit becomes
+        what the started worker holds now plus ``memory_mb``, so a job's tmpfs files count
+        against ``memory_mb`` as in strict mode (the group starts with room for the
+        worker's start-up). Not for session workers, in either mode: the files of a
+        pooled worker's last session stay charged to its group for a while after the
+        reset, so they keep the room of the start. Not covered: what the worker itself
+        allocates later."""
+        group = self.group
+        used = group.memory_bytes() if group is not None else None
+        if group is not None and used is not None:
+            group.limit_memory(used + (self.limits.memory_mb << 20))
 
     def run(self, job: Job, backend: str) -> JobResult:
         assert self.alive and self.ctl is not None

@@ -139,3 +139,19 @@ def test_the_job_cannot_stop_the_warm_worker_it_sees_as_pid_1(runners) -> None:
         assert (result.status, result.stdout) == ("ok", "alive\n"), (mode, result.stderr)
         after = runner.run(hello)
         assert (after.status, after.stdout) == ("ok", "next\n"), (mode, after.stderr)
+
+
+def test_a_warm_jobs_files_count_against_its_memory_as_a_strict_jobs_do(runners) -> None:
+    """180 MiB of files in /tmp, /work and /dev/shm, then 350 MiB more under the 512 MiB
+    memory limit: out of memory in strict mode, where tmpfs pages count against the job's
+    cgroup. The warm worker's group had room for the tmpfs on top (memory + work + tmp +
+    128 MiB) and the job passed; it now holds the started worker plus ``memory_mb``.
+    (Session workers keep that room in both modes: a pooled worker's last session's files
+    stay charged for a while after its reset.)"""
+    src = ("for d in ('/tmp', '/work', '/dev/shm'):\n    for i in range(4):\n"
+           "        with open(f'{d}/f{i}', 'wb') as f:\n            f.write(b'x' * (15 << 20))\n"
+           "print('files done', flush=True)\nb = bytearray(350 << 20)\nb[::4096] = b'x' * len(b[::4096])\nprint('alloc done')")
+    job = Job(job_id="tmpfs", files={"main.py": src}, argv=PY)
+    for mode in ("strict", "warm"):
+        result = runners[mode].run(job)
+        assert (result.status, result.stdout) == ("oom", "files done\n"), (mode, result.stderr)
