@@ -213,11 +213,50 @@ RLIMITS = ((resource.RLIMIT_CPU, "cpu_s"), (resource.RLIMIT_AS, "as_bytes"), (re
            (resource.RLIMIT_NOFILE, "nofile"), (resource.RLIMIT_NPROC, "nproc"))
 
 
-def set_limits(lim):
+def set_limits(lim, as_extra=0):
+    """The job's rlimits; ``as_extra`` bytes more address space for a job that runs in
+    this interpreter (``AS_EXTRA``)."""
     setrlimit = resource.setrlimit
     for which, key in RLIMITS:
-        setrlimit(which, (lim[key], lim[key]))
+        value = lim[key] + as_extra if key == "as_bytes" else lim[key]
+        setrlimit(which, (value, value))
     setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+AS_EXTRA = 0  # set by serve(): how much more address space this interpreter holds than a fresh one
+
+
+def vm_size(status):
+    """VmSize in bytes from the text of a /proc/<pid>/status (0 if absent)."""
+    for line in status.splitlines():
+        if line.startswith(b"VmSize:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def fresh_vm_size(python):
+    """VmSize of a fresh ``python -I -S`` as its program starts: the address space a job
+    run by a new interpreter (strict mode) starts from. 0 if it cannot be measured."""
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return 0
+    if pid == 0:
+        try:
+            os.dup2(w, 1)
+            os.execv(python, [python, "-I", "-S", "-c",
+                              "import sys; sys.stdout.buffer.write(open('/proc/self/status', 'rb').read())"])
+        finally:
+            os._exit(127)
+    os.close(w)
+    try:
+        return vm_size(read_all(r))
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
 
 
 def clear(path):
@@ -419,15 +458,15 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         os.write(oom, b"1000")
         os.close(oom)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)  # the worker's mask, not a program's
-        set_limits(spec["limits"])
+        inline = inline_python(argv)
+        set_limits(spec["limits"], AS_EXTRA if inline is not None else 0)
         drop.apply()
         os.write(READY_W, b"1")
         os.close(READY_W)
     except BaseException:
         fail_setup()
-    script = inline_python(argv)
-    if script is not None:
-        run_inline(script)
+    if inline is not None:
+        run_inline(inline)
     argv = [python if a == "{python}" else a for a in argv]
     try:
         os.execvpe(argv[0], argv, JOB_ENV)
@@ -602,6 +641,9 @@ def serve(ctl, bpf, python, fresh):
     drop = PrivilegeDrop(bpf)
     JOB_STDIO = job_stdio()
     warm_up()
+    global AS_EXTRA
+    with open("/proc/self/status", "rb") as fh:
+        AS_EXTRA = max(0, vm_size(fh.read()) - fresh_vm_size(python))
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     ready_r = open_ready_pipe()
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())

@@ -155,3 +155,16 @@ def test_a_warm_jobs_files_count_against_its_memory_as_a_strict_jobs_do(runners)
     for mode in ("strict", "warm"):
         result = runners[mode].run(job)
         assert (result.status, result.stdout) == ("oom", "files done\n"), (mode, result.stderr)
+
+
+def test_a_warm_job_can_allocate_what_a_strict_job_can(runners) -> None:
+    """The warm worker's interpreter already holds about 4 MiB more address space than a
+    fresh one (its imports), and RLIMIT_AS was the same: an allocation within 4 MiB of
+    the limit failed in warm mode only. A job run in the worker's interpreter now gets
+    that much more (``zygote.AS_EXTRA``); the largest bytearray is the same."""
+    src = ("lo, hi = 0, 1024\nwhile lo < hi:\n    mid = (lo + hi + 1) // 2\n    try:\n        b = bytearray(mid << 20)\n"
+           "        del b\n        lo = mid\n    except MemoryError:\n        hi = mid - 1\nprint(lo)")
+    job = Job(job_id="largest", files={"main.py": src}, argv=PY)
+    largest = {mode: runners[mode].run(job).stdout for mode in ("strict", "warm")}
+    assert largest["strict"] == largest["warm"], largest
+    assert 480 <= int(largest["warm"]) < 512  # MiB under the 512 MiB limit, less the interpreter's own
