@@ -209,8 +209,11 @@ class StrictRunner:
                 if group_cpu is not None:
                     cpu = group_cpu  # includes processes killed before anyone reaped them
                 peak = group.peak_memory_mb()
+            # wait4's maxrss is the launch chain's: at least this host process's RSS when it forked
+            # the chain, whatever the job used; the job's cgroup peak is the job's where there is one.
             obs = Observed(seen=seen, exit_code=code, signaled=sig, duration_s=duration, cpu_time_s=cpu,
-                           peak_memory_mb=usage.ru_maxrss / 1024, oom_kills=oom, extra=extra, cgroup_peak_mb=peak)
+                           peak_memory_mb=usage.ru_maxrss / 1024 if peak is None else peak, oom_kills=oom,
+                           extra=extra, cgroup_peak_mb=peak)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             lease.release()  # kill stragglers, remove the group, then free the uid: off the critical path

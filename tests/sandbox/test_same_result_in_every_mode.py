@@ -168,3 +168,17 @@ def test_a_warm_job_can_allocate_what_a_strict_job_can(runners) -> None:
     largest = {mode: runners[mode].run(job).stdout for mode in ("strict", "warm")}
     assert largest["strict"] == largest["warm"], largest
     assert 480 <= int(largest["warm"]) < 512  # MiB under the 512 MiB limit, less the interpreter's own
+
+
+def test_peak_memory_is_the_jobs_own_in_both_modes(runners) -> None:
+    """Strict mode reported wait4's maxrss of its launch chain, which starts as this host
+    process's RSS when it forks the chain (here the test process's, 70 MiB and more),
+    whatever the job used; it now reports the job's cgroup peak."""
+    trivial = Job(job_id="small", files={"main.py": "print(1)"}, argv=PY)
+    big = Job(job_id="big", files={"main.py": "b = bytearray(100 << 20)\nb[::4096] = b'x' * len(b[::4096])"}, argv=PY)
+    for mode in ("strict", "warm"):
+        runner = runners[mode]
+        if "cgroup" not in runner.isolation or "no-cgroup" in runner.isolation:
+            pytest.skip("no cgroup here: strict mode has only wait4's maxrss")
+        small, large = runner.run(trivial).peak_memory_mb, runner.run(big).peak_memory_mb
+        assert small < 40 and 100 <= large < 140, (mode, small, large)
