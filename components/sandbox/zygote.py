@@ -19,36 +19,36 @@ writes it after the job has exited, when its page faults are cheap. The worker n
 reads the job's data itself (so no job's files linger in the memory later children
 inherit); it forks:
 
-    zygote (pid 2 of the sandbox): makes a new pid namespace, forks the worker into
-            it, waits for it and exits with it (``own_pid_namespace``).
-      └─ worker (pid 1 of that namespace, with its own mount namespace and a /proc of
-            it; CAP_SYS_ADMIN inside its own user namespace only; enforces the wall
-            clock, reports to the host). At start it empties the capability bounding
-            and ambient sets, locks securebits and sets no_new_privs once; every child
-            inherits that.
-          └─ J: the job, a child of that init, as a job is a child of bwrap's init in
-            strict mode (as pid 1 itself, a job would ignore the signals it sends itself
-            and those its children send it, and its ``setsid`` would fail). New mount
-            and ipc namespaces, private mounts, fresh size-capped tmpfs /work, /tmp and
-            /dev/shm. Reads the spec, writes files, sets rlimits, drops its
-            capabilities, installs the job seccomp filter (seccomp.py's
-            ``job-on-zygote``: the namespace calls; the rest of the job policy is the
-            worker's own filter, which J inherits), then runs the program. ``{python}
-            -I -S script`` runs in this already-started interpreter (the warm path: no
-            exec, no interpreter start-up; ``run_inline`` does what the interpreter does
-            at start and at exit); anything else is exec'd. The worker reads J's exit
-            status and resource use with wait4, after J has exited (while J lives, each
-            page the worker writes is a copy-on-write copy, so the worker blocks on J
-            first and tidies up after), then kills and reaps whatever J left in the
-            namespace (``clear_namespace``): the next job finds no process of this one.
+    worker (pid 2 of the sandbox, CAP_SYS_ADMIN inside its own user namespace only;
+            enforces the wall clock, reports to the host). At start it empties the
+            capability bounding and ambient sets, locks securebits and sets
+            no_new_privs once; every child inherits that. Its SIGINT is SIG_DFL, so
+            the inits it forks have no signal handler a job could reach.
+      └─ I: the job's init, pid 1 of a new pid namespace, as bwrap's init is in strict
+            mode, so when it exits (or is killed) the kernel kills everything left in
+            the namespace. New mount and ipc namespaces, private mounts, fresh
+            size-capped tmpfs /work, /tmp and /dev/shm, its own /proc, its own session.
+            Forks J, reaps what J leaves to it until J exits, sends J's wait status to
+            the worker and exits (``job_init``).
+          └─ J: the job, pid 2 (a pid 1 would ignore the signals it sends itself and
+            those its children send it, adopt orphans, and fail its own ``setsid``).
+            Reads the spec, writes files, sets rlimits, drops its capabilities, installs
+            the job seccomp filter (seccomp.py's ``job-on-zygote``: the namespace calls;
+            the rest of the job policy is the worker's own filter, which J inherits),
+            then runs the program. ``{python} -I -S script`` runs in this
+            already-started interpreter (the warm path: no exec, no interpreter
+            start-up; ``run_inline`` does what the interpreter does at start and at
+            exit); anything else is exec'd. The worker reads the exit status and
+            resource use with wait4 on I, after I has exited: while I and J live, each
+            page the worker writes is a copy-on-write copy, so the worker blocks on I
+            first and tidies up after.
 
-The job sees the worker as pid 1 of its /proc but cannot signal it (an init receives
-signals from inside its namespace only through a handler, and the worker has none: its
-SIGINT is SIG_DFL), read its memory or fds (it is not dumpable; ptrace is denied by
-seccomp), mount or unshare (seccomp, no capabilities), and it gets nothing from earlier
-jobs (fresh tmpfs and IPC namespace; /dev is read-only, so nothing else there is
-writable; the worker holds no job data). Unlike strict mode, pid numbers go on from
-job to job instead of starting at 2.
+The job cannot see or signal the worker (outside its pid namespace); it sees I as pid 1
+with its own uid, so it can stop I (``prlimit``, ``oom_score_adj``) and with it only
+itself, as under bwrap. It cannot mount or unshare (seccomp, no capabilities) and gets
+nothing from earlier jobs (fresh tmpfs, IPC and pid namespaces; /dev is read-only, so
+nothing else there is writable; the worker holds no job data). The wall-clock SIGKILL
+goes to I from the worker, outside.
 
 Not covered: a job in the warm path shares the interpreter's already-imported stdlib
 modules (ctypes, json, socket, ...) — they are imported but carry no state from other
@@ -65,11 +65,11 @@ import json
 import marshal
 import os
 import resource
+import select
 import signal
 import socket
 import struct
 import sys
-import time
 
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID = 0x00020000, 0x08000000, 0x20000000
@@ -457,7 +457,6 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         oom = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(oom, b"1000")
         os.close(oom)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, CHILD_SIGNALS)  # the worker's mask, not a program's
         inline = inline_python(argv)
         set_limits(spec["limits"], AS_EXTRA if inline is not None else 0)
         drop.apply()
@@ -486,15 +485,16 @@ def tmpfs_options(limits):
 
 
 def private_mounts(fresh, tmpfs):
-    """New mount and ipc namespaces; fresh tmpfs /work, /tmp and /dev/shm. Every argument
-    is prebuilt: J runs as little Python as it can before the job (each object it touches
-    costs a copy-on-write page fault). /proc is the worker's (``own_pid_namespace``)."""
+    """New mount and ipc namespaces; fresh tmpfs /work, /tmp and /dev/shm; this pid
+    namespace's /proc. Every argument is prebuilt: I runs as little Python as it can
+    (each object it touches costs a copy-on-write page fault)."""
     check(UNSHARE(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
     mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
     if fresh:
         mount(b"tmpfs", b"/work", b"tmpfs", TMPFS_FLAGS, tmpfs[0])
         mount(b"tmpfs", b"/tmp", b"tmpfs", TMPFS_FLAGS, tmpfs[1])
         mount(b"tmpfs", b"/dev/shm", b"tmpfs", TMPFS_FLAGS, tmpfs[2])
+    mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
 
 
 def reset_session(tmpfs):
@@ -511,64 +511,57 @@ def reset_session(tmpfs):
     os.chdir("/work")
 
 
-def job_child(job_args, fresh, tmpfs):
-    """The forked child: J, the job, a child of the worker, which is pid 1 of the pid
-    namespace J runs in. Never returns (and never unwinds back into the worker's loop);
-    J closes the worker's fds in job_main."""
+def job_init(job_args, fresh, tmpfs):
+    """The forked child: I, the init (pid 1) of the job's own pid namespace, as bwrap's
+    init is in strict mode. Never returns (and never unwinds back into the worker's loop).
+    It builds the job's mounts and its session, forks J (the job, ``job_main``), reaps
+    whatever J leaves to it until J exits, sends J's wait status to the worker on
+    READY_W and exits: the kernel then kills everything left in the namespace.
+
+    The job is the init's child, not the init itself: a pid 1 would ignore the signals it
+    sends itself and those its children send it, adopt orphans, and fail its own
+    ``setsid``. What the job can do to I (it sees it as pid 1, with the same uid:
+    ``prlimit``, its ``oom_score_adj``) ends this job only, as it would under bwrap."""
     try:
         PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
         private_mounts(fresh, tmpfs)
+        os.setsid()  # the job's session and process group: kill(0, sig) in the job cannot reach the worker
+        job = os.fork()
     except BaseException:
         fail_setup(job_args[2])
+    if job == 0:
+        try:
+            job_main(*job_args)
+        finally:
+            os._exit(SETUP_FAILED)
     try:
-        job_main(*job_args)
+        os.closerange(0, READY_W)  # the worker's fds and the job's streams: I only waits
+        os.closerange(READY_W + 1, 65536)
+        while True:
+            pid, status = os.wait()
+            if pid == job:
+                break
+        os.write(READY_W, STATUS_MARK + struct.pack("i", status))
     finally:
-        os._exit(SETUP_FAILED)
+        os._exit(0)
 
 
 def wait_job(pid, timeout_s):
-    """Wait for J (our child) under the wall clock, reaping the orphans J leaves to us
-    meanwhile (as bwrap's init does in strict mode: exited ones would otherwise count
-    against the job's process limits); kill J when the clock runs out. Then kill and reap
-    whatever J left in the namespace (``clear_namespace``). Returns the report dict
-    (status, CPU time and peak memory from wait4 on J). SIGCHLD is blocked in the worker
-    (``serve``), so one that comes between a reap and the wait is kept pending, not lost."""
-    deadline = time.monotonic() + max(0.0, timeout_s)
+    """Wait for I (our child) under the wall clock; kill it, and so its namespace, when the
+    clock runs out. Returns the report dict (I's status, and CPU time and peak memory
+    from wait4 on I, which include J's: I reaps J before it exits)."""
+    pidfd = os.pidfd_open(pid)
     timed_out = False
-    while True:
-        done, status, usage = os.wait4(-1, os.WNOHANG)
-        if done == pid:
-            break
-        if done:
-            continue  # an orphan reaped; look again
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+    try:
+        ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout_s))
+        if not ready:
             timed_out = True
             os.kill(pid, signal.SIGKILL)
-            _, status, usage = os.wait4(pid, 0)
-            break
-        signal.sigtimedwait(CHILD_SIGNALS, remaining)
-    clear_namespace()
+    finally:
+        os.close(pidfd)
+    _, status, usage = os.wait4(pid, 0)
     return {"timed_out": timed_out, "status": status, "cpu_s": usage.ru_utime + usage.ru_stime,
             "maxrss_kb": usage.ru_maxrss}
-
-
-CHILD_SIGNALS = (signal.SIGCHLD,)
-
-
-def clear_namespace():
-    """Kill and reap every process J left behind. Each one is a descendant of the worker,
-    the namespace's init (orphans are re-parented to it), so while one lives the worker
-    has a child; ``kill(-1)`` from the init reaches every process in the namespace but
-    the init itself."""
-    try:
-        while True:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:  # a live child: J left processes behind
-                os.kill(-1, signal.SIGKILL)
-                while True:
-                    os.waitpid(-1, 0)
-    except ChildProcessError:  # none left
-        pass
 
 
 READY_W = -1  # set by open_ready_pipe(): J's "setup done" fd, the same number in every job
@@ -588,12 +581,22 @@ def open_ready_pipe():
     return ready_r
 
 
-def job_was_ready(ready_r):
-    """Whether the job that just ended finished its setup (drains the pipe)."""
+STATUS_MARK = b"s"  # I's message on READY_W: this byte, then J's wait status (a native int)
+
+
+def job_ended(ready_r):
+    """(whether the job that just ended finished its setup, J's wait status or None) from
+    what J and I wrote on the ready pipe (drains it). None: I did not see J end (the wall
+    clock killed I, or I failed or was killed)."""
     try:
-        return bool(os.read(ready_r, 64))
+        data = os.read(ready_r, 64)
     except BlockingIOError:
-        return False
+        data = b""
+    ready = data.startswith(b"1")
+    message = data[1:] if ready else data
+    if len(message) == 1 + FD_SIZE and message[:1] == STATUS_MARK:
+        return ready, struct.unpack("i", message[1:])[0]
+    return ready, None
 
 
 FD_SIZE = struct.calcsize("i")
@@ -633,10 +636,9 @@ def warm_up():
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
-    # The worker is the jobs' pid 1: a signal from a job reaches it only through a handler,
-    # and the interpreter's SIGINT handler is the one it starts with (run_inline puts it back).
+    # Each job's init (a fork of the worker) must have no handler a job could reach: a pid 1
+    # gets signals from inside its namespace only through one (run_inline puts SIGINT's back).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_SIGNALS)  # wait_job waits for it; each job unblocks it
     global JOB_STDIO
     drop = PrivilegeDrop(bpf)
     JOB_STDIO = job_stdio()
@@ -645,6 +647,7 @@ def serve(ctl, bpf, python, fresh):
     with open("/proc/self/status", "rb") as fh:
         AS_EXTRA = max(0, vm_size(fh.read()) - fresh_vm_size(python))
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
     ready_r = open_ready_pipe()
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
@@ -671,19 +674,30 @@ def serve(ctl, bpf, python, fresh):
             return
         spec_fd, out_fd, err_fd = fds[:3]
         result_fd = fds[3] if len(fds) > 3 else -1
-        tmpfs = tmpfs_options(req["limits"])
         try:
-            pid = os.fork()
+            tmpfs = tmpfs_options(req["limits"])
+            timeout_s = req["limits"]["timeout_s"]
+            check(UNSHARE(CLONE_NEWPID), "unshare pid")  # applies to the next child only
         except OSError:
-            pid, report = -1, {"error": format_exc()[-2000:]}
-        if pid == 0:
-            job_child((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), fresh, tmpfs)
-        if pid > 0:
-            # Wait first, tidy up after: while J lives, each page the worker writes is
-            # copied (copy-on-write, ~4.5 us here); once J is gone it is only re-enabled (~1 us).
-            report = wait_job(pid, req["limits"]["timeout_s"])
-            if not job_was_ready(ready_r):
-                report["setup_failed"] = True
+            report = {"error": format_exc()[-2000:]}
+        else:
+            try:
+                pid = os.fork()
+            except OSError:
+                pid, report = -1, {"error": format_exc()[-2000:]}
+            if pid == 0:
+                job_init((spec_fd, out_fd, err_fd, result_fd, drop, python, fresh), fresh, tmpfs)
+            if pid > 0:
+                # Wait first, tidy up after: while I and J live, each page the worker writes is
+                # copied (copy-on-write, ~4.5 us here); once they are gone it is only re-enabled (~1 us).
+                report = wait_job(pid, timeout_s)
+            check(SETNS(own_pidns, CLONE_NEWPID), "setns pid")  # later children: back in our namespace
+            if pid > 0:
+                ready, status = job_ended(ready_r)
+                if not ready:
+                    report["setup_failed"] = True
+                if status is not None and not report["timed_out"]:
+                    report["status"] = status  # J's exit, not I's
         for fd in fds:
             os.close(fd)
         report["op"] = "done"
@@ -691,28 +705,10 @@ def serve(ctl, bpf, python, fresh):
         ctl.send(json.dumps(report).encode())
 
 
-def own_pid_namespace():
-    """Make the rest of the worker pid 1 of a new pid namespace, with its own mount
-    namespace and a /proc of that namespace; returns in the new worker. The process that
-    called it stays outside, waits for it and exits with its status (bwrap's sandbox
-    ends with it)."""
-    check(UNSHARE(CLONE_NEWPID), "unshare pid")
-    pid = os.fork()
-    if pid > 0:
-        _, status = os.waitpid(pid, 0)
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-    PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
-    check(UNSHARE(CLONE_NEWNS), "unshare mount")
-    mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
-    mount(b"proc", b"/proc", b"proc", PROC_FLAGS, None)
-    os.setsid()  # the jobs' session and process group: kill(0, sig) in a job reaches only its namespace
-
-
 def main():
     ctl = socket.socket(fileno=int(sys.argv[1]))
     with open(sys.argv[2], "rb") as fh:
         bpf = fh.read()
-    own_pid_namespace()
     serve(ctl, bpf, python=sys.argv[3], fresh=sys.argv[4:5] != ["session"])
 
 

@@ -182,3 +182,25 @@ def test_peak_memory_is_the_jobs_own_in_both_modes(runners) -> None:
             pytest.skip("no cgroup here: strict mode has only wait4's maxrss")
         small, large = runner.run(trivial).peak_memory_mb, runner.run(big).peak_memory_mb
         assert small < 40 and 100 <= large < 140, (mode, small, large)
+
+
+def test_what_a_job_does_to_its_init_ends_with_the_job(runners) -> None:
+    """A job sees its init as pid 1, with its own uid: it can lower the init's rlimits
+    (``prlimit``), raise its ``oom_score_adj`` and, on kernels from 6.14, set its pid
+    namespace's ``pid_max``. Each warm job has an init and a pid namespace of its own (as
+    under bwrap), so none of that reaches the worker or the next job on it (a worker that
+    was the init of every job had its rlimits lowered: every later job an infra_error)."""
+    attack = ("import resource\n"
+              "for res, val in ((resource.RLIMIT_NPROC, (0, 0)), (resource.RLIMIT_NOFILE, (6, 6)),\n"
+              "                 (resource.RLIMIT_FSIZE, (4096, 4096)), (resource.RLIMIT_STACK, (32768, 32768)),\n"
+              "                 (resource.RLIMIT_DATA, (40 << 20, 40 << 20))):\n"
+              "    try:\n        resource.prlimit(1, res, val)\n    except OSError:\n        pass\n"
+              "for path, text in (('/proc/1/oom_score_adj', '1000'), ('/proc/sys/kernel/pid_max', '301')):\n"
+              "    try:\n        with open(path, 'w') as fh:\n            fh.write(text)\n    except OSError:\n        pass\n"
+              "print('done')")
+    after = ("import subprocess\nb = bytearray(100 << 20)\nb[::4096] = b'x' * len(b[::4096])\n"
+             "print(subprocess.run(['sh', '-c', 'seq 500 | sort -n | tail -1'], capture_output=True, text=True).stdout)")
+    for mode, runner in runners.items():
+        runner.run(Job(job_id="attack", files={"main.py": attack}, argv=PY))
+        result = runner.run(Job(job_id="after", files={"main.py": after}, argv=PY))
+        assert (result.status, result.stdout) == ("ok", "500\n\n"), (mode, result.status, result.stderr)
