@@ -26,13 +26,12 @@ inherit); it forks:
             the inits it forks have no signal handler a job could reach.
       └─ I: the job's init, pid 1 of a new pid namespace, as bwrap's init is in strict
             mode, so when it exits (or is killed) the kernel kills everything left in
-            the namespace. New mount and ipc namespaces, private mounts, fresh
-            size-capped tmpfs /work, /tmp and /dev/shm, its own /proc, its own session.
-            Forks J, reaps what J leaves to it until J exits, sends J's wait status to
-            the worker and exits (``job_init``).
+            the namespace. Starts the job's session, forks J, reaps what J leaves to it
+            until J exits, sends J's wait status to the worker and exits (``job_init``).
           └─ J: the job, pid 2 (a pid 1 would ignore the signals it sends itself and
             those its children send it, adopt orphans, and fail its own ``setsid``).
-            Reads the spec, writes files, sets rlimits, drops its capabilities, installs
+            New mount and ipc namespaces, private mounts, fresh size-capped tmpfs
+            /work, /tmp and /dev/shm, its namespace's /proc. Reads the spec, writes files, sets rlimits, drops its capabilities, installs
             the job seccomp filter (seccomp.py's ``job-on-zygote``: the namespace calls;
             the rest of the job policy is the worker's own filter, which J inherits),
             then runs the program. ``{python} -I -S script`` runs in this
@@ -486,8 +485,8 @@ def tmpfs_options(limits):
 
 def private_mounts(fresh, tmpfs):
     """New mount and ipc namespaces; fresh tmpfs /work, /tmp and /dev/shm; this pid
-    namespace's /proc. Every argument is prebuilt: I runs as little Python as it can
-    (each object it touches costs a copy-on-write page fault)."""
+    namespace's /proc. Every argument is prebuilt: J runs as little Python as it can
+    before the job (each object it touches costs a copy-on-write page fault)."""
     check(UNSHARE(CLONE_NEWNS | CLONE_NEWIPC), "unshare mount+ipc")
     mount(None, b"/", None, MS_REC | MS_PRIVATE, None)
     if fresh:
@@ -514,8 +513,8 @@ def reset_session(tmpfs):
 def job_init(job_args, fresh, tmpfs):
     """The forked child: I, the init (pid 1) of the job's own pid namespace, as bwrap's
     init is in strict mode. Never returns (and never unwinds back into the worker's loop).
-    It builds the job's mounts and its session, forks J (the job, ``job_main``), reaps
-    whatever J leaves to it until J exits, sends J's wait status to the worker on
+    It starts the job's session, forks J (which builds its mounts, then ``job_main``),
+    reaps whatever J leaves to it until J exits, sends J's wait status to the worker on
     READY_W and exits: the kernel then kills everything left in the namespace.
 
     The job is the init's child, not the init itself: a pid 1 would ignore the signals it
@@ -524,12 +523,15 @@ def job_init(job_args, fresh, tmpfs):
     ``prlimit``, its ``oom_score_adj``) ends this job only, as it would under bwrap."""
     try:
         PRCTL(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
-        private_mounts(fresh, tmpfs)
         os.setsid()  # the job's session and process group: kill(0, sig) in the job cannot reach the worker
         job = os.fork()
     except BaseException:
         fail_setup(job_args[2])
-    if job == 0:
+    if job == 0:  # J builds the mounts (I touches as little memory as it can: J forks from it)
+        try:
+            private_mounts(fresh, tmpfs)
+        except BaseException:
+            fail_setup(job_args[2])
         try:
             job_main(*job_args)
         finally:
