@@ -536,6 +536,7 @@ def job_init(job_args, fresh, tmpfs):
             job_main(*job_args)
         finally:
             os._exit(SETUP_FAILED)
+    code = SETUP_FAILED  # fail closed: an I that could not pass J's status on must not read as J's success
     try:
         os.closerange(0, READY_W)  # the worker's fds and the job's streams: I only waits
         os.closerange(READY_W + 1, 65536)
@@ -544,8 +545,9 @@ def job_init(job_args, fresh, tmpfs):
             if pid == job:
                 break
         os.write(READY_W, STATUS_MARK + struct.pack("i", status))
+        code = 0
     finally:
-        os._exit(0)
+        os._exit(code)
 
 
 def wait_job(pid, timeout_s):
