@@ -118,8 +118,7 @@ class JobCgroup:
                 path = parent / group.name
                 path.mkdir()
                 group.paths[controller] = path
-            group._write("memory", "memory.limit_in_bytes", memory_bytes)
-            group._write("memory", "memory.memsw.limit_in_bytes", memory_bytes, optional=True)
+            group.limit_memory(memory_bytes)
             group._write("pids", "pids.max", pids_max)
             if cpus > 0:
                 group._write("cpu", "cpu.cfs_period_us", 100_000)
@@ -183,7 +182,8 @@ class JobCgroup:
         return int(text) if text.isdigit() else None
 
     def limit_memory(self, memory_bytes: int) -> None:
-        """A new (lower) memory limit; memory+swap follows it down."""
+        """The memory limit (at creation, or lower later); memory+swap follows it (set
+        after it: memory+swap may never be below the memory limit)."""
         self._write("memory", "memory.limit_in_bytes", memory_bytes)
         self._write("memory", "memory.memsw.limit_in_bytes", memory_bytes, optional=True)
 
@@ -302,7 +302,7 @@ class JobCgroupV2(JobCgroup):
             path.mkdir(exist_ok=bool(name))
             group.paths["v2"] = path
             if "memory" in controllers:
-                group._write("v2", "memory.max", memory_bytes)
+                group.limit_memory(memory_bytes)
                 group._write("v2", "memory.swap.max", 0, optional=True)
                 with suppress(OSError):  # else peak_fd stays -1
                     group.peak_fd = os.open(f"{path}/memory.peak", os.O_RDWR)
