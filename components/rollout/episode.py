@@ -37,6 +37,7 @@ engines other than ``hf`` (contexts are token ids).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,7 @@ from components.domains.base import Interactive, action_command, observation_tex
 from components.rollout.engines import Generation, TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 Actor = Callable[[str], str]
 """A scripted policy: the context text so far (prompt, actions, observations) -> the next action."""
 
@@ -120,6 +122,15 @@ class ReplaySession:
         self.history = []
 
 
+def as_text(action: object) -> str:
+    """A scripted actor's action as text a record can hold: a lone surrogate (which no
+    UTF-8 file, command line or record can encode) becomes U+FFFD, as a model's decoded
+    tokens would; anything but a ``str`` is a mistake in the actor (TypeError naming it)."""
+    if not isinstance(action, str):
+        raise TypeError(f"a scripted actor must return the action as str, got {type(action).__name__}: {action!r:.80}")
+    return LONE_SURROGATE.sub("\ufffd", action)
+
+
 def parse_action(text: str) -> tuple[str, str, bool]:
     """(tool, command, done) for an action text: ``DONE`` or nothing ends the episode,
     otherwise the first non-empty line is one bash command."""
@@ -181,7 +192,7 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                 if not active:
                     break
                 if scripted:
-                    texts = [actor(prompts[owner[k]] + episodes[k].text) for k in active]  # type: ignore[operator]
+                    texts = [as_text(actor(prompts[owner[k]] + episodes[k].text)) for k in active]  # type: ignore[operator]
                     samples = [Generation([], [], [], t, "stop") for t in texts]
                 elif step == 0 and len(active) == n:
                     samples = engine.generate_groups(policy, prompts, group_size, max_action_tokens, temperature,

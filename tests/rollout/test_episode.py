@@ -91,3 +91,27 @@ def test_parse_action_and_observation() -> None:
                   peak_memory_mb=1.0)
     assert format_observation(r) == "\n[exit 1 failed]\nouterr\n"
     assert format_observation(r, limit=2) == "\n[exit 1 failed]\nou\n"
+
+
+@pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"needs bubblewrap sessions: {bwrap_unavailable()}")
+def test_scripted_action_with_a_lone_surrogate_is_recorded() -> None:
+    """A scripted actor's lone surrogate (no UTF-8 text holds one) becomes U+FFFD, as a
+    model's decoded text would: the command runs and the episode's Rollout is written."""
+    from components.sandbox.session import SandboxSession
+
+    actions = iter(["echo a\ud800b\n", "DONE"])
+    episodes = run_episodes(lambda _context: next(actions), ["task:"],
+                            lambda _: SandboxSession(sandbox_config(timeout_s=5.0)), max_steps=3)
+    ep = episodes[0]
+    assert ep.commands == ["echo a\ufffdb"]
+    assert [t.action for t in ep.turns] == ["echo a\ufffdb\n", "DONE"]
+    assert ep.turns[0].observation == "\n[exit 0 ok]\na\ufffdb\n\n"
+    ro = Rollout(rollout_id="t-i1-g0", task_id="t", domain="agent", group_index=0, policy_version="t", engine="scripted",
+                 prompt="task:", completion=ep.text, prompt_token_ids=[], completion_token_ids=[], logprobs=[],
+                 finish_reason=ep.finish_reason, prompt_tokens=0, completion_tokens=0, turns=ep.turns, completion_mask=[])
+    assert from_table(Rollout, to_table([ro]))[0] == ro
+
+
+def test_scripted_actor_that_returns_no_text_is_named() -> None:
+    with pytest.raises(TypeError, match="scripted actor must return the action as str, got bytes"):
+        run_episodes(lambda _context: b"ls", ["task:"], lambda _: None, max_steps=1)
