@@ -32,6 +32,9 @@ MANIFEST = "_MANIFEST.json"
 WEIGHTS = "model.safetensors"  # the file a folder output's (a checkpoint's) digest covers
 
 
+SHARD_TEXT = re.compile(r"([0-9]{1,6})/([0-9]{1,6})")
+
+
 @dataclass(frozen=True)
 class Shard:
     index: int
@@ -43,10 +46,13 @@ class Shard:
 
         if text in (None, ""):
             return cls(0, 1)
-        try:
-            i, n = (int(x) for x in str(text).split("/"))
-        except ValueError:
-            raise UserError("--shard", text, "not of the form i/n", "pass e.g. --shard 0/2") from None
+        # The form the DAG writes, in ASCII digits: int() alone would also take " 0", "+1",
+        # "1_0" and other scripts' digits, which no caller means.
+        match = SHARD_TEXT.fullmatch(str(text))
+        if match is None:
+            raise UserError("--shard", text, "not of the form i/n (two whole numbers of at most 6 digits)",
+                            "pass e.g. --shard 0/2")
+        i, n = int(match[1]), int(match[2])
         if n < 1 or not 0 <= i < n:
             raise UserError("--shard", text, "index out of range", f"use 0 <= i < n, e.g. --shard 0/{max(n, 1)}")
         return cls(i, n)

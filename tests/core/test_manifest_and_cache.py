@@ -202,3 +202,24 @@ def test_missing_shard_is_named(booted: Booted) -> None:
     run_stage("rollout", TINY_RECIPE, booted.root, 4, "1/2")
     done = run_stage("sandbox", TINY_RECIPE, booted.root, 4, "0/2")
     assert set(done.inputs) == {"taskgen", "rollout[0/2]"}
+
+
+@pytest.mark.parametrize("text", [" 0/2", "0/2 ", "+0/2", "0/+2", "1_0/20", "\u0663/5", "0/2/3", "0/", "/2", "a/b",
+                                  "0-2", "0/1234567"])
+def test_a_shard_is_two_ascii_numbers(text) -> None:
+    """Before, int() took " 0", "+1", "1_0" and other scripts' digits."""
+    from components.core.manifest import Shard
+
+    with pytest.raises(UserError) as err:
+        Shard.parse(text)
+    assert err.value.field == "--shard" and "not of the form i/n" in str(err.value)
+
+
+def test_a_shard_parses_and_names_its_folder() -> None:
+    from components.core.manifest import Shard
+
+    assert Shard.parse("1/2") == Shard(1, 2) and Shard.parse("1/2").folder == "shard-00001-of-00002"
+    assert Shard.parse(None) == Shard.parse("") == Shard(0, 1)
+    assert str(Shard.parse("007/10")) == "7/10"
+    with pytest.raises(UserError, match="index out of range"):
+        Shard.parse("2/2")
