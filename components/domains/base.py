@@ -140,6 +140,11 @@ class Domain(ABC):
         is one error naming the task and field, never a verifier crash mid-stage."""
         return None
 
+    def task_problem(self, reference: dict[str, Any], metadata: dict[str, Any]) -> tuple[str, str] | None:
+        """``reference_problem`` for a task whose metadata is known too (a task file's
+        row): a domain whose reference shape depends on the task's kind overrides this."""
+        return self.reference_problem(reference)
+
     @abstractmethod
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         """Score a completion from the completion text and the sandbox's serialised result

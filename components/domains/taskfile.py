@@ -202,7 +202,10 @@ def read_rows(path_or_uri: str) -> list[Any]:
             raise UserError("task file", uri, exc.problem, exc.fix) from None
         return obj if isinstance(obj, list) else [obj]
     rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines rows end at "\n" (a "\r\n" too); not str.splitlines(), which would also
+    # end one at U+2028, U+0085 and other characters JSON allows raw inside a string.
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -291,7 +294,7 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     reference = _object(row["reference"], f"{where}: reference")
     metadata = _object(row.get("metadata") or {}, f"{where}: metadata")
     _check_unicode({"reference": reference, "metadata": metadata}, where)  # either may have been a JSON string
-    problem = registry.get(row["domain"]).reference_problem(reference)
+    problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
         name, what = problem
         raise UserError(f"{where}: reference.{name}", short(reference.get(name)), f"{what} for domain {row['domain']}",

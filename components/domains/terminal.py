@@ -47,6 +47,12 @@ by the same state comparison as every terminal task. The reference
 in ``["DONE", ""]``, each observation formatted by ``observation_text`` as the episode
 runner formats it (outputs here are far shorter than any ``rollout.observation_chars``).
 Start states of interactive tasks hold files only (no empty directories).
+
+A task file's reference is checked as it loads (``task_problem``): every path is relative,
+without ``.``, ``..``, empty parts or control characters, each part a valid file name; a
+start state holds only ``dir`` and ``file:`` entries, none inside a file, and no ``dir`` in
+a multi-step or interactive task (its session lays out files only); an expected file's
+text fits what the listing reads (``LISTED_BYTES``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
 COMMAND_TIMEOUT_S = 2.0
 MAX_ENTRIES = 64  # a listing longer than this is cut: no expected state is anywhere near it
+LISTED_BYTES = 64  # how much of each file the state listing reads
 
 # Lists ws/ without following links: {path: "dir" | "file:<first 64 bytes>" | "link"}.
 _LIST_STATE = r"""
@@ -90,20 +97,20 @@ def list_state():
             else:
                 try:
                     with open(full, "rb") as fh:
-                        state[rel] = "file:" + fh.read(64).decode("utf-8", "replace")
+                        state[rel] = "file:" + fh.read(LISTED).decode("utf-8", "replace")
                 except OSError:
                     state[rel] = "unreadable"
             if len(state) >= MAX:
                 return ok, state
     return ok, state
-""".replace("MAX", str(MAX_ENTRIES))
+""".replace("MAX", str(MAX_ENTRIES)).replace("LISTED", str(LISTED_BYTES))
 
 DRIVER = r"""
 import json, os, select, signal, sys
 
 RESULT_FD = int(sys.argv[1])
 TIMEOUT = float(sys.argv[2])
-with open("cmd.txt") as fh:
+with open("cmd.txt", newline="") as fh:  # a "\r" stays in the command, as the session paths keep it
     CMD = fh.read()
 with open("start.json") as fh:
     START = json.load(fh)
@@ -167,6 +174,22 @@ def _two(rng: random.Random) -> tuple[str, str]:
 
 def _shown(start: dict[str, str]) -> str:
     return "(has " + " ".join(sorted(start)) + ")\n" if start else ""
+
+
+def path_problem(path: object) -> str | None:
+    """Why ``path`` cannot name an entry of the work folder (None when it can): a
+    relative path of at most 256 characters whose parts are not empty, ``.`` or ``..``,
+    hold no control characters (NUL included) and fit a file name (255 bytes)."""
+    if not is_text(path, 256) or not path:
+        return "must be a relative path of 1 to 256 characters"
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return "must be a relative path inside the work folder (no leading '/', no '.', '..' or '//')"
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
+        return "must hold no control characters (NUL, newline, tab, ...)"
+    if any(len(part.encode()) > 255 for part in parts):
+        return "has a part longer than a file name can be (255 bytes)"
+    return None
 
 
 class Terminal(Domain):
@@ -272,15 +295,36 @@ class Terminal(Domain):
             if not isinstance(state, dict) or len(state) > MAX_REFERENCE_ITEMS:
                 return name, f"must be an object of at most {MAX_REFERENCE_ITEMS} paths: {{path: 'dir' | 'file:<text>'}}"
             for path, kind in state.items():
-                parts = path.split("/") if isinstance(path, str) else []
-                if not is_text(path, 256) or not path or path.startswith("/") or ".." in parts or "" in parts:
-                    return f"{name}[{path!r:.40}]", "must be a relative path inside the work folder (no '/', '..', '//')"
+                if (why := path_problem(path)) is not None:
+                    return f"{name}[{path!r:.40}]", why
+                if name == "start" and not (is_text(kind) and (kind == "dir" or kind.startswith("file:"))):
+                    return f"{name}[{path!r:.40}]", "must be 'dir' or 'file:<text>' (a start state cannot hold a link)"
                 if not is_text(kind) or not (kind == "dir" or kind == "link" or kind.startswith("file:")):
                     return f"{name}[{path!r:.40}]", "must be 'dir', 'link' or 'file:<text>'"
+                if name == "expected" and kind.startswith("file:") and len(kind[5:].encode()) > LISTED_BYTES:
+                    return (f"{name}[{path!r:.40}]", f"file text must be at most {LISTED_BYTES} bytes (the state "
+                            "listing reads that much of each file, so a longer one never matches)")
+            for path in state:
+                parent = path.rpartition("/")[0]
+                while parent:
+                    if state.get(parent, "dir") != "dir":
+                        return (f"{name}[{path!r:.40}]", f"lies inside {parent!r}, which is {state[parent]!r:.40}, "
+                                "not 'dir'")
+                    parent = parent.rpartition("/")[0]
         episode = reference.get("episode", [])
         if not isinstance(episode, list) or len(episode) > MAX_REFERENCE_ITEMS or not all(
                 isinstance(turn, list) and len(turn) == 2 and all(is_text(x) for x in turn) for turn in episode):
             return "episode", "must be a list of [action, observation] pairs of text"
+        return None
+
+    def task_problem(self, reference: dict, metadata: dict) -> tuple[str, str] | None:
+        if (problem := self.reference_problem(reference)) is not None:
+            return problem
+        if metadata.get("multi_step") or metadata.get("interactive"):
+            for path, kind in reference.get("start", {}).items():
+                if kind == "dir":
+                    return (f"start[{path!r:.40}]", "must be 'file:<text>' in a multi-step or interactive task (its "
+                            "session lays out files only; a file inside gives a folder)")
         return None
 
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:

@@ -235,3 +235,48 @@ def test_an_s3_task_file_is_read_one_byte_past_the_limit_at_most(s3_env, monkeyp
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
     with pytest.raises(InfraError, match="EndpointConnectionError"):  # before: botocore's traceback
         taskfile.read_bytes(f"s3://{s3_env.bucket}/other-{key}")
+
+
+def test_jsonl_rows_end_at_newlines_only(tmp_path):
+    """Before, rows were split with str.splitlines(): a raw U+2028 or U+0085 inside a
+    string (as ensure_ascii=False writes them) ended the row mid-string."""
+    rows = [{"domain": "math", "prompt": f"1+1={ch}", "reference": {"answer": "2"}} for ch in "\u2028\u2029\x85\x1c"]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n", encoding="utf-8")
+    assert [t.prompt for t in load_tasks(str(path))] == [r["prompt"] for r in rows]
+
+
+@pytest.mark.parametrize(("start", "metadata", "field", "problem"), [
+    ({"a": "file:x", "a/b": "file:y"}, {}, "start['a/b']", "lies inside 'a', which is 'file:x', not 'dir'"),
+    ({".": "file:x"}, {}, "start['.']", "must be a relative path inside the work folder"),
+    ({"a/./b": "dir"}, {}, "start['a/./b']", "must be a relative path inside the work folder"),
+    ({"a\x00b": "file:x"}, {}, "start['a\\x00b']", "must hold no control characters"),
+    ({"a\nb": "file:x"}, {}, "start['a\\nb']", "must hold no control characters"),
+    ({"a" * 256: "file:x"}, {}, "start['" + "a" * 38, "has a part longer than a file name can be"),
+    ({"l": "link"}, {}, "start['l']", "must be 'dir' or 'file:<text>' (a start state cannot hold a link)"),
+    ({"d": "dir"}, {"multi_step": True}, "start['d']", "must be 'file:<text>' in a multi-step or interactive task"),
+])
+def test_a_terminal_start_state_the_sandbox_cannot_lay_out_is_refused(tmp_path, start, metadata, field, problem):
+    """Before, these loaded, and then every completion of the task scored 0 (the driver
+    failed laying them out) or was an infra_error (a session could not), or the two paths
+    laid a 'link' out differently."""
+    row = {"domain": "terminal", "prompt": "new dir a\n$ ", "metadata": metadata,
+           "reference": {"solution": "mkdir a", "start": start, "expected": {"a": "dir"}}}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.field.startswith(f"{path} row 0: reference.{field}")
+    assert err.value.problem.startswith(problem)
+
+
+def test_an_expected_file_text_longer_than_the_listing_reads_is_refused(tmp_path):
+    row = {"domain": "terminal", "prompt": "a says x\n$ ",
+           "reference": {"solution": "", "start": {}, "expected": {"a": "file:" + "x" * 65}}}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError, match="file text must be at most 64 bytes"):
+        load_tasks(str(path))
+    row["reference"]["expected"] = {"a": "file:" + "x" * 64, "d": "dir", "d/e": "link"}
+    path.write_text(json.dumps(row) + "\n")
+    assert load_tasks(str(path))[0].reference["expected"]["a"] == "file:" + "x" * 64

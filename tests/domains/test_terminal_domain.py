@@ -72,6 +72,10 @@ TWO_STEP = task("new dir a, file b in it", {}, {"a": "dir", "a/b": "file:"})
     (NEW_DIR, "cd ..; rm -rf ws; mkdir ws; ln -s /tmp ws/a", 0.0),
     (NEW_DIR, "kill -9 $PPID", 0.0),  # killing the driver loses the result: 0, not a pass
     (NEW_DIR, "ln -s /etc a", 0.0),
+    # a carriage return is no line break for bash (before, the driver read "true\rmkdir a" as two lines; the
+    # multi-step and session paths ran it as one command)
+    (NEW_DIR, "true\rmkdir a", 0.0),
+    (NEW_DIR, "mkdir a\r", 0.0),  # makes "a\r"
 ])
 def test_verify_table(executor, t, completion, score):
     job = TERMINAL.execution_plan(t, completion)
