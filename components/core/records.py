@@ -246,9 +246,9 @@ def _from_row(cls: type[R], row: dict[str, Any]) -> R:
             raise LayoutError(f"{cls.__name__}.{f.name} is {value[:40]!r}, not one of {list(get_args(hint))}")
         elif typing.get_origin(hint) is list:
             inner = typing.get_args(hint)[0]
-            value = [_from_row(inner, item) for item in value] if dataclasses.is_dataclass(inner) else list(value)
-            if value and any(v is None for v in value):
+            if any(v is None for v in value):
                 raise LayoutError(f"{cls.__name__}.{f.name} holds a null")
+            value = [_from_row(inner, item) for item in value] if dataclasses.is_dataclass(inner) else list(value)
         kwargs[f.name] = value
     return cls(**kwargs)
 

@@ -45,15 +45,19 @@ def exit_of(returncode: int) -> tuple[int, int]:
 
 
 def parse_result(raw: bytes, total: int, cap: int) -> tuple[Any, str]:
-    """(parsed JSON or None, problem or '')."""
+    """(parsed JSON or None, problem or ''). Whatever the job wrote gives one of the two:
+    nesting too deep for the parser and integers past Python's digit limit are problems
+    too, not exceptions (the job's result, not the sandbox, is at fault)."""
     if total == 0:
         return None, "no result written"
     if total > cap:
         return None, f"result larger than {cap} bytes"
     try:
         return json.loads(raw.decode("utf-8")), ""
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"result is not JSON: {exc}"
+    except RecursionError:
+        return None, "result is not JSON we read: nested too deep"
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past the digit limit
+        return None, f"result is not JSON: {str(exc)[:200]}"
 
 
 def status_of(obs: Observed) -> tuple[str, int]:

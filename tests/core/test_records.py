@@ -163,6 +163,8 @@ def replaced(table: pa.Table, name: str, column: pa.Array) -> pa.Table:
     (Reward, "components", pa.array(["{}", '{"ok": null}']), r"Reward.components\['ok'\] is not a number"),
     (Task, "reference", pa.array(["null", "{}"]), "Task.reference is a JSON NoneType, not an object"),
     (Rollout, "logprobs", pa.array([[-0.1, None, -2.0], []], pa.list_(pa.float64())), "Rollout.logprobs holds a null"),
+    # a null record inside a list of records (before: TypeError from the field lookup)
+    (Rollout, "turns", pa.array([[None], []], schema_of(Rollout).field("turns").type), "Rollout.turns holds a null"),
 ])
 def test_a_column_that_is_not_the_layout_is_refused(cls: type, name: str, column: pa.Array, problem: str) -> None:
     table = replaced(to_table(SAMPLES[cls]), name, column)

@@ -382,3 +382,20 @@ def test_devices_still_work_on_the_read_only_dev(executor):
            "print(len(open('/dev/urandom', 'rb').read(8)), open('/dev/zero', 'rb').read(2))\n")
     result = executor.run(py(src))
     assert (result.status, result.stdout.strip()) == ("ok", "8 b'\\x00\\x00'"), result.stderr
+
+
+@pytest.mark.parametrize(("written", "problem"), [
+    ("[" * 100_000, "result is not JSON we read: nested too deep"),
+    ("9" * 5000, "result is not JSON: Exceeds the limit (4300 digits)"),
+    ("\udcff", "result is not JSON: 'utf-8' codec can't decode byte 0xff"),
+])
+def test_a_result_the_parser_cannot_take_is_a_problem_not_a_crash(executor, written, problem):
+    """Before, a result nested past the parser's recursion limit raised RecursionError out
+    of executor.run, and one with a 5,000-digit integer a ValueError (run_many made both an
+    infra_error, as if the sandbox had failed)."""
+    from components.core.jobs import PYTHON, RESULT_FD, Job
+
+    source = f"import os, sys\nos.write(int(sys.argv[1]), {written!r}.encode('utf-8', 'surrogateescape'))\n"
+    result = executor.run(Job("deep", {"main.py": source}, [PYTHON, "-I", "-S", "main.py", RESULT_FD]))
+    assert result.status == "ok" and result.result is None
+    assert result.extra["result_problem"].startswith(problem)
