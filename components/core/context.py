@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import posixpath
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, TypeVar
@@ -154,6 +154,27 @@ class StageContext:
             if shard_only and m.shard is not None and m.shard != str(self.shard):
                 continue
             rows.extend(read_output_records(self.store, m, name, cls))
+        return rows
+
+    def read_joined(self, stage: str, name: str, cls: type[R], key: str, known: Container[Any],
+                    shard_only: bool = False) -> list[R]:
+        """``read_records``, each record's field ``key`` one of ``known`` (the ids of the
+        records it joins to: a rollout's task, a rollout's reward). A record that names
+        another (outputs of two iterations or runs mixed by hand, each file intact) is a
+        UserError naming it, its file and the stage to re-run, not a KeyError mid-stage."""
+        rows: list[R] = []
+        for m in self.upstream(stage):
+            if shard_only and m.shard is not None and m.shard != str(self.shard):
+                continue
+            records = read_output_records(self.store, m, name, cls)
+            stray = next((r for r in records if getattr(r, key) not in known), None)
+            if stray is not None:
+                out = m.outputs[name]
+                raise UserError(f"{self.store.url(out.path)}: {cls.__name__}.{key}", getattr(stray, key),
+                                f"names nothing in the records it goes with in iteration {self.iteration} (stage "
+                                f"{stage}'s output is another run's or iteration's)",
+                                m.remedy(self.store.url(m.prefix)))
+            rows.extend(records)
         return rows
 
     def depend_on(self, stage: str, shard_only: bool = False) -> list[Manifest]:

@@ -185,7 +185,7 @@ def summarize(rewards: list[Reward]) -> dict[str, float]:
 
 def run(ctx: StageContext) -> dict[str, float]:
     tasks = {t.task_id: t for t in ctx.read_records("taskgen", "tasks", Task)}
-    rollouts = ctx.read_records("rollout", "rollouts", Rollout, shard_only=True)
+    rollouts = ctx.read_joined("rollout", "rollouts", Rollout, "task_id", tasks, shard_only=True)
     executions = {e.rollout_id: e for e in ctx.read_records("sandbox", "executions", Execution,
                                                              shard_only=ctx.aligned("sandbox"))}
     facts: NormPrior = ctx.facts

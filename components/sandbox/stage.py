@@ -37,8 +37,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     ordered = ctx.read_records("taskgen", "tasks", Task)
     tasks = {t.task_id: t for t in ordered}
     mine = {t.task_id for t in ordered[ctx.shard.index::ctx.shard.count]}
-    rollouts = [r for r in ctx.read_records("rollout", "rollouts", Rollout, shard_only=ctx.aligned("rollout"))
-                if r.task_id in mine]
+    rollouts = [r for r in ctx.read_joined("rollout", "rollouts", Rollout, "task_id", tasks,
+                                           shard_only=ctx.aligned("rollout")) if r.task_id in mine]
     with get_executor(ctx.recipe.sandbox) as executor:
         say(f"iter {ctx.iteration} | sandbox[{ctx.shard}] | isolation {executor.isolation}")
         results = execute([(r.rollout_id, tasks[r.task_id], r.completion) for r in rollouts], executor,

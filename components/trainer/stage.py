@@ -143,8 +143,9 @@ def plan(ctx: StageContext) -> Plan:
     policy = load_policy(start.policy_uri, start.policy_version)
     # Steps per epoch dynamic sampling aims at: the iteration's tasks before oversampling.
     target_steps = ctx.recipe.taskgen.tasks_per_iteration // cfg.prompts_per_step
-    selection = select_groups(collect_groups(ctx.read_records("rollout", "rollouts", Rollout),
-                                             ctx.read_records("reward", "rewards", Reward)),
+    rewards = ctx.read_records("reward", "rewards", Reward)
+    rollouts = ctx.read_joined("rollout", "rollouts", Rollout, "rollout_id", {r.rollout_id for r in rewards})
+    selection = select_groups(collect_groups(rollouts, rewards),
                               dynamic=cfg.dynamic_sampling, prompts_per_step=cfg.prompts_per_step,
                               target_steps=target_steps, seed=ctx.seed("dynamic_sampling"))
     batches = step_batches(selection.groups, cfg.prompts_per_step, cfg.epochs, ctx.seed("batches"))

@@ -123,6 +123,39 @@ def test_another_record_type_under_a_matching_digest_is_refused_when_read(booted
     assert not booted.store.glob("tiny/iter-000006/sandbox/**/_MANIFEST.json"), "the stage ran on bad data"
 
 
+def test_a_rollout_of_another_iterations_task_is_refused_when_joined(booted: Booted) -> None:
+    """A shard's rollouts rewritten (manifest digest and size to match) so one names a
+    task this iteration does not have: the sandbox and reward stages refuse it in one line
+    naming the file, the record's task id and the stage to re-run (before: the sandbox
+    stage dropped the rollout without a word, the reward stage raised KeyError)."""
+    import dataclasses
+    import json
+
+    from components.core.records import Rollout, from_table, to_table
+    from components.core.storage import sha256_bytes
+
+    first = rollouts(booted, 7)[0]
+    n = shard_count(TINY, "sandbox")
+    for i in range(n):
+        run_stage("sandbox", TINY_RECIPE, booted.root, 7, f"{i}/{n}")
+    rel = first.outputs["rollouts"].path
+    records = from_table(Rollout, booted.store.read_table(rel))
+    records[0] = dataclasses.replace(records[0], task_id="math-of-another-run")
+    data, _ = booted.store.write_table(rel, to_table(records))
+    manifest_path = local(booted, f"{first.prefix}/{MANIFEST}")
+    edited = json.loads(manifest_path.read_text())
+    edited["outputs"]["rollouts"].update(sha256=sha256_bytes(data), size=len(data))
+    manifest_path.write_text(json.dumps(edited))
+    for stage in ("reward", "sandbox"):  # reward first: the sandbox stage, run again, leaves its shard unfinished
+        shards = shard_count(TINY, stage)
+        with pytest.raises(UserError) as err:
+            run_stage(stage, TINY_RECIPE, booted.root, 7, f"0/{shards}")
+        assert (err.value.field, err.value.value) == (f"{booted.store.url(rel)}: Rollout.task_id", "math-of-another-run")
+        assert err.value.problem.startswith("names nothing in the records it goes with in iteration 7")
+        assert err.value.fix.startswith(f"delete {booted.store.url(first.prefix)}/{MANIFEST} and re-run stage rollout")
+    assert not booted.store.glob("tiny/iter-000007/reward/**/_MANIFEST.json"), "the stage ran on bad data"
+
+
 def test_flipped_byte_in_checkpoint_is_refused_before_load(booted: Booted) -> None:
     copy = booted.tmp / "flipped"
     shutil.copytree(Path(booted.store.root), copy / "store")
