@@ -23,7 +23,7 @@ from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, is_int, make_task, malformed
 
-_INT = re.compile(r"^-?\d{1,100}$")
+_INT = re.compile(r"-?[0-9]{1,100}")  # ASCII digits only (as extraction reads numbers), whole text (fullmatch)
 
 
 class Arithmetic(Domain):
@@ -40,7 +40,7 @@ class Arithmetic(Domain):
 
     def reference_problem(self, reference: dict) -> tuple[str, str] | None:
         answer = reference.get("answer")
-        if not (is_int(answer) or (isinstance(answer, str) and _INT.match(answer))):
+        if not (is_int(answer) or (isinstance(answer, str) and _INT.fullmatch(answer))):
             return "answer", "must be an integer or a string of one (e.g. '85')"
         return None
 
@@ -48,7 +48,7 @@ class Arithmetic(Domain):
         if (bad := malformed(completion)) is not None:
             return bad
         text = first_line(completion).replace(" ", "")
-        whole = bool(_INT.match(text))  # bounded: an integer of 4,300+ digits cannot be parsed
+        whole = bool(_INT.fullmatch(text))  # bounded: an integer of 4,300+ digits cannot be parsed
         correct = whole and int(text) == int(task.reference["answer"])
         return Verdict(
             score=1.0 if correct else 0.0,

@@ -29,20 +29,21 @@ from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, make_task, malformed
 
-_INT = re.compile(r"^[+-]?\d{1,12}$")
-_FRAC = re.compile(r"^([+-]?\d{1,12})/(\d{1,12})$")
-_DEC = re.compile(r"^[+-]?\d{0,12}\.(\d{1,12})$")
+# ASCII digits only (as extraction reads numbers: not "٣" or "３"), the whole text (fullmatch: no trailing newline).
+_INT = re.compile(r"[+-]?[0-9]{1,12}")
+_FRAC = re.compile(r"([+-]?[0-9]{1,12})/([0-9]{1,12})")
+_DEC = re.compile(r"[+-]?[0-9]{0,12}\.([0-9]{1,12})")
 
 
 def parse_number(text: str) -> tuple[Fraction, int] | None:
     """``(value, decimal places)`` of an int, fraction or decimal; None if it is none of them."""
     text = text.replace(" ", "")
-    if _INT.match(text):
+    if _INT.fullmatch(text):
         return Fraction(int(text)), 0
-    if m := _FRAC.match(text):
+    if m := _FRAC.fullmatch(text):
         den = int(m.group(2))
         return (Fraction(int(m.group(1)), den), 0) if den else None
-    if m := _DEC.match(text):
+    if m := _DEC.fullmatch(text):
         return Fraction(text), len(m.group(1))
     return None
 

@@ -27,6 +27,8 @@ TASK = make_task("arithmetic", "eval", 3, "47+38=", {"answer": "85"})
         ("eighty-five", 0.0, 0.0),
         ("", 0.0, 0.0),
         ("\n85", 0.0, 0.0),  # the answer must be on the first line
+        ("\u0668\u0665", 0.0, 0.0),  # ARABIC-INDIC digits: no number here, as in extraction
+        ("\uff18\uff15", 0.0, 0.0),  # FULLWIDTH digits
     ],
 )
 def test_verify_table(completion, score, well_formed):
@@ -61,3 +63,8 @@ def test_trap_tasks_are_the_sums_with_a_carry_that_the_no_carry_shortcut_fails()
         shortcut = str(no_carry(a, b)) if task.difficulty > 1 else str(a + b)
         # The shortcut passes exactly the ordinary tasks.
         assert DOMAIN.verify(task, shortcut, None).passed is (not task.metadata["trap"]), task.prompt
+
+
+@pytest.mark.parametrize("answer", ["\u0668\u0665", "85\n"])
+def test_a_reference_answer_is_ascii_and_whole(answer):
+    assert DOMAIN.reference_problem({"answer": answer})[0] == "answer"

@@ -38,6 +38,11 @@ def task(prompt: str, answer: str, trap: bool = False):
     ("3*4-5=", "7", "7/0", 0.0),
     ("3*4-5=", "7", "1e1", 0.0),
     ("3*4-5=", "7", "7 7", 0.0),
+    # other scripts' digits are not numbers here, as in extraction (before: int() and Fraction() took them)
+    ("3*4-5=", "7", "\u0667", 0.0),  # ARABIC-INDIC DIGIT SEVEN
+    ("3*4-5=", "7", "\uff17", 0.0),  # FULLWIDTH DIGIT SEVEN
+    ("1/2+1/4=", "3/4", "\u0663/\u0664", 0.0),
+    ("1/2+1/4=", "3/4", "\u0660.\u0667\u0665", 0.0),
 ])
 def test_verify_table(prompt, answer, completion, score):
     v = MATH.verify(task(prompt, answer), completion, None)
@@ -69,3 +74,8 @@ def test_generated_tasks_reference_passes_and_traps_are_precedence_tasks():
     assert max(len(t.prompt) for t in tasks) <= 12
     assert max(len(MATH.reference_completion(t)) for t in tasks) <= 6
     assert {t.difficulty for t in tasks} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("answer", ["\u0667", "7\n", "3/4\n"])
+def test_a_reference_answer_is_ascii_and_whole(answer):
+    assert MATH.reference_problem({"answer": answer})[0] == "answer"
