@@ -98,3 +98,18 @@ def to_result(obs: Observed, backend: str, isolation: str, result_cap: int) -> J
 def infra_error(why: str, backend: str, isolation: str) -> JobResult:
     return JobResult(status="infra_error", exit_code=-1, signal=0, stdout="", stderr=why, duration_s=0.0,
                      cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)
+
+
+def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
+    """The result of a job with a NUL byte in an argument, which no program can be given
+    (``execve`` takes C strings): status ``failed``, exit 127 and why, as a shell reports a
+    command it cannot run, in every mode, without starting anything. None for any other
+    job. (A session step or episode action the policy wrote can hold a NUL.)"""
+    index = next((i for i, arg in enumerate(job.argv) if "\x00" in arg), None)
+    if index is None:
+        return None
+    program = job.argv[0].replace("\x00", "\\0")[:200]
+    return JobResult(status="failed", exit_code=127, signal=0, stdout="",
+                     stderr=f"cannot run {program}: argument {index} holds a NUL byte, which no program can be given\n",
+                     duration_s=0.0, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation,
+                     extra={"reason": "NUL byte in an argument"})

@@ -40,7 +40,7 @@ from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, host_argv, memfd_with
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Fds, Lease, Limits
-from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
+from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
@@ -136,6 +136,8 @@ class Worker:
     def run(self, job: Job, backend: str) -> JobResult:
         assert self.alive and self.ctl is not None
         check_paths(job)
+        if (refused := nul_argument(job, backend, self.isolation)) is not None:
+            return refused
         limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
         wire_limits = plain_limits(limits.as_dict())
         spec = {"argv": [plain_str(a) for a in job.argv], "stdin": plain_str(job.stdin), "limits": wire_limits,

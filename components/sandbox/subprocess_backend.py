@@ -26,7 +26,7 @@ from components.sandbox.command import memfd_with
 from components.sandbox.detect import DEFAULT_PYTHON, check_paths
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import Observed, exit_of, infra_error, to_result
+from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -49,6 +49,8 @@ class SubprocessExecutor(Closing):
         if isinstance(job, SessionJob):
             job = flatten(job)
         check_paths(job)
+        if (refused := nul_argument(job, self.name, self.isolation)) is not None:
+            return refused
         limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
 
         rlimits = ((resource.RLIMIT_AS, limits.memory_mb << 20), (resource.RLIMIT_CPU, limits.cpu_s),

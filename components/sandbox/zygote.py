@@ -468,8 +468,8 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
     argv = [python if a == "{python}" else a for a in argv]
     try:
         os.execvpe(argv[0], argv, JOB_ENV)
-    except OSError as exc:
-        os.write(2, f"cannot run {argv[0]}: {exc}\n".encode())
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in an argument (the host refuses those first)
+        os.write(2, f"cannot run {argv[0]}: {exc}\n".encode(errors="replace"))
         os._exit(127)
 
 

@@ -204,3 +204,18 @@ def test_what_a_job_does_to_its_init_ends_with_the_job(runners) -> None:
         runner.run(Job(job_id="attack", files={"main.py": attack}, argv=PY))
         result = runner.run(Job(job_id="after", files={"main.py": after}, argv=PY))
         assert (result.status, result.stdout) == ("ok", "500\n\n"), (mode, result.status, result.stderr)
+
+
+def test_a_nul_byte_in_an_argument_is_the_same_failure_in_every_mode(runners) -> None:
+    """No program can be given an argument holding a NUL. Before, strict mode raised
+    ValueError out of executor.run and warm mode ended the job with exit 125 and nothing
+    said; a session step or an episode action the policy wrote can hold one."""
+    from components.core.recipe import SandboxConfig
+    from components.sandbox.executor import get_executor
+
+    job = Job("nul", {}, ["bash", "-c", "echo a\x00b"])
+    with get_executor(SandboxConfig(backend="subprocess", allow_weak_isolation=True)) as weak:
+        results = {"subprocess": weak.run(job), **{mode: runner.run(job) for mode, runner in runners.items()}}
+    for mode, result in results.items():
+        assert (result.status, result.exit_code, result.stdout) == ("failed", 127, ""), mode
+        assert result.stderr == "cannot run bash: argument 2 holds a NUL byte, which no program can be given\n", mode
