@@ -292,7 +292,7 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
                         f"is {len(row['prompt']):,} characters, more than {MAX_PROMPT_CHARS:,}",
                         "shorten it: no policy reads a prompt that long, and tokenizing it alone takes gigabytes")
     reference = _object(row["reference"], f"{where}: reference")
-    metadata = _object(row.get("metadata") or {}, f"{where}: metadata")
+    metadata = _object(row["metadata"] if row.get("metadata") not in (None, "") else {}, f"{where}: metadata")
     _check_unicode({"reference": reference, "metadata": metadata}, where)  # either may have been a JSON string
     problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
@@ -301,10 +301,12 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
                         f"see the reference shape in components/domains/{row['domain']}.py")
     task_id_value = row.get("task_id")
     if task_id_value is not None and (isinstance(task_id_value, bool) or not isinstance(task_id_value, (str, int))
-                                      or len(str(task_id_value)) > 200):
-        raise UserError(f"{where}: task_id", short(task_id_value), "must be a string of at most 200 characters",
+                                      or len(str(task_id_value)) > 200
+                                      or any(ord(ch) < 32 or ord(ch) == 127 for ch in str(task_id_value))):
+        raise UserError(f"{where}: task_id", short(task_id_value),
+                        "must be a string of at most 200 characters without control characters (NUL, newline, ...)",
                         "drop task_id to derive it from the prompt")
-    split = row.get("split") or "train"
+    split = row["split"] if row.get("split") not in (None, "") else "train"
     if not isinstance(split, str) or split not in ("train", "eval"):
         raise UserError(f"{where}: split", short(split), "unknown split", "use 'train' or 'eval'")
     difficulty = _int(row.get("difficulty", 1), f"{where}: difficulty", 1)

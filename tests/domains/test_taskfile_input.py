@@ -280,3 +280,31 @@ def test_an_expected_file_text_longer_than_the_listing_reads_is_refused(tmp_path
     row["reference"]["expected"] = {"a": "file:" + "x" * 64, "d": "dir", "d/e": "link"}
     path.write_text(json.dumps(row) + "\n")
     assert load_tasks(str(path))[0].reference["expected"]["a"] == "file:" + "x" * 64
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("split", 0, "unknown split"),
+    ("split", False, "unknown split"),
+    ("metadata", 0, "must be an object"),
+    ("metadata", False, "must be an object"),
+    ("metadata", [], "must be an object"),
+    ("task_id", "a\nb", "must be a string of at most 200 characters without control characters"),
+    ("task_id", "a\x00b", "must be a string of at most 200 characters without control characters"),
+])
+def test_a_falsy_or_control_character_field_is_named_not_defaulted(tmp_path, field, value, problem):
+    """Before, split 0 became 'train', metadata 0 or [] became {}, and a task id with a
+    newline or NUL went on into every rollout id."""
+    row = {"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, field: value}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.field == f"{path} row 0: {field}" and err.value.problem.startswith(problem)
+
+
+def test_a_missing_or_null_split_and_metadata_take_their_defaults(tmp_path):
+    rows = [{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "split": None, "metadata": None},
+            {"domain": "math", "prompt": "2+2=", "reference": {"answer": "4"}, "split": "", "metadata": ""}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(t.split, t.metadata) for t in load_tasks(str(path))] == [("train", {}), ("train", {})]
