@@ -99,15 +99,35 @@ class JSONLimit(ValueError):
         super().__init__(problem)
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(key)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict; ``DuplicateKey`` when a key comes twice (``json`` would
+    keep the last one without a word, and other readers the first)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return obj
+
+
 MAX_INT_DIGITS = 4300
 """Python's limit on converting decimal text to an integer (``sys.get_int_max_str_digits``)."""
 
 
 def loads(text: str) -> Any:
-    """``json.loads`` that turns too-deep nesting and over-long integers into a
-    ``JSONLimit`` (a ``ValueError``) instead of a crash or Python's own advice."""
+    """``json.loads`` that turns too-deep nesting, over-long integers and a key given
+    twice in one object into a ``JSONLimit`` (a ``ValueError``) instead of a crash,
+    Python's own advice or a value dropped without a word."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except DuplicateKey as exc:
+        raise JSONLimit(f"key {printable(exc.key, 60)!r} is given twice in one object",
+                        "keep one of them (JSON readers disagree on which one wins)") from None
     except RecursionError:
         raise JSONLimit(f"nested deeper than {MAX_DEPTH} levels", f"nest values at most {MAX_DEPTH} levels deep") from None
     except json.JSONDecodeError:
@@ -221,18 +241,34 @@ def read_rows(path_or_uri: str) -> list[Any]:
 def not_unicode(row: dict[str, Any]) -> tuple[str, Any] | None:
     """The path (``reference.cases[0]``) and value of the first string in ``row`` (a key or
     a value, at any depth) that is not valid Unicode text, so cannot be written as UTF-8:
-    a lone surrogate, as a JSON ``\\ud800`` escape decodes to. None if there is none.
-    Iterative, like ``too_deep``; a path is spelt out only for the string it reports."""
+    a lone surrogate, as a JSON ``\\ud800`` escape decodes to. None if there is none."""
+    return first_item(row, lambda item: isinstance(item, str) and not _encodable(item))
+
+
+JSON_TYPES = (str, int, float, bool, type(None), dict, list)
+
+
+def not_json(row: dict[str, Any]) -> tuple[str, Any] | None:
+    """The path and value of the first item in ``row`` that JSON cannot hold (a Parquet
+    file's timestamp, bytes or decimal; a key that is not text). None if there is none."""
+    return first_item(row, lambda item: not isinstance(item, JSON_TYPES), lambda key: not isinstance(key, str))
+
+
+def first_item(row: dict[str, Any], bad: Callable[[Any], bool],
+               bad_key: Callable[[Any], bool] | None = None) -> tuple[str, Any] | None:
+    """The path (``reference.cases[0]``) and value of the first value in ``row``, at any
+    depth, for which ``bad`` is true, or key for which ``bad_key`` is (``bad`` when None).
+    Iterative, like ``too_deep``; a path is spelt out only for the item it reports."""
+    bad_key = bad_key or bad
     stack: list[tuple[Any, Any]] = [(None, row)]  # (where: (parent's where, key or index) or None, value)
     while stack:
         where, item = stack.pop()
-        if isinstance(item, str):
-            if not _encodable(item):
-                return _path(where), item
-        elif isinstance(item, dict):
+        if where is not None and bad(item):
+            return _path(where), item
+        if isinstance(item, dict):
             for k, v in item.items():
-                if isinstance(k, str) and not _encodable(k):
-                    return _path((where, k)), k
+                if bad_key(k):
+                    return _path((where, str(k))), k
                 stack.append(((where, k), v))
         elif isinstance(item, (list, tuple)):
             stack.extend(((where, i), v) for i, v in enumerate(item))
@@ -294,6 +330,10 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     reference = _object(row["reference"], f"{where}: reference")
     metadata = _object(row["metadata"] if row.get("metadata") not in (None, "") else {}, f"{where}: metadata")
     _check_unicode({"reference": reference, "metadata": metadata}, where)  # either may have been a JSON string
+    if (bad := not_json({"reference": reference, "metadata": metadata})) is not None:  # a Parquet file's types
+        name, value = bad
+        raise UserError(f"{where}: {name}", short(value), f"is a {type(value).__name__}, which a JSON value cannot be",
+                        "store it as text or a number (a date as an ISO 8601 string, bytes as base64 text)")
     problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
         name, what = problem

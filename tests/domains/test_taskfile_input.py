@@ -308,3 +308,42 @@ def test_a_missing_or_null_split_and_metadata_take_their_defaults(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [(t.split, t.metadata) for t in load_tasks(str(path))] == [("train", {}), ("train", {})]
+
+
+@pytest.mark.parametrize(("column", "name", "kind"), [
+    ("when", "metadata.when", "datetime"),
+    ("blob", "metadata.blob", "bytes"),
+    ("amount", "metadata.amount", "Decimal"),
+])
+def test_a_parquet_value_json_cannot_hold_is_named_as_the_file_loads(tmp_path, column, name, kind):
+    """Before, a timestamp, bytes or decimal in a Parquet task file's metadata passed every
+    check and then crashed taskgen writing its tasks (TypeError: not JSON serializable)."""
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    value = {"when": datetime.datetime(2026, 1, 2), "blob": b"\x00\xff", "amount": decimal.Decimal("1.50")}[column]
+    table = pa.Table.from_pylist([{"domain": "math", "prompt": "1+2=", "reference": '{"answer": "3"}',
+                                   "metadata": {column: value}}])
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.field == f"{path} row 0: {name}"
+    assert err.value.problem == f"is a {kind}, which a JSON value cannot be"
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("t.jsonl", '{"domain": "math", "domain": "code", "prompt": "1+1=", "reference": {"answer": "2"}}\n'),
+    ("t.json", '[{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2", "answer": "3"}}]'),
+])
+def test_a_key_given_twice_is_refused(tmp_path, name, text):
+    """Before, the last of the two was kept without a word (recipes already refused this)."""
+    path = tmp_path / name
+    path.write_text(text)
+    key = "domain" if name.endswith(".jsonl") else "answer"
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.problem == f"key {key!r} is given twice in one object"
