@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError, outage
 from components.core.prompts import encode, resolve_format
 from components.core.storage import Expected, Store, normalize_uri
 
@@ -169,13 +169,18 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
     _quiet()
     uri = normalize_uri(uri, field)
     store = Store(uri, field)
-    if not store.exists("config.json"):
-        raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
-                        "point at a folder written by save_pretrained, or re-run the stage that writes it")
     with tempfile.TemporaryDirectory(prefix="posttrain-load-") as tmp:
-        # the optimizer state beside the weights is the trainer's alone (it reads and checks it itself)
-        expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
-        store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,))
+        try:
+            if not store.exists("config.json"):
+                raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
+                                "point at a folder written by save_pretrained, or re-run the stage that writes it")
+            # the optimizer state beside the weights is the trainer's alone (it reads and checks it itself)
+            expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
+            store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,))
+        except Exception as exc:  # an unreachable store is an outage wherever the policy loads (serve too)
+            if isinstance(exc, (UserError, InfraError)) or (down := outage(exc)) is None:
+                raise
+            raise InfraError(field, uri, down) from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(tmp)
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)

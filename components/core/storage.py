@@ -164,7 +164,14 @@ def normalize_uri(uri: str, field: str = "run_root") -> str:
         raise UserError(field, uri, f"not a URI ({exc})", "write s3://bucket/prefix (a bucket name has no brackets)") from None
     if not parsed.netloc:
         raise UserError(field, uri, "s3 URI has no bucket", "write s3://bucket/prefix")
-    return uri.rstrip("/")
+    if "@" in parsed.netloc:  # named without what came before the '@': it may be a secret
+        raise UserError(field, f"s3://...@{parsed.netloc.rpartition('@')[2]}{parsed.path}",
+                        "an s3 URI cannot hold credentials",
+                        "pass them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
+    if any(part in (".", "..") for part in parsed.path.split("/")):
+        raise UserError(field, uri, "has a '.' or '..' part, which S3 keeps as a key's name, not a step up",
+                        "write the prefix without it")
+    return "s3://" + uri[len(found) + 3:].rstrip("/")  # the scheme as fsspec knows it: "S3://" is no protocol there
 
 
 def make_folders(path: str | Path) -> None:

@@ -96,6 +96,27 @@ def test_normalize_uri_names_what_cannot_be_a_store(uri: str, problem: str) -> N
     assert (info.value.field, info.value.value, info.value.problem) == ("--run-root", uri, problem)
 
 
+@pytest.mark.parametrize(("uri", "value", "problem"), [
+    ("s3://bucket/runs/../x", "s3://bucket/runs/../x", "has a '.' or '..' part, which S3 keeps as a key's name, not a "
+                                                       "step up"),
+    ("s3://bucket/./x", "s3://bucket/./x", "has a '.' or '..' part, which S3 keeps as a key's name, not a step up"),
+    # the part before '@' may be a secret: it is not repeated
+    ("s3://user:secret@bucket/x", "s3://...@bucket/x", "an s3 URI cannot hold credentials"),
+])
+def test_an_s3_uri_with_dot_parts_or_credentials_is_refused(uri: str, value: str, problem: str) -> None:
+    """Before, '..' reached the store check as "Invalid Request", and credentials in the
+    host part as a cut-off ParamValidationError that repeated them."""
+    with pytest.raises(UserError) as info:
+        normalize_uri(uri, "--run-root")
+    assert (info.value.value, info.value.problem) == (value, problem)
+    assert "secret" not in info.value.line()
+
+
+def test_an_uppercase_s3_scheme_is_the_s3_scheme() -> None:
+    """Before, 'S3://' passed the URI check and then fsspec raised "Protocol not known: S3"."""
+    assert normalize_uri("S3://bucket/runs/") == normalize_uri("s3://bucket/runs") == "s3://bucket/runs"
+
+
 def test_a_bracket_in_a_path_is_still_a_path(tmp_path: Path) -> None:
     """Only a URI's host part is read as an IPv6 address: a bare path or a file URI's path may hold brackets."""
     assert normalize_uri(str(tmp_path / "[x")) == f"file://{tmp_path}/[x"

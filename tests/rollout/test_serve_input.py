@@ -328,3 +328,23 @@ def test_a_client_gone_mid_upload_is_no_server_error(server) -> None:
     assert proc.poll() is None
     text = log.read_text()
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-2000:]
+
+
+def test_an_unreachable_checkpoint_store_is_one_outage_line(capsys, monkeypatch) -> None:
+    """Before, three chained tracebacks (botocore's EndpointConnectionError); now the line
+    every other command prints for an outage, exit 1."""
+    from components.cli import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--checkpoint", "S3://bucket/ckpt", "--port", str(port)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("posttrain: unreachable: --checkpoint unreachable at 's3://bucket/ckpt': "
+                          "EndpointConnectionError: Could not connect to the endpoint URL")
+    assert "\n" not in err
