@@ -44,7 +44,7 @@ from components.core.manifest import stage_prefix
 from components.core.planner import finished, plan
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
-from components.core.storage import Store
+from components.core.storage import Store, removed_if_refused
 from components.domains.taskfile import check_task_file
 from dags import execution, stagehost
 
@@ -242,31 +242,6 @@ def check_cuda() -> None:
                           cwd=str(Path(__file__).resolve().parents[1]))
     if proc.returncode == 0 and proc.stdout.strip():
         raise UserError.from_json(proc.stdout.strip())
-
-
-@contextmanager
-def removed_if_refused(store: Store) -> Iterator[None]:
-    """The folders of a local run root that did not exist before the body (the run root
-    and any of its parents it made) are removed again if the body raises, each only if
-    still empty, deepest first: a refused run leaves no run root behind; one that existed
-    before stays."""
-    made: list[Path] = []
-    if store.uri.startswith("file://"):
-        cur = Path(store.root)
-        while cur != cur.parent and not os.path.lexists(cur):
-            made.append(cur)
-            cur = cur.parent
-    try:
-        yield
-    except BaseException:
-        for folder in made:  # deepest first
-            try:
-                folder.rmdir()
-            except FileNotFoundError:
-                continue  # never made (the refusal came first)
-            except OSError:
-                break  # not empty (another run's files), or not ours to remove
-        raise
 
 
 def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int, stage_host: bool = False,

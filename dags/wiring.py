@@ -118,8 +118,8 @@ def plan() -> dict[str, Any]:
     from components.core.recipe import load_recipe, publish_recipe
     from components.core.runner import close_finished_iterations
     from components.core.stages import registered, shard_list
-    from components.core.storage import Store
-    from dags.orchestrate import check_before_run, removed_if_refused
+    from components.core.storage import Store, removed_if_refused
+    from dags.orchestrate import check_before_run
 
     ctx = get_current_context()
     params = ctx["params"]

@@ -52,7 +52,7 @@ from components.core.nodes import this_node
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.stages import registered, shard_count, spec
-from components.core.storage import Store
+from components.core.storage import Store, removed_if_refused
 
 
 def code_version() -> str:
@@ -192,7 +192,8 @@ def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration:
     the tests among them, may run any iteration's taskgen)."""
     gcpolicy.settle()  # the set-up's garbage, before this stage allocates
     try:
-        manifest = _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id, in_order)
+        with removed_if_refused(run_root):  # a stage refused before it wrote anything leaves no run root it made
+            manifest = _run_stage(stage, recipe, run_root, iteration, shard, orchestrator_run_id, in_order)
     except (UserError, InfraError, DataQualityError):
         raise
     except Exception as exc:

@@ -33,6 +33,8 @@ import os
 import posixpath
 import re
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -198,6 +200,40 @@ def make_folders(path: str | Path) -> None:
                 os.rmdir(folder)
             except OSError:
                 pass
+        raise
+
+
+@contextmanager
+def removed_if_refused(run_root: Store | str) -> Iterator[None]:
+    """The folders of a local run root that did not exist before the body (the run root
+    and any of its parents it made) are removed again if the body raises, each only if
+    still empty, deepest first: a refused run or stage leaves no run root behind; one that
+    existed before stays. A run root that is no valid URI names no folder (the body
+    refuses it)."""
+    made: list[Path] = []
+    if isinstance(run_root, str):
+        try:
+            uri = normalize_uri(run_root, "--run-root")
+        except UserError:
+            uri = ""
+        root = uri[len("file://"):] if uri.startswith("file://") else None
+    else:
+        root = run_root.root if run_root.uri.startswith("file://") else None
+    if root is not None:
+        cur = Path(root)
+        while cur != cur.parent and not os.path.lexists(cur):
+            made.append(cur)
+            cur = cur.parent
+    try:
+        yield
+    except BaseException:
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except FileNotFoundError:
+                continue  # never made (the refusal came first)
+            except OSError:
+                break  # not empty (another run's files), or not ours to remove
         raise
 
 

@@ -84,3 +84,18 @@ def test_stage_taskgen_cannot_open_a_gap_in_the_iterations(finished, line, tmp_p
     assert code == 2
     assert capsys.readouterr().err.strip() == "posttrain: error: " + line.format(root=f"file://{root}")
     assert not (root / "tiny" / "iter-3").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["evaluation", "--iteration", "3"],  # no upstream output: refused by the stage's inputs
+    ["taskgen", "--iteration", "5"],  # refused by the in-order check
+])
+def test_a_refused_stage_leaves_no_run_root_it_made(args, tmp_path, capsys) -> None:
+    """Before, the store's reachability probe made the run root and its parents, and the
+    refusal that came after left them behind, empty."""
+    from components.cli import main
+
+    root = tmp_path / "typo" / "a" / "runs"
+    assert main(["stage", *args, "--recipe", str(TINY_RECIPE), "--run-root", str(root)]) == 2
+    assert capsys.readouterr().err.startswith("posttrain: error: ")
+    assert list(tmp_path.iterdir()) == []

@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from components.core.errors import UserError
-from components.core.storage import Store
+from components.core.storage import Store, removed_if_refused
 from dags import execution
-from dags.orchestrate import removed_if_refused
 from tests.fixtures.runs import REPO, TINY, cli_env, run_posttrain
 
 SCHEDULE_FIX = "use e.g. '0 2 * * *', '@daily' or 'asset:champion' (unset or 'manual': only when triggered)"
