@@ -25,6 +25,8 @@ import hashlib
 import json
 import math
 import reprlib
+import types
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -53,15 +55,38 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """``shards: true`` is a mistake, not 1: pydantic would take a bool for an int."""
+        """``shards: true`` is a mistake, not 1, and ``allow_weak_isolation: "yes"`` is
+        text, not true: pydantic would take them. Checked through ``X | None``, lists and
+        dicts too (``timeouts: {trainer: true}``, ``domain_weights: {math: "1"}``)."""
         field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and field.annotation in (int, float):
-            raise ValueError("input should be a number, not true/false")
-        if isinstance(value, str) and field is not None and field.annotation in (int, int | None):
-            # ``shards: "2"`` (quoted) is text, not 2. Floats keep taking text: YAML 1.1 (PyYAML)
-            # reads ``1e-3``, with no dot, as the text "1e-3".
-            raise ValueError("input should be a valid integer, not text (write it without quotes)")
+        if field is not None and (problem := _loose_scalar(field.annotation, value)) is not None:
+            raise ValueError(problem)
         return value
+
+
+def _loose_scalar(annotation: Any, value: Any) -> str | None:
+    """Why ``value`` is a loose spelling of what ``annotation`` wants (None when it is not):
+    true/false for a number, text for an integer, anything but true/false for a bool.
+    Floats keep taking text: YAML 1.1 (PyYAML) reads ``1e-3``, with no dot, as the text
+    "1e-3". Looks inside ``X | None``, ``list[X]`` and ``dict[str, X]``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or len(members) != 1:
+            return None
+        return _loose_scalar(members[0], value)
+    if origin is list and isinstance(value, list):
+        return next((p for item in value if (p := _loose_scalar(typing.get_args(annotation)[0], item))), None)
+    if origin is dict and isinstance(value, dict):
+        inner = typing.get_args(annotation)[1]
+        return next((f"{key}: {p}" for key, item in value.items() if (p := _loose_scalar(inner, item))), None)
+    if annotation in (int, float) and isinstance(value, bool):
+        return "input should be a number, not true/false"
+    if annotation is int and isinstance(value, str):
+        return "input should be a valid integer, not text (write it without quotes)"
+    if annotation is bool and not isinstance(value, bool):
+        return "input should be true or false (unquoted)"
+    return None
 
 
 class ModelConfig(_Section):
@@ -169,7 +194,7 @@ class SandboxConfig(_Section):
 
 class RewardConfig(_Section):
     normalize: Literal["none", "domain_zscore"] = Field("none", description="per-domain normalisation")
-    advantage_eps: float = Field(1e-6, gt=0, description="added to the group std")
+    advantage_eps: float = Field(1e-6, gt=0, le=1, description="added to the group std (above 1 it flattens every advantage)")
     scale_by_std: bool = Field(True, description="divide advantages by the group std (GRPO) or only centre them")
     domain_weights: dict[str, float] = Field(default_factory=dict, description="loss weight per domain (unlisted: 1): "
                                              "multiplies each sample's advantage after group scaling, so it acts on the "
@@ -197,9 +222,11 @@ class TrainerConfig(_Section):
     learning_rate: float = Field(1e-4, gt=0, le=1, description="Adam learning rate (above 1 diverges at once)")
     prompts_per_step: int = Field(16, ge=1, le=BIG, description="tasks (groups) per optimizer step")
     epochs: int = Field(1, ge=1, le=1000, description="passes over the iteration's batch")
-    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the iteration's starting policy")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
+    clip_eps: float = Field(0.2, gt=0, le=10, description="PPO ratio clip (10 already clips nothing in practice)")
+    kl_coef: float = Field(0.0, ge=0, le=100, description="KL penalty to the iteration's starting policy (at most 100: "
+                           "beyond, the penalty is all the loss)")
+    max_grad_norm: float = Field(1.0, ge=1e-6, le=1e6, description="gradient clipping (from 1e-6, which already stops "
+                                 "learning, to 1e6, which clips nothing)")
     micro_batch_size: int = Field(64, ge=1, le=BIG, description="sequences per forward pass (gradient accumulation)")
     micro_batch_tokens: int = Field(0, ge=0, le=100 * BIG, description="tokens per forward pass, rows x row width with "
                                                                       "padding or packing filler (0: only micro_batch_size caps it)")

@@ -257,6 +257,24 @@ def test_a_quoted_integer_is_refused(section: str, field: str, value: str) -> No
     assert info.value.problem == "input should be a valid integer, not text (write it without quotes)"
 
 
+@pytest.mark.parametrize(("section", "field", "problem"), [
+    ("timeouts: {trainer: true}", "timeouts", "trainer: input should be a number, not true/false"),
+    ("timeouts: {trainer: '3600'}", "timeouts", "trainer: input should be a valid integer, not text (write it without "
+                                                "quotes)"),
+    ("resources: {trainer: {gpus: true}}", "resources.trainer.gpus", "input should be a number, not true/false"),
+    ("taskgen: {domain_weights: {arithmetic: true}}", "taskgen.domain_weights",
+     "arithmetic: input should be a number, not true/false"),
+    ("sandbox: {allow_weak_isolation: 'yes'}", "sandbox.allow_weak_isolation", "input should be true or false (unquoted)"),
+    ("sandbox: {allow_weak_isolation: 1}", "sandbox.allow_weak_isolation", "input should be true or false (unquoted)"),
+])
+def test_a_loose_value_inside_a_dict_or_optional_is_refused(section: str, field: str, problem: str) -> None:
+    """Before, the check looked only at fields typed exactly int or float: true became a
+    1-second timeout or 1 GPU, 'yes' became true."""
+    with pytest.raises(UserError) as info:
+        parse_recipe(yaml.safe_load(f"pipeline: tiny\n{section}\n"), "r.yaml")
+    assert (info.value.field, info.value.problem) == (f"r.yaml: {field}", problem)
+
+
 def test_a_float_written_without_a_dot_still_loads() -> None:
     """PyYAML reads ``1e-3`` (no dot) as text: float fields keep converting it."""
     data = yaml.safe_load("pipeline: tiny\ntrainer: {learning_rate: 1e-3}\n")
