@@ -24,6 +24,7 @@ is one line (``posttrain: interrupted (Ctrl-C)``) and exit 130, never a tracebac
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from typing import NoReturn
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     """The command; ``argv=None`` is the process's own entry (the console script, ``python
     -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
     args = build_parser().parse_args(argv)
+    for name in ("botocore.credentials", "aiobotocore.credentials"):  # "Found credentials in ...": said at info
+        logging.getLogger(name).setLevel(logging.WARNING)               # level on every S3 client, by no one's wish
     handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one
     policy = argv is None and args.command in ("stage", "run")  # the commands that run stages in this process
     args.process_entry = argv is None  # the process is this command: it may fork a stage host (``posttrain run``)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import re
 import reprlib
 import types
 import typing
@@ -64,6 +66,10 @@ class _Section(BaseModel):
         return value
 
 
+EXPONENT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+"""A number in exponent form: PyYAML (YAML 1.1) reads ``1e3``, with no dot, as text."""
+
+
 def _loose_scalar(annotation: Any, value: Any) -> str | None:
     """Why ``value`` is a loose spelling of what ``annotation`` wants (None when it is not):
     true/false for a number, text for an integer, anything but true/false for a bool.
@@ -83,6 +89,8 @@ def _loose_scalar(annotation: Any, value: Any) -> str | None:
     if annotation in (int, float) and isinstance(value, bool):
         return "input should be a number, not true/false"
     if annotation is int and isinstance(value, str):
+        if EXPONENT_TEXT.fullmatch(value.strip()):  # 1e3 or 1e400, unquoted: text to PyYAML
+            return f"input should be a whole number written in digits, not {value.strip()[:40]!r} in exponent form"
         return "input should be a valid integer, not text (write it without quotes)"
     if annotation is bool and not isinstance(value, bool):
         return "input should be true or false (unquoted)"
@@ -429,6 +437,9 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
                         "give at least one domain a weight > 0")
     for i, name in enumerate(recipe.domains):
         DOMAINS.check(name, f"{source}: domains[{i}]")
+        if name in recipe.domains[:i]:
+            raise UserError(f"{source}: domains[{i}]", name, f"is listed twice (first as domains[{recipe.domains.index(name)}])",
+                            "list each domain once; weigh it with taskgen.domain_weights")
     ENGINES.check(recipe.rollout.engine, f"{source}: rollout.engine")
     BACKENDS.check(recipe.sandbox.backend, f"{source}: sandbox.backend")
     _weights(recipe.reward.domain_weights, f"{source}: reward.domain_weights")
@@ -491,6 +502,10 @@ def _read_text(path: str | Path) -> str:
     """The recipe's text from a local file or a store URI (``s3://``, ``file://``)."""
     if not is_uri(path):
         if not Path(path).is_file():
+            if Path(path).is_dir():
+                raise UserError("--recipe", str(path), "is a folder, not a recipe file", "name the recipe's YAML file in it")
+            if os.path.lexists(path):  # a FIFO, a device, a dangling link
+                raise UserError("--recipe", str(path), "is not a regular file", "pass a YAML file such as recipes/demo.yaml")
             raise UserError("--recipe", str(path), "no such recipe file", "pass a YAML file such as recipes/demo.yaml")
         try:
             with Path(path).open("rb") as fh:
@@ -498,7 +513,7 @@ def _read_text(path: str | Path) -> str:
         except OSError as exc:
             raise UserError("--recipe", str(path), f"cannot be read ({type(exc).__name__})", "check its permissions") from None
         return _decode(data, path)
-    from components.core.storage import Store, normalize_uri
+    from components.core.storage import Store, normalize_uri, s3_fix
 
     given = str(path)
     uri = normalize_uri(given, "--recipe")  # a malformed URI is named as the user wrote it
@@ -513,6 +528,10 @@ def _read_text(path: str | Path) -> str:
         if store.isdir(name):
             raise UserError("--recipe", given, "is a folder, not a recipe file", "name the recipe's YAML file in it")
         if not store.exists(name):
+            bucket = rest.split("/", 1)[0]
+            if scheme == "s3" and not store.fs.exists(bucket):
+                raise UserError("--recipe", str(path), f"no bucket {bucket!r} in the store",
+                                "name an existing bucket (or check AWS_ENDPOINT_URL: another server has other buckets)")
             raise UserError("--recipe", str(path), "no such recipe in the store", "publish it first (the DAG's plan task does)")
         return _decode(store.read_bytes(name), path)
     except UserError:
@@ -520,7 +539,8 @@ def _read_text(path: str | Path) -> str:
     except Exception as exc:
         if (down := outage(exc)) is not None:
             raise InfraError("--recipe", str(path), down) from None
-        raise UserError("--recipe", str(path), f"cannot read it ({type(exc).__name__})", "check the URI and the credentials") from None
+        raise UserError("--recipe", str(path), f"cannot read it ({type(exc).__name__})",
+                        s3_fix(exc) if scheme == "s3" else "check the URI") from None
 
 
 def publish_recipe(path: str | Path, run_root: str) -> str:

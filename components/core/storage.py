@@ -237,12 +237,16 @@ def removed_if_refused(run_root: Store | str) -> Iterator[None]:
         raise
 
 
-def _s3_fix(exc: BaseException) -> str:
+def s3_fix(exc: BaseException) -> str:
     """What to change for an S3 store that answered but refused: the bucket, the keys, or
     (anything else) the endpoint."""
     text = f"{type(exc).__name__} {exc}"
     if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text:  # head_bucket's 404
         return "create the bucket, or name an existing one in the run root"
+    if "ProfileNotFound" in text:
+        return "set AWS_PROFILE to a profile in ~/.aws/config, or unset it and pass AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    if any(word in text for word in ("SSLError", "SSL:", "CERTIFICATE")):
+        return "match AWS_ENDPOINT_URL's scheme to the server (http:// for a plain server, https:// for TLS) and check its CA"
     if any(word in text for word in ("Forbidden", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                                      "PermissionError", "403")):
         return "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE): the server refused them"
@@ -255,6 +259,11 @@ def _s3_options() -> dict[str, Any]:
     client_kwargs: dict[str, Any] = {}
     if endpoint:
         if not endpoint.startswith(("http://", "https://")):
+            given = scheme(endpoint) if "://" in endpoint else ""
+            if given:  # ftp://host: another scheme, not a missing one
+                host = endpoint.split("://", 1)[1]
+                raise UserError(var, endpoint, f"an S3 endpoint is http:// or https://, not {given}://",
+                                f"write http://{host} or https://{host}")
             raise UserError(var, endpoint, "an S3 endpoint needs its scheme", f"write http://{endpoint} or https://{endpoint}")
         client_kwargs["endpoint_url"] = endpoint
     # Fail fast on an unreachable endpoint instead of botocore's long default retries.
@@ -424,7 +433,7 @@ class Store:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             fix = "pass a writable folder"
             if self.uri.startswith("s3://"):
-                fix = _s3_fix(exc)
+                fix = s3_fix(exc)
             raise UserError(self.field, self.uri, f"store is not reachable or not writable ({reason})", fix) from None
 
     def _fresh(self, path: str) -> str:

@@ -275,6 +275,20 @@ def test_a_loose_value_inside_a_dict_or_optional_is_refused(section: str, field:
     assert (info.value.field, info.value.problem) == (f"r.yaml: {field}", problem)
 
 
+def test_an_integer_in_exponent_form_is_named_as_such() -> None:
+    """PyYAML reads an unquoted 1e3 as text: the message said 'write it without quotes'."""
+    with pytest.raises(UserError) as info:
+        parse_recipe(yaml.safe_load("pipeline: tiny\nrollout: {group_size: 1e400}\n"), "r.yaml")
+    assert info.value.problem == "input should be a whole number written in digits, not '1e400' in exponent form"
+
+
+def test_a_domain_listed_twice_is_refused() -> None:
+    with pytest.raises(UserError) as info:
+        parse_recipe(yaml.safe_load("pipeline: tiny\ndomains: [arithmetic, code, arithmetic]\n"), "r.yaml")
+    assert (info.value.field, info.value.value) == ("r.yaml: domains[2]", "arithmetic")
+    assert info.value.problem == "is listed twice (first as domains[0])"
+
+
 def test_a_float_written_without_a_dot_still_loads() -> None:
     """PyYAML reads ``1e-3`` (no dot) as text: float fields keep converting it."""
     data = yaml.safe_load("pipeline: tiny\ntrainer: {learning_rate: 1e-3}\n")
@@ -377,3 +391,28 @@ def test_check_reachable_leaves_no_parents(tmp_path: Path, monkeypatch: pytest.M
         store.check_reachable()
     assert info.value.field == "run_root" and "No space left on device" in info.value.problem
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_recipe_path_that_is_no_regular_file_is_named_for_what_it_is(tmp_path: Path) -> None:
+    """Before, a folder, a FIFO or /dev/null given as --recipe was 'no such recipe file'."""
+    from components.core.recipe import load_recipe as load
+
+    (tmp_path / "r.yaml").mkdir()
+    os.mkfifo(tmp_path / "fifo.yaml")
+    for path, problem in [(tmp_path / "r.yaml", "is a folder, not a recipe file"),
+                          (tmp_path / "fifo.yaml", "is not a regular file"), ("/dev/null", "is not a regular file"),
+                          (tmp_path / "none.yaml", "no such recipe file")]:
+        with pytest.raises(UserError) as info:
+            load(path)
+        assert (info.value.field, info.value.problem) == ("--recipe", problem)
+
+
+def test_an_endpoint_of_another_scheme_is_named_with_a_fix_that_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: 'an S3 endpoint needs its scheme; fix: write http://ftp://host'."""
+    from components.core.storage import filesystem
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "ftp://127.0.0.1:9000")
+    with pytest.raises(UserError) as info:
+        filesystem("s3://bucket/x")
+    assert info.value.problem == "an S3 endpoint is http:// or https://, not ftp://"
+    assert info.value.fix == "write http://127.0.0.1:9000 or https://127.0.0.1:9000"

@@ -191,3 +191,18 @@ def test_the_largest_iteration_still_makes_a_valid_job() -> None:
     job = pytorchjob.render(recipe(), RECIPE_URI, RUN_ROOT, pytorchjob.MAX_ITERATION, 2)
     assert job["metadata"]["name"].endswith("-trainer-999999999") and len(job["metadata"]["name"]) <= pytorchjob.MAX_NAME
     assert job["metadata"]["labels"]["posttrain.io/iteration"] == "999999999"
+
+
+def test_publish_to_an_unreachable_store_is_one_line(tmp_path) -> None:
+    """Before, aiobotocore's "[info] Found credentials in environment variables." came
+    first: two lines on stderr where the CLI promises one."""
+    from tests.fixtures.home import TINY_RECIPE
+    from tests.fixtures.runs import cli_env, run_posttrain
+
+    env = cli_env(tmp_path / "home", AWS_ENDPOINT_URL="http://127.0.0.1:1", AWS_ACCESS_KEY_ID="x",
+                  AWS_SECRET_ACCESS_KEY="y")
+    proc = run_posttrain(["render", "pytorchjob", "--recipe", str(TINY_RECIPE), "--nodes", "1", "--iteration", "1",
+                          "--run-root", "s3://bucket/x", "--publish"], tmp_path, env, timeout=300)
+    assert proc.returncode == 1
+    assert len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("posttrain: unreachable: store unreachable at 's3://bucket/x'")
