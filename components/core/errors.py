@@ -113,7 +113,8 @@ class InfraError(Exception):
         return type(self), (self.what, self.where, self.reason), self.__dict__
 
     def line(self) -> str:
-        return f"{self.what} unreachable at {value_text(self.where)!r}: {value_text(self.reason)}; retry once it is back"
+        return (f"{one_line(self.what)} unreachable at {value_text(self.where)!r}: {one_line(value_text(self.reason))}; "
+                "retry once it is back")
 
 
 _SERVER_SIDE_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}

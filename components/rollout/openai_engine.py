@@ -20,29 +20,34 @@ so the server still batches them: vLLM seeds every prompt of one request alike, 
 copies of one prompt in a request would be G identical samples. Those are the seeds the
 in-process ``vllm`` engine gives its prompts.
 
-A server that cannot be reached, or answers 5xx, is an ``InfraError`` (the orchestrator
-retries the stage); a 4xx answer is a ``UserError`` naming the URL (a wrong model name or
-an unsupported option will not fix itself), and so is a 200 reply of another shape (not a
-JSON object, another number of choices, tokens outside the model's vocabulary, logprobs
-that are not numbers at most 0); a reply cut off midway is an ``InfraError``. Not covered: chat completions, streaming,
+A server that cannot be reached, answers 5xx or 408/425/429 ("not now"), or does not
+finish its reply (status line, headers and body) within the request's time limit is an
+``InfraError`` (the orchestrator retries the stage); another 4xx answer is a
+``UserError`` naming the URL (a wrong model name or an unsupported option will not fix
+itself), and so is a 200 reply of another shape (not a JSON object, another number of
+choices, tokens outside the model's vocabulary, logprobs that are not JSON numbers at
+most 0, a choice of more tokens than ``max_tokens``) or of more bytes than the request can
+need (``reply_limit``); a reply cut off midway is an ``InfraError``. A completion that
+ends in EOS is a stop whatever ``finish_reason`` says. Not covered: chat completions, streaming,
 ``n > 1`` per request, retries inside one request, and servers that drop the EOS token
 from ``logprobs.tokens`` (then ``completion_ids`` ends without EOS and EOS is not trained).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
 import os
+import socket
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from components.core.errors import InfraError, UserError, value_text
+from components.core.errors import InfraError, UserError, one_line, value_text
 from components.rollout.engines import Engine, Generation
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
@@ -64,23 +69,28 @@ lower, or not a finite number, is no server's honest answer. Values this low sti
 the trainer's importance ratio overflow: that step updates nothing (``grpo_step``)."""
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is refused, not followed: urllib would send the POST on as a GET, the
-    API key with it, to wherever ``Location`` points."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
-        raise UserError(ENV_BASE_URL, req.full_url, f"the server redirects (HTTP {code}) to "
-                        f"{value_text(newurl, 200)!r}, which is not followed (the API key would go with it)",
-                        f"set {ENV_BASE_URL} to the server's own base URL")
+RETRIED_STATUSES = {408, 425, 429}
+"""4xx replies that say "not now" (request timeout, too early, rate limited): an outage,
+retried by the orchestrator with its backoff (``Retry-After`` is not read), not a mistake."""
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+def reply_limit(prompts: int, max_tokens: int) -> int:
+    """The most bytes a completions reply for ``prompts`` prompts of at most ``max_tokens``
+    tokens each may take: 1 MiB, plus 64 KiB a prompt and 1 KiB a token (a token's entry,
+    its logprob, offset and top logprob take about 100 bytes), at most ``MAX_REPLY_BYTES``.
+    Parsed JSON takes about 25 times its text, so a bound that fits the request keeps a
+    hostile reply's memory near what an honest one needs."""
+    return min(MAX_REPLY_BYTES, (1 << 20) + prompts * ((64 << 10) + max(0, max_tokens) * 1024))
 
 
 def _read(response, url: str, limit: int, deadline: float) -> bytes:
     """At most ``limit`` bytes of ``response`` (a UserError past it), before ``deadline``
     (``time.monotonic()``; an InfraError after it: a server that trickles its reply
     resets every per-read timeout)."""
+    length = response.getheader("Content-Length") or ""
+    if length.strip().isdigit() and int(length) > limit:
+        raise UserError(ENV_BASE_URL, url, f"the server's reply is over {limit} bytes",
+                        "ask for fewer prompts per request (rollout.batch_size), or check the server")
     chunks, size = [], 0
     while True:
         if time.monotonic() > deadline:
@@ -98,32 +108,73 @@ def _read(response, url: str, limit: int, deadline: float) -> bytes:
         chunks.append(chunk)
 
 
-def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0) -> dict[str, Any]:
-    """POST ``body`` as JSON: an unreachable server, a 5xx or a reply that does not end in
-    ``timeout_s`` is an InfraError; a 4xx, a redirect or a reply over ``MAX_REPLY_BYTES`` a
-    UserError."""
-    headers = {"Content-Type": "application/json"}
+def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0,
+              limit: int = MAX_REPLY_BYTES) -> dict[str, Any]:
+    """POST ``body`` as JSON: an unreachable server, a 5xx (or 408, 425, 429) or a reply
+    that does not end in ``timeout_s`` is an InfraError; another 4xx, a redirect or a reply
+    over ``limit`` bytes a UserError. ``timeout_s`` bounds the whole exchange, the status
+    line and headers too: at the deadline a watchdog shuts the socket, so neither a server
+    that trickles its headers nor one that sends ``100 Continue`` for ever holds a stage."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = connection(parts.hostname, parts.port, timeout=timeout_s)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout_s, cut)
+    watchdog.daemon = True
     deadline = time.monotonic() + timeout_s
+    watchdog.start()
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
-            raw = _read(response, url, MAX_REPLY_BYTES, deadline)
-    except urllib.error.HTTPError as exc:
-        try:  # only as much as the message shows; a body cut off short is no reason to fail differently
-            detail = exc.read(4096).decode(errors="replace")[:200]
-        except (OSError, http.client.HTTPException):
-            detail = "(no readable body)"
-        if exc.code >= 500:
-            raise InfraError("inference endpoint", url, f"HTTP {exc.code}: {detail}") from None
-        raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {exc.code}: {detail}",
-                        f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut off mid-reply
+        conn.request("POST", target, body=json.dumps(body).encode(), headers=headers)
+        response = conn.getresponse()
+        status = response.status
+        if status >= 300:
+            try:  # only as much as the message shows; a body cut off short is no reason to fail differently
+                detail = one_line(response.read(4096).decode(errors="replace")[:200])
+            except (OSError, http.client.HTTPException):
+                detail = "(no readable body)"
+            if 300 <= status < 400:
+                where = response.getheader("Location")
+                if where:
+                    raise UserError(ENV_BASE_URL, url, f"the server redirects (HTTP {status}) to "
+                                    f"{value_text(urllib.parse.urljoin(url, where), 200)!r}, which is not followed "
+                                    "(the API key would go with it)", f"set {ENV_BASE_URL} to the server's own base URL")
+                raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {status}: {detail}",
+                                f"set {ENV_BASE_URL} to the server's own base URL")
+            if status >= 500 or status in RETRIED_STATUSES:
+                raise InfraError("inference endpoint", url, f"HTTP {status}: {detail}")
+            raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {status}: {detail}",
+                            f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs")
+        raw = _read(response, url, limit, deadline)
+        framed = response.getheader("Content-Length") is not None or response.chunked
+    except (OSError, http.client.HTTPException) as exc:  # refused, reset, cut off mid-reply, or shut by the watchdog
+        if expired.is_set():
+            raise InfraError("inference endpoint", url, f"the reply did not end within the request's time limit "
+                             f"({timeout_s:g} s)") from None
         raise InfraError("inference endpoint", url, f"cannot reach the completions server ({exc}); start it "
                          "(e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
+    finally:
+        watchdog.cancel()
+        conn.close()
     try:
         reply = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        text = raw.decode("utf-8", "replace").rstrip()
+        if not framed and text and (exc.pos >= len(text) or exc.msg.startswith("Unterminated")):  # ended mid-JSON
+            raise InfraError("inference endpoint", url, "the reply ended mid-JSON (no Content-Length: the "
+                             "connection closed early)") from None
+        reply = None
     except (ValueError, RecursionError):
         reply = None
     if not isinstance(reply, dict):
@@ -150,10 +201,22 @@ def _token_id(token: object, tokenizer, vocab: int) -> int:
     return tid
 
 
-def _parse_choices(reply: dict[str, Any], n: int, url: str, policy) -> list[tuple[list[int], list[float], bool]]:
+def _logprob(value: object) -> float:
+    """A returned logprob: a JSON number (not true/false, not text) from ``MIN_LOGPROB`` to 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a logprob is {value_text(value, 40)!r}, not a number")
+    number = float(value)
+    if not math.isfinite(number) or not MIN_LOGPROB <= number <= 0:
+        raise ValueError(f"a logprob is not a number from {MIN_LOGPROB:g} to 0")
+    return number
+
+
+def _parse_choices(reply: dict[str, Any], n: int, url: str, policy,
+                   max_tokens: int | None = None) -> list[tuple[list[int], list[float], bool]]:
     """Each of the ``n`` choices of ``reply`` in prompt order: (token ids, their logprobs,
     whether it stopped). A reply of another shape is a UserError naming the server: a
-    wrong server or option will not fix itself."""
+    wrong server or option will not fix itself; so is a choice of more than
+    ``max_tokens`` tokens, or of none that did not stop."""
     config = getattr(getattr(policy, "model", None), "config", None)
     vocab = max(len(policy.tokenizer), getattr(config, "vocab_size", 0) or 0)
     fix = "use a server that accepts a list of token-id prompts and honours 'logprobs' (vLLM, posttrain serve)"
@@ -165,7 +228,7 @@ def _parse_choices(reply: dict[str, Any], n: int, url: str, policy) -> list[tupl
     try:
         for choice in choices:
             index = choice["index"]
-            if not isinstance(index, int) or not 0 <= index < n or index in parsed:
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n or index in parsed:
                 raise ValueError(f"choice index {value_text(index, 40)} is not one of 0..{n - 1} once each")
             lp = choice.get("logprobs") or {}
             tokens, logprobs = lp.get("tokens"), lp.get("token_logprobs")
@@ -174,10 +237,13 @@ def _parse_choices(reply: dict[str, Any], n: int, url: str, policy) -> list[tupl
                                 "use a server that honours 'logprobs' on /v1/completions")
             if not isinstance(tokens, list) or not isinstance(logprobs, list) or len(tokens) != len(logprobs):
                 raise ValueError("'tokens' and 'token_logprobs' are not two lists of one length")
-            values = [float(x) for x in logprobs]
-            if any(not math.isfinite(v) or not MIN_LOGPROB <= v <= 0 for v in values):
-                raise ValueError(f"a logprob is not a number from {MIN_LOGPROB:g} to 0")
-            parsed[index] = ([_token_id(t, policy.tokenizer, vocab) for t in tokens], values, choice.get("finish_reason") == "stop")
+            values = [_logprob(x) for x in logprobs]
+            stopped = choice.get("finish_reason") == "stop"
+            if max_tokens is not None and len(tokens) > max_tokens:
+                raise ValueError(f"a choice has {len(tokens)} tokens, more than max_tokens {max_tokens}")
+            if max_tokens and not tokens and not stopped:
+                raise ValueError("a choice has no tokens, yet did not stop")
+            parsed[index] = ([_token_id(t, policy.tokenizer, vocab) for t in tokens], values, stopped)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # OverflowError: a 400-digit logprob
         raise UserError(ENV_BASE_URL, url, f"the server's reply is not a completions reply "
                         f"({type(exc).__name__}: {value_text(exc, 120)})", fix) from None
@@ -226,6 +292,9 @@ class OpenAIEngine(Engine):
             raise UserError(ENV_BASE_URL, "", "rollout.engine 'openai' needs the server's base URL",
                             f"export {ENV_BASE_URL}=http://host:port (deployment settings come from the environment)")
         check_base_url(self.base_url)
+        if self.api_key and (not self.api_key.isascii() or not self.api_key.isprintable() or " " in self.api_key):
+            raise UserError(ENV_API_KEY, "(not shown)", "holds a space, a line break, a control character or a "
+                            "non-ASCII character, which no HTTP header carries", "set it to the key alone")
         if not self.model:
             raise UserError(ENV_MODEL, "", "rollout.engine 'openai' needs the served model's name",
                             f"export {ENV_MODEL}=<name the server serves>")
@@ -239,16 +308,18 @@ class OpenAIEngine(Engine):
             "temperature": 0.0 if greedy else temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
             "seed": seed, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
         }
-        reply = post_json(url, body, self.api_key)
+        reply = post_json(url, body, self.api_key, limit=reply_limit(len(chunk), max_new_tokens))
         results = []
-        for ids, (comp, logprobs, stopped) in zip(chunk, _parse_choices(reply, len(chunk), url, policy)):
+        for ids, (comp, logprobs, stopped) in zip(chunk, _parse_choices(reply, len(chunk), url, policy, max_new_tokens)):
             stop = comp.index(eos) + 1 if eos in comp else len(comp)
             comp, logprobs = comp[:stop], logprobs[:stop]
-            text_ids = comp[:-1] if comp and comp[-1] == eos else comp
+            ends_in_eos = bool(comp) and comp[-1] == eos
+            text_ids = comp[:-1] if ends_in_eos else comp
             results.append(Generation(
                 prompt_ids=ids, completion_ids=comp, logprobs=logprobs,
                 text=policy.tokenizer.decode(text_ids, skip_special_tokens=True),
-                finish_reason="stop" if stopped else "length",
+                # EOS decides (a server's "length" with EOS inside is a stop); without one, the server's word
+                finish_reason="stop" if ends_in_eos or stopped else "length",
             ))
         return results
 

@@ -196,10 +196,20 @@ def _choice(index: object = 0, tokens: object = ("token_id:14",), logprobs: obje
                                                           "vocabulary of 101)"),
     (_reply(_choice(tokens=(7,))), "the server's reply is not a completions reply (ValueError: token '7' is not a "
                                    "string)"),
-    (_reply(_choice(logprobs=(None,))), "the server's reply is not a completions reply (TypeError: float() argument "
-                                        "must be a string or a real number, not 'NoneType')"),
-    (_reply(_choice(logprobs=("nan",))), "the server's reply is not a completions reply (ValueError: a logprob is not "
-                                         "a number from -10000 to 0)"),
+    (_reply(_choice(logprobs=(None,))), "the server's reply is not a completions reply (ValueError: a logprob is "
+                                        "'None', not a number)"),
+    (_reply(_choice(logprobs=("nan",))), "the server's reply is not a completions reply (ValueError: a logprob is "
+                                         "'nan', not a number)"),
+    (_reply(_choice(logprobs=(False,))), "the server's reply is not a completions reply (ValueError: a logprob is "
+                                         "'False', not a number)"),
+    (_reply(_choice(logprobs=("-0.25",))), "the server's reply is not a completions reply (ValueError: a logprob is "
+                                           "'-0.25', not a number)"),
+    (_reply(_choice(index=False)), "the server's reply is not a completions reply (ValueError: choice index False is "
+                                   "not one of 0..0 once each)"),
+    (_reply(_choice(tokens=("token_id:14",) * 3, logprobs=(-0.5,) * 3)),
+     "the server's reply is not a completions reply (ValueError: a choice has 3 tokens, more than max_tokens 2)"),
+    (_reply(_choice(tokens=(), logprobs=())), "the server's reply is not a completions reply (ValueError: a choice has "
+                                              "no tokens, yet did not stop)"),
     (b'{"choices": [{"index": 0, "logprobs": {"tokens": ["token_id:14"], "token_logprobs": [-Infinity]}}]}',
      "the server's reply is not a completions reply (ValueError: a logprob is not a number from -10000 to 0)"),
     (_reply(_choice(logprobs=(-1e300,))), "the server's reply is not a completions reply (ValueError: a logprob is not "
@@ -229,9 +239,18 @@ def test_a_well_formed_reply_is_parsed_in_prompt_order() -> None:
                           finish_reason="stop"),
                   _choice(index=0, tokens=("token_id:14",), logprobs=(-0.5,)))
     with _Canned(body) as server:
-        gens = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1", "2"], 2, 1.0, 0, 2)
+        gens = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1", "2"], 3, 1.0, 0, 2)
     assert [(g.completion_ids, g.logprobs, g.finish_reason) for g in gens] == [([14], [-0.5], "length"),
                                                                               ([15, 2], [-0.25, -0.75], "stop")]
+
+
+def test_a_completion_that_ends_in_eos_stopped_whatever_the_server_says() -> None:
+    """A server's "length" for tokens with EOS inside: cut after EOS and recorded as a stop
+    (a completion ends in EOS exactly when its finish_reason is "stop")."""
+    body = _reply(_choice(tokens=("token_id:15", "token_id:2", "token_id:16"), logprobs=(-0.25, -0.75, -1.0)))
+    with _Canned(body) as server:
+        gen, = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 3, 1.0, 0, 1)
+    assert (gen.completion_ids, gen.finish_reason) == ([15, 2], "stop")
 
 
 def test_an_error_reply_cut_short_is_still_one_user_error() -> None:
@@ -290,3 +309,106 @@ def test_a_base_url_that_is_no_server_url_is_one_user_error(url: str, problem: s
         engine.generate(None, ["p"], 4, 1.0, 0, 1)
     assert (err.value.field, err.value.value, err.value.problem) == (ENV_BASE_URL, url, problem)
     OpenAIEngine(base_url="https://models.example.com:8443/v1", model="m")._check()  # a real one passes
+
+
+class _Raw:
+    """A loopback server that reads one request and then plays ``script``: a list of bytes
+    to send and seconds to wait, in order (``None`` as the last item: send nothing more and
+    keep the connection open until the client goes)."""
+
+    def __init__(self, script: list) -> None:
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.script = script
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(30)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:  # the whole request, so that closing early sends no reset
+                body += conn.recv(65536)
+            try:
+                for step in self.script:
+                    if step is None:
+                        while conn.recv(65536):  # the request's body, then nothing until the client shuts its end
+                            pass
+                        return
+                    if isinstance(step, bytes):
+                        conn.sendall(step)
+                    else:
+                        time.sleep(step)
+            except OSError:
+                return
+
+    def __enter__(self) -> _Raw:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("script", [
+    [b"HTTP/1.1 100 Continue\r\n\r\n", 0.2] * 40,  # 100 Continue for ever: http.client skips each one
+    [b"HTTP/1.1 200 OK\r\n"] + [b"X", 0.2] * 40,  # a header trickled a byte at a time
+    [b"HTTP/1.1 503 Busy\r\nContent-Length: 100000\r\n\r\n"] + [b"x", 0.2] * 40,  # an error body trickled
+    [b"HTTP/1.1 200 OK\r\n", None],  # headers that never end
+])
+def test_the_time_limit_covers_the_status_line_headers_and_error_body(script: list) -> None:
+    """Before, only the body's reads checked the deadline: each of these held the request
+    for as long as the server liked (an endless 100 Continue for ever)."""
+    from components.rollout import openai_engine
+
+    with _Raw(script) as server, pytest.raises(InfraError) as slow:
+        started = time.monotonic()
+        openai_engine.post_json(f"{server.url}/v1/completions", {"prompt": [[1]]}, timeout_s=1.0)
+    assert time.monotonic() - started < 5
+    assert "within the request's time limit" in str(slow.value) or "HTTP 503" in str(slow.value)
+
+
+@pytest.mark.parametrize("status", [429, 408, 503])
+def test_rate_limits_and_request_timeouts_are_outages(status: int) -> None:
+    """Retried by the orchestrator (a 429 was a UserError, exit 2); the body's line breaks
+    and escape bytes are escaped: one line."""
+    body = b"slow down\nTraceback (most recent call last):\x1b[2J"
+    with _Canned(body, status=status) as server, pytest.raises(InfraError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    line = caught.value.line()
+    assert f"HTTP {status}: slow down\\nTraceback" in line and "\n" not in line and "\x1b" not in line
+
+
+def test_a_reply_larger_than_the_request_can_need_is_refused_from_its_length() -> None:
+    """The bound follows the request (1 prompt of 2 tokens: 1 MiB + 66 KiB), so a hostile
+    reply cannot cost gigabytes of parsed JSON; a Content-Length past it is refused unread."""
+    from components.rollout.openai_engine import reply_limit
+
+    assert reply_limit(1, 2) == (1 << 20) + (64 << 10) + 2048
+    with _Raw([b"HTTP/1.1 200 OK\r\nContent-Length: 2000000000\r\n\r\n", None]) as server, \
+            pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.problem == f"the server's reply is over {reply_limit(1, 2)} bytes"
+
+
+def test_a_reply_cut_off_without_a_length_is_an_outage() -> None:
+    """Without Content-Length the close ends the body: JSON that stops midway was a
+    UserError ("not a JSON object"), as if the server spoke another API."""
+    with _Raw([b"HTTP/1.0 200 OK\r\n\r\n" + _reply(_choice())[:30]]) as server, pytest.raises(InfraError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert "the reply ended mid-JSON" in str(caught.value)
+
+
+@pytest.mark.parametrize("key", ["abc\n", "abc\r", "ключ", "a b"])
+def test_an_api_key_no_header_can_carry_is_one_line_that_does_not_show_it(key: str) -> None:
+    with pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url="http://127.0.0.1:9", model=MODEL, api_key=key).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.field == "OPENAI_API_KEY" and caught.value.value == "(not shown)"
+    assert key.strip() not in caught.value.line()
