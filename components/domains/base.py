@@ -284,6 +284,12 @@ def is_int(value: object, least: int | None = None, most: int | None = None) -> 
             and (least is None or value >= least) and (most is None or value <= most))
 
 
+def has_control_character(text: str) -> bool:
+    """Whether ``text`` holds a C0 control character (NUL, newline, tab, ...) or DEL: no
+    file name, id or one-line message should."""
+    return any(ord(ch) < 32 or ord(ch) == 127 for ch in text)
+
+
 def is_text(value: object, limit: int = MAX_REFERENCE_CHARS) -> bool:
     return isinstance(value, str) and len(value) <= limit
 

@@ -40,7 +40,7 @@ from typing import Any
 from components.core.errors import InfraError, UserError, one_line, outage
 from components.core.files import MAX_TASK_FILE_BYTES, Unreadable, read_regular
 from components.core.records import Task
-from components.domains.base import task_id
+from components.domains.base import has_control_character, task_id
 
 REQUIRED = ("domain", "prompt", "reference")
 OPTIONAL = ("task_id", "split", "difficulty", "context_tokens", "metadata")
@@ -109,9 +109,12 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object's pairs as a dict; ``DuplicateKey`` when a key comes twice (``json`` would
     keep the last one without a word, and other readers the first)."""
     obj = dict(pairs)
-    if len(obj) != len(pairs):
+    if len(obj) != len(pairs):  # the rare case: find which key came twice
         seen: set[str] = set()
-        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
     return obj
 
 
@@ -342,7 +345,7 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     task_id_value = row.get("task_id")
     if task_id_value is not None and (isinstance(task_id_value, bool) or not isinstance(task_id_value, (str, int))
                                       or len(str(task_id_value)) > 200
-                                      or any(ord(ch) < 32 or ord(ch) == 127 for ch in str(task_id_value))):
+                                      or has_control_character(str(task_id_value))):
         raise UserError(f"{where}: task_id", short(task_id_value),
                         "must be a string of at most 200 characters without control characters (NUL, newline, ...)",
                         "drop task_id to derive it from the prompt")

@@ -68,6 +68,7 @@ from components.domains.base import (
     Domain,
     Interactive,
     Verdict,
+    has_control_character,
     is_text,
     make_task,
     malformed,
@@ -185,7 +186,7 @@ def path_problem(path: object) -> str | None:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         return "must be a relative path inside the work folder (no leading '/', no '.', '..' or '//')"
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
+    if has_control_character(path):
         return "must hold no control characters (NUL, newline, tab, ...)"
     if any(len(part.encode()) > 255 for part in parts):
         return "has a part longer than a file name can be (255 bytes)"

@@ -87,10 +87,13 @@ def _read(response, url: str, limit: int, deadline: float) -> bytes:
     """At most ``limit`` bytes of ``response`` (a UserError past it), before ``deadline``
     (``time.monotonic()``; an InfraError after it: a server that trickles its reply
     resets every per-read timeout)."""
+    def too_large() -> UserError:
+        return UserError(ENV_BASE_URL, url, f"the server's reply is over {limit} bytes",
+                         "ask for fewer prompts per request (rollout.batch_size), or check the server")
+
     length = response.getheader("Content-Length") or ""
-    if length.strip().isdigit() and int(length) > limit:
-        raise UserError(ENV_BASE_URL, url, f"the server's reply is over {limit} bytes",
-                        "ask for fewer prompts per request (rollout.batch_size), or check the server")
+    if length.strip().isdigit() and int(length) > limit:  # refused unread
+        raise too_large()
     chunks, size = [], 0
     while True:
         if time.monotonic() > deadline:
@@ -103,8 +106,7 @@ def _read(response, url: str, limit: int, deadline: float) -> bytes:
             return b"".join(chunks)
         size += len(chunk)
         if size > limit:
-            raise UserError(ENV_BASE_URL, url, f"the server's reply is over {limit} bytes",
-                            "ask for fewer prompts per request (rollout.batch_size), or check the server")
+            raise too_large()
         chunks.append(chunk)
 
 
