@@ -150,11 +150,15 @@ class StageContext:
         """Records ``name`` from every shard of ``stage`` (or only this shard's, when the
         upstream stage is sharded the same way and ``shard_only`` is set)."""
         rows: list[R] = []
-        for m in self.upstream(stage):
-            if shard_only and m.shard is not None and m.shard != str(self.shard):
-                continue
+        for m in self._read_from(stage, shard_only):
             rows.extend(read_output_records(self.store, m, name, cls))
         return rows
+
+    def _read_from(self, stage: str, shard_only: bool, manifests: list[Manifest] | None = None) -> list[Manifest]:
+        """The manifests of ``stage`` (``manifests`` when already read) read from: every
+        shard's, or only this shard's when ``shard_only`` and the upstream stage is sharded."""
+        return [m for m in (self.upstream(stage) if manifests is None else manifests)
+                if not (shard_only and m.shard is not None and m.shard != str(self.shard))]
 
     def read_joined(self, stage: str, name: str, cls: type[R], key: str, known: Container[Any],
                     shard_only: bool = False) -> list[R]:
@@ -163,9 +167,7 @@ class StageContext:
         another (outputs of two iterations or runs mixed by hand, each file intact) is a
         UserError naming it, its file and the stage to re-run, not a KeyError mid-stage."""
         rows: list[R] = []
-        for m in self.upstream(stage):
-            if shard_only and m.shard is not None and m.shard != str(self.shard):
-                continue
+        for m in self._read_from(stage, shard_only):
             records = read_output_records(self.store, m, name, cls)
             stray = next((r for r in records if getattr(r, key) not in known), None)
             if stray is not None:
@@ -180,9 +182,7 @@ class StageContext:
     def depend_on(self, stage: str, shard_only: bool = False) -> list[Manifest]:
         """Record an upstream stage as an input (URI + content digest) and return its manifests."""
         manifests = self.upstream(stage)
-        for m in manifests:
-            if shard_only and m.shard is not None and m.shard != str(self.shard):
-                continue
+        for m in self._read_from(stage, shard_only, manifests):
             key = stage if m.shard is None else f"{stage}[{m.shard}]"
             rel = stage_prefix(self.pipeline, m.iteration, stage, Shard.parse(m.shard) if m.shard else None)
             self.inputs[key] = InputRef(uri=self.store.url(f"{rel}/{MANIFEST}"), digest=m.content_digest)
