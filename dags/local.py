@@ -44,6 +44,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from components.core import hfimport
 from components.core.stages import SANDBOX_POOL
 
 DAG_ID = "post_training_iteration"
@@ -190,6 +191,8 @@ def import_name(name: str) -> None:
     """Import a ``PRELOAD`` entry: ``module``, or ``module:name``, which also gets ``name``
     from it (transformers and MLflow load most of their code lazily)."""
     module, _, attr = name.partition(":")
+    if module.split(".")[0] == "transformers":
+        hfimport.lean()
     loaded = importlib.import_module(module)
     if attr:
         getattr(loaded, attr)

@@ -35,7 +35,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from components.core import settings
+from components.core import hfimport, settings
 from components.core.errors import UserError
 
 PREFIX = "gguf:"
@@ -91,6 +91,8 @@ def file_digest(path: Path) -> str:
 
 def _convert(path: Path, out: Path, source: str, field: str) -> None:
     import torch
+
+    hfimport.lean()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:

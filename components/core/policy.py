@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from components.core import hfimport
 from components.core.errors import InfraError, UserError, outage
 from components.core.prompts import encode, resolve_format
 from components.core.storage import Expected, Store, normalize_uri
@@ -68,6 +69,7 @@ def build_tokenizer():
 
 def build_model(cfg, vocab_size: int):
     """A fresh Llama-architecture model from a ``ModelConfig``."""
+    hfimport.lean()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -164,6 +166,8 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
     the stage to re-run, raised before anything is loaded.
     """
     import torch
+
+    hfimport.lean()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet()

@@ -217,6 +217,9 @@ def load_tokenizer(uri: str, field: str = "policy") -> Any:
     """The tokenizer of the checkpoint folder at ``uri`` (any store URI or local path),
     reading its tokenizer and config files only; a folder without a readable tokenizer
     is a UserError naming ``field`` and the URI."""
+    from components.core import hfimport
+
+    hfimport.lean()
     from transformers import AutoTokenizer
 
     from components.core.storage import Store, normalize_uri

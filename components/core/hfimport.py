@@ -1,0 +1,33 @@
+"""Importing transformers without the scikit-learn it does not need here.
+
+transformers' generation module (loaded with every model class) imports
+``sklearn.metrics`` whenever scikit-learn is installed, and scikit-learn comes with
+MLflow. That import (scikit-learn, then SciPy's statistics and pandas) cost about 1.2 s
+of every stage process's start-up on a 2-core machine; transformers uses it only for
+assisted generation's confidence threshold (``assistant_confidence_threshold``), which
+posttrain never uses.
+
+``lean()`` makes transformers' own ``is_sklearn_available`` answer False. It must run
+before the first model class loads (``AutoModelForCausalLM``, ``LlamaForCausalLM``);
+after that it changes nothing. Not covered: assisted generation with a confidence
+threshold then fails with transformers' "requires scikit-learn" error; a transformers
+release that moves the check makes this a no-op (the import is only slower again).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _absent() -> bool:
+    return False
+
+
+def lean() -> None:
+    """Make transformers treat scikit-learn as absent (idempotent; see the module)."""
+    import transformers.utils
+
+    if "transformers.generation.candidate_generator" in sys.modules:  # too late: the import already ran
+        return
+    if hasattr(transformers.utils, "is_sklearn_available"):
+        transformers.utils.is_sklearn_available = _absent
