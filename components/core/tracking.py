@@ -42,6 +42,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from components.core import settings, trackdb
@@ -216,10 +217,24 @@ def _check_sqlite(uri: str, host: str, refuse) -> None:
         if not os.access(above, os.W_OK | os.X_OK):
             raise refuse(f"cannot make the database: no permission to write in {str(above)!r}",
                          "use a path in a folder this user can write")
+        _probe_write(above, refuse, fix)
     except OSError as exc:
         raise refuse(f"the database path cannot be used ({type(exc).__name__}: {exc.strerror or exc})", fix) from None
     except ValueError as exc:  # a NUL character
         raise refuse(f"the database path cannot be used ({exc})", fix) from None
+
+
+def _probe_write(folder: Path, refuse, fix: str) -> None:
+    """Make and remove an empty file in ``folder``: ``os.access`` says yes to root for
+    folders no one can write in (``/proc``, ``/sys``) and, on some systems, for a
+    read-only file system."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".posttrain-probe-"):
+            pass
+    except OSError as exc:
+        raise refuse(f"cannot make the database in {str(folder)!r} ({exc.strerror or type(exc).__name__})", fix) from None
 
 
 def _check_driver(uri: str, refuse) -> None:

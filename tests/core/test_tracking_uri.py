@@ -133,6 +133,9 @@ def test_only_a_server_or_a_database_is_a_tracking_uri(tmp_path: Path) -> None:
     assert _refused(a_folder) == (f"MLFLOW_TRACKING_URI={a_folder!r}: the database path {str(tmp_path)!r} is a folder; "
                                   f"fix: {SQLITE_FIX}")
     assert list(tmp_path.iterdir()) == [regular]  # nothing made
+    for folder in ("/proc", "/sys"):  # os.access says yes to root there; making a file does not
+        assert _refused(f"sqlite:///{folder}/x.db").startswith(
+            f"MLFLOW_TRACKING_URI='sqlite:///{folder}/x.db': cannot make the database in '{folder}' (")
     tracking.check_uri(f"sqlite:///{tmp_path}/new/mlflow.db")  # a file that a first run makes
     tracking.check_uri("http://127.0.0.1:5000")  # a server: reachability is _checked's, not this
     assert not (tmp_path / "new").exists()
