@@ -35,7 +35,7 @@ from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
 from components.core.stages import spec
-from components.core.storage import Expected, Store, expect
+from components.core.storage import Expected, Store, expect, parquet_table
 
 R = TypeVar("R")
 F = TypeVar("F")
@@ -198,12 +198,8 @@ def expected_output(store: Store, manifest: Manifest, out: OutputFile) -> Expect
 def read_parquet(data: bytes, url: str, expected: Expected):
     """A verified file's bytes as an Arrow table; a file that is not Parquet (written by
     an older or foreign writer) is a UserError naming it, not a raw pyarrow traceback."""
-    import io
-
-    import pyarrow.parquet as pq
-
     try:
-        return pq.read_table(io.BytesIO(data))
+        return parquet_table(data)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
         raise UserError("file", url, f"output of stage {expected.stage} is not readable Parquet "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})",

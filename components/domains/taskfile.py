@@ -30,7 +30,6 @@ larger than memory.
 from __future__ import annotations
 
 import codecs
-import io
 import json
 import reprlib
 from collections.abc import Callable
@@ -207,10 +206,11 @@ def read_rows(path_or_uri: str) -> list[Any]:
     data = read_bytes(uri)
     if suffix == ".parquet":
         import pyarrow as pa
-        import pyarrow.parquet as pq
+
+        from components.core.storage import parquet_table
 
         try:
-            return pq.read_table(io.BytesIO(data)).to_pylist()
+            return parquet_table(data).to_pylist()
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None

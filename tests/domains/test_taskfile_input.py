@@ -347,3 +347,27 @@ def test_a_key_given_twice_is_refused(tmp_path, name, text):
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
     assert err.value.problem == f"key {key!r} is given twice in one object"
+
+
+def test_a_command_that_exits_right_after_reading_parquet_does_not_abort(tmp_path):
+    """pyarrow's reader threads, still winding down when a process exits right after a
+    read, aborted it about one time in three (exit 134, "terminate called without an
+    active exception"): ``posttrain verify`` on a Parquet task file the rows of which it
+    refuses. Every Parquet read now decodes on the calling thread."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "tasks.parquet"
+    pq.write_table(pa.table({"task_id": [f"t{i}" for i in range(50)], "prompt": ["p"] * 50,
+                             "reference": ["1"] * 50}), path)
+    script = ("import sys\nfrom components.domains.taskfile import read_rows\nfrom components.core.storage import Store\n"
+              f"rows = read_rows({str(path)!r})\nassert len(rows) == 50\n"
+              f"t = Store({str(tmp_path)!r}, 'x').read_table('tasks.parquet')\nassert t.num_rows == 50\nsys.exit(2)\n")
+    root = Path(__file__).resolve().parents[2]
+    codes = [subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, timeout=120).returncode
+             for _ in range(12)]
+    assert codes == [2] * 12
