@@ -49,7 +49,7 @@ def handle_verify(args: argparse.Namespace) -> int:
     from components.domains.taskfile import parse_task, printable, read_rows, short
 
     domain = registry.get(args.domain)  # unknown name -> UserError listing the registered ones
-    rows = read_rows(args.task)
+    rows = read_rows(args.task, limit=1)
     if not rows:
         raise UserError("--task", args.task, "holds no task", "write one task object into the file")
     row = rows[0]

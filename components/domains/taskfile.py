@@ -32,7 +32,7 @@ from __future__ import annotations
 import codecs
 import json
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,10 @@ def _read_local(path: str, uri: str) -> bytes:
     return data
 
 
-def read_rows(path_or_uri: str) -> list[Any]:
+def read_rows(path_or_uri: str, limit: int | None = None) -> list[Any]:
+    """The rows of a task file; with ``limit``, at most that many from its start, and a
+    JSON Lines or Parquet file is parsed no further (``posttrain verify`` uses row 0 of
+    files up to ``MAX_FILE_BYTES``). A JSON file is parsed whole either way."""
     uri = str(path_or_uri)
     suffix = next((s for s in FORMATS if uri.lower().endswith(s)), None)
     if suffix is None:
@@ -210,7 +213,8 @@ def read_rows(path_or_uri: str) -> list[Any]:
         from components.core.storage import parquet_table
 
         try:
-            return parquet_table(data).to_pylist()
+            table = parquet_table(data)
+            return (table if limit is None else table.slice(0, limit)).to_pylist()
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
@@ -223,11 +227,12 @@ def read_rows(path_or_uri: str) -> list[Any]:
                             "fix the JSON syntax there") from None
         except JSONLimit as exc:
             raise UserError("task file", uri, exc.problem, exc.fix) from None
-        return obj if isinstance(obj, list) else [obj]
+        rows = obj if isinstance(obj, list) else [obj]
+        return rows if limit is None else rows[:limit]
     rows = []
-    # JSON Lines rows end at "\n" (a "\r\n" too); not str.splitlines(), which would also
-    # end one at U+2028, U+0085 and other characters JSON allows raw inside a string.
-    for n, line in enumerate(text.split("\n"), start=1):
+    for n, line in enumerate(_lines(text), start=1):
+        if limit is not None and len(rows) >= limit:
+            break
         line = line.removesuffix("\r")
         if not line.strip():
             continue
@@ -239,6 +244,17 @@ def read_rows(path_or_uri: str) -> list[Any]:
         except JSONLimit as exc:
             raise UserError(f"task file line {n}", line[:60], exc.problem, exc.fix) from None
     return rows
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The lines of ``text`` one at a time. JSON Lines rows end at "\n" (a "\r\n" too);
+    not str.splitlines(), which would also end one at U+2028, U+0085 and other characters
+    JSON allows raw inside a string."""
+    start = 0
+    while (end := text.find("\n", start)) != -1:
+        yield text[start:end]
+        start = end + 1
+    yield text[start:]
 
 
 def not_unicode(row: dict[str, Any]) -> tuple[str, Any] | None:
