@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from components.core import hfimport
 from components.core.errors import InfraError, UserError, outage
 from components.core.prompts import encode, resolve_format
-from components.core.storage import Expected, Store, normalize_uri
+from components.core.storage import Expected, Store, normalize_uri, s3_fix
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -182,9 +182,14 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
             expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
             store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,))
         except Exception as exc:  # an unreachable store is an outage wherever the policy loads (serve too)
-            if isinstance(exc, (UserError, InfraError)) or (down := outage(exc)) is None:
+            if isinstance(exc, (UserError, InfraError)):
                 raise
-            raise InfraError(field, uri, down) from None
+            if (down := outage(exc)) is not None:
+                raise InfraError(field, uri, down) from None
+            if not uri.startswith("s3://"):
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            raise UserError(field, uri, f"the store refused the checkpoint's files ({reason})", s3_fix(exc)) from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(tmp)
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)

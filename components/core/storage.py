@@ -243,6 +243,8 @@ def s3_fix(exc: BaseException) -> str:
     text = f"{type(exc).__name__} {exc}"
     if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text:  # head_bucket's 404
         return "create the bucket, or name an existing one in the run root"
+    if "NoCredentialsError" in text or "Unable to locate credentials" in text:
+        return "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for the S3 server"
     if "ProfileNotFound" in text:
         return "set AWS_PROFILE to a profile in ~/.aws/config, or unset it and pass AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
     if any(word in text for word in ("SSLError", "SSL:", "CERTIFICATE")):

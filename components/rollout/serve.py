@@ -24,13 +24,19 @@ it); token ids must lie in ``0 .. vocab_size - 1``; ``max_tokens`` (default 16, 
 OpenAI's) in ``1 .. max_positions - 1``; ``temperature`` is 0 or in ``0.01 .. 100``
 (default 1; smaller positive values overflow the logits); ``seed`` is a 64-bit integer;
 ``logprobs`` an integer from 0 to 5, ``n`` the integer 1, ``echo`` and ``stream`` false,
-``return_tokens_as_token_ids`` a boolean; a request holds at most ``MAX_PROMPTS`` (256)
+``return_tokens_as_token_ids`` a boolean, ``model`` a name; the sampling options it does not
+implement (``top_k``, ``best_of``, penalties, ``logit_bias``, ``suffix``, ``min_p``:
+``NEUTRAL``) only at the value that changes nothing; a request holds at most ``MAX_PROMPTS`` (256)
 prompts; a text prompt is UTF-8 text (no lone surrogate) of at most ``max_positions``
 times the longest token's characters (checked before it is tokenised); and every
 prompt's tokens plus ``max_tokens`` must fit the model's ``max_position_embeddings`` (as
 vLLM refuses a request over its context length, where ``HFEngine`` itself would shorten
 the completion). Other paths and methods get OpenAI's error body too (404, 405); there
-are no ``/docs`` pages. Requests wait their turn on the event loop, and one whose client
+are no ``/docs`` pages, and a path with a trailing slash is a 404, not a redirect. HTTP is
+parsed by h11: a request head past 16 KiB is refused (400) as it arrives, and past
+``MAX_CONNECTIONS`` (64) open connections a new request is answered 503, so the bodies of
+waiting requests stay bounded. ``logprobs.text_offset`` is where each token's text starts
+in the choice's ``text``. Requests wait their turn on the event loop, and one whose client
 has gone by then is not generated when the server has seen the connection close (for a
 body over 64 KiB uvicorn may have stopped reading it, and the request is generated).
 
@@ -77,6 +83,11 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; torch.manual_seed takes up to 2**64
 MAX_BODY_BYTES = 8 << 20  # a request body; 256 prompts of the longest context fit many times over
 MAX_LOGPROBS = 5  # OpenAI's completions take 'logprobs' from 0 to 5 (only the sampled token's are returned)
 GRACEFUL_SHUTDOWN_S = 30  # a client that stalls its upload does not hold the server up past this on SIGTERM
+MAX_CONNECTIONS = 64  # open connections (and so request bodies held while they wait for the lock); more get 503
+NEUTRAL = {"top_k": (None, -1, 0), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+           "repetition_penalty": (None, 1), "min_p": (None, 0), "logit_bias": (None, {}), "suffix": (None, "")}
+"""Sampling options of OpenAI's or vLLM's completions API this server does not implement:
+accepted only at the value that changes nothing."""
 
 
 class RequestError(ValueError):
@@ -192,6 +203,11 @@ def parse(policy: Policy, body: dict[str, Any]) -> Request:
             raise RequestError(key, f"{key}={_short(body[key])} is not supported by posttrain serve (only {key}={ok!r})")
     if body.get("stop"):
         raise RequestError("stop", "'stop' strings are not supported by posttrain serve (generation stops on EOS only)")
+    for key, neutral in NEUTRAL.items():
+        value = body.get(key)
+        if isinstance(value, bool) or value not in neutral:  # True == 1, but is no neutral value
+            raise RequestError(key, f"{key}={_short(value)} is not supported by posttrain serve (it samples the "
+                               "full distribution at 'temperature'); leave it out")
     top_p = body.get("top_p")
     if top_p is not None and (not isinstance(top_p, int | float) or isinstance(top_p, bool) or top_p != 1):
         raise RequestError("top_p", f"top_p={_short(top_p)}: top_p != 1 is not supported by posttrain serve "
@@ -275,7 +291,7 @@ def generate(policy: Policy, req: Request, batch_size: int, model_name: str, sto
         logprobs = None
         if req.logprobs:
             logprobs = {"tokens": tokens, "token_logprobs": s.logprobs, "top_logprobs": None,
-                        "text_offset": [0] * len(tokens)}
+                        "text_offset": text_offsets(tok, s.completion_ids, len(s.text))}
         choices.append({"index": index, "text": s.text, "logprobs": logprobs, "finish_reason": s.finish_reason})
     completion_tokens = sum(len(s.completion_ids) for s in samples)
     prompt_tokens = sum(len(ids) for ids in req.prompts)
@@ -285,6 +301,13 @@ def generate(policy: Policy, req: Request, batch_size: int, model_name: str, sto
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+def text_offsets(tokenizer: Any, ids: list[int], text_length: int) -> list[int]:
+    """Where each completion token starts in the choice's ``text``: the length of the
+    text its earlier tokens decode to (a token that adds no text, EOS, starts where the
+    text ends). One decode per token: completions are at most the context long."""
+    return [min(len(tokenizer.decode(ids[:k], skip_special_tokens=True)), text_length) for k in range(len(ids))]
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None):
@@ -336,7 +359,7 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
 
-    app = FastAPI(title="posttrain serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="posttrain serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     lock = asyncio.Lock()
     stop = stop or threading.Event()
 
@@ -354,11 +377,15 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
     async def completions(request):  # a plain route: the Starlette request, the body read here
         try:
             body = await read_body(request)
+            if not isinstance(body.get("model", ""), str | None):
+                return _error(400, f"model={_short(body.get('model'))} is not a model name; send {model_name!r}",
+                              "invalid_request_error", "model")
             if body.get("model") not in (None, "", model_name):
                 return _error(404, f"model {_short(body.get('model'))} is not served here; use {model_name!r}",
                               "invalid_request_error", "model")
             # checked outside the lock: a refused request never waits for another's generation
             req = await run_in_threadpool(parse, policy, body)
+            del body  # a request waiting for the lock holds its prompts' ids, not its whole body
             async with lock:
                 if stop.is_set():
                     raise Stopped
@@ -431,9 +458,13 @@ def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_siz
             received.append(sig)
             super().handle_exit(sig, frame)
 
+    # h11, not httptools: h11 refuses a request head past 16 KiB (httptools took 100 MiB headers, holding the
+    # event loop and every other client for seconds); past MAX_CONNECTIONS open connections a new one is 503
     server = Server(uvicorn.Config(make_app(policy, name, batch_size, stop), host=host, port=port, log_level="warning",
-                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    say(f"serve | {policy.uri} as {name!r} on http://{host}:{port}/v1")
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http="h11",
+                                   limit_concurrency=MAX_CONNECTIONS))
+    shown_host = f"[{host}]" if ":" in host else host
+    say(f"serve | {policy.uri} as {name!r} on http://{shown_host}:{port}/v1")
     # After shutting down, uvicorn re-raises the signal into the handlers it found; that SIGINT
     # never reached this caller (uvloop, uvicorn 0.54), and uvicorn.run swallows KeyboardInterrupt:
     # give it handlers that do nothing, and stop the command here the way the rest of the CLI stops.

@@ -27,6 +27,8 @@ from components.core.storage import Store
 from tests.rollout.helpers import TINY, tiny_policy
 from tests.rollout.test_openai_engine import MODEL, free_port, served  # noqa: F401 - the module's server fixture
 
+ROOT = Path(__file__).resolve().parents[2]
+
 VOCAB, POSITIONS = 101, TINY.max_positions
 
 
@@ -348,3 +350,120 @@ def test_an_unreachable_checkpoint_store_is_one_outage_line(capsys, monkeypatch)
     assert err.startswith("posttrain: unreachable: --checkpoint unreachable at 's3://bucket/ckpt': "
                           "EndpointConnectionError: Could not connect to the endpoint URL")
     assert "\n" not in err
+
+
+def _raw_exchange(base: str, head: bytes, chunks: int = 0, chunk: bytes = b"") -> bytes:
+    """Send ``head`` then ``chunks`` copies of ``chunk``; the first bytes the server answers."""
+    import socket
+    from urllib.parse import urlsplit
+
+    with socket.create_connection((urlsplit(base).hostname, urlsplit(base).port), timeout=30) as sock:
+        try:
+            sock.sendall(head)
+            for _ in range(chunks):
+                sock.sendall(chunk)
+        except OSError:  # the server answered and closed while we were still sending
+            pass
+        try:
+            return sock.recv(200)
+        except OSError:
+            return b""
+
+
+def test_a_request_head_past_16_kib_is_refused_and_holds_no_one_up(served) -> None:  # noqa: F811
+    """A 100 MiB header was read whole (httptools sets no limit), holding another client's
+    request for 11 s and the server's memory up by 800 MB; h11 refuses a head past 16 KiB."""
+    _, base = served
+    started = time.monotonic()
+    answer = _raw_exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: ", 64, b"a" * (64 << 10))
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert time.monotonic() - started < 20
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
+        assert json.loads(r.read())["data"][0]["id"] == MODEL
+
+
+def test_a_trailing_slash_is_an_openai_404_not_a_redirect(served) -> None:  # noqa: F811
+    _, base = served
+    code, reply, _ = raw_post(base, b'{"prompt": "a"}', "/v1/completions/")
+    assert code == 404 and reply["error"]["type"] == "invalid_request_error", reply
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_k", 5), ("best_of", 3), ("presence_penalty", 2),
+                                              ("frequency_penalty", -1.5), ("logit_bias", {"5": 100}), ("suffix", "x"),
+                                              ("min_p", 0.1), ("repetition_penalty", 1.2), ("top_k", True)])
+def test_sampling_options_it_does_not_implement_are_refused(served, field, value) -> None:  # noqa: F811
+    """They were accepted and ignored: a client asking for top_k=5 got the full distribution."""
+    _, base = served
+    message = refused(base, {"prompt": "1+2=", field: value}, field)
+    assert message == (f"{field}={value!r} is not supported by posttrain serve (it samples the full distribution at "
+                       "'temperature'); leave it out")
+
+
+def test_sampling_options_at_the_value_that_changes_nothing_are_accepted(served) -> None:  # noqa: F811
+    _, base = served
+    neutral = {"top_k": -1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+               "suffix": "", "min_p": 0, "repetition_penalty": 1.0}
+    plain = post(base, {"model": MODEL, "prompt": "1+2=", "max_tokens": 4, "seed": 3})
+    padded = post(base, {"model": MODEL, "prompt": "1+2=", "max_tokens": 4, "seed": 3, **neutral})
+    assert plain[0] == padded[0] == 200
+    assert plain[1]["choices"] == padded[1]["choices"]
+
+
+def test_a_model_that_is_no_name_is_a_400(served) -> None:  # noqa: F811
+    _, base = served
+    status, reply = post(base, {"model": ["tiny"], "prompt": "a"})
+    assert status == 400 and reply["error"]["param"] == "model", reply
+    assert reply["error"]["message"] == f"model=['tiny'] is not a model name; send {MODEL!r}"
+
+
+def test_text_offsets_say_where_each_token_starts(served) -> None:  # noqa: F811
+    """They were all 0."""
+    _, base = served
+    status, reply = post(base, {"model": MODEL, "prompt": ["1+2=", "3"], "max_tokens": 8, "logprobs": 0, "seed": 5})
+    assert status == 200
+    for choice in reply["choices"]:
+        offsets, tokens, text = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"], choice["text"]
+        assert offsets[0] == 0 and offsets == sorted(offsets) and all(o <= len(text) for o in offsets)
+        starts = offsets + [len(text)]
+        pieces = [text[a:b] for a, b in zip(starts, starts[1:])]
+        assert "".join(pieces) == text
+        assert [p for p in pieces if p] == [t for t, p in zip(tokens, pieces) if p]  # a character-level tokenizer
+
+
+def test_connections_past_the_cap_get_503_and_the_server_recovers(served) -> None:  # noqa: F811
+    """Each waiting request held its whole body (up to 8 MiB) and nothing capped how many
+    waited: 60 padded requests took the server from 512 MB to 1 GB."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from components.rollout.serve import MAX_CONNECTIONS
+
+    _, base = served
+    address = (urlsplit(base).hostname, urlsplit(base).port)
+    idle = [socket.create_connection(address, timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.5)
+        answer = _raw_exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.5)
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_a_checkpoint_store_without_credentials_is_one_line_exit_2(tmp_path) -> None:
+    """botocore's NoCredentialsError was a traceback and exit 1 (a fresh process: no
+    credentials cached from another test)."""
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "POSTTRAIN_HOME": str(tmp_path / "home"),
+           "HOME": str(tmp_path), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL": "http://127.0.0.1:1"}
+    proc = subprocess.run([sys.executable, "-m", "components.cli", "serve", "--checkpoint", "s3://bucket/ckpt",
+                           "--port", str(free_port())], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "posttrain: error: --checkpoint='s3://bucket/ckpt': the store refused the checkpoint's files "
+        "(NoCredentialsError: Unable to locate credentials); fix: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(or AWS_PROFILE) for the S3 server"]
