@@ -47,6 +47,8 @@ forward pass is not interrupted (it is bounded by the context length); connectio
 open (a client stalled mid-upload) are closed after ``GRACEFUL_SHUTDOWN_S`` (30 s; a
 request whose forward pass runs longer than that is dropped, not answered 503).
 
+A request uvicorn gives up on at shutdown ends without a traceback.
+
 Not covered: chat completions, streaming, ``n > 1``, ``stop`` strings, top-k/top-p,
 ``echo``, concurrent batching of separate requests (requests run one at a time under a
 lock), models without
@@ -348,7 +350,7 @@ async def read_body(request: Any) -> dict[str, Any]:
 
 
 def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: threading.Event | None = None):
-    """The FastAPI application serving ``policy`` under ``model_name``; once ``stop`` is set,
+    """The ASGI application (FastAPI's) serving ``policy`` under ``model_name``; once ``stop`` is set,
     the request in flight and those waiting are answered 503. Requests wait for the
     generation in flight on the event loop (not on a worker thread: ``/v1/models`` answers
     however many wait), and one whose client has gone by its turn is not generated."""
@@ -398,7 +400,18 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
             return _error(503, "posttrain serve is shutting down; send the request again once it is back", "server_error")
 
     app.add_route("/v1/completions", completions, methods=["POST"])
-    return app
+
+    async def quiet_when_given_up(scope, receive, send):
+        """The app; a request uvicorn cancels because the shutdown's grace ran out (a
+        client stalled mid-upload) ends without a word: uvicorn logs any exception the
+        app raises, this one as a 40-line 'Exception in ASGI application'."""
+        try:
+            await app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not stop.is_set():
+                raise
+
+    return quiet_when_given_up
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -332,6 +332,26 @@ def test_a_client_gone_mid_upload_is_no_server_error(server) -> None:
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-2000:]
 
 
+def test_a_client_stalled_mid_upload_at_shutdown_costs_no_traceback(server) -> None:
+    """SIGTERM waits up to GRACEFUL_SHUTDOWN_S for the stalled request, then uvicorn cancels
+    it: that was a 40-line 'Exception in ASGI application' traceback (CancelledError)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from components.rollout.serve import GRACEFUL_SHUTDOWN_S
+
+    proc, base, log = server
+    with socket.create_connection((urlsplit(base).hostname, urlsplit(base).port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=GRACEFUL_SHUTDOWN_S + 60) == 143
+    text = log.read_text()
+    assert text.rstrip().endswith("posttrain: stopped by SIGTERM"), text[-2000:]
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-2000:]
+
+
 def test_an_unreachable_checkpoint_store_is_one_outage_line(capsys, monkeypatch) -> None:
     """Before, three chained tracebacks (botocore's EndpointConnectionError); now the line
     every other command prints for an outage, exit 1."""
