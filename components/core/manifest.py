@@ -156,13 +156,20 @@ class Manifest:
         data = dict(data)
         data.pop("content_digest", None)
         _check(data, _MANIFEST_FIELDS, "")
-        if data.get("shard") is not None and not re.fullmatch(r"\d{1,9}/\d{1,9}", data["shard"]):
-            raise ValueError(f"shard {data['shard'][:40]!r} is not i/n")
+        if data.get("shard") is not None:
+            match = re.fullmatch(r"(\d{1,9})/(\d{1,9})", data["shard"])
+            if not match:
+                raise ValueError(f"shard {data['shard'][:40]!r} is not i/n")
+            if not 0 <= int(match[1]) < int(match[2]):
+                raise ValueError(f"shard {data['shard']!r} is out of range (0 <= i < n)")
         for name, field_types in (("inputs", _INPUT_FIELDS), ("outputs", _OUTPUT_FIELDS)):
             for key, value in data[name].items():
                 if not isinstance(value, dict):
                     raise ValueError(f"{name}.{str(key)[:40]} is not an object")
                 _check(value, field_types, f"{name}.{str(key)[:40]}.")
+        for key, value in data["outputs"].items():
+            if (problem := _path_problem(value["path"])) is not None:
+                raise ValueError(f"outputs.{str(key)[:40]}.path {value['path'][:80]!r} {problem}")
         data["inputs"] = {k: InputRef(**v) for k, v in data["inputs"].items()}
         data["outputs"] = {k: OutputFile(**v) for k, v in data["outputs"].items()}
         return cls(**data)
@@ -176,6 +183,20 @@ _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
 _INPUT_FIELDS: dict[str, tuple[type, ...]] = {"uri": (str,), "digest": (str,)}
 _OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {"path": (str,), "rows": (int,), "sha256": (str,), "size": (int, type(None))}
 _OPTIONAL = {"outputs", "metrics", "info", "timings", "mlflow_run_id", "size"}
+
+
+def _path_problem(path: str) -> str | None:
+    """Why an output's ``path`` cannot be one (it must name a file inside the run root:
+    a relative path without ``.``, ``..`` or empty parts and without control characters),
+    or None. A stage writes only such paths; another one is an edited manifest, which must
+    not make a reader open a file elsewhere on the machine."""
+    if not path or path.startswith("/") or "\\" in path:
+        return "is not a relative path"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "leaves the run root (or has an empty part)"
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return "holds a control character"
+    return None
 
 
 def _check(data: dict[str, Any], types: dict[str, tuple[type, ...]], where: str) -> None:

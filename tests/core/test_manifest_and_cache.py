@@ -223,3 +223,44 @@ def test_a_shard_parses_and_names_its_folder() -> None:
     assert str(Shard.parse("007/10")) == "7/10"
     with pytest.raises(UserError, match="index out of range"):
         Shard.parse("2/2")
+
+
+def _stored_manifest(tmp_path: Path, shard: str | None = "0/2", path: str = "demo/iter-000001/reward/r.parquet") -> Store:
+    import json
+
+    store = Store(str(tmp_path), "--run-root")
+    m = Manifest(stage="reward", pipeline="demo", iteration=1, shard=shard, inputs={}, config_digest="c",
+                 code_version="v", outputs={})
+    data = m.to_json()
+    data["outputs"] = {"rewards": {"path": path, "rows": 1, "sha256": "0" * 64, "size": 10}}
+    store.write_bytes(f"demo/iter-000001/reward/{MANIFEST}", json.dumps(data).encode())
+    return store
+
+
+@pytest.mark.parametrize(("path", "problem"), [
+    ("../../../../etc/passwd", "leaves the run root (or has an empty part)"),
+    ("demo/iter-000001/../../../x", "leaves the run root (or has an empty part)"),
+    ("demo//x", "leaves the run root (or has an empty part)"),
+    ("demo/./x", "leaves the run root (or has an empty part)"),
+    ("/etc/passwd", "is not a relative path"),
+    ("", "is not a relative path"),
+    ("demo\\x", "is not a relative path"),
+    ("demo/x\ny", "holds a control character"),
+])
+def test_a_manifest_output_outside_the_run_root_is_refused_unread(tmp_path, path, problem) -> None:
+    """An edited manifest's ``../../etc/passwd`` made replay open and measure that file (and
+    one whose size and sha256 matched would have been parsed)."""
+    store = _stored_manifest(tmp_path, path=path)
+    with pytest.raises(UserError) as err:
+        read_manifest(store, "demo/iter-000001/reward")
+    assert err.value.field == "file" and err.value.fix == "delete it and re-run stage reward"
+    assert f"outputs.rewards.path {path[:80]!r} {problem}" in err.value.problem
+
+
+def test_a_stored_shard_out_of_range_names_the_manifest_not_the_flag(tmp_path) -> None:
+    """It was ``--shard='5/2': index out of range`` from a command that has no --shard."""
+    store = _stored_manifest(tmp_path, shard="5/2")
+    with pytest.raises(UserError) as err:
+        read_manifest(store, "demo/iter-000001/reward")
+    assert err.value.field == "file" and "shard '5/2' is out of range (0 <= i < n)" in err.value.problem
+    assert _stored_manifest(tmp_path, shard="1/2") and read_manifest(store, "demo/iter-000001/reward").shard == "1/2"
