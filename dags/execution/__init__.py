@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 from components import __version__
@@ -110,11 +111,13 @@ def check_settings() -> None:
     """The DAG's settings from the environment, as its import would read them: a UserError
     for the first bad one (``POSTTRAIN_EXECUTION``, ``POSTTRAIN_SCHEDULE``,
     ``POSTTRAIN_RETRY_DELAY_S``, and the chosen mode's own: the docker mode's
-    ``POSTTRAIN_CONTAINER_FLAGS`` file, the kubernetes mode's cluster settings). A schedule
-    kept as an Airflow Variable is not read here."""
+    ``POSTTRAIN_CONTAINER_FLAGS`` file, the kubernetes mode's cluster settings, and both
+    modes' image prefix and tag). A schedule kept as an Airflow Variable is not read here."""
     chosen = mode()
     schedule_value(os.environ.get(SCHEDULE_VAR) or "")
     retry_delay_s()
+    if chosen in ("docker", "kubernetes"):
+        image_for("trainer")
     if chosen == "docker":
         from dags.execution import docker
 
@@ -125,11 +128,40 @@ def check_settings() -> None:
         cluster.cluster_settings()
 
 
+IMAGE_PREFIX_VAR, IMAGE_TAG_VAR = "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG"
+# The image reference grammar of the OCI distribution spec (what docker, podman and the kubelet parse)
+_HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = re.compile(rf"{_HOST_PART}(?:\.{_HOST_PART})*(?::[0-9]+)?", re.ASCII)
+_PATH = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*", re.ASCII)
+IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
+
+
+def _image_name(name: str) -> bool:
+    """Whether ``name`` is an image name: lowercase path parts, after a registry host when
+    the first part holds a '.' or ':' or is ``localhost`` (as docker tells the two apart)."""
+    host, _, path = name.partition("/")
+    if path and ("." in host or ":" in host or host == "localhost"):
+        return bool(_HOST.fullmatch(host)) and bool(_PATH.fullmatch(path))
+    return bool(_PATH.fullmatch(name))
+
+
 def image_for(stage: str) -> str:
-    """The image a stage runs in: ``<prefix>posttrain-<stage>:<tag>``."""
-    prefix = os.environ.get("POSTTRAIN_IMAGE_PREFIX", "")
-    tag = os.environ.get("POSTTRAIN_IMAGE_TAG") or __version__
-    return f"{prefix}posttrain-{stage}:{tag}"
+    """The image a stage runs in: ``<prefix>posttrain-<stage>:<tag>``; a UserError naming
+    ``POSTTRAIN_IMAGE_PREFIX`` or ``POSTTRAIN_IMAGE_TAG`` when the two do not make an image
+    reference (a pod with one fails on the cluster only, as InvalidImageName)."""
+    prefix = os.environ.get(IMAGE_PREFIX_VAR, "")
+    tag = os.environ.get(IMAGE_TAG_VAR) or __version__
+    if not IMAGE_TAG.fullmatch(tag):
+        raise UserError(IMAGE_TAG_VAR, tag, "is not an image tag (ASCII letters, digits, '_', '.' and '-', at most "
+                        "128, not starting with '.' or '-')", f"set it to e.g. '{__version__}', or unset it for the "
+                        "package version")
+    name = f"{prefix}posttrain-{stage}"
+    if not _image_name(name):
+        raise UserError(IMAGE_PREFIX_VAR, prefix, f"makes {name!r}, which is not an image name (lowercase path parts "
+                        "after an optional registry host[:port])",
+                        "set it to e.g. 'registry.example.com:5000/ml/' (ending in '/'), or unset it")
+    return f"{name}:{tag}"
 
 
 def stage_arguments(plan: dict[str, Any], run_id: str, shard: str = "") -> list[str]:

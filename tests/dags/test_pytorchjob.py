@@ -206,3 +206,38 @@ def test_publish_to_an_unreachable_store_is_one_line(tmp_path) -> None:
     assert proc.returncode == 1
     assert len(proc.stderr.splitlines()) == 1
     assert proc.stderr.startswith("posttrain: unreachable: store unreachable at 's3://bucket/x'")
+
+
+@pytest.mark.parametrize(("var", "value", "problem"), [
+    ("POSTTRAIN_IMAGE_TAG", "a b:c\n", "is not an image tag"),
+    ("POSTTRAIN_IMAGE_TAG", "-rc1", "is not an image tag"),
+    ("POSTTRAIN_IMAGE_TAG", "v" * 129, "is not an image tag"),
+    ("POSTTRAIN_IMAGE_PREFIX", "UPPER/", "makes 'UPPER/posttrain-trainer', which is not an image name"),
+    ("POSTTRAIN_IMAGE_PREFIX", "reg/;rm -rf /", "which is not an image name"),
+    ("POSTTRAIN_IMAGE_PREFIX", "reg:port/", "which is not an image name"),
+    ("POSTTRAIN_IMAGE_PREFIX", "Team/", "which is not an image name"),
+])
+def test_an_image_prefix_or_tag_that_makes_no_image_reference_is_named(monkeypatch, var, value, problem) -> None:
+    """They went into the manifest as they were (``image: UPPER/;rm -rf /posttrain-trainer:0.1.0``):
+    the pods failed on the cluster only, as InvalidImageName."""
+    from components.core.errors import UserError
+    from dags.execution import check_settings
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UserError) as err:
+        pytorchjob.render(parse_recipe({"pipeline": "p"}), RECIPE_URI, RUN_ROOT, 2, 2)
+    assert err.value.field == var and err.value.value == value and problem in err.value.problem
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "kubernetes")
+    with pytest.raises(UserError, match=var):
+        check_settings()
+
+
+@pytest.mark.parametrize(("prefix", "tag"), [("", "0.1.0"), ("localhost:5000/", "latest"), ("ghcr.io/org/team/", "v1_2"),
+                                             ("123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/", "2026.1"),
+                                             ("my-reg.example.com/a__b/c.d/", "X"), ("team-", "1")])
+def test_image_references_of_every_usual_registry_are_taken(monkeypatch, prefix, tag) -> None:
+    from dags.execution import image_for
+
+    monkeypatch.setenv("POSTTRAIN_IMAGE_PREFIX", prefix)
+    monkeypatch.setenv("POSTTRAIN_IMAGE_TAG", tag)
+    assert image_for("trainer") == f"{prefix}posttrain-trainer:{tag}"
