@@ -10,7 +10,8 @@ recipe's ``reward`` section, and writes a new versioned output beside the origin
     <run-root>/<pipeline>/iter-<k>/reward/replay-<digest[:8]>/report.json   (written last)
 
 ``digest`` covers the reward config and the code version, so a changed config or
-verifier code gets its own folder and the same one re-run overwrites itself. Each shard
+verifier code gets its own folder and the same one re-run overwrites itself (its old
+report goes first: a folder without a report is a replay that did not finish). Each shard
 is normalised with the running statistics its original run started from, so only the
 config or verifier differs; with ``reward.control: shuffled`` each shard permutes with
 the seed its stage run derived, so a replay under the original config reproduces it.
@@ -83,6 +84,7 @@ def replay(recipe, store: Store, iteration: int) -> dict:
         new.extend(score(tasks, rollouts, executions, recipe.reward, prior, seed))
     digest = replay_digest(recipe.reward.model_dump(), code_version())
     base = f"{iteration_prefix(pipeline, iteration)}/reward/replay-{digest[:8]}"
+    unfinish(store, f"{base}/report.json")
     _, rewards_sha = store.write_table(f"{base}/rewards.parquet", to_table(new, Reward))
     report = {"iteration": iteration, "reward_config": recipe.reward.model_dump(), "config_digest": digest,
               "code_version": code_version(), "rewards": {"path": f"{base}/rewards.parquet", "rows": len(new),
@@ -91,6 +93,20 @@ def replay(recipe, store: Store, iteration: int) -> dict:
     store.write_json(f"{base}/report.json", report)  # last: a replay without its report is unfinished
     report["uri"] = store.url(base)
     return report
+
+
+def unfinish(store: Store, report: str) -> None:
+    """Before a replay writes its rewards: the report of an earlier replay into this folder
+    goes (until the new one is written the folder reads as unfinished, never as an old
+    report beside new rewards), and a folder in the report's place is refused before
+    anything is written."""
+    from components.core.errors import UserError
+
+    if store.isdir(report):
+        raise UserError("file", store.url(report), "is a folder where posttrain writes the replay's report",
+                        "move that folder out of the run root (posttrain never makes it) and run again")
+    if store.exists(report):
+        store.delete(report)
 
 
 def compare(old: list[Reward], new: list[Reward]) -> dict:
@@ -131,6 +147,13 @@ def handle_replay(args: argparse.Namespace) -> int:
     store = Store(settings.resolve(run_root=args.run_root).run_root, "--run-root")
     if not store.uri.startswith("file://"):  # no bucket, bad keys, no server: one line (a local root is only read)
         store.check_reachable()
+    elif not store.isdir(""):
+        raise UserError("--run-root", store.uri, "is not a folder" if store.exists("") else "does not exist",
+                        "pass the run root the iteration was run in (posttrain run --run-root)")
+    if not store.isdir(recipe.pipeline):
+        raise UserError("--run-root", store.uri, f"holds no run of pipeline {recipe.pipeline!r} (no folder "
+                        f"{recipe.pipeline}/ in it)", "pass the run root the iteration was run in, or the recipe "
+                        "whose pipeline ran there")
     report = replay(recipe, store, args.iteration)
     print_report(report)
     return 0

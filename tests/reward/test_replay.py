@@ -122,3 +122,47 @@ def test_an_s3_run_root_it_cannot_use_is_one_line(case, s3_env, tmp_path, capsys
         fix = {"no-bucket": "fix: create the bucket, or name an existing one in the run root",
                "bad-key": "fix: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"}[case]
         assert fix in line, line
+
+
+def test_a_run_root_that_is_none_is_named(stored, tmp_path, capsys):
+    """It was 'stage reward: no manifested output ...; fix: run posttrain stage reward'."""
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps(RECIPE))
+    (tmp_path / "afile").write_text("x")
+    for root, problem in ((tmp_path / "afile", "is not a folder"), (tmp_path / "missing", "does not exist"),
+                          (tmp_path, "holds no run of pipeline 'rep' (no folder rep/ in it)")):
+        code = main(["replay", "--iteration", "1", "--recipe", str(path), "--run-root", str(root)])
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and line.startswith(f"posttrain: error: --run-root='file://{root}': {problem}; fix: "), line
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_folder_in_the_reports_place_is_refused_before_anything_is_written(stored, tmp_path, capsys):
+    store, _ = stored
+    from components.core.runner import code_version
+    from components.reward.replay import replay_digest
+
+    base = f"rep/iter-000001/reward/replay-{replay_digest(parse_recipe(RECIPE).reward.model_dump(), code_version())[:8]}"
+    store.write_bytes(f"{base}/report.json/x", b"x")  # a folder where the report goes
+    with pytest.raises(Exception, match="is a folder where posttrain writes the replay's report"):
+        replay(parse_recipe(RECIPE), store, 1)
+    assert not store.exists(f"{base}/rewards.parquet")
+
+
+def test_a_replay_cut_short_never_leaves_an_old_report_beside_new_rewards(stored, monkeypatch):
+    """The report is what says a replay finished: an earlier one's goes before new rewards
+    are written, so a failure in between leaves the folder unfinished, not mismatched."""
+    from components.core.errors import InfraError
+
+    store, _ = stored
+    first = replay(parse_recipe(RECIPE), store, 1)
+    report = f"{first['rewards']['path'].rsplit('/', 1)[0]}/report.json"
+    assert store.exists(report)
+
+    def down(self, rel, obj):
+        raise InfraError("store", self.uri, "gone")
+
+    monkeypatch.setattr(Store, "write_json", down)
+    with pytest.raises(InfraError):
+        replay(parse_recipe(RECIPE), store, 1)
+    assert store.exists(first["rewards"]["path"]) and not store.exists(report)
