@@ -290,8 +290,9 @@ def parquet_table(data: bytes) -> pa.Table:
     found in the rows it just read) aborts about one time in three (exit 134,
     "terminate called without an active exception", pyarrow 25): the threads are still
     winding down when the process ends. Files here are a stage's records, so one thread
-    is fast enough."""
-    return pq.read_table(io.BytesIO(data), use_threads=False)
+    is fast enough; the bytes are in memory already, so nothing is pre-buffered on pyarrow's
+    I/O threads either."""
+    return pq.read_table(io.BytesIO(data), use_threads=False, pre_buffer=False)
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -371,7 +371,8 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     difficulty = _int(row.get("difficulty", 1), f"{where}: difficulty", 1)
     context = _int(row["context_tokens"] if "context_tokens" in row else count(row["prompt"]), f"{where}: context_tokens", 0)
     return Task(
-        task_id=str(row.get("task_id") or task_id(row["domain"], row["prompt"])), domain=row["domain"], split=split,
+        task_id=str(task_id_value) if task_id_value not in (None, "") else task_id(row["domain"], row["prompt"]),
+        domain=row["domain"], split=split,
         difficulty=difficulty, prompt=row["prompt"], context_tokens=context, reference=reference,
         metadata=metadata,
     )
