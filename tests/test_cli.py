@@ -174,3 +174,18 @@ def test_serve_refuses_a_batch_size_or_model_name_it_cannot_serve(argv: list[str
     assert main(["serve", "--checkpoint", str(tmp_path / "nowhere"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    (["stage", "taskgen", "--recipe", "", "--run-root", "rr"], "--recipe"),
+    (["run", "--iterations", "1", "--run-root", " "], "--run-root"),
+    (["render", "pytorchjob", "--nodes", "1", "--iteration", "1", "--recipe", ""], "--recipe"),
+    (["verify", "--domain", "math", "--task", "t.json", "--completion", "c.txt", "--backend", ""], "--backend"),
+], ids=["stage", "run", "render", "verify"])
+def test_an_empty_flag_is_refused_not_its_default(command: list[str], flag: str, tmp_path: Path) -> None:
+    """``--recipe ""`` (an unset variable in a script) ran the demo recipe, ``--run-root ""``
+    wrote the home's store and ``--backend ""`` used bwrap, each without a word."""
+    home = tmp_path / "home"
+    proc = posttrain(command, base_env(home))
+    assert_user_error(proc, f"{flag}=", "is empty", f"fix: pass a value, or leave {flag} out for its default")
+    assert not home.exists() and not (REPO_ROOT / "rr").exists()
