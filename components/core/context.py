@@ -265,15 +265,18 @@ def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     rel = f"{rel_prefix}/{MANIFEST}"
     if not store.exists(rel):
         return None
+    parts = rel_prefix.strip("/").split("/")
+    stage = parts[-2] if parts[-1].startswith("shard-") and len(parts) > 1 else parts[-1]
     try:
         manifest = Manifest.from_json(json.loads(store.read_small(rel, MAX_MANIFEST_BYTES)))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as exc:  # cut short, not a manifest
-        parts = rel_prefix.strip("/").split("/")
-        stage = parts[-2] if parts[-1].startswith("shard-") and len(parts) > 1 else parts[-1]
         detail = f"{type(exc).__name__}: {str(exc)[:120]}" if str(exc) and not isinstance(exc, RecursionError) \
             else type(exc).__name__
         raise UserError("file", store.url(rel), f"manifest is unreadable ({detail})",
                         f"delete it and re-run stage {stage}") from None
+    if manifest.prefix != rel_prefix.strip("/"):  # edited, or copied from another folder: its outputs are not this one's
+        raise UserError("file", store.url(rel), f"manifest is of {manifest.prefix}, not of the folder it lies in",
+                        f"delete it and re-run stage {stage}")
     for out in manifest.outputs.values():
         expect(store.url(out.digested), expected_output(store, manifest, out))
     return manifest

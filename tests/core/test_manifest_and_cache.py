@@ -263,4 +263,19 @@ def test_a_stored_shard_out_of_range_names_the_manifest_not_the_flag(tmp_path) -
     with pytest.raises(UserError) as err:
         read_manifest(store, "demo/iter-000001/reward")
     assert err.value.field == "file" and "shard '5/2' is out of range (0 <= i < n)" in err.value.problem
-    assert _stored_manifest(tmp_path, shard="1/2") and read_manifest(store, "demo/iter-000001/reward").shard == "1/2"
+    assert _stored_manifest(tmp_path, shard=None) and read_manifest(store, "demo/iter-000001/reward").shard is None
+
+
+@pytest.mark.parametrize(("shard", "iteration", "stage"), [("1/2", 1, "reward"), (None, 2, "reward"), (None, 1, "rollout")])
+def test_a_manifest_of_another_folder_is_refused(tmp_path, shard, iteration, stage) -> None:
+    """A manifest whose stage, iteration or shard was edited (or that was copied from
+    another folder) was taken as this folder's."""
+    import json
+
+    store = _stored_manifest(tmp_path, shard=None)
+    rel = f"demo/iter-000001/reward/{MANIFEST}"
+    data = json.loads(store.read_bytes(rel))
+    store.write_bytes(rel, json.dumps({**data, "shard": shard, "iteration": iteration, "stage": stage}).encode())
+    with pytest.raises(UserError) as err:
+        read_manifest(store, "demo/iter-000001/reward")
+    assert err.value.problem.endswith(", not of the folder it lies in") and err.value.fix == "delete it and re-run stage reward"
