@@ -29,6 +29,7 @@ import signal
 import sys
 from typing import NoReturn
 
+from components import startup  # first: Ctrl-C during the imports below is one line, not a traceback
 from components.core import gcpolicy, settings
 from components.core.errors import EXIT_INFRA_ERROR, EXIT_USER_ERROR, DataQualityError, InfraError, UserError, one_line
 from components.core.lease import LeaseHeld
@@ -38,6 +39,8 @@ from components.domains.cli import add_parser as add_verify
 from components.reward.replay import add_parser as add_replay
 from components.rollout.cli import add_parser as add_serve
 from components.sandbox.cli import add_parser as add_sandbox
+
+startup.done()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -157,15 +160,16 @@ def exit_terminated() -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command; ``argv=None`` is the process's own entry (the console script, ``python
     -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
-    args = build_parser().parse_args(argv)
-    for name in ("botocore.credentials", "aiobotocore.credentials"):  # "Found credentials in ...": said at info
-        logging.getLogger(name).setLevel(logging.WARNING)               # level on every S3 client, by no one's wish
-    handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one
-    policy = argv is None and args.command in ("stage", "run")  # the commands that run stages in this process
-    args.process_entry = argv is None  # the process is this command: it may fork a stage host (``posttrain run``)
-    if policy:
-        gcpolicy.start()
+    policy = False
     try:
+        args = build_parser().parse_args(argv)
+        for name in ("botocore.credentials", "aiobotocore.credentials"):  # "Found credentials in ...": said at info
+            logging.getLogger(name).setLevel(logging.WARNING)               # level on every S3 client, by no one's wish
+        handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one
+        policy = argv is None and args.command in ("stage", "run")  # the commands that run stages in this process
+        args.process_entry = argv is None  # the process is this command: it may fork a stage host (``posttrain run``)
+        if policy:
+            gcpolicy.start()
         return _dispatch(args, handlers)
     except KeyboardInterrupt:  # Ctrl-C on a command without a stop handler (sandbox, replay, serve, ...)
         print("posttrain: interrupted (Ctrl-C)", file=sys.stderr)

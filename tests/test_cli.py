@@ -189,3 +189,30 @@ def test_an_empty_flag_is_refused_not_its_default(command: list[str], flag: str,
     proc = posttrain(command, base_env(home))
     assert_user_error(proc, f"{flag}=", "is empty", f"fix: pass a value, or leave {flag} out for its default")
     assert not home.exists() and not (REPO_ROOT / "rr").exists()
+
+
+@pytest.mark.parametrize("delay_s", [0.2, 0.4, 3.0])
+def test_ctrl_c_while_the_command_starts_is_one_line(delay_s: float, tmp_path: Path) -> None:
+    """Ctrl-C during the command's imports (its first second) was a KeyboardInterrupt
+    traceback from inside an import; now the same line as later, and exit 130."""
+    import signal
+    import time
+
+    program = tmp_path / "wait.sh"
+    program.write_text("sleep 30\n")  # still running at the signal, however fast the imports were
+    proc = subprocess.Popen([sys.executable, "-m", "components.cli", "sandbox", "run", "--lang", "bash", "--timeout",
+                             "60", str(program)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env=base_env(tmp_path / "home"))
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err.strip().splitlines()) == (130, ["posttrain: interrupted (Ctrl-C)"]), err
+
+
+def test_importing_the_command_leaves_the_callers_ctrl_c_handler() -> None:
+    import signal
+
+    import components.cli  # noqa: F401 - already imported by the tests above, or imported here
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
