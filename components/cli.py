@@ -5,7 +5,7 @@
     posttrain kfp-local --iterations N [--recipe R] [--run-root URI]
     posttrain sandbox run [--lang python|bash] [--timeout S] [--memory MB] FILE
     posttrain serve --checkpoint URI [--host H] [--port P]
-    posttrain verify --domain D --task FILE --completion FILE
+    posttrain verify --domain D --task FILE --completion FILE|-
     posttrain replay --iteration K --recipe OTHER.yaml [--run-root URI]
     posttrain render pytorchjob --nodes N --iteration K [--recipe R] [--run-root URI] [--publish]
 

@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--domain", required=True, help="domain name, e.g. math or terminal")
     parser.add_argument("--task", required=True,
                         help="task file: JSON of one task, or the first row of a .jsonl/.parquet")
-    parser.add_argument("--completion", required=True, help="text file with the completion")
+    parser.add_argument("--completion", required=True, help="text file with the completion ('-': standard input)")
     parser.add_argument("--backend", default=None,
                         help="sandbox backend for executing domains (default: the recipe default, bwrap)")
     parser.add_argument("--allow-weak-isolation", action="store_true",
@@ -82,14 +82,23 @@ def handle_verify(args: argparse.Namespace) -> int:
 
 
 def read_completion(name: str) -> str:
-    """The completion file's text; undecodable bytes kept as surrogate escapes (judged
+    """The completion file's text (``-``: standard input's); undecodable bytes kept as surrogate escapes (judged
     ``malformed``), a file over the size limit cut just past it (also ``malformed``)."""
     from components.core.errors import UserError
     from components.core.files import Unreadable, read_regular
     from components.domains.base import MAX_COMPLETION_CHARS
 
-    try:  # at most 4 bytes a character: enough to tell a completion over the limit
-        data = read_regular(name, 4 * MAX_COMPLETION_CHARS + 3)
+    limit = 4 * MAX_COMPLETION_CHARS + 3  # at most 4 bytes a character: enough to tell a completion over the limit
+    if name == "-":  # standard input, as a pipe gives it: read to its end or just past the limit
+        import sys
+
+        chunks, size = [], 0
+        while size <= limit and (chunk := sys.stdin.buffer.read(min(1 << 20, limit + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks).decode("utf-8", errors="surrogateescape")[: MAX_COMPLETION_CHARS + 1]
+    try:
+        data = read_regular(name, limit)
     except Unreadable as exc:
         raise UserError("--completion", name, exc.why, "pass a text file holding the completion") from None
     text = data.decode("utf-8", errors="surrogateescape")

@@ -197,3 +197,17 @@ def test_verify_reads_a_task_file_no_further_than_row_0(tmp_path, capsys, monkey
                              "reference": [{"answer": "2"}, {"answer": "4"}, {"answer": "6"}]}), path)
     assert [r["prompt"] for r in taskfile.read_rows(str(path), limit=2)] == ["1+1=", "2+2="]
     assert len(taskfile.read_rows(str(path))) == 3
+
+
+@pytest.mark.parametrize(("data", "score", "status"), [(b"2", 1.0, "ok"), (b"3", 0.0, "ok"),
+                                                       (b"\xff" * 10, 0.0, "malformed"),
+                                                       (b"1" * (4 << 20), 0.0, "malformed")])
+def test_a_completion_from_standard_input(tmp_path, data, score, status):
+    """``--completion -`` reads a pipe (it was "cannot be read: no such file"), to its end
+    or just past the size limit."""
+    task = write(tmp_path, "t.json", json.dumps({"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}))
+    proc = subprocess.run([sys.executable, "-m", "components.cli", "verify", "--domain", "math", "--task", task,
+                           "--completion", "-"], input=data, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    verdict = json.loads(proc.stdout)
+    assert (verdict["score"], verdict["status"]) == (score, status)
