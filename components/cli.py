@@ -179,16 +179,17 @@ def main(argv: list[str] | None = None) -> int:
             gcpolicy.before_exit()
 
 
-EMPTY_MEANS_DEFAULT_NOT = ("recipe", "run_root", "backend")  # flags whose "" would quietly be their default
+EMPTY_REFUSED = ("recipe", "run_root", "backend")  # flags whose "" would quietly be their default
 
 
 def _refuse_empty_flags(args: argparse.Namespace) -> None:
     """``--recipe ""`` (an unset variable in a script) was the demo recipe and ``--run-root
     ""`` the home's store, with no word said; a flag given is a value asked for."""
-    for name in EMPTY_MEANS_DEFAULT_NOT:
-        if getattr(args, name, None) is not None and not getattr(args, name).strip():
+    for name in EMPTY_REFUSED:
+        value = getattr(args, name, None)
+        if value is not None and not value.strip():
             flag = "--" + name.replace("_", "-")
-            raise UserError(flag, getattr(args, name), "is empty", f"pass a value, or leave {flag} out for its default")
+            raise UserError(flag, value, "is empty", f"pass a value, or leave {flag} out for its default")
 
 
 def _dispatch(args: argparse.Namespace, handlers: dict) -> int:

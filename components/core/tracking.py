@@ -137,7 +137,8 @@ def shown_uri(uri: str) -> str:
 def check_uri(uri: str) -> None:
     """A UserError naming ``MLFLOW_TRACKING_URI`` for a tracking URI posttrain cannot use
     (``POSTTRAIN_HOME`` for the embedded database, when that variable is unset),
-    found without contacting a server and without creating anything: not a URI, a scheme
+    found without contacting a server and leaving nothing behind (an SQLite folder is probed
+    with an empty file, removed at once): not a URI, a scheme
     outside ``SCHEMES``, an HTTP(S) URI without a host, an SQLite URI without a database
     file (``sqlite:///``, ``:memory:``: the registry would vanish with the process) or
     whose file cannot be made (under a regular file, a folder, no permission), and a

@@ -90,19 +90,24 @@ def read_completion(name: str) -> str:
 
     limit = 4 * MAX_COMPLETION_CHARS + 3  # at most 4 bytes a character: enough to tell a completion over the limit
     if name == "-":  # standard input, as a pipe gives it: read to its end or just past the limit
-        import sys
+        data = _read_stdin(limit + 1)
+    else:
+        try:
+            data = read_regular(name, limit)
+        except Unreadable as exc:
+            raise UserError("--completion", name, exc.why, "pass a text file holding the completion") from None
+    return data.decode("utf-8", errors="surrogateescape")[: MAX_COMPLETION_CHARS + 1]
 
-        chunks, size = [], 0
-        while size <= limit and (chunk := sys.stdin.buffer.read(min(1 << 20, limit + 1 - size))):
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks).decode("utf-8", errors="surrogateescape")[: MAX_COMPLETION_CHARS + 1]
-    try:
-        data = read_regular(name, limit)
-    except Unreadable as exc:
-        raise UserError("--completion", name, exc.why, "pass a text file holding the completion") from None
-    text = data.decode("utf-8", errors="surrogateescape")
-    return text[: MAX_COMPLETION_CHARS + 1]
+
+def _read_stdin(at_most: int) -> bytes:
+    """Standard input's bytes, to its end or ``at_most`` of them."""
+    import sys
+
+    chunks, size = [], 0
+    while size < at_most and (chunk := sys.stdin.buffer.read(min(1 << 20, at_most - size))):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def verdict_json(domain, task, completion: str, sandbox_config) -> dict:
