@@ -49,6 +49,7 @@ SANDBOX_UID_SLOTS = 4096
 package): at most this many jobs can run at once on a host."""
 BIG = 1_000_000  # upper bound on counts and sizes no real recipe comes near
 MAX_SHARDS = 1024
+MIN_JOB_TIMEOUT_S = 0.1  # a sandboxed interpreter starts in milliseconds: a shorter limit times out every job
 
 
 class _Section(BaseModel):
@@ -187,7 +188,7 @@ class SandboxConfig(_Section):
     backend: str = Field("bwrap", max_length=200, description="executor, by registry name: 'bwrap' (hardened) or 'subprocess' (weak)")
     mode: Literal["strict", "warm"] = Field("strict", description="strict: a fresh sandbox per job; warm: pre-started sandboxed workers fork per job")
     allow_weak_isolation: bool = Field(False, description="run untrusted code even when the host cannot give full isolation (or with backend 'subprocess')")
-    timeout_s: float = Field(5.0, gt=0, le=86400, description="wall-clock limit per job")
+    timeout_s: float = Field(5.0, ge=MIN_JOB_TIMEOUT_S, le=86400, description="wall-clock limit per job")
     concurrency: int = Field(2, ge=1, le=SANDBOX_UID_SLOTS, description="jobs at once (at most the sandbox's uid pool); "
                                                                         "mirrored by the Airflow pool")
     shards: int = Field(0, ge=0, le=MAX_SHARDS, description="fan-out of the sandbox stage; 0 = as wide as rollout.shards (re-sharded "

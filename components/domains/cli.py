@@ -76,7 +76,7 @@ def handle_verify(args: argparse.Namespace) -> int:
                                allow_weak_isolation=args.allow_weak_isolation)
     except ValidationError as exc:
         raise UserError("--timeout", args.timeout, str(exc.errors()[0]["msg"]).lower(),
-                        "pass a number of seconds above 0 and at most 86400") from None
+                        "pass a number of seconds, at least 0.1 and at most 86400") from None
     print(json.dumps(verdict_json(domain, task, completion, config), indent=2, sort_keys=True))
     return 0
 

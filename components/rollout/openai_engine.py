@@ -308,7 +308,8 @@ class OpenAIEngine(Engine):
         body = {
             "model": self.model, "prompt": chunk, "max_tokens": max_new_tokens,
             "temperature": 0.0 if greedy else temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
-            "seed": seed, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
+            # 0 .. 2**63 - 1, what a server may take (posttrain serve's range): seed + index can pass the top
+            "seed": seed % 2**63, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
         }
         reply = post_json(url, body, self.api_key, limit=reply_limit(len(chunk), max_new_tokens))
         results = []

@@ -22,7 +22,8 @@ shortened; ``error.param`` the field): the body is a JSON object of at most
 ``MAX_BODY_BYTES`` (8 MiB; more is 413, answered from ``Content-Length`` without reading
 it); token ids must lie in ``0 .. vocab_size - 1``; ``max_tokens`` (default 16, as
 OpenAI's) in ``1 .. max_positions - 1``; ``temperature`` is 0 or in ``0.01 .. 100``
-(default 1; smaller positive values overflow the logits); ``seed`` is a 64-bit integer;
+(default 1; smaller positive values overflow the logits); ``seed`` an integer from 0 to
+2**63 - 1 (torch keeps 63 bits of a seed: a wider range would give two seeds one stream);
 ``logprobs`` an integer from 0 to 5, ``n`` the integer 1, ``echo`` and ``stream`` false,
 ``return_tokens_as_token_ids`` a boolean, ``model`` a name; the sampling options it does not
 implement (``top_k``, ``best_of``, penalties, ``logit_bias``, ``suffix``, ``min_p``:
@@ -81,7 +82,7 @@ from components.rollout.hf_engine import HFEngine
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0  # besides 0 (greedy)
 MAX_PROMPTS = 256  # prompts in one request (the lock holds every other request while they generate)
-SEED_RANGE = (-(2**63), 2**63 - 1)  # int64; torch.manual_seed takes up to 2**64 - 1, room for the batch index added
+SEED_RANGE = (0, 2**63 - 1)  # torch's generator keeps 63 bits of a seed: -1 and 2**63 - 1 would sample alike
 MAX_BODY_BYTES = 8 << 20  # a request body; 256 prompts of the longest context fit many times over
 MAX_LOGPROBS = 5  # OpenAI's completions take 'logprobs' from 0 to 5 (only the sampled token's are returned)
 GRACEFUL_SHUTDOWN_S = 30  # a client that stalls its upload does not hold the server up past this on SIGTERM
@@ -232,7 +233,7 @@ def parse(policy: Policy, body: dict[str, Any]) -> Request:
             or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)):
         raise RequestError("temperature", f"temperature={_short(temperature)} is out of range: send 0 (greedy) or a "
                            f"number from {MIN_TEMPERATURE} to {MAX_TEMPERATURE:g}, or leave it out for 1")
-    seed = _int(body, "seed", 0, *SEED_RANGE, "")
+    seed = _int(body, "seed", 0, *SEED_RANGE, " (torch keeps 63 bits of a seed)")
     prompts = _prompts(policy, body.get("prompt"), limit)
     for i, ids in enumerate(prompts):
         if len(ids) + max_tokens > limit:

@@ -30,6 +30,8 @@ ERRORS = [
      ["rollout.group_size='many'", "valid integer", "fix: set 'rollout.group_size' to a valid value"]),
     ("out-of-range", "pipeline: t\nrollout: {group_size: 1}\n",
      ["rollout.group_size=1", "fix: set 'rollout.group_size'", "at least 2"]),
+    ("job-timeout-too-short", "pipeline: t\nsandbox: {timeout_s: 0.001}\n",
+     ["sandbox.timeout_s=0.001", "fix: set 'sandbox.timeout_s'", "at least 0.1"]),
     ("negative-seed", "pipeline: t\nseed: -1\n", ["seed=-1", "fix: set 'seed'", "at least 0"]),
     ("above-one", "pipeline: t\nvalidation: {min_ok_fraction: 1.5}\n",
      ["validation.min_ok_fraction=1.5", "fix: set 'validation.min_ok_fraction'", "at most 1"]),

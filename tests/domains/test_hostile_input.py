@@ -164,7 +164,7 @@ def test_cli_subprocess_never_prints_a_traceback(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("option", [["--timeout", "-1"], ["--timeout", "nan"], ["--timeout", "inf"], ["--backend", "nope"]])
+@pytest.mark.parametrize("option", [["--timeout", "-1"], ["--timeout", "1e-9"], ["--timeout", "nan"], ["--timeout", "inf"], ["--backend", "nope"]])
 def test_bad_sandbox_options_are_one_line(tmp_path, capsys, option):
     task = write(tmp_path, "t.json", json.dumps(good_task("math")))
     code = main(["verify", "--domain", "math", "--task", task, "--completion", write(tmp_path, "c.txt", "1"), *option])

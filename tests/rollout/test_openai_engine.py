@@ -95,6 +95,19 @@ def test_sampled_logprobs_match_trainer_and_seed_repeats(served) -> None:
     assert [s.completion_ids for s in again] == [s.completion_ids for s in samples]
 
 
+def test_seeds_near_the_top_of_the_range_wrap_instead_of_being_refused(served) -> None:
+    """A derived seed is any 63-bit number, and the engine adds the prompt's index: the
+    sum can pass 2**63 - 1, the most posttrain serve takes. It is sent modulo 2**63, so
+    seed 2**63 - 1 with index 1 samples as seed 0 does (before: HTTP 400, exit 2)."""
+    policy, base = served
+    engine = OpenAIEngine(base_url=base, model=MODEL, seed_per_prompt=True)
+    top = engine.generate(policy, PROMPTS[:2], 8, 3.0, seed=2**63 - 1, batch_size=2)
+    low = engine.generate(policy, PROMPTS[:2], 8, 3.0, seed=-1, batch_size=2)  # -1, 0 modulo 2**63
+    assert [s.completion_ids for s in top] == [s.completion_ids for s in low]
+    again = engine.generate(policy, PROMPTS[1:2], 8, 3.0, seed=0, batch_size=1)
+    assert again[0].completion_ids == top[1].completion_ids
+
+
 def test_plain_openai_request_shape(served) -> None:
     policy, base = served
     reply = post_json(completions_url(base), {"model": MODEL, "prompt": "1+2=", "max_tokens": 3, "temperature": 0,

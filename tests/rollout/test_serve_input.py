@@ -78,6 +78,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(served, prompt, message) -
     ("temperature", float("inf"), "temperature=inf is out of range"),
     ("temperature", "hot", "temperature='hot' is out of range"),
     ("seed", 2**64, f"seed={2**64} is out of range"),
+    ("seed", 2**63, f"seed={2**63} is out of range: send an integer from 0 to {2**63 - 1} (torch keeps 63 bits"),
+    ("seed", -1, f"seed=-1 is out of range: send an integer from 0 to {2**63 - 1} (torch keeps 63 bits of a seed), "
+                 "or leave it out for 0"),
     ("top_p", 0.5, "top_p=0.5: top_p != 1 is not supported"),
 ])
 def test_out_of_range_options_are_refused(served, field, value, message) -> None:  # noqa: F811
@@ -88,7 +91,7 @@ def test_out_of_range_options_are_refused(served, field, value, message) -> None
 def test_defaults_and_bounds_are_accepted(served) -> None:  # noqa: F811
     _, base = served
     for body in ({"max_tokens": None, "temperature": None, "seed": None}, {"max_tokens": 1, "temperature": 0},
-                 {"temperature": 0.01, "seed": -1}, {"max_tokens": POSITIONS - 1, "temperature": 100}):
+                 {"temperature": 0.01, "seed": 2**63 - 1}, {"max_tokens": POSITIONS - 1, "temperature": 100}):
         status, reply = post(base, {"model": MODEL, "prompt": [1], **body})
         assert status == 200, (body, reply)
         assert reply["usage"]["prompt_tokens"] == 1 and 1 <= reply["usage"]["completion_tokens"] <= (body.get("max_tokens") or 16)

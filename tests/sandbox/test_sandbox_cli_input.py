@@ -36,9 +36,10 @@ def files(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("argv", "flag", "value", "fix"), [
-    (["--timeout", "0", "ok.py"], "--timeout", "0.0", "above 0 and at most 86400"),
-    (["--timeout", "-1", "ok.py"], "--timeout", "-1.0", "above 0 and at most 86400"),
-    (["--timeout", "nan", "ok.py"], "--timeout", "nan", "above 0 and at most 86400"),
+    (["--timeout", "0", "ok.py"], "--timeout", "0.0", "at least 0.1 and at most 86400"),
+    (["--timeout", "1e-9", "ok.py"], "--timeout", "1e-09", "at least 0.1 and at most 86400"),
+    (["--timeout", "-1", "ok.py"], "--timeout", "-1.0", "at least 0.1 and at most 86400"),
+    (["--timeout", "nan", "ok.py"], "--timeout", "nan", "at least 0.1 and at most 86400"),
     (["--memory", "0", "ok.py"], "--memory", "0", "at least 16 and at most 1048576"),
     (["--output-cap", "10", "ok.py"], "--output-cap", "10", "at least 256 and at most 1073741824"),
     (["--output-cap", "99999999999", "ok.py"], "--output-cap", "99999999999", "at least 256 and at most 1073741824"),
