@@ -97,7 +97,7 @@ def ensure_created(uri: str) -> None:
 
         # The tracking store's migrations create the model registry's tables too.
         with _quiet("mlflow.store.db.utils", "alembic"):  # its "Creating initial MLflow database tables" lines
-            store = SqlAlchemyStore(f"{PREFIX}{tmp}", (path.parent / "mlartifacts").as_uri())
+            store = SqlAlchemyStore(f"{PREFIX}{tmp}", (path.parent.absolute() / "mlartifacts").as_uri())
         store.engine.dispose()
         try:
             os.link(tmp, path)

@@ -159,6 +159,13 @@ def check_uri(uri: str) -> None:
     if uri != uri.strip():
         raise refuse("has white space around it", "remove the spaces and newlines around the URI")
     try:
+        uri.encode("utf-8")
+    except UnicodeEncodeError:
+        raise refuse("is not valid UTF-8 text (bytes the environment could not decode)",
+                     "write the URI in UTF-8, percent-encoding anything else") from None
+    if any(c.isspace() or not c.isprintable() for c in uri):
+        raise refuse("holds a space or a control character", "percent-encode it (a space is %20) or remove it")
+    try:
         parts = urlsplit(uri)
         scheme = parts.scheme
         port = parts.port if scheme in ("http", "https") else None
@@ -180,6 +187,11 @@ def check_uri(uri: str) -> None:
             raise refuse("an MLflow server URI without a host", "write http(s)://host:port of the MLflow server")
         if port == 0:
             raise refuse("port 0 is no server's port", "write http(s)://host:port of the MLflow server")
+        try:
+            parts.hostname.encode("idna")  # each label 1-63 characters, the name in one DNS form
+        except UnicodeError as exc:
+            raise refuse(f"the host is not a valid name ({exc})", "write http(s)://host:port of the MLflow server") \
+                from None
         return
     if base == "sqlite" and not driver:
         _check_sqlite(uri, parts.netloc, refuse)
@@ -267,16 +279,25 @@ def _checked(uri: str) -> None:
     credentials."""
     import urllib.error
     import urllib.request
+    from urllib.parse import urlsplit
 
-    from components.core.errors import InfraError
+    from components.core.errors import InfraError, UserError
 
     check_uri(uri)
-    if uri.split(":", 1)[0].lower() not in ("http", "https"):
+    parts = urlsplit(uri)
+    if parts.scheme.lower() not in ("http", "https"):
         return
+    # Credentials in the URI (http://user:pass@host) are MLflow's basic auth, not part of the host to reach.
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    probe = parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host).geturl().rstrip("/") + "/health"
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S):
+        with urllib.request.urlopen(probe, timeout=PROBE_TIMEOUT_S):
             return
     except urllib.error.HTTPError as exc:
+        if exc.code == 404:  # every MLflow server answers /health (behind a proxy's path prefix too)
+            raise UserError(VARIABLE, shown_uri(uri), "answers HTTP 404 at /health: not an MLflow tracking server",
+                            "point it at the MLflow server's address (http(s)://host:port, with its path prefix if "
+                            "it has one)") from None
         if exc.code < 500:
             return
         reason = f"HTTP {exc.code} from /health"

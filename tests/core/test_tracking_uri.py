@@ -200,3 +200,61 @@ def test_an_embedded_database_that_cannot_be_made_names_the_home(tmp_path: Path)
         f"'{home / 'mlflow.db'}' is a folder; fix: point POSTTRAIN_HOME at a folder this user can write "
         "(default: ./.posttrain)"]
     assert not (tmp_path / "rr").exists()
+
+
+def test_a_tracking_uri_with_spaces_control_characters_or_undecodable_bytes_is_one_line() -> None:
+    """Before: an ``InvalidURL`` traceback from the reachability probe (a space or control
+    character), a ``UnicodeEncodeError`` from SQLAlchemy (bytes the environment could not
+    decode, here a surrogate escape), exit 1 for a host name DNS cannot hold."""
+    assert _refused("http://a b") == ("MLFLOW_TRACKING_URI='http://a b': holds a space or a control character; "
+                                      "fix: percent-encode it (a space is %20) or remove it")
+    assert "holds a space or a control character" in _refused("http://h\x01:5000")
+    assert "is not valid UTF-8 text" in _refused("sqlite:////tmp/\udcff.db")
+    assert "is not valid UTF-8 text" in _refused("http://\udcff")
+    assert _refused("http://" + "a" * 100 + ":5000").startswith(
+        f"MLFLOW_TRACKING_URI='http://{'a' * 100}:5000': the host is not a valid name (")
+
+
+def test_a_relative_sqlite_database_is_made_where_the_command_runs(tmp_path: Path) -> None:
+    """``sqlite:///relative.db``, the form the fix text names, is made in the working
+    folder, and the command goes on to read it (here: no champion yet, as on any new
+    database); before, making its schema raised "relative path can't be expressed as a
+    file URI" (exit 1)."""
+    proc = run_posttrain(["stage", "taskgen", "--recipe", str(TINY), "--run-root", str(tmp_path / "rr"),
+                          "--iteration", "1"], tmp_path, cli_env(tmp_path / "home", MLFLOW_TRACKING_URI="sqlite:///rel.db"),
+                         timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "posttrain: error: rollout.policy='champion': registered model 'tiny-policy' has no champion yet; fix: run "
+        "'posttrain stage bootstrap' first ('posttrain run' does it for you)"]
+    assert (tmp_path / "rel.db").is_file() and not (tmp_path / "home" / "mlflow.db").exists()
+
+
+def test_a_server_that_is_not_mlflow_is_exit_2_and_credentials_are_not_the_host(tmp_path: Path) -> None:
+    """A server that answers 404 at /health (any web server) is the user's mistake, one
+    line (before: a traceback with the server's HTML page, at the first MLflow call). A
+    URI with ``user:password@`` reaches the host after the ``@`` (before: the probe looked
+    the whole ``user:password@host`` up as a host name, an outage for ever)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 -- the base class's name
+            self.send_response(200 if self.path == "/mlflow/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with pytest.raises(UserError) as info:
+            tracking._checked(f"http://u:secret@127.0.0.1:{port}")
+        assert info.value.line() == (
+            f"MLFLOW_TRACKING_URI='http://u:***@127.0.0.1:{port}': answers HTTP 404 at /health: not an MLflow tracking "
+            "server; fix: point it at the MLflow server's address (http(s)://host:port, with its path prefix if it has one)")
+        tracking._checked(f"http://u:secret@127.0.0.1:{port}/mlflow")  # reached, and it answers /health
+    finally:
+        server.shutdown()
