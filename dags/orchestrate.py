@@ -275,6 +275,10 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     # made) instead of failing a stage's task, or the DAG's import after Airflow started.
     settings.torch_threads()
     settings.gc_policy()
+    if stage_host and driver.STAGES_IN_PROCESS:
+        stagehost.enabled()
+    if recipe.rollout.engine == "vllm":
+        settings.check_vllm()
     preflight.tracking_uri()
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
         execution.check_settings()

@@ -502,8 +502,13 @@ def _decode(data: bytes, path: str | Path) -> str:
 def _read_text(path: str | Path) -> str:
     """The recipe's text from a local file or a store URI (``s3://``, ``file://``)."""
     if not is_uri(path):
-        if not Path(path).is_file():
-            if Path(path).is_dir():
+        try:
+            is_file, is_dir = Path(path).is_file(), Path(path).is_dir()
+        except OSError as exc:  # a name longer than the filesystem's limit
+            raise UserError("--recipe", str(path), f"cannot be looked up ({exc.strerror or type(exc).__name__})",
+                            "pass a YAML file such as recipes/demo.yaml") from None
+        if not is_file:
+            if is_dir:
                 raise UserError("--recipe", str(path), "is a folder, not a recipe file", "name the recipe's YAML file in it")
             if os.path.lexists(path):  # a FIFO, a device, a dangling link
                 raise UserError("--recipe", str(path), "is not a regular file", "pass a YAML file such as recipes/demo.yaml")

@@ -35,13 +35,25 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = str(CHECKOUT / "recipes" / "demo.yaml")
 
 
+HOME_FIX = "point POSTTRAIN_HOME at a local folder, e.g. /var/lib/posttrain (default: ./.posttrain)"
+
+
 def home() -> Path:
-    """``POSTTRAIN_HOME`` (default ``./.posttrain``), absolute; a UserError when its text
-    cannot name a folder (``storage.unusable_text``)."""
+    """``POSTTRAIN_HOME`` (default ``./.posttrain``), ``~`` expanded, absolute and resolved;
+    a UserError when its text cannot name a local folder: ``storage.unusable_text``,
+    white space around it or nothing but white space (a folder named " " in the working
+    folder), a URI (the home is local: MLflow's database and locks live there), ``~user``
+    of no such user, a symbolic-link loop."""
     raw = os.environ.get("POSTTRAIN_HOME") or ".posttrain"
     if (problem := unusable_text(raw)) is not None:
         raise UserError("POSTTRAIN_HOME", raw, *problem)
-    return Path(raw).resolve()
+    if raw != raw.strip():
+        raise UserError("POSTTRAIN_HOME", raw, "has white space around it" if raw.strip() else "is only white space",
+                        "remove the spaces around the path" if raw.strip() else HOME_FIX)
+    if "://" in raw or raw.startswith(("s3:", "file:")):
+        raise UserError("POSTTRAIN_HOME", raw, "is a URI, but the home is a local folder (MLflow's database, locks)",
+                        HOME_FIX + "; the run root can be a URI (POSTTRAIN_RUN_ROOT)")
+    return local_path(raw, "POSTTRAIN_HOME")
 
 
 def _home_error(path: Path, exc: OSError) -> UserError:
@@ -114,6 +126,26 @@ def vllm_python() -> str:
         return given
     default = CHECKOUT / ".venv-vllm" / "bin" / "python"
     return str(default) if default.exists() else ""
+
+
+def check_vllm_python(python: str) -> None:
+    """A UserError naming ``POSTTRAIN_VLLM_PYTHON`` when no interpreter is at ``python``."""
+    try:
+        there = Path(python).is_file()
+    except (OSError, ValueError):  # a name past the filesystem's limit, a NUL
+        there = False
+    if not there:
+        raise UserError("POSTTRAIN_VLLM_PYTHON", python, "no interpreter there",
+                        "run `make vllm` (creates .venv-vllm) or point POSTTRAIN_VLLM_PYTHON at a Python with vllm")
+
+
+def check_vllm() -> None:
+    """The vLLM engine's settings (``rollout.engine: vllm``), for a run to check before any
+    work: the rollout stage reads them only when it starts its server, after bootstrap.
+    Whether the interpreter has vllm is the server's own probe (it takes seconds)."""
+    vllm_start_timeout_s()
+    if given := os.environ.get("POSTTRAIN_VLLM_PYTHON"):
+        check_vllm_python(given)
 
 
 MAX_VLLM_START_TIMEOUT_S = 86400.0

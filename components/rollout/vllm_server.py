@@ -46,6 +46,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
+from components.core import settings
 from components.core.errors import InfraError, UserError
 from components.core.policy import TRAINER_STATE, checkpoint_expectations
 from components.core.storage import Store
@@ -166,9 +167,7 @@ class VLLMServer:
     """One running vLLM server for the checkpoint at ``uri``; ``base_url`` is where it answers."""
 
     def __init__(self, python: str, uri: str, start_timeout_s: float, kv_cache_gib: float = 1.0) -> None:
-        if not Path(python).is_file():
-            raise UserError("POSTTRAIN_VLLM_PYTHON", python, "no interpreter there",
-                            "run `make vllm` (creates .venv-vllm) or point POSTTRAIN_VLLM_PYTHON at a Python with vllm")
+        settings.check_vllm_python(python)
         self.uri = uri
         self._dir = tempfile.TemporaryDirectory(prefix="posttrain-vllm-server-")
         folder = Path(self._dir.name) / "model"

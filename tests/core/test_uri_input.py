@@ -401,7 +401,9 @@ def test_a_recipe_path_that_is_no_regular_file_is_named_for_what_it_is(tmp_path:
     os.mkfifo(tmp_path / "fifo.yaml")
     for path, problem in [(tmp_path / "r.yaml", "is a folder, not a recipe file"),
                           (tmp_path / "fifo.yaml", "is not a regular file"), ("/dev/null", "is not a regular file"),
-                          (tmp_path / "none.yaml", "no such recipe file")]:
+                          (tmp_path / "none.yaml", "no such recipe file"),
+                          (tmp_path / ("b" * 300 + ".yaml"), "cannot be looked up (File name too long)"),  # a traceback
+                          ]:
         with pytest.raises(UserError) as info:
             load(path)
         assert (info.value.field, info.value.problem) == ("--recipe", problem)
