@@ -94,10 +94,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_ORCHESTRATOR_RUN_ID = 1000  # Airflow's run ids stop at 250 characters, Kubeflow's are UUIDs
+
+
+def _check_orchestrator_run_id(value: str) -> None:
+    """``--orchestrator-run-id`` goes into an MLflow tag and the stage's lineage: text a
+    log and a database can hold (a control character, bytes that are not UTF-8 or a
+    longer text was a traceback from MLflow, or a tag no one could read)."""
+    from components.core.storage import unusable_text
+
+    problem = unusable_text(value)
+    if problem is None and len(value) > MAX_ORCHESTRATOR_RUN_ID:
+        problem = (f"is {len(value)} characters long, more than {MAX_ORCHESTRATOR_RUN_ID}",
+                   "pass the orchestrator's run id (Airflow's run_id, a Kubeflow run's UUID)")
+    if problem is not None:
+        raise UserError("--orchestrator-run-id", value, *problem)
+
+
 def _stage(args: argparse.Namespace) -> int:
     from components.core.runner import run_stage
 
     conf = settings.resolve(args.recipe, args.run_root)
+    _check_orchestrator_run_id(args.orchestrator_run_id)
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     settings.gc_policy()  # and a bad POSTTRAIN_GC
     run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,

@@ -216,3 +216,19 @@ def test_importing_the_command_leaves_the_callers_ctrl_c_handler() -> None:
     import components.cli  # noqa: F401 - already imported by the tests above, or imported here
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize(("run_id", "problem"), [
+    ("bad\udcff", "is not UTF-8 text (it holds bytes no UTF-8 text has)"),  # an MLflow traceback before
+    ("two\nlines", "contains the control character U+000A"),
+    ("x" * 1001, "is 1001 characters long, more than 1000"),
+])
+def test_an_orchestrator_run_id_no_tag_can_hold_is_exit_2(run_id: str, problem: str, tmp_path: Path, capsys) -> None:
+    from components.cli import main
+
+    code = main(["stage", "bootstrap", "--recipe", str(TINY_RECIPE), "--run-root", str(tmp_path / "rr"),
+                 "--orchestrator-run-id", run_id])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("posttrain: error: --orchestrator-run-id=") and problem in err
+    assert not (tmp_path / "rr").exists()

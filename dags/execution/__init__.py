@@ -111,7 +111,7 @@ def check_settings() -> None:
     """The DAG's settings from the environment, as its import would read them: a UserError
     for the first bad one (``POSTTRAIN_EXECUTION``, ``POSTTRAIN_SCHEDULE``,
     ``POSTTRAIN_RETRY_DELAY_S``, and the chosen mode's own: the docker mode's
-    ``POSTTRAIN_CONTAINER_FLAGS`` file, the kubernetes mode's cluster settings, and both
+    ``POSTTRAIN_CONTAINER_FLAGS`` file and ``POSTTRAIN_DOCKER_NETWORK``, the kubernetes mode's cluster settings, and both
     modes' image prefix and tag). A schedule kept as an Airflow Variable is not read here."""
     chosen = mode()
     schedule_value(os.environ.get(SCHEDULE_VAR) or "")
@@ -122,6 +122,7 @@ def check_settings() -> None:
         from dags.execution import docker
 
         docker.container_flags()
+        docker.network_mode()
     elif chosen == "kubernetes":
         from dags.execution import cluster
 

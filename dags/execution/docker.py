@@ -43,6 +43,7 @@ PASSED_PREFIXES = ("POSTTRAIN_", "MLFLOW_", "AWS_")
 KEPT_ON_WORKER = ("POSTTRAIN_EXECUTION", "POSTTRAIN_HOME", "POSTTRAIN_RECIPE", "POSTTRAIN_SCHEDULE", "POSTTRAIN_IMAGE_PREFIX",
                   "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_CONTAINER_FLAGS", "POSTTRAIN_DOCKER_NETWORK", "POSTTRAIN_RETRY_DELAY_S")
 SECRET = re.compile(r"SECRET|TOKEN|PASSWORD", re.I)
+_LIMIT = re.compile(r"[0-9]{1,19}")  # a --ulimit number: ASCII digits ("²" is a digit to str.isdigit, not to int)
 
 
 class ContainerFlags:
@@ -69,15 +70,34 @@ class ContainerFlags:
                 name, _, limits = value.partition("=")
                 soft, _, hard = limits.partition(":")
                 hard = hard or soft
-                if not (name and soft.isdigit() and hard.isdigit()):
+                numbers = all(_LIMIT.fullmatch(x) and int(x) < 2**63 for x in (soft, hard))  # ASCII digits, int64
+                if not (name and numbers):
                     raise UserError(FLAGS_VAR, source, f"--ulimit {value!r} is not name=soft[:hard]",
                                     "write e.g. --ulimit nofile=1024:1024")
+                if int(soft) > int(hard):
+                    raise UserError(FLAGS_VAR, source, f"--ulimit {value!r} has a soft limit above its hard limit",
+                                    "write soft <= hard, e.g. --ulimit nofile=1024:1024")
                 self.ulimits.append((name, int(soft), int(hard)))
             else:
                 raise UserError(FLAGS_VAR, source, f"flag {flag!r} is not one the docker mode applies",
                                 "use only --security-opt, --ulimit and --runtime there")
         if len(flat) % 2:
             raise UserError(FLAGS_VAR, source, f"flag {flat[-1]!r} has no value", "give it its value")
+
+
+_NETWORK = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,254}|container:[a-zA-Z0-9][a-zA-Z0-9_.-]{0,254}", re.ASCII)
+
+
+def network_mode() -> str:
+    """``POSTTRAIN_DOCKER_NETWORK`` (default ``host``): a network's name (``host``,
+    ``bridge``, ``none``, a user-defined one) or ``container:<name>``, in the characters
+    docker and podman take; anything else is a UserError here, not a failed container
+    start on every task."""
+    raw = os.environ.get(NETWORK_VAR) or "host"
+    if not _NETWORK.fullmatch(raw):
+        raise UserError(NETWORK_VAR, raw, "is not a network name (letters, digits, '_', '.', '-'; at most 255)",
+                        "set it to host (the default), bridge, or a network `podman network ls` lists")
+    return raw
 
 
 @cache
@@ -186,7 +206,7 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
     kwargs: dict[str, Any] = {
         "image": image_for(spec.id),
         "docker_url": os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock",
-        "network_mode": os.environ.get(NETWORK_VAR) or "host",
+        "network_mode": network_mode(),
         "environment": env,
         "private_environment": private,
         "mounts": mounts,

@@ -78,6 +78,28 @@ def test_the_flags_file_is_what_the_docker_mode_applies():
         docker_mode.ContainerFlags("--ulimit nofile=a:b", "f")
     with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='f': not shell words \(No closing quotation\); "):
         docker_mode.ContainerFlags("--runtime 'runc", "f")
+    for bad in ("nofile=\u00b2:\u00b2", "nofile=1:99999999999999999999", "nofile=-1"):  # "²" was a ValueError traceback
+        with pytest.raises(UserError, match=r"is not name=soft\[:hard\]; fix: write e.g. --ulimit nofile=1024:1024$"):
+            docker_mode.ContainerFlags(f"--ulimit {bad}", "f")
+    with pytest.raises(UserError, match=r"^POSTTRAIN_CONTAINER_FLAGS='f': --ulimit 'nofile=2048:1024' has a soft limit "
+                                        r"above its hard limit; "):
+        docker_mode.ContainerFlags("--ulimit nofile=2048:1024", "f")
+
+
+@pytest.mark.parametrize("network", ["no such\nnet", "a b", "-x", "n" * 256, "container:"])
+def test_a_docker_network_no_container_can_join_is_refused_with_the_settings(network, monkeypatch):
+    """Before, any text went to every stage container's start (never checked)."""
+    from dags.execution import check_settings
+
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "docker")
+    monkeypatch.setenv("POSTTRAIN_IMAGE_PREFIX", "localhost/")
+    monkeypatch.setenv(docker_mode.NETWORK_VAR, network)
+    with pytest.raises(UserError) as info:
+        check_settings()
+    assert info.value.field == "POSTTRAIN_DOCKER_NETWORK" and info.value.value == network
+    for good in ("host", "bridge", "posttrain_net-1.a", "container:sidecar"):
+        monkeypatch.setenv(docker_mode.NETWORK_VAR, good)
+        assert docker_mode.network_mode() == good
 
 
 def test_the_dag_in_docker_mode_runs_every_stage_in_its_image(docker_env):
