@@ -34,7 +34,7 @@ import re
 from typing import Any
 
 from components import __version__
-from components.core.errors import UserError
+from components.core.errors import UserError, value_text
 from components.core.stages import StageSpec, resources
 
 MODE_VAR = "POSTTRAIN_EXECUTION"
@@ -87,6 +87,17 @@ def schedule_value(value: str) -> str | None:
         raise UserError(SCHEDULE_VAR, value,
                         f"neither a cron expression, a preset nor one of {', '.join(SCHEDULE_ASSETS)}",
                         "use e.g. '0 2 * * *', '@daily' or 'asset:champion' (unset or 'manual': only when triggered)")
+    if len(text.split()) != 5:  # croniter takes a sixth field of seconds (and a seventh); Airflow's timetable runs it
+        raise UserError(SCHEDULE_VAR, value, f"has {len(text.split())} fields; a cron expression here has 5 (minute "
+                        "hour day-of-month month day-of-week)", "use e.g. '0 2 * * *' (02:00 every day)")
+    from datetime import UTC, datetime
+
+    try:  # what Airflow's CronTriggerTimetable asks of it, from now on and back
+        croniter(text, datetime.now(UTC)).get_next(datetime)
+        croniter(text, datetime.now(UTC)).get_prev(datetime)
+    except Exception:  # CroniterBadDateError: "failed to find next date"
+        raise UserError(SCHEDULE_VAR, value, "names no date that exists (e.g. 31 February): the DAG would never run",
+                        "use a day of the month every month has, e.g. '0 2 28 * *'") from None
     return text
 
 
@@ -138,12 +149,18 @@ _PATH = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*", re.ASCII)
 IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
 
 
+MAX_IMAGE_NAME = 255  # the distribution spec's limit on a repository name, host included
+
+
 def _image_name(name: str) -> bool:
     """Whether ``name`` is an image name: lowercase path parts, after a registry host when
     the first part holds a '.' or ':' or is ``localhost`` (as docker tells the two apart)."""
+    if len(name) > MAX_IMAGE_NAME:
+        return False
     host, _, path = name.partition("/")
     if path and ("." in host or ":" in host or host == "localhost"):
-        return bool(_HOST.fullmatch(host)) and bool(_PATH.fullmatch(path))
+        port = host.rpartition(":")[2] if ":" in host else "1"
+        return bool(_HOST.fullmatch(host)) and bool(_PATH.fullmatch(path)) and 0 < int(port) <= 65535
     return bool(_PATH.fullmatch(name))
 
 
@@ -159,8 +176,8 @@ def image_for(stage: str) -> str:
                         "package version")
     name = f"{prefix}posttrain-{stage}"
     if not _image_name(name):
-        raise UserError(IMAGE_PREFIX_VAR, prefix, f"makes {name!r}, which is not an image name (lowercase path parts "
-                        "after an optional registry host[:port])",
+        raise UserError(IMAGE_PREFIX_VAR, prefix, f"makes {value_text(name)!r}, which is not an image name (lowercase path parts "
+                        f"after an optional registry host[:port], at most {MAX_IMAGE_NAME} characters)",
                         "set it to e.g. 'registry.example.com:5000/ml/' (ending in '/'), or unset it")
     return f"{name}:{tag}"
 

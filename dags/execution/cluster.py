@@ -71,14 +71,18 @@ def _node_selector(var: str) -> dict[str, str]:
     return selector
 
 
+MAX_WAIT_S = 86400  # a pod that has not started in a day will not: a longer wait only hides it
+
+
 def _positive_int(var: str, example: int) -> int:
     value = _env(var)
     try:
         number = int(value)
     except ValueError:
         number = 0
-    if number < 1:
-        raise UserError(var, value, "not a positive whole number of seconds", f"set it to e.g. '{example}'")
+    if not 1 <= number <= MAX_WAIT_S:
+        raise UserError(var, value, f"not a whole number of seconds from 1 to {MAX_WAIT_S} (a day)",
+                        f"set it to e.g. '{example}'")
     return number
 
 

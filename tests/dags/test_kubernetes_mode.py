@@ -194,7 +194,7 @@ def test_mapped_shards_render_one_pod_each():
 
 @pytest.mark.parametrize(("var", "value", "hint"), [
     (mode.STARTUP_TIMEOUT_VAR, "ten", "set it to e.g. '600'"),
-    (mode.STARTUP_TIMEOUT_VAR, "0", "positive whole number"),
+    (mode.STARTUP_TIMEOUT_VAR, "0", "whole number of seconds from 1 to 86400"),
     (mode.NAMESPACE_VAR, "Post_Train", "set it to e.g. 'posttrain'"),
     (mode.NAMESPACE_VAR, "a.b", "not a Kubernetes name"),
     (mode.SERVICE_ACCOUNT_VAR, "stage sa", "set it to e.g. 'posttrain-stage'"),
@@ -237,7 +237,7 @@ def test_a_bad_setting_fails_the_dag_parse(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_EXECUTION", "kubernetes")
     monkeypatch.setenv("POSTTRAIN_SCHEDULE", "")
     monkeypatch.setenv(mode.STARTUP_TIMEOUT_VAR, "5m")
-    with pytest.raises(UserError, match=r"^POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a positive whole number of seconds; "
+    with pytest.raises(UserError, match=r"^POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a whole number of seconds from 1 to 86400 \(a day\); "
                                         r"fix: set it to e\.g\. '600'$"):
         _parse_dag()
 

@@ -216,6 +216,9 @@ def test_publish_to_an_unreachable_store_is_one_line(tmp_path) -> None:
     ("POSTTRAIN_IMAGE_PREFIX", "reg/;rm -rf /", "which is not an image name"),
     ("POSTTRAIN_IMAGE_PREFIX", "reg:port/", "which is not an image name"),
     ("POSTTRAIN_IMAGE_PREFIX", "Team/", "which is not an image name"),
+    ("POSTTRAIN_IMAGE_PREFIX", "reg.io:99999999/", "which is not an image name"),  # no port is past 65535
+    ("POSTTRAIN_IMAGE_PREFIX", "reg.io:0/", "which is not an image name"),
+    ("POSTTRAIN_IMAGE_PREFIX", "a" * 100_000 + "/", "makes 'aaaa"),  # past 255 characters; the name shown is cut short
 ])
 def test_an_image_prefix_or_tag_that_makes_no_image_reference_is_named(monkeypatch, var, value, problem) -> None:
     """They went into the manifest as they were (``image: UPPER/;rm -rf /posttrain-trainer:0.1.0``):

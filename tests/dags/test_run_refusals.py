@@ -40,6 +40,12 @@ BAD_SETTINGS = [
     ("POSTTRAIN_RETRY_DELAY_S", "abc", f"POSTTRAIN_RETRY_DELAY_S='abc': not a number of seconds from 0 to 600; fix: {RETRY_FIX}"),
     ("POSTTRAIN_RETRY_DELAY_S", "-1", f"POSTTRAIN_RETRY_DELAY_S='-1': not a number of seconds from 0 to 600; fix: {RETRY_FIX}"),
     ("POSTTRAIN_RETRY_DELAY_S", "nan", f"POSTTRAIN_RETRY_DELAY_S='nan': not a number of seconds from 0 to 600; fix: {RETRY_FIX}"),
+    ("POSTTRAIN_SCHEDULE", "* * * * * *",  # croniter's seconds field: a run every second
+     "POSTTRAIN_SCHEDULE='* * * * * *': has 6 fields; a cron expression here has 5 (minute hour day-of-month month "
+     "day-of-week); fix: use e.g. '0 2 * * *' (02:00 every day)"),
+    ("POSTTRAIN_SCHEDULE", "0 0 31 2 *",  # Airflow's timetable raised CroniterBadDateError when it scheduled
+     "POSTTRAIN_SCHEDULE='0 0 31 2 *': names no date that exists (e.g. 31 February): the DAG would never run; fix: "
+     "use a day of the month every month has, e.g. '0 2 28 * *'"),
 ]
 
 
@@ -54,7 +60,8 @@ def test_a_bad_dag_setting_is_a_user_error(var: str, value: str, line: str, monk
     assert info.value.line() == line
 
 
-@pytest.mark.parametrize("value", ["", "manual", "None", "0 2 * * *", "@daily", "@continuous", "asset:champion"])
+@pytest.mark.parametrize("value", ["", "manual", "None", "0 2 * * *", "0 0 29 2 *", "*/15 1-5 * * mon-fri", "@daily",
+                                   "@continuous", "asset:champion"])
 def test_the_schedules_the_dag_takes_pass(value: str) -> None:
     assert execution.schedule_value(value) == (None if value.lower() in ("", "manual", "none") else value)
 
@@ -72,7 +79,11 @@ def test_the_checks_import_no_airflow(mode: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("mode", "var", "value", "line"), [
     ("kubernetes", "POSTTRAIN_POD_STARTUP_TIMEOUT_S", "5m",
-     "POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a positive whole number of seconds; fix: set it to e.g. '600'"),
+     "POSTTRAIN_POD_STARTUP_TIMEOUT_S='5m': not a whole number of seconds from 1 to 86400 (a day); fix: set it to "
+     "e.g. '600'"),
+    ("kubernetes", "POSTTRAIN_POD_STARTUP_TIMEOUT_S", "99999999999999999999999",
+     "POSTTRAIN_POD_STARTUP_TIMEOUT_S='99999999999999999999999': not a whole number of seconds from 1 to 86400 (a "
+     "day); fix: set it to e.g. '600'"),
     ("kubernetes", "POSTTRAIN_NAMESPACE", "Post_Train",
      "POSTTRAIN_NAMESPACE='Post_Train': not a Kubernetes name (at most 63 lowercase letters, digits, '-'); fix: set it "
      "to e.g. 'posttrain'"),
