@@ -114,7 +114,7 @@ def plan() -> dict[str, Any]:
     """Pick and lease this run's iteration; hand it, the settings and the shard lists on."""
     from airflow.sdk import get_current_context
 
-    from components.core import planner, tracking
+    from components.core import planner, settings, tracking
     from components.core.recipe import load_recipe, publish_recipe
     from components.core.runner import close_finished_iterations
     from components.core.stages import registered, shard_list
@@ -124,6 +124,7 @@ def plan() -> dict[str, Any]:
     ctx = get_current_context()
     params = ctx["params"]
     try:
+        settings.check_run_params(params, (ctx["dag_run"].conf or {}).keys())
         conf = _settings(params)
         recipe = load_recipe(conf.recipe)
         store = Store(conf.run_root, "run_root")
@@ -139,7 +140,7 @@ def plan() -> dict[str, Any]:
         # A stage in a container or pod cannot see this worker's files: it reads the recipe from the store.
         recipe_uri = conf.recipe if mode() == "inprocess" else publish_recipe(conf.recipe, store.uri)
     except Exception as exc:
-        raise _fail_now(exc) from exc
+        raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     log.info("iteration %d of %s | holder %s | MLflow iteration run: %s", k, recipe.pipeline, holder,
              tracking.run_url(recipe.pipeline, parent))
     return {"iteration": k, "recipe": conf.recipe, "recipe_uri": recipe_uri, "run_root": store.uri, "holder": holder, "pipeline": recipe.pipeline,
@@ -167,7 +168,7 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     except tracking.Terminated as exc:
         raise AirflowTaskTerminated(f"{stage}: {exc}") from None  # a signal: where it landed is noise
     except Exception as exc:
-        raise _fail_now(exc) from exc
+        raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     return stagehost.task_result(stage, m)
 
 
@@ -191,39 +192,17 @@ def stage_failed(context: dict[str, Any]) -> None:
         log.warning("could not record the failure in MLflow: %s", exc)
 
 
-def _fail_iteration_runs(store, pipeline: str, iterations: list[int]) -> None:
-    """End the parent runs of ``iterations`` FAILED, and their RUNNING stage runs KILLED."""
-    from components.core import tracking
-
-    try:
-        for k in iterations:
-            if (parent := tracking.find_iteration_run(pipeline, k, store.uri)) is not None:
-                killed = tracking.fail_iteration(parent.info.run_id)
-                log.info("run failed: iteration %d's MLflow run ended FAILED (%d stage run(s) KILLED)", k, len(killed))
-    except Exception as exc:  # the tracking server may be what failed
-        log.warning("could not end the iteration's MLflow run: %s", exc)
-
-
 def run_failed(context: dict[str, Any]) -> None:
     """DAG run failure: the iteration's MLflow run ends FAILED (its RUNNING stage runs
     KILLED), and the run's iteration lease is handed back, so the next run resumes it at
     once (a run driven by ``posttrain run`` keeps its lease: that command resumes it)."""
-    from components.core import lease
-    from components.core.recipe import load_recipe
-    from components.core.storage import Store
+    from components.core.runner import end_failed_run
 
     params = context.get("params") or {}
     holder = params.get("holder") or f"airflow:{context['dag_run'].run_id}"
-    conf = _settings(params)
-    pipeline = load_recipe(conf.recipe).pipeline
-    store = Store(conf.run_root, "run_root")
-    held = lease.held_by(store, pipeline, holder)
-    _fail_iteration_runs(store, pipeline, held)
-    if params.get("holder"):
-        return
-    for k in held:
-        log.info("run failed: released the lease on iteration %d of %s: %s", k, pipeline,
-                 lease.release(store, pipeline, k, holder))
+    for line in end_failed_run(params.get("recipe") or "", params.get("run_root") or "", holder,
+                               given_holder=bool(params.get("holder"))):
+        (log.warning if line.startswith(("no lease", "could not")) else log.info)("run failed: %s", line)
 
 
 @cache
@@ -302,6 +281,6 @@ def announce_champion(plan: dict[str, Any]) -> None:
         manifest = read_manifest(Store(plan["run_root"], "run_root"), stage_prefix(plan["pipeline"], int(plan["iteration"]), "evaluation"))
         promoted = manifest is not None and manifest.facts(Decision).promoted
     except Exception as exc:
-        raise _fail_now(exc) from exc
+        raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     if not promoted:
         raise AirflowSkipException("the candidate was held; no new champion")

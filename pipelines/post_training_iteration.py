@@ -164,6 +164,7 @@ def _plan_once(recipe: str, run_root: str, run_id: str, holder: str) -> int:
     from components.core.runner import close_finished_iterations
     from components.core.storage import Store
 
+    settings.check_run_params({"recipe": recipe, "run_root": run_root, "holder": holder})
     conf = settings.resolve(recipe or None, run_root or None)
     loaded = load_recipe(conf.recipe)  # first: a bad recipe leaves no run root behind
     store = Store(conf.run_root, "run_root")
@@ -212,6 +213,20 @@ def trainer(recipe: str, run_root: str, run_id: str, holder: str) -> str:
 
 def evaluation(recipe: str, run_root: str, run_id: str, holder: str) -> str:
     return _run("evaluation", recipe, run_root, "", run_id, holder)
+
+
+def hand_back(recipe: str, run_root: str, run_id: str, holder: str, status: dsl.PipelineTaskFinalStatus) -> None:
+    """The pipeline's exit task: after a run that did not succeed, the MLflow runs of the
+    iteration it leased end FAILED and its lease is handed back (``kfp:<job id>``'s; a
+    given ``holder`` keeps it for the command that passed it), so a resubmitted run
+    resumes the iteration at once instead of waiting out the lease's 6 hours, as the DAG's
+    failure callback does. Never fails the run itself."""
+    from components.core.runner import end_failed_run
+
+    if status.state == "SUCCEEDED":
+        return
+    for line in end_failed_run(recipe, run_root, holder or f"kfp:{run_id}", given_holder=bool(holder)):
+        print(f"run failed: {line}", flush=True)
 
 
 def stage_image(stage: str, image_prefix: str = "") -> str:
@@ -273,6 +288,7 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
     planner = dsl.component(plan, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False,
                             additional_funcs=[_plan_once, _tell_kfp_local])
     lister = dsl.component(shards, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False)
+    exit_component = dsl.component(hand_back, base_image=stage_image("taskgen", image_prefix), install_kfp_package=False)
 
     def step(task: dsl.PipelineTask, retried: bool = True) -> dsl.PipelineTask:
         task.set_caching_options(False)
@@ -283,22 +299,24 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
     @dsl.pipeline(name="post-training-iteration",
                   description="One RL post-training iteration: plan, bootstrap, taskgen, sharded rollout/sandbox/reward, "
                               "validation, trainer, evaluation.")
-    def post_training_iteration(recipe: str = "", run_root: str = "", holder: str = "") -> str:
+    def post_training_iteration(recipe: str = "", run_root: str = "", holder: str = ""):
         common = dict(recipe=recipe, run_root=run_root, run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, holder=holder)
-        planned = step(planner(**common), retried=False)  # it retries outages itself; a mistake fails once
-        fanout = {s: step(lister(recipe=recipe, stage=s).set_display_name(f"{s}-shards").after(planned))
-                  for s in ("rollout", "sandbox", "reward")}
-        boot = step(comp["bootstrap"](**common).after(planned))
-        tasks = step(comp["taskgen"](**common).after(boot))
-        with dsl.ParallelFor(fanout["rollout"].output) as shard:
-            rolled = step(comp["rollout"](shard=shard, **common).after(tasks))
-        with dsl.ParallelFor(fanout["sandbox"].output) as shard:
-            executed = step(comp["sandbox"](shard=shard, **common).after(rolled))
-        with dsl.ParallelFor(fanout["reward"].output) as shard:
-            rewarded = step(comp["reward"](shard=shard, **common).after(executed))
-        validated = step(comp["validation"](**common).after(rewarded))
-        trained = step(comp["trainer"](**common).after(validated))
-        return step(comp["evaluation"](**common).after(trained)).output
+        handed_back = step(exit_component(**common).set_display_name("hand-back"), retried=False)
+        with dsl.ExitHandler(handed_back, name="iteration"):
+            planned = step(planner(**common), retried=False)  # it retries outages itself; a mistake fails once
+            fanout = {s: step(lister(recipe=recipe, stage=s).set_display_name(f"{s}-shards").after(planned))
+                      for s in ("rollout", "sandbox", "reward")}
+            boot = step(comp["bootstrap"](**common).after(planned))
+            tasks = step(comp["taskgen"](**common).after(boot))
+            with dsl.ParallelFor(fanout["rollout"].output) as shard:
+                rolled = step(comp["rollout"](shard=shard, **common).after(tasks))
+            with dsl.ParallelFor(fanout["sandbox"].output) as shard:
+                executed = step(comp["sandbox"](shard=shard, **common).after(rolled))
+            with dsl.ParallelFor(fanout["reward"].output) as shard:
+                rewarded = step(comp["reward"](shard=shard, **common).after(executed))
+            validated = step(comp["validation"](**common).after(rewarded))
+            trained = step(comp["trainer"](**common).after(validated))
+            step(comp["evaluation"](**common).after(trained))
 
     return post_training_iteration
 

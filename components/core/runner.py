@@ -137,6 +137,43 @@ def close_finished_iterations(store: Store, pipeline: str) -> list[int]:
     return closed
 
 
+def end_failed_run(recipe: str, run_root: str, holder: str, given_holder: bool) -> list[str]:
+    """After an orchestrator's run failed (the DAG's failure callback, the Kubeflow
+    pipeline's exit task): the MLflow runs of the iterations ``holder`` leased end FAILED
+    (their RUNNING stage runs KILLED), and the leases are handed back so the next run
+    resumes the iteration at once, unless the run was given its holder (``posttrain run``,
+    ``posttrain kfp-local``: that command resumes it itself). Returns what it did, a line
+    each; never raises (a run refused for its params leased nothing, and an outage leaves
+    the lease to expire on its own, 6 hours)."""
+    from components.core import lease, settings
+    from components.core.errors import one_line
+
+    try:
+        settings.check_run_params({"recipe": recipe, "run_root": run_root, "holder": holder if given_holder else ""})
+        conf = settings.resolve(recipe or None, run_root or None)
+        pipeline = load_recipe(conf.recipe).pipeline
+        store = Store(conf.run_root, "run_root")
+        held = lease.held_by(store, pipeline, holder)
+    except Exception as exc:  # a bad recipe or run root (the plan said so), or an outage
+        return [f"no lease to hand back ({one_line(str(exc))[:500]})"]
+    done = []
+    for k in held:
+        try:
+            if (parent := tracking.find_iteration_run(pipeline, k, store.uri)) is not None:
+                killed = tracking.fail_iteration(parent.info.run_id)
+                done.append(f"iteration {k}'s MLflow run ended FAILED ({len(killed)} stage run(s) KILLED)")
+        except Exception as exc:  # the tracking server may be what failed
+            done.append(f"could not end iteration {k}'s MLflow run ({one_line(str(exc))[:500]})")
+        if given_holder:
+            continue
+        try:
+            released = lease.release(store, pipeline, k, holder)
+            done.append(f"released the lease on iteration {k} of {pipeline}: {released}")
+        except Exception as exc:  # the store may be what failed
+            done.append(f"could not release the lease on iteration {k} of {pipeline} ({one_line(str(exc))[:500]})")
+    return done
+
+
 _stop_signals: list[int] = []  # the signals that stopped this process, first one first
 
 

@@ -25,8 +25,10 @@ import errno
 import math
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from components.core.errors import UserError
 from components.core.storage import local_path, make_folders, normalize_uri, unusable_text
@@ -226,6 +228,42 @@ def _check_image_run_root(run_root: str | None) -> None:
         if not Path(given).expanduser().is_absolute():
             raise UserError("--run-root", given, "a relative run root inside an image lands in the image's read-only install",
                             "pass an s3:// URI or an absolute path to a mounted volume")
+
+
+RUN_PARAMS = ("recipe", "run_root", "holder")
+"""What a user may set on an orchestrator's run (an Airflow DAG run's conf, a Kubeflow run's arguments)."""
+MAX_HOLDER = 4096 + len("local:")
+
+
+def check_run_params(params: dict[str, Any], given: Iterable[str] = ()) -> None:
+    """A UserError for run parameters an orchestrator's run cannot use, before it plans:
+    a key of ``given`` (the conf the user sent) that is not in ``RUN_PARAMS`` (a typo ran
+    the default recipe), a ``recipe`` or ``run_root`` that is a relative path (each
+    worker, and the DAG's failure callback, would resolve it against its own working
+    folder) or holds a control character, and a ``holder`` that is not the
+    ``local:<home>`` that ``posttrain run`` and ``posttrain kfp-local`` pass (a run
+    given a holder keeps its lease when it fails, for that command to resume: a hand-typed
+    one blocked the pipeline for the lease's 6 hours, and one over 64 KiB wrote a lease
+    no one could read back)."""
+    for key in given:
+        if key not in RUN_PARAMS:
+            raise UserError("params", key, "is not a parameter of this pipeline",
+                            f"use {', '.join(RUN_PARAMS)} (each may be left out for its default)")
+    for name in ("recipe", "run_root"):
+        value = params.get(name) or ""
+        if not value:
+            continue
+        if (problem := unusable_text(value)) is not None:
+            raise UserError(name, value, *problem)
+        if value != value.strip():
+            raise UserError(name, value, "has white space around it", "remove the spaces and newlines around it")
+        if "://" not in value and not value.startswith(("file:", "s3:")) and not value.startswith("/"):
+            raise UserError(name, value, "is a relative path, which each worker would resolve against its own "
+                            "working folder", "pass an absolute path or a URI (file:///..., s3://bucket/prefix)")
+    holder = params.get("holder") or ""
+    if holder and not (holder.startswith("local:/") and len(holder) <= MAX_HOLDER and unusable_text(holder) is None):
+        raise UserError("holder", holder, "is set by posttrain run and posttrain kfp-local only (local:<their home>)",
+                        "leave holder empty: the run then holds its own lease and hands it back if it fails")
 
 
 def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettings:

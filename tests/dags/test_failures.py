@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"
 
 ONE_RUN = """
-import json
+import json, os
 from components.core import settings
 from dags.local import prepare
 prepare(settings.home(), 2)
 from dags.post_training_iteration import iteration_dag
-dr = iteration_dag.test()
+dr = iteration_dag.test(run_conf=json.loads(os.environ.get("TEST_RUN_CONF") or "null"))
 print(json.dumps({"state": str(dr.state), "run_id": dr.run_id}))
 """
 
@@ -165,3 +165,21 @@ def test_a_refused_plan_task_makes_no_run_root(tmp_path: Path) -> None:
     assert (f"AirflowFailException: taskgen.task_file='{tmp_path / 'missing.jsonl'}': no such file; "
             "fix: pass an existing .parquet, .jsonl or .json file") in run["log"]
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(("conf", "line"), [
+    ({"recipie": "/x.yaml"}, "params='recipie': is not a parameter of this pipeline"),
+    ({"run_root": "relrr"}, "run_root='relrr': is a relative path"),
+    ({"holder": " "}, "holder=' ': is set by posttrain run and posttrain kfp-local only"),
+])
+def test_a_run_conf_the_dag_cannot_use_fails_the_plan_with_one_line(conf: dict, line: str, tmp_path: Path) -> None:
+    """Before: a typo ran the default recipe; a relative run root was resolved against
+    each process's own folder (the failure callback missed the lease); a hand-typed holder
+    kept its lease for 6 hours. The failure callback says one line, not a traceback."""
+    run = dag_run(tmp_path / ".posttrain", TINY, TEST_RUN_CONF=json.dumps(conf))
+    assert run["state"] == "failed"
+    assert f"AirflowFailException: {line}" in run["log"]
+    assert "Callback failed" not in run["log"]
+    if "relrr" in line:  # the callback cannot resolve it either: it says so in one line
+        assert "run failed: no lease to hand back (run_root='relrr': is a relative path" in run["log"]
+    assert not (tmp_path / ".posttrain" / "store").exists() and not (tmp_path / "relrr").exists()

@@ -57,7 +57,8 @@ def test_checked_in_yaml_matches_a_fresh_compile(compiled):
 
 def test_one_component_per_stage_in_its_stage_image(compiled):
     executors = compiled["deploymentSpec"]["executors"]
-    assert sorted(executors) == sorted(["exec-plan", "exec-shards", "exec-shards-2", "exec-shards-3", *(f"exec-{s}" for s in STAGES)])
+    assert sorted(executors) == sorted(["exec-plan", "exec-shards", "exec-shards-2", "exec-shards-3", "exec-hand-back",
+                                        *(f"exec-{s}" for s in STAGES)])
     for stage in STAGES:
         container = executors[f"exec-{stage}"]["container"]
         assert container["image"] == f"posttrain-{stage}:{__version__}"
@@ -66,9 +67,15 @@ def test_one_component_per_stage_in_its_stage_image(compiled):
         assert "pip install" not in " ".join(container["command"])
 
 
+def _body(compiled) -> dict[str, dict]:
+    """The tasks of the iteration: those inside the exit handler (the pipeline's root holds
+    only it and the exit task)."""
+    return compiled["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+
+
 def _tasks(compiled) -> dict[str, tuple[dict, str]]:
     """Every stage task: (its spec, the loop it runs in or '')."""
-    out = {name: (task, "") for name, task in compiled["root"]["dag"]["tasks"].items() if not name.startswith("for-loop")}
+    out = {name: (task, "") for name, task in _body(compiled).items() if not name.startswith("for-loop")}
     for name, comp in compiled["components"].items():
         if name.startswith("comp-for-loop"):
             for inner, task in comp["dag"]["tasks"].items():
@@ -76,11 +83,23 @@ def _tasks(compiled) -> dict[str, tuple[dict, str]]:
     return out
 
 
+def test_the_exit_task_runs_after_the_iteration_whatever_its_end(compiled):
+    """``hand-back`` (``hand_back``) hands a failed run's lease back, as the DAG's failure
+    callback does: it waits for the whole iteration, and runs whether it failed or not."""
+    root = compiled["root"]["dag"]["tasks"]
+    assert sorted(root) == ["exit-handler-1", "hand-back"]
+    exit_task = root["hand-back"]
+    assert exit_task["dependentTasks"] == ["exit-handler-1"]
+    assert exit_task["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}
+    assert "retryPolicy" not in exit_task and exit_task["cachingOptions"] == {}
+    assert exit_task["inputs"]["parameters"]["holder"] == {"componentInputParameter": "holder"}
+
+
 def test_the_wiring_follows_the_stage_registry(compiled):
     """Each stage waits for exactly its registry upstream (bootstrap for the plan); sharded
     stages run in a loop over the shard list of that stage."""
     tasks = _tasks(compiled)
-    root = compiled["root"]["dag"]["tasks"]
+    root = _body(compiled)
     loop_of = {loop: name for name, (_, loop) in tasks.items() if loop}
     lister = {t["inputs"]["parameters"]["stage"]["runtimeValue"]["constant"]: name
               for name, (t, _) in tasks.items() if name.startswith("shards")}
@@ -294,10 +313,10 @@ def test_a_bad_recipe_fails_the_plan_task_once(tmp_path, monkeypatch, capfd):
     (tmp_path / "bad.yaml").write_text("pipeline: tiny\nrollout: {group_size: 1}\n")
     local.prepare(tmp_path / "home", 1)
     with pytest.raises(UserError) as err:
-        local.run_iteration(str(tmp_path / "bad.yaml"), str(tmp_path / "store"), "h")
+        local.run_iteration(str(tmp_path / "bad.yaml"), str(tmp_path / "store"), f"local:{tmp_path / 'home'}")
     assert err.value.line().startswith(f"{tmp_path / 'bad.yaml'}: rollout.group_size=1: Input should be greater")
     out = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
-    assert re.findall(r"Executing task '([\w-]+)'", out) == ["plan"]
+    assert re.findall(r"Executing task '([\w-]+)'", out) == ["plan", "hand-back"]  # the exit task runs after it
     assert not (tmp_path / "store").exists()
 
 
@@ -361,3 +380,33 @@ def test_sigterm_to_kfp_local_alone_stops_the_task_and_a_rerun_resumes(tmp_path)
     again = run_posttrain(["kfp-local", "--recipe", str(TINY_RECIPE)], tmp_path, cli_env(home))
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert (home / "store" / "tiny" / "iter-000001" / "evaluation" / "_MANIFEST.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
+def test_a_failed_run_hands_its_lease_back(tmp_path, monkeypatch):
+    """The pipeline run straight under kfp.local, as on a cluster: a stage fails after
+    ``plan`` leased the iteration to ``kfp:<job id>``. The exit task ends the iteration's
+    MLflow run FAILED and hands the lease back, so the next run (here: another holder)
+    plans iteration 1 at once; before, it met a live lease for 6 hours (``LeaseHeld``)."""
+    import kfp.local
+
+    from components.core import lease
+    from components.core.planner import plan as plan_iteration
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+    from pipelines import local
+    from pipelines.post_training_iteration import post_training_iteration
+
+    home, store = tmp_path / "home", Store(str(tmp_path / "store"))
+    monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = tmp_path / "nomodel.yaml"  # plan takes it; bootstrap cannot load its model
+    recipe.write_text(TINY.read_text().replace("model: {", "model: {source: /nonexistent, "))
+    local.prepare(home, 1)
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
+                   raise_on_error=False)
+    post_training_iteration(recipe=str(recipe), run_root=store.uri, holder="")
+    leased = lease.current(store, "tiny", 1)
+    assert leased is not None and leased.holder == "", leased  # handed back (the released record has no holder)
+    assert plan_iteration(store, load_recipe(str(recipe)), "local:elsewhere") == 1
