@@ -127,6 +127,11 @@ def plan() -> dict[str, Any]:
         settings.check_run_params(params, (ctx["dag_run"].conf or {}).keys())
         conf = _settings(params)
         recipe = load_recipe(conf.recipe)
+        parsed = recipe_at_parse()
+        if parsed is not None and (parsed.timeouts, parsed.resources) != (recipe.timeouts, recipe.resources):
+            log.warning("the recipe %s sets other stage timeouts or resources than POSTTRAIN_RECIPE's, which the "
+                        "DAG's tasks were made with: those apply; set POSTTRAIN_RECIPE to this recipe for its own",
+                        conf.recipe)
         store = Store(conf.run_root, "run_root")
         # posttrain run's checks, in its order: one line, failed at once (a local run root for an
         # HTTP tracking server, a bad task file row, ...), and a refused run makes no run root

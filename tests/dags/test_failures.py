@@ -183,3 +183,21 @@ def test_a_run_conf_the_dag_cannot_use_fails_the_plan_with_one_line(conf: dict, 
     if "relrr" in line:  # the callback cannot resolve it either: it says so in one line
         assert "run failed: no lease to hand back (run_root='relrr': is a relative path" in run["log"]
     assert not (tmp_path / ".posttrain" / "store").exists() and not (tmp_path / "relrr").exists()
+
+
+def test_a_conf_recipe_whose_timeouts_the_dag_does_not_apply_is_warned_of(tmp_path: Path) -> None:
+    """The tasks' time limits were made at parse time from POSTTRAIN_RECIPE: a conf recipe
+    with other ones runs under those, and the plan says so (before: in silence; a one-off
+    recipe's `timeouts: {bootstrap: 1}` did nothing, POSTTRAIN_RECIPE's did)."""
+    parsed = yaml.safe_load(TINY.read_text())
+    parsed["timeouts"] = {"trainer": 7200}
+    at_parse = tmp_path / "at_parse.yaml"
+    at_parse.write_text(yaml.safe_dump(parsed))
+    conf_recipe = yaml.safe_load(TINY.read_text())
+    conf_recipe["taskgen"]["task_file"] = str(tmp_path / "missing.jsonl")  # the plan stops after the warning
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump(conf_recipe))
+    run = dag_run(tmp_path / ".posttrain", at_parse, TEST_RUN_CONF=json.dumps({"recipe": str(given)}))
+    assert run["state"] == "failed"
+    assert (f"the recipe {given} sets other stage timeouts or resources than POSTTRAIN_RECIPE's, which the DAG's "
+            "tasks were made with") in run["log"]
