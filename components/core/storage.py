@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 import fsspec
 import pyarrow as pa
@@ -255,11 +255,58 @@ def s3_fix(exc: BaseException) -> str:
     return "point AWS_ENDPOINT_URL at the S3 server (http://host:port) and check its keys and bucket"
 
 
+RETRY_MODES = ("legacy", "standard", "adaptive")
+_REGION = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*", re.ASCII)
+
+
+def _check_endpoint(var: str, endpoint: str) -> None:
+    """An ``http(s)://`` S3 endpoint botocore can use: text, a host, a port from 1 to 65535,
+    no query or fragment (each was "store is not reachable" naming the run root)."""
+    fix = "write http(s)://host:port of the S3 server"
+    if (problem := unusable_text(endpoint)) is not None:
+        raise UserError(var, endpoint, problem[0], fix)
+    if any(c.isspace() for c in endpoint):
+        raise UserError(var, endpoint, "holds a space", fix)
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port
+    except ValueError as exc:  # an unclosed '[', a port that is no number or out of range
+        raise UserError(var, endpoint, f"not a URL ({exc})", fix) from None
+    if not parts.hostname:
+        raise UserError(var, endpoint, "has no host", fix)
+    if port == 0:
+        raise UserError(var, endpoint, "port 0 is no server's port", fix)
+    if parts.query or parts.fragment:
+        raise UserError(var, endpoint, "has a query or fragment, which an S3 endpoint does not take", fix)
+
+
+def _check_aws_settings() -> None:
+    """The AWS variables botocore would refuse deep inside the first request (then named
+    as the run root being unreachable): the region's form, the retry mode, and a CA
+    bundle that is a readable file."""
+    for var in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        if (region := os.environ.get(var)) and not _REGION.fullmatch(region):
+            raise UserError(var, region, "is not a region name (lowercase letters, digits and '-')",
+                            "set it to e.g. us-east-1, or unset it")
+    if (mode := os.environ.get("AWS_RETRY_MODE")) and mode not in RETRY_MODES:
+        raise UserError("AWS_RETRY_MODE", mode, f"is not one of {', '.join(RETRY_MODES)}", "set it to standard, or unset it")
+    if bundle := os.environ.get("AWS_CA_BUNDLE"):
+        try:
+            readable = os.path.isfile(bundle) and os.access(bundle, os.R_OK)
+        except (OSError, ValueError):
+            readable = False
+        if not readable:
+            raise UserError("AWS_CA_BUNDLE", bundle, "is not a readable file", "point it at the CA's PEM file, or unset it")
+
+
 def _s3_options() -> dict[str, Any]:
     var = "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
     endpoint = os.environ.get(var)
     client_kwargs: dict[str, Any] = {}
+    _check_aws_settings()
     if endpoint:
+        if endpoint != endpoint.strip():
+            raise UserError(var, endpoint, "has white space around it", f"write {endpoint.strip()}")
         if not endpoint.startswith(("http://", "https://")):
             given = scheme(endpoint) if "://" in endpoint else ""
             if given:  # ftp://host: another scheme, not a missing one
@@ -267,6 +314,7 @@ def _s3_options() -> dict[str, Any]:
                 raise UserError(var, endpoint, f"an S3 endpoint is http:// or https://, not {given}://",
                                 f"write http://{host} or https://{host}")
             raise UserError(var, endpoint, "an S3 endpoint needs its scheme", f"write http://{endpoint} or https://{endpoint}")
+        _check_endpoint(var, endpoint)
         client_kwargs["endpoint_url"] = endpoint
     # Fail fast on an unreachable endpoint instead of botocore's long default retries.
     config_kwargs = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}

@@ -418,3 +418,30 @@ def test_an_endpoint_of_another_scheme_is_named_with_a_fix_that_works(monkeypatc
         filesystem("s3://bucket/x")
     assert info.value.problem == "an S3 endpoint is http:// or https://, not ftp://"
     assert info.value.fix == "write http://127.0.0.1:9000 or https://127.0.0.1:9000"
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"AWS_ENDPOINT_URL": "http://a b"}, "AWS_ENDPOINT_URL='http://a b': holds a space; fix: write http(s)://host:port of "
+                                         "the S3 server"),
+    ({"AWS_ENDPOINT_URL": "http://"}, "AWS_ENDPOINT_URL='http://': has no host"),
+    ({"AWS_ENDPOINT_URL": "http://127.0.0.1:99999"}, "AWS_ENDPOINT_URL='http://127.0.0.1:99999': not a URL (Port out of "
+                                                     "range 0-65535)"),
+    ({"AWS_ENDPOINT_URL": "http://h:9000/p?q"}, "AWS_ENDPOINT_URL='http://h:9000/p?q': has a query or fragment"),
+    ({"AWS_ENDPOINT_URL": " http://127.0.0.1:9"}, "AWS_ENDPOINT_URL=' http://127.0.0.1:9': has white space around it; "
+                                                  "fix: write http://127.0.0.1:9"),  # the fix was 'write http:// http://...'
+    ({"AWS_ENDPOINT_URL_S3": "http://\udcff"}, "AWS_ENDPOINT_URL_S3='http://\\udcff': is not UTF-8 text"),
+    ({"AWS_DEFAULT_REGION": "us east"}, "AWS_DEFAULT_REGION='us east': is not a region name"),
+    ({"AWS_REGION": "US-EAST-1"}, "AWS_REGION='US-EAST-1': is not a region name"),
+    ({"AWS_RETRY_MODE": "bogus"}, "AWS_RETRY_MODE='bogus': is not one of legacy, standard, adaptive"),
+    ({"AWS_CA_BUNDLE": "/nonexistent/ca.pem"}, "AWS_CA_BUNDLE='/nonexistent/ca.pem': is not a readable file"),
+])
+def test_an_aws_setting_botocore_cannot_use_is_named_itself(env: dict, line: str, monkeypatch) -> None:
+    """Before, each was "--run-root='s3://...': store is not reachable or not writable (...)" with a fix
+    naming AWS_ENDPOINT_URL whichever variable was wrong."""
+    from components.core.storage import filesystem
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as info:
+        filesystem("s3://bucket/x")
+    assert info.value.line().startswith(line), info.value.line()
