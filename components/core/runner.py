@@ -35,6 +35,7 @@ hits the cache does both again, idempotently.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -54,9 +55,18 @@ from components.core.recipe import Recipe, load_recipe
 from components.core.stages import registered, shard_count, spec
 from components.core.storage import Store, removed_if_refused
 
+_CODE_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}", re.ASCII)
+
 
 def code_version() -> str:
-    return os.environ.get("POSTTRAIN_CODE_VERSION", __version__)
+    """``POSTTRAIN_CODE_VERSION`` (an image's build sets it; default: the package
+    version), part of every stage's cache key and manifest: a version or commit, not any
+    text (a UserError for control characters, spaces or more than 128 characters)."""
+    value = os.environ.get("POSTTRAIN_CODE_VERSION", __version__)
+    if not _CODE_VERSION.fullmatch(value):
+        raise UserError("POSTTRAIN_CODE_VERSION", value, "is not a version (letters, digits, '.', '_', '+', '-'; at "
+                        "most 128)", f"set it to the code's version or commit, e.g. {__version__}, or unset it")
+    return value
 
 
 def stage_module(stage: str) -> ModuleType:

@@ -151,19 +151,20 @@ def check_vllm() -> None:
 
 
 MAX_VLLM_START_TIMEOUT_S = 86400.0
+MIN_VLLM_START_TIMEOUT_S = 1.0  # a vLLM server takes seconds to start: less never waits long enough
 
 
 def vllm_start_timeout_s() -> float:
-    """``POSTTRAIN_VLLM_START_TIMEOUT_S``: seconds above 0 and up to a day (default 600); a
+    """``POSTTRAIN_VLLM_START_TIMEOUT_S``: seconds from 1 up to a day (default 600); a
     UserError otherwise (NaN, inf and 1e400 would wait for ever)."""
     raw = os.environ.get("POSTTRAIN_VLLM_START_TIMEOUT_S") or "600"
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (0 < value <= MAX_VLLM_START_TIMEOUT_S):  # also NaN
+    if not (MIN_VLLM_START_TIMEOUT_S <= value <= MAX_VLLM_START_TIMEOUT_S):  # also NaN
         raise UserError("POSTTRAIN_VLLM_START_TIMEOUT_S", raw,
-                        f"not a number of seconds above 0 and at most {MAX_VLLM_START_TIMEOUT_S:g}",
+                        f"not a number of seconds from {MIN_VLLM_START_TIMEOUT_S:g} to {MAX_VLLM_START_TIMEOUT_S:g}",
                         "export POSTTRAIN_VLLM_START_TIMEOUT_S=600 (or unset it)")
     return value
 
@@ -272,6 +273,8 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
     if in_image():
         _check_image_run_root(run_root)
     chosen = recipe or default_recipe()
+    if chosen.startswith("file:") and "://" not in chosen:  # file:/abs/r.yaml, as a run root may be written
+        chosen = normalize_uri(chosen, "--recipe")
     recipe_path = chosen if "://" in chosen else str(local_path(chosen, "--recipe"))
     if not (run_root or os.environ.get("POSTTRAIN_RUN_ROOT")):
         check_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such (made when work starts)

@@ -445,3 +445,25 @@ def test_an_aws_setting_botocore_cannot_use_is_named_itself(env: dict, line: str
     with pytest.raises(UserError) as info:
         filesystem("s3://bucket/x")
     assert info.value.line().startswith(line), info.value.line()
+
+
+def test_a_file_colon_recipe_is_the_file_it_names(tmp_path: Path) -> None:
+    """``file:/abs/r.yaml`` (one slash), as a run root may be written, was read as the
+    relative path ``./file:/abs/r.yaml`` ("no such recipe file")."""
+    from components.core.settings import resolve
+
+    (tmp_path / "r.yaml").write_text("pipeline: t\n")
+    assert resolve(f"file:{tmp_path / 'r.yaml'}", str(tmp_path / "rr")).recipe == f"file://{tmp_path / 'r.yaml'}"
+
+
+@pytest.mark.parametrize("value", ["1.0 beta", "v\n1", "x" * 129, ""])
+def test_a_code_version_that_is_no_version_is_named(value: str, monkeypatch) -> None:
+    """It goes into every cache key and manifest; any text went there unchecked."""
+    from components.core.runner import code_version
+
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", value)
+    with pytest.raises(UserError) as info:
+        code_version()
+    assert info.value.field == "POSTTRAIN_CODE_VERSION"
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "0.1.0+g1a2b3c4")
+    assert code_version() == "0.1.0+g1a2b3c4"

@@ -257,12 +257,12 @@ def test_a_vllm_python_that_is_no_vllm_python_is_named(program: str | None, prob
     assert (err.value.field, err.value.value, err.value.problem) == ("POSTTRAIN_VLLM_PYTHON", str(fake), problem)
 
 
-@pytest.mark.parametrize("raw", ["nan", "inf", "1e400", "99999999999999999999999", "0", "-1", "abc"])
+@pytest.mark.parametrize("raw", ["nan", "inf", "1e400", "99999999999999999999999", "0", "1e-320", "0.5", "-1", "abc"])
 def test_a_vllm_start_timeout_that_would_wait_for_ever_is_refused(raw: str, monkeypatch) -> None:
     from components.core.settings import vllm_start_timeout_s
 
     monkeypatch.setenv("POSTTRAIN_VLLM_START_TIMEOUT_S", raw)
-    with pytest.raises(UserError, match=r"not a number of seconds above 0 and at most 86400"):
+    with pytest.raises(UserError, match=r"not a number of seconds from 1 to 86400"):
         vllm_start_timeout_s()
     monkeypatch.setenv("POSTTRAIN_VLLM_START_TIMEOUT_S", "90.5")
     assert vllm_start_timeout_s() == 90.5
@@ -270,7 +270,7 @@ def test_a_vllm_start_timeout_that_would_wait_for_ever_is_refused(raw: str, monk
 
 @pytest.mark.parametrize(("env", "line"), [
     ({"POSTTRAIN_VLLM_START_TIMEOUT_S": "nan"},
-     "POSTTRAIN_VLLM_START_TIMEOUT_S='nan': not a number of seconds above 0 and at most 86400; "
+     "POSTTRAIN_VLLM_START_TIMEOUT_S='nan': not a number of seconds from 1 to 86400; "
      "fix: export POSTTRAIN_VLLM_START_TIMEOUT_S=600 (or unset it)"),
     ({"POSTTRAIN_VLLM_PYTHON": "/nonexistent/python"},
      "POSTTRAIN_VLLM_PYTHON='/nonexistent/python': no interpreter there; fix: run `make vllm` (creates .venv-vllm) "
