@@ -211,11 +211,12 @@ def test_ctrl_c_while_the_command_starts_is_one_line(delay_s: float, tmp_path: P
 
 
 def test_importing_the_command_leaves_the_callers_ctrl_c_handler() -> None:
-    import signal
-
-    import components.cli  # noqa: F401 - already imported by the tests above, or imported here
-
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    """In a fresh interpreter: in this one, another test may have run the command as the
+    process's entry, which takes SIGINT for its stage."""
+    code = ("import signal; mine = lambda *a: None; signal.signal(signal.SIGINT, mine); import components.cli; "
+            "assert signal.getsignal(signal.SIGINT) is mine, signal.getsignal(signal.SIGINT)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize(("run_id", "problem"), [

@@ -85,9 +85,16 @@ def stage_argv(tmp_path: Path) -> list[str]:
 
 def test_the_process_entry_runs_the_policy_around_a_stage(posttrain_home: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import signal
+
     monkeypatch.delenv("POSTTRAIN_GC", raising=False)
     monkeypatch.setattr(sys, "argv", ["posttrain", *stage_argv(tmp_path)])
-    assert cli.main() == 0
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.main() == 0  # as the process's own entry, it takes SIGINT and SIGTERM for the stage
+    finally:
+        for sig, handler in handlers.items():  # the next test in this process keeps pytest's
+            signal.signal(sig, handler)
     assert gcpolicy.enabled() and gc.isenabled() and gc.get_freeze_count() > 1000
 
 
