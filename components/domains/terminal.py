@@ -10,7 +10,8 @@ Execution (``DRIVER``): a trusted Python driver lays out the start state in ``ws
 makes itself non-dumpable, forks, and in the child closes the result fd and runs
 ``bash -c <completion>`` in ``ws/`` in its own process group under a wall-clock limit.
 After the child exits (or is killed with its group) the driver walks ``ws/`` without
-following links and writes ``{"state": {path: "dir" | "file:<text>" | "link"}}`` to the
+following links and without opening anything but regular files (a FIFO would block it)
+and writes ``{"state": {path: "dir" | "file:<text>" | "link" | "other"}}`` to the
 executor's result pipe. So the command cannot forge the state listing: it never holds
 the result fd, it has exited before the listing is taken, and the expected state never
 enters the sandbox. Killing the driver only loses the result (score 0).
@@ -81,7 +82,7 @@ COMMAND_TIMEOUT_S = 2.0
 MAX_ENTRIES = 64  # a listing longer than this is cut: no expected state is anywhere near it
 LISTED_BYTES = 64  # how much of each file the state listing reads
 
-# Lists ws/ without following links: {path: "dir" | "file:<first 64 bytes>" | "link"}.
+# Lists ws/ without following links: {path: "dir" | "file:<first 64 bytes>" | "link" | "other"}.
 _LIST_STATE = r"""
 def list_state():
     state, ok = {}, True
@@ -95,6 +96,8 @@ def list_state():
                 state[rel] = "link"
             elif os.path.isdir(full):
                 state[rel] = "dir"
+            elif not os.path.isfile(full):  # a FIFO, socket or device: opening one could block the listing
+                state[rel] = "other"
             else:
                 try:
                     with open(full, "rb") as fh:

@@ -73,9 +73,11 @@ class TaskSession:
 
     def exec(self, cmd: str, timeout_s: float | None = None):
         files = None if self._laid_out else dict(self.spec.files)
-        self._laid_out = True
-        return self.session.exec(["bash", "-c", self.spec.command(cmd)], timeout_s=timeout_s or self.spec.step_timeout_s,
-                                 files=files)
+        command = self.spec.command(cmd)
+        # A command with a NUL is refused before its job writes a file (no program can be given
+        # one): the start files then go with the next command, as after any other failed one.
+        self._laid_out = self._laid_out or "\x00" not in command
+        return self.session.exec(["bash", "-c", command], timeout_s=timeout_s or self.spec.step_timeout_s, files=files)
 
     def close(self) -> None:
         self.session.close()

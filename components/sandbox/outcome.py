@@ -100,6 +100,20 @@ def infra_error(why: str, backend: str, isolation: str) -> JobResult:
                      cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)
 
 
+def session_setup_failed(stderr: str, duration_s: float, backend: str, isolation: str) -> JobResult:
+    """A session's later job (a step, an episode's action, the final check) that could not
+    be set up in ``/work`` (its files not written, no way in): the session's own earlier
+    commands left ``/work`` so (``chmod 000``, filled it), which is the policy's doing, so
+    status ``failed``, exit 126 as a shell's "cannot execute", not an ``infra_error``
+    (retried, then left out of training: a policy could drop its own bad episodes so).
+    The first job of a session lays out a fresh ``/work``; its setup failing stays an
+    ``infra_error``."""
+    why = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or ["job setup failed"]
+    return JobResult(status="failed", exit_code=126, signal=0, stdout="",
+                     stderr=f"cannot set the job up in /work, as the session's earlier commands left it: {why[0][:500]}\n",
+                     duration_s=duration_s, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)
+
+
 def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
     """The result of a job with a NUL byte in an argument, which no program can be given
     (``execve`` takes C strings): status ``failed``, exit 127 and why, as a shell reports a

@@ -40,7 +40,7 @@ from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, host_argv, memfd_with
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Fds, Lease, Limits
-from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, to_result
+from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, session_setup_failed, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
@@ -79,6 +79,7 @@ class Worker:
         self.ctl: socket.socket | None = None
         self.alive = False
         self.jobs = 0
+        self.session_jobs = 0  # jobs since the session's fresh /work (a session worker's reset)
         self._oom_seen = 0
         try:
             self._start()
@@ -183,6 +184,7 @@ class Worker:
             if seen.flooded and self.alive:
                 self._die()  # the flood kill took the worker down with the job
             self.jobs += 1
+            earlier, self.session_jobs = self.session_jobs, self.session_jobs + 1
             if report.get("error"):
                 return infra_error(f"warm worker could not start the job: {report['error']}", backend, self.isolation)
             died = report.get("worker_died") or not report
@@ -193,6 +195,8 @@ class Worker:
             code, sig = (137, signal.SIGKILL) if status is None else exit_of(os.waitstatus_to_exitcode(status))
             if report.get("setup_failed") and not timed_out:  # the worker's word (J's "ready" byte), not the job's
                 stderr = bytes(seen.data["stderr"]).decode(errors="replace")
+                if self.session and earlier:  # /work is what the session's own commands left (chmod, full)
+                    return session_setup_failed(stderr, duration, backend, self.isolation)
                 return infra_error(stderr[-2000:] or "job setup failed", backend, self.isolation)
             cpu = float(report.get("cpu_s", 0.0))
             if cpu_before is not None and timed_out:  # killed trees are never reaped by the job's init
@@ -228,6 +232,7 @@ class Worker:
         if got.get("id") != key or got.get("op") != "reset" or "error" in got:
             self._die()
             return False
+        self.session_jobs = 0
         return True
 
     def _oom_delta(self, before: int, code: int) -> int:

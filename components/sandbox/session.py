@@ -167,15 +167,17 @@ def run_session_job(config, job: SessionJob, session_timeout_s: float | None = N
     ``pool``: the session runs on a pooled worker (see ``SessionPool``)."""
     budget = session_timeout_s or (len(job.steps) + 2) * float(job.step_timeout_s or config.timeout_s) + 30.0
     done: list[JobResult] = []
+    laid_out = False  # a step with a NUL is refused before its files are written: the next one takes them
     with SandboxSession(config, session_timeout_s=budget, pool=pool) as session:
-        for i, step in enumerate(job.steps):
+        for step in job.steps:
             done.append(session.exec(["bash", "-c", step], timeout_s=job.step_timeout_s,
-                                     files=job.files if i == 0 else None))
+                                     files=None if laid_out else job.files))
+            laid_out = laid_out or "\x00" not in step
             if done[-1].status == "infra_error":
                 return done[-1]
         check = job.check
         final = session.exec(list(check.argv), timeout_s=check.timeout_s,
-                             files={**(job.files if not job.steps else {}), **check.files}, stdin=check.stdin)
+                             files={**({} if laid_out else job.files), **check.files}, stdin=check.stdin)
     steps = [{"exit": r.exit_code, "status": r.status} for r in done]
     result = {**final.result, "steps": steps} if isinstance(final.result, dict) else final.result
     done.append(final)

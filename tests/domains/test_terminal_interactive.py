@@ -132,3 +132,57 @@ def test_the_recipe_caps_turns_and_observations() -> None:
         assert r.completion == "yes | head -c 100" and r.finish_reason == "length"
     verdicts = judged([task], rollouts, sandbox_cfg)
     assert [v.passed for v in verdicts] == [False, False]  # nothing was deleted
+
+
+def scripted(actions: list[str]):
+    """An actor that plays ``actions`` in order, then DONE."""
+    def act(context: str) -> str:
+        turns = len(re.findall(r"\n\[exit -?\d+ \w+\]\n", context))
+        return actions[turns] if turns < len(actions) else DONE
+    return act
+
+
+@needs_bwrap
+@pytest.mark.parametrize(("actions", "status", "score"), [
+    # /work left unwritable or full: the final check cannot be set up there. Before, an
+    # infra_error, retried and then left out of training (8 of 24 hostile episodes), which a
+    # policy could use to drop its bad episodes, or to fail the validation gate for everyone.
+    (["chmod 555 /work"], "failed", 0.0),
+    (["chmod 000 /work"], "failed", 0.0),
+    (["for i in 1 2 3 4 5; do head -c 16M /dev/zero > ../f$i; done"], "failed", 0.0),
+    (["mkfifo p"], "ok", None),  # a FIFO is listed as "other", not opened (the listing blocked to the job's limit)
+])
+def test_what_an_episode_does_to_its_session_is_its_own_verdict(actions, status, score) -> None:
+    task = interactive_task("note")
+    note = task.prompt.split("(has ", 1)[1].split(")")[0]
+    name = task.reference["start"][note][len("file:"):-1]
+    rollout_cfg, sandbox_cfg = cfgs(group_size=2)
+    rollouts = play(scripted([f"mkdir {name}", *actions]), [task], interactive_specs([task]), rollout_cfg, sandbox_cfg,
+                    seed=0, iteration=1)
+    with get_executor(sandbox_cfg) as executor:
+        result = execute([("r", task, rollouts[0].completion)], executor, 1)["r"]
+    verdict = judge(TERMINAL, task, rollouts[0].completion, result)
+    assert result.status == status and verdict.status != "infra_error", (result.status, result.stderr[-500:])
+    if status == "failed":
+        assert result.exit_code == 126 and "cannot set the job up in /work" in result.stderr
+        assert verdict.score == 0.0
+    else:
+        assert result.result["state"]["p"] == "other" and result.duration_s < 4.0
+        assert verdict.score == pytest.approx(2 / 3)  # note and the new dir match; the FIFO is extra
+
+
+@needs_bwrap
+def test_a_nul_in_the_first_action_does_not_lose_the_start_files() -> None:
+    """The NUL action is refused before its job writes a file; before, the start files were
+    never laid out, so every later action met 'cd: ws: No such file or directory'."""
+    task = interactive_task("note")
+    note = task.prompt.split("(has ", 1)[1].split(")")[0]
+    name = task.reference["start"][note][len("file:"):-1]
+    rollout_cfg, sandbox_cfg = cfgs(group_size=2)
+    rollouts = play(scripted(["true \x00", f"cat {note}", f"mkdir {name}"]), [task], interactive_specs([task]),
+                    rollout_cfg, sandbox_cfg, seed=0, iteration=1)
+    turns = rollouts[0].turns
+    assert "holds a NUL byte" in turns[0].observation and turns[1].observation == f"\n[exit 0 ok]\n{name}\n\n"
+    with get_executor(sandbox_cfg) as executor:
+        result = execute([("r", task, rollouts[0].completion)], executor, 1)["r"]
+    assert judge(TERMINAL, task, rollouts[0].completion, result).score == 1.0
