@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.core import hfimport
+from components.core import checkpoint, hfimport
 from components.core.errors import InfraError, UserError, outage
 from components.core.prompts import encode, resolve_format
 from components.core.storage import Expected, Store, normalize_uri, s3_fix
@@ -157,6 +157,12 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     return expected
 
 
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (an empty message, as MemoryError's, is only the type)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def load_policy(uri: str, version: str = "", field: str = "policy", prompt_format: str = "raw") -> Policy:
     """Load a checkpoint folder from any store URI (or a local path) onto the CPU, its
     prompts put to it in ``prompt_format`` (``rollout.prompt_format``; ``raw`` by default).
@@ -169,6 +175,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
 
     hfimport.lean()
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     _quiet()
     uri = normalize_uri(uri, field)
@@ -187,15 +194,26 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
             if (down := outage(exc)) is not None:
                 raise InfraError(field, uri, down) from None
             if not uri.startswith("s3://"):
+                if isinstance(exc, OSError):  # a link to /proc/self/mem, a device: EINVAL, EIO
+                    raise UserError(field, uri, f"a file of the checkpoint cannot be read ({_first_line(exc)})",
+                                    "make its files regular files, or point at another checkpoint") from None
                 raise
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            reason = _first_line(exc)[:200]
             raise UserError(field, uri, f"the store refused the checkpoint's files ({reason})", s3_fix(exc)) from None
+        checkpoint.before_load(Path(tmp), field, uri)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report's table: after_load names what it found, in one line
         try:
-            tokenizer = AutoTokenizer.from_pretrained(tmp)
-            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+            # trust_remote_code=False: a checkpoint's own Python (auto_map) is refused, never run or asked about
+            tokenizer = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True,
+                                                               trust_remote_code=False)
         except Exception as exc:
-            raise UserError(field, uri, f"checkpoint is unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+            raise UserError(field, uri, f"checkpoint is unreadable ({_first_line(exc)[:200]})",
                             "re-run the stage that wrote it, or point at another checkpoint") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        checkpoint.after_load(model, tokenizer, info, field, uri)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -1,0 +1,107 @@
+"""Hostile checkpoint folders (``components/core/checkpoint.py``, through ``load_policy``):
+each is one UserError naming the field and what is wrong, before transformers allocates
+for it or after it loaded something that is not the checkpoint. Before: 7 GB and a
+traceback (1e9 layers), a 34 GB allocation (a 2**28 vocabulary with no embedding), a
+Rust panic (a token id of 2**31), a hang (300,000 special tokens), and models with
+random, NaN or integer weights loaded in silence."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from components.core.errors import UserError
+from components.core.policy import load_policy, save_policy
+from components.core.storage import Store
+from tests.rollout.helpers import tiny_policy
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    tiny = tiny_policy(seed=1)
+    save_policy(tiny.model, tiny.tokenizer, Store(str(root), "test"), "ok")
+    return root / "ok"
+
+
+def edited(good: Path, tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(good, folder)
+    edit(folder)
+    return folder
+
+
+def json_edit(name: str, change):
+    def edit(folder: Path) -> None:
+        data = json.loads((folder / name).read_text())
+        change(data)
+        (folder / name).write_text(json.dumps(data))
+    return edit
+
+
+def weights_edit(change):
+    def edit(folder: Path) -> None:
+        tensors = load_file(folder / "model.safetensors")
+        save_file(change(tensors), folder / "model.safetensors")
+    return edit
+
+
+def refused(folder: Path) -> str:
+    with pytest.raises(UserError) as info:
+        load_policy(f"file://{folder}", field="--checkpoint")
+    assert info.value.field == "--checkpoint"
+    return info.value.problem
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (json_edit("config.json", lambda c: c.update(num_hidden_layers=10**9)),
+     "config.json's 'num_hidden_layers' is 1000000000, not a whole number from 1 to 1024"),
+    (json_edit("config.json", lambda c: c.update(num_hidden_layers=0)),
+     "config.json's 'num_hidden_layers' is 0, not a whole number from 1 to 1024"),
+    (json_edit("config.json", lambda c: c.update(vocab_size=2**28)),
+     "config.json's 'vocab_size' is 268435456, not a whole number from 1 to 4194304"),
+    (json_edit("config.json", lambda c: c.update(max_position_embeddings=-5)),
+     "config.json's 'max_position_embeddings' is -5"),
+    (json_edit("config.json", lambda c: c.update(rms_norm_eps=float("nan"))),
+     "config.json's 'rms_norm_eps' is nan, not a finite number"),
+    (weights_edit(lambda t: {k: v for k, v in t.items() if "q_proj" not in k}),
+     "the checkpoint's weights lack 'model.layers.0.self_attn.q_proj.weight'"),
+    (weights_edit(lambda t: {k: torch.full_like(v, float("nan")) if "norm" in k else v for k, v in t.items()}),
+     "holds values that are not finite (NaN or inf)"),
+    (weights_edit(lambda t: {k: v.to(torch.int32) for k, v in t.items()}), "is I32, not a float"),
+    (json_edit("tokenizer_config.json", lambda c: c.pop("eos_token")),
+     "the tokenizer has no end-of-sequence token (eos_token)"),
+    (json_edit("tokenizer_config.json", lambda c: c.update(chat_template="x" * (1 << 21))),
+     "tokenizer_config.json's chat_template is longer than 1048576 characters"),
+    (json_edit("tokenizer_config.json", lambda c: c.update(extra_special_tokens=[f"<t{i}>" for i in range(100_001)])),
+     "tokenizer_config.json's extra_special_tokens holds 100001 tokens, more than 100000"),
+    (json_edit("tokenizer.json", lambda t: t["model"]["vocab"].update(a=2**31 - 5)),
+     "tokenizer.json holds a token id outside 0 .. 4194303"),
+    (json_edit("tokenizer.json", lambda t: t["model"]["vocab"].update({f"w{i}": 200 + i for i in range(50)})),
+     "the tokenizer's vocabulary has 151 tokens, more than the model's 101 embeddings"),
+    (json_edit("tokenizer_config.json", lambda c: c.update(eos_token="<nosuch>")),
+     "the tokenizer's eos_token_id 101 is outside the model's 101 embeddings"),
+])
+def test_a_hostile_checkpoint_is_one_line(edit, problem: str, good: Path, tmp_path: Path) -> None:
+    assert problem in refused(edited(good, tmp_path, edit))
+
+
+def test_a_checkpoints_own_python_is_never_run_or_asked_about(good: Path, tmp_path: Path) -> None:
+    """``auto_map`` in tokenizer_config.json asked "run the custom code? [y/N]" on a terminal."""
+    def custom(config: dict) -> None:
+        config.pop("tokenizer_class", None)
+        config["auto_map"] = {"AutoTokenizer": ["evil.Tok", None]}
+
+    folder = edited(good, tmp_path, json_edit("tokenizer_config.json", custom))
+    (folder / "evil.py").write_text("raise SystemExit('ran')\n")
+    assert "contains custom code" in refused(folder)
+
+
+def test_the_good_checkpoint_loads(good: Path) -> None:
+    policy = load_policy(f"file://{good}")
+    assert policy.eos_id < policy.model.get_input_embeddings().num_embeddings
