@@ -275,8 +275,9 @@ def _checked(uri: str) -> None:
     """``check_uri``'s UserError for a tracking URI posttrain cannot use; an InfraError, in
     seconds, for an HTTP(S) tracking server that cannot be reached (MLflow's own client
     retries a refused connection for minutes before it says anything). A server that
-    answers, with any status below 500, passes: only reachability is checked here, not
-    credentials."""
+    answers, with any status below 500 but 404, passes: only reachability is checked here,
+    not credentials; a 404 at ``/health``, which every MLflow server answers, is a
+    UserError (another web server). The probe goes to the host after any ``user:password@``."""
     import urllib.error
     import urllib.request
     from urllib.parse import urlsplit
