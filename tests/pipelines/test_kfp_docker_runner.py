@@ -42,11 +42,11 @@ def test_docker_runner_runs_one_iteration_in_the_stage_images(tmp_path, monkeypa
                                     **stage_images.docker_options())
     kfp.local.init(runner=runner, pipeline_root=str(outputs), raise_on_error=True)
 
-    task = make_pipeline(image_prefix="localhost/")(recipe=recipe, run_root=root)
+    make_pipeline(image_prefix="localhost/")(recipe=recipe, run_root=root)  # no output: the iteration is in an exit handler
 
     store = Store(root)
     evaluation = store.read_json("tiny/iter-000001/evaluation/_MANIFEST.json")
-    assert evaluation["iteration"] == 1 and task.output == evaluation["content_digest"]
+    assert evaluation["iteration"] == 1 and evaluation["stage"] == "evaluation"
     for stage in ("rollout", "sandbox", "reward"):
         found = sorted(p.rsplit("/", 2)[-2] for p in store.glob(f"tiny/iter-000001/{stage}/*/_MANIFEST.json"))
         assert found == ["shard-00000-of-00002", "shard-00001-of-00002"], stage
