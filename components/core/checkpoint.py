@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from components.core.errors import UserError, value_text
+from components.core.errors import UserError, exc_line, value_text
 
 SIZE_LIMITS = {
     "vocab_size": 1 << 22,  # 4M tokens; the largest released vocabularies are ~260k
@@ -109,8 +109,7 @@ def _check_weights(folder: Path, field: str, uri: str) -> None:
                         raise UserError(field, uri, f"{path.name}'s tensor {key[:120]!r} is {dtype}, not a float",
                                         FIX)
         except (SafetensorError, OSError, ValueError) as exc:
-            raise UserError(field, uri, f"{path.name} is not a safetensors file ({type(exc).__name__}: "
-                            f"{(str(exc).strip().splitlines() or [''])[0][:160]})", FIX) from None
+            raise UserError(field, uri, f"{path.name} is not a safetensors file ({exc_line(exc)[:200]})", FIX) from None
 
 
 def after_load(model, tokenizer, info: dict[str, Any], field: str, uri: str) -> None:

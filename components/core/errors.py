@@ -63,6 +63,13 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
+def exc_line(exc: BaseException) -> str:
+    """``Type: first line of the message``; only the type for an empty or blank message
+    (``MemoryError()``), where ``str(exc).splitlines()[0]`` raised IndexError."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def _bare(value: object) -> bool:
     return isinstance(value, (bool, int, float)) or value is None
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.core import checkpoint, hfimport
-from components.core.errors import InfraError, UserError, outage
+from components.core.errors import InfraError, UserError, exc_line, outage
 from components.core.prompts import encode, resolve_format
 from components.core.storage import Expected, Store, normalize_uri, s3_fix
 
@@ -157,12 +157,6 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     return expected
 
 
-def _first_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` (an empty message, as MemoryError's, is only the type)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 def load_policy(uri: str, version: str = "", field: str = "policy", prompt_format: str = "raw") -> Policy:
     """Load a checkpoint folder from any store URI (or a local path) onto the CPU, its
     prompts put to it in ``prompt_format`` (``rollout.prompt_format``; ``raw`` by default).
@@ -195,10 +189,10 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
                 raise InfraError(field, uri, down) from None
             if not uri.startswith("s3://"):
                 if isinstance(exc, OSError):  # a link to /proc/self/mem, a device: EINVAL, EIO
-                    raise UserError(field, uri, f"a file of the checkpoint cannot be read ({_first_line(exc)})",
+                    raise UserError(field, uri, f"a file of the checkpoint cannot be read ({exc_line(exc)})",
                                     "make its files regular files, or point at another checkpoint") from None
                 raise
-            reason = _first_line(exc)[:200]
+            reason = exc_line(exc)[:200]
             raise UserError(field, uri, f"the store refused the checkpoint's files ({reason})", s3_fix(exc)) from None
         checkpoint.before_load(Path(tmp), field, uri)
         verbosity = hf_logging.get_verbosity()
@@ -209,7 +203,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
             model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True,
                                                                trust_remote_code=False)
         except Exception as exc:
-            raise UserError(field, uri, f"checkpoint is unreadable ({_first_line(exc)[:200]})",
+            raise UserError(field, uri, f"checkpoint is unreadable ({exc_line(exc)[:200]})",
                             "re-run the stage that wrote it, or point at another checkpoint") from None
         finally:
             hf_logging.set_verbosity(verbosity)

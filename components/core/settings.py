@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from components.core.errors import UserError
-from components.core.storage import local_path, make_folders, normalize_uri, unusable_text
+from components.core.storage import local_path, make_folders, normalize_uri, scheme, unusable_text
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = str(CHECKOUT / "recipes" / "demo.yaml")
@@ -52,7 +52,7 @@ def home() -> Path:
     if raw != raw.strip():
         raise UserError("POSTTRAIN_HOME", raw, "has white space around it" if raw.strip() else "is only white space",
                         "remove the spaces around the path" if raw.strip() else HOME_FIX)
-    if "://" in raw or raw.startswith(("s3:", "file:")):
+    if scheme(raw):
         raise UserError("POSTTRAIN_HOME", raw, "is a URI, but the home is a local folder (MLflow's database, locks)",
                         HOME_FIX + "; the run root can be a URI (POSTTRAIN_RUN_ROOT)")
     return local_path(raw, "POSTTRAIN_HOME")
@@ -258,7 +258,7 @@ def check_run_params(params: dict[str, Any], given: Iterable[str] = ()) -> None:
             raise UserError(name, value, *problem)
         if value != value.strip():
             raise UserError(name, value, "has white space around it", "remove the spaces and newlines around it")
-        if "://" not in value and not value.startswith(("file:", "s3:")) and not value.startswith("/"):
+        if not scheme(value) and not value.startswith("/"):
             raise UserError(name, value, "is a relative path, which each worker would resolve against its own "
                             "working folder", "pass an absolute path or a URI (file:///..., s3://bucket/prefix)")
     holder = params.get("holder") or ""

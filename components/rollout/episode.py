@@ -50,6 +50,7 @@ from components.core.records import Turn
 from components.domains.base import Interactive, action_command, observation_text
 from components.rollout.engines import Generation, TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
+from components.sandbox.outcome import never_starts
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 Actor = Callable[[str], str]
@@ -73,11 +74,10 @@ class TaskSession:
 
     def exec(self, cmd: str, timeout_s: float | None = None):
         files = None if self._laid_out else dict(self.spec.files)
-        command = self.spec.command(cmd)
-        # A command with a NUL is refused before its job writes a file (no program can be given
-        # one): the start files then go with the next command, as after any other failed one.
-        self._laid_out = self._laid_out or "\x00" not in command
-        return self.session.exec(["bash", "-c", command], timeout_s=timeout_s or self.spec.step_timeout_s, files=files)
+        argv = ["bash", "-c", self.spec.command(cmd)]
+        # A command refused before it starts (a NUL) writes no file: the start files go with the next one.
+        self._laid_out = self._laid_out or not never_starts(argv)
+        return self.session.exec(argv, timeout_s=timeout_s or self.spec.step_timeout_s, files=files)
 
     def close(self) -> None:
         self.session.close()

@@ -114,6 +114,12 @@ def session_setup_failed(stderr: str, duration_s: float, backend: str, isolation
                      duration_s=duration_s, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)
 
 
+def never_starts(argv: list[str]) -> bool:
+    """Whether a job of ``argv`` is refused before it starts or writes a file
+    (``nul_argument``): a session that sent its start files with it must send them again."""
+    return any("\x00" in arg for arg in argv)
+
+
 def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
     """The result of a job with a NUL byte in an argument, which no program can be given
     (``execve`` takes C strings): status ``failed``, exit 127 and why, as a shell reports a

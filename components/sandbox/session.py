@@ -32,7 +32,7 @@ from components.sandbox.bwrap import host_support
 from components.sandbox.detect import Support
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import infra_error
+from components.sandbox.outcome import infra_error, never_starts
 from components.sandbox.pool import Worker
 
 DEFAULT_SESSION_TIMEOUT_S = 600.0
@@ -167,12 +167,12 @@ def run_session_job(config, job: SessionJob, session_timeout_s: float | None = N
     ``pool``: the session runs on a pooled worker (see ``SessionPool``)."""
     budget = session_timeout_s or (len(job.steps) + 2) * float(job.step_timeout_s or config.timeout_s) + 30.0
     done: list[JobResult] = []
-    laid_out = False  # a step with a NUL is refused before its files are written: the next one takes them
+    laid_out = False  # a step refused before it starts (a NUL) writes no file: the next one takes them
     with SandboxSession(config, session_timeout_s=budget, pool=pool) as session:
         for step in job.steps:
-            done.append(session.exec(["bash", "-c", step], timeout_s=job.step_timeout_s,
-                                     files=None if laid_out else job.files))
-            laid_out = laid_out or "\x00" not in step
+            argv = ["bash", "-c", step]
+            done.append(session.exec(argv, timeout_s=job.step_timeout_s, files=None if laid_out else job.files))
+            laid_out = laid_out or not never_starts(argv)
             if done[-1].status == "infra_error":
                 return done[-1]
         check = job.check
