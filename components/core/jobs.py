@@ -66,6 +66,14 @@ class SessionJob:
 _FLAT = 'fd=$1; shift; for f in .steps/*.sh; do (if [ -n "$fd" ]; then eval "exec $fd>&-"; fi; bash "$f") </dev/null; done\n'
 
 
+def never_starts(argv: list[str]) -> bool:
+    """Whether a job of ``argv`` is refused before it starts or writes a file: an argument
+    holds a NUL byte, which no program can be given (``execve`` takes C strings). Every
+    backend reports such a job as ``failed``, exit 127; a session that sent its start files
+    with it must send them again."""
+    return any("\x00" in arg for arg in argv)
+
+
 def flatten(job: SessionJob) -> Job:
     """The same steps and check as one process tree (no session, no per-step exit codes)."""
     script = _FLAT

@@ -44,13 +44,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from components.core.jobs import never_starts
 from components.core.policy import Policy
 from components.core.prompts import observation_ids
 from components.core.records import Turn
 from components.domains.base import Interactive, action_command, observation_text
 from components.rollout.engines import Generation, TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
-from components.sandbox.outcome import never_starts
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 Actor = Callable[[str], str]

@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from components.core.jobs import JobResult
+from components.core.jobs import JobResult, never_starts
 from components.sandbox.supervise import Watched
 
 
@@ -114,20 +114,15 @@ def session_setup_failed(stderr: str, duration_s: float, backend: str, isolation
                      duration_s=duration_s, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)
 
 
-def never_starts(argv: list[str]) -> bool:
-    """Whether a job of ``argv`` is refused before it starts or writes a file
-    (``nul_argument``): a session that sent its start files with it must send them again."""
-    return any("\x00" in arg for arg in argv)
-
-
 def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
     """The result of a job with a NUL byte in an argument, which no program can be given
     (``execve`` takes C strings): status ``failed``, exit 127 and why, as a shell reports a
     command it cannot run, in every mode, without starting anything. None for any other
-    job. (A session step or episode action the policy wrote can hold a NUL.)"""
-    index = next((i for i, arg in enumerate(job.argv) if "\x00" in arg), None)
-    if index is None:
+    job (``jobs.never_starts``). (A session step or episode action the policy wrote can
+    hold a NUL.)"""
+    if not never_starts(job.argv):
         return None
+    index = next(i for i, arg in enumerate(job.argv) if "\x00" in arg)
     program = job.argv[0].replace("\x00", "\\0")[:200]
     return JobResult(status="failed", exit_code=127, signal=0, stdout="",
                      stderr=f"cannot run {program}: argument {index} holds a NUL byte, which no program can be given\n",

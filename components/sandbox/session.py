@@ -27,12 +27,12 @@ import threading
 import time
 from dataclasses import replace
 
-from components.core.jobs import Job, JobResult, SessionJob
+from components.core.jobs import Job, JobResult, SessionJob, never_starts
 from components.sandbox.bwrap import host_support
 from components.sandbox.detect import Support
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import infra_error, never_starts
+from components.sandbox.outcome import infra_error
 from components.sandbox.pool import Worker
 
 DEFAULT_SESSION_TIMEOUT_S = 600.0
