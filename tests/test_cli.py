@@ -204,10 +204,27 @@ def test_ctrl_c_while_the_command_starts_is_one_line(delay_s: float, tmp_path: P
                              "60", str(program)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                             env=base_env(tmp_path / "home"))
+    _wait_until_sigint_is_caught(proc.pid)  # the interpreter's own start-up (before any import) is not covered
     time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err.strip().splitlines()) == (130, ["posttrain: interrupted (Ctrl-C)"]), err
+
+
+def _wait_until_sigint_is_caught(pid: int, timeout_s: float = 30.0) -> None:
+    """Until the process has a SIGINT handler (the ``SigCgt`` mask in /proc/<pid>/status):
+    before that, on a loaded machine, the signal ends it by the kernel's default action."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (int(signal.SIGINT) - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} caught no SIGINT within {timeout_s} s")
 
 
 def test_importing_the_command_leaves_the_callers_ctrl_c_handler() -> None:
