@@ -280,4 +280,8 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
         check_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such (made when work starts)
     else:
         home()  # its text at least, before the run root is made: the embedded MLflow database lives there
-    return RunSettings(recipe=recipe_path, run_root=normalize_uri(run_root or default_run_root(), "--run-root"))
+    root = normalize_uri(run_root or default_run_root(), "--run-root")
+    if root == "file:///":  # the pipeline's folders would be made at the top of the file system
+        raise UserError("--run-root", run_root or root, "is the file system's root folder",
+                        "pass a folder of its own, such as /srv/posttrain/runs")
+    return RunSettings(recipe=recipe_path, run_root=root)

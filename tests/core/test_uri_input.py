@@ -58,6 +58,15 @@ RUN = ["run", "--recipe", str(TINY_RECIPE), "--iterations", "1"]
 BRACKET_S3 = "not a URI (Invalid IPv6 URL); fix: write s3://bucket/prefix (a bucket name has no brackets)"
 
 
+@pytest.mark.parametrize("root", ["/", "file:///", "/tmp/..", "//"])
+def test_the_file_systems_root_is_no_run_root(root: str, env: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--run-root /`` made the pipeline's folder at the top of the file system (/tiny)."""
+    assert refused(capsys, [*RUN, "--run-root", root]) == (
+        f"posttrain: error: --run-root={root!r}: is the file system's root folder; "
+        "fix: pass a folder of its own, such as /srv/posttrain/runs")
+    assert not Path("/tiny").exists() and not (env / "home").exists()
+
+
 # -- 1. a '[' in a store URI ---------------------------------------------------------------
 @pytest.mark.parametrize(("argv", "environ", "line"), [
     ([*RUN, "--run-root", "s3://[x"], {}, f"--run-root='s3://[x': {BRACKET_S3}"),
