@@ -55,6 +55,10 @@ def _json(folder: Path, name: str, field: str, uri: str) -> Any:
         raise UserError(field, uri, f"{name} is not JSON ({type(exc).__name__})", FIX) from None
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The names transformers loads a causal LM's weights from (one file, or an index of shards)."""
+
+
 def before_load(folder: Path, field: str, uri: str) -> None:
     """The checkpoint's config and tokenizer files, read before transformers builds anything."""
     config = _json(folder, "config.json", field, uri)
@@ -100,6 +104,8 @@ def _check_weights(folder: Path, field: str, uri: str) -> None:
     to whole numbers, and sampled only token 0). Headers only: no tensor is read."""
     from safetensors import SafetensorError, safe_open
 
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise UserError(field, uri, f"no weights file in the folder ({' or '.join(WEIGHT_FILES[::2])})", FIX)
     for path in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(path), framework="pt") as fh:

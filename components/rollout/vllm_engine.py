@@ -149,7 +149,7 @@ class VLLMEngine(Engine):
 
             tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
             self._dirs.append(tmp)
-            Store(policy.uri, "policy").download_dir("", Path(tmp.name))
+            Store(policy.uri, "policy").download_dir("", Path(tmp.name), flat=True)
             cpu = on_cpu()
             if cpu:
                 check_cpu_head_size(Path(tmp.name), policy.uri)

@@ -160,7 +160,7 @@ def _stop(proc: subprocess.Popen, folder: tempfile.TemporaryDirectory) -> None:
 def download_checkpoint(uri: str, folder: Path) -> None:
     """The model files of the checkpoint at ``uri`` (checked against its manifest), not the optimizer state."""
     expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
-    Store(uri, "policy").download_dir("", folder, expected=expected, skip=(TRAINER_STATE,))
+    Store(uri, "policy").download_dir("", folder, expected=expected, skip=(TRAINER_STATE,), flat=True)
 
 
 class VLLMServer:

@@ -105,3 +105,18 @@ def test_a_checkpoints_own_python_is_never_run_or_asked_about(good: Path, tmp_pa
 def test_the_good_checkpoint_loads(good: Path) -> None:
     policy = load_policy(f"file://{good}")
     assert policy.eos_id < policy.model.get_input_embeddings().num_embeddings
+
+
+def test_a_model_folders_sub_folders_are_not_copied(good: Path, tmp_path: Path) -> None:
+    """A training output folder holds ``checkpoint-*/`` and ``runs/`` beside the model,
+    which a load never reads: all of it was copied to /tmp first (20 GB of it, in one
+    case). A FIFO there shows it is not opened: it was refused as not a regular file."""
+    import os
+
+    folder = edited(good, tmp_path, lambda f: None)
+    (folder / "checkpoint-500").mkdir()
+    os.mkfifo(folder / "checkpoint-500" / "optimizer.pt")
+    policy = load_policy(f"file://{folder}")
+    assert policy.model.get_input_embeddings().num_embeddings == load_policy(f"file://{good}").model.get_input_embeddings().num_embeddings
+    (folder / "model.safetensors").rename(folder / "checkpoint-500" / "model.safetensors")
+    assert refused(folder) == "no weights file in the folder (model.safetensors or pytorch_model.bin)"
