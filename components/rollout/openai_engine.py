@@ -20,31 +20,39 @@ so the server still batches them: vLLM seeds every prompt of one request alike, 
 copies of one prompt in a request would be G identical samples. Those are the seeds the
 in-process ``vllm`` engine gives its prompts.
 
-A server that cannot be reached, answers 5xx or 408/425/429 ("not now"), or does not
-finish its reply (status line, headers and body) within the request's time limit is an
-``InfraError`` (the orchestrator retries the stage); another 4xx answer is a
+A request the server answers 5xx or 408/425/429 ("not now"), or whose connection is
+refused, reset or cut off, is tried again, up to 4 tries in about 3.5 s
+(``REQUEST_DELAYS_S``), waiting longer where the answer's ``Retry-After`` asks for up to
+``MAX_RETRY_AFTER_S``; one line is logged per wait. What is still failing after that, a
+``Retry-After`` longer than that, and a reply (status line, headers and body) that does
+not end within the request's time limit are an ``InfraError`` (the orchestrator retries
+the stage); another 4xx answer is a
 ``UserError`` naming the URL (a wrong model name or an unsupported option will not fix
 itself), and so is a 200 reply of another shape (not a JSON object, another number of
 choices, tokens outside the model's vocabulary, logprobs that are not JSON numbers at
 most 0, a choice of more tokens than ``max_tokens``) or of more bytes than the request can
 need (``reply_limit``); a reply cut off midway is an ``InfraError``. A completion that
 ends in EOS is a stop whatever ``finish_reason`` says. Not covered: chat completions, streaming,
-``n > 1`` per request, retries inside one request, and servers that drop the EOS token
+``n > 1`` per request, and servers that drop the EOS token
 from ``logprobs.tokens`` (then ``completion_ids`` ends without EOS and EOS is not trained).
 """
 
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import http.client
 import json
+import logging
 import math
 import os
 import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 from components.core.errors import InfraError, UserError, one_line, value_text
@@ -71,7 +79,39 @@ the trainer's importance ratio overflow: that step updates nothing (``grpo_step`
 
 RETRIED_STATUSES = {408, 425, 429}
 """4xx replies that say "not now" (request timeout, too early, rate limited): an outage,
-retried by the orchestrator with its backoff (``Retry-After`` is not read), not a mistake."""
+tried again (``REQUEST_DELAYS_S``), then the orchestrator's to retry; not a mistake."""
+REQUEST_DELAYS_S: tuple[float, ...] = (0.5, 1.0, 2.0)
+"""The waits before each further try of one request that met an outage (5xx, 408, 425,
+429, a refused, reset or cut-off connection), each at least the reply's ``Retry-After``."""
+MAX_RETRY_AFTER_S = 30.0
+"""The longest ``Retry-After`` a request waits for; a server that asks for more is an
+outage now (the orchestrator's backoff is the place for long waits)."""
+
+log = logging.getLogger(__name__)
+
+
+class _TryAgain(InfraError):
+    """An outage that one more try of the same request may clear; ``wait_s``: what the
+    reply's ``Retry-After`` asked for (None: nothing)."""
+
+    wait_s: float | None = None
+
+
+def retry_after_s(value: str | None, now: datetime | None = None) -> float | None:
+    """The seconds a ``Retry-After`` header asks to wait: whole seconds, or an HTTP date
+    (RFC 9110; a date already past is 0). None when there is none or it is neither."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    if text.isascii() and text.isdigit():
+        return float(int(text[:12]))
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000" or no zone: not an HTTP date
+        return None
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
 
 
 def reply_limit(prompts: int, max_tokens: int) -> int:
@@ -111,12 +151,41 @@ def _read(response, url: str, limit: int, deadline: float) -> bytes:
 
 
 def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0,
-              limit: int = MAX_REPLY_BYTES) -> dict[str, Any]:
-    """POST ``body`` as JSON: an unreachable server, a 5xx (or 408, 425, 429) or a reply
-    that does not end in ``timeout_s`` is an InfraError; another 4xx, a redirect or a reply
-    over ``limit`` bytes a UserError. ``timeout_s`` bounds the whole exchange, the status
-    line and headers too: at the deadline a watchdog shuts the socket, so neither a server
-    that trickles its headers nor one that sends ``100 Continue`` for ever holds a stage."""
+              limit: int = MAX_REPLY_BYTES, delays_s: Sequence[float] | None = None) -> dict[str, Any]:
+    """POST ``body`` as JSON, tried again after each of ``delays_s`` (``REQUEST_DELAYS_S``)
+    while the server is unreachable or answers 5xx, 408, 425 or 429, each wait at least
+    what its ``Retry-After`` asks for. An InfraError when that does not clear it, when
+    ``Retry-After`` asks for more than ``MAX_RETRY_AFTER_S``, or when a try's reply does
+    not end in ``timeout_s`` (never tried again: each try could take that long)."""
+    delays = REQUEST_DELAYS_S if delays_s is None else tuple(delays_s)
+    for attempt, delay in enumerate((*delays, None), start=1):
+        try:
+            return _post_once(url, body, api_key, timeout_s, limit)
+        except _TryAgain as exc:
+            asked = exc.wait_s or 0.0
+            if asked > MAX_RETRY_AFTER_S:
+                raise InfraError(exc.what, exc.where, f"{exc.reason}; the server asks to wait {asked:g} s, more than "
+                                 f"the {MAX_RETRY_AFTER_S:g} s a request waits") from None
+            if delay is None:
+                tries = f" ({attempt} tries)" if attempt > 1 else ""
+                raise InfraError(exc.what, exc.where, exc.reason + tries) from None
+            wait = max(delay, asked)
+            log.warning("posttrain: %s (try %d of %d; again in %g s)", exc.reason, attempt, len(delays) + 1, wait)
+            _wait(wait)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _wait(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _post_once(url: str, body: dict[str, Any], api_key: str, timeout_s: float, limit: int) -> dict[str, Any]:
+    """One POST of ``body`` as JSON: an unreachable server or a 5xx (or 408, 425, 429) is
+    a ``_TryAgain``, a reply that does not end in ``timeout_s`` an InfraError; another 4xx,
+    a redirect or a reply over ``limit`` bytes a UserError. ``timeout_s`` bounds the whole
+    exchange, the status line and headers too: at the deadline a watchdog shuts the socket,
+    so neither a server that trickles its headers nor one that sends ``100 Continue`` for
+    ever holds a stage."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = connection(parts.hostname, parts.port, timeout=timeout_s)
@@ -155,7 +224,9 @@ def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: floa
                 raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {status}: {detail}",
                                 f"set {ENV_BASE_URL} to the server's own base URL")
             if status >= 500 or status in RETRIED_STATUSES:
-                raise InfraError("inference endpoint", url, f"HTTP {status}: {detail}")
+                again = _TryAgain("inference endpoint", url, f"HTTP {status}: {detail}")
+                again.wait_s = retry_after_s(response.getheader("Retry-After"))
+                raise again
             raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {status}: {detail}",
                             f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs")
         raw = _read(response, url, limit, deadline)
@@ -164,7 +235,7 @@ def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: floa
         if expired.is_set():
             raise InfraError("inference endpoint", url, f"the reply did not end within the request's time limit "
                              f"({timeout_s:g} s)") from None
-        raise InfraError("inference endpoint", url, f"cannot reach the completions server ({exc}); start it "
+        raise _TryAgain("inference endpoint", url, f"cannot reach the completions server ({exc}); start it "
                          "(e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
     finally:
         watchdog.cancel()

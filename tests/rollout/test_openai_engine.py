@@ -139,7 +139,7 @@ class _Canned:
     ``Content-Length`` longer than the body and then closes (a reply cut off)."""
 
     def __init__(self, body: bytes, cut: bool = False, status: int = 200, headers: dict[str, str] | None = None,
-                 trickle_s: float = 0.0) -> None:
+                 trickle_s: float = 0.0, first: list[tuple[int, dict[str, str]]] = ()) -> None:
         import http.server
         import threading
 
@@ -149,9 +149,10 @@ class _Canned:
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 canned.posts.append((self.path, dict(self.headers)))
-                self.send_response(canned.status)
+                status, headers = canned.first.pop(0) if canned.first else (canned.status, canned.headers)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                for name, value in canned.headers.items():
+                for name, value in headers.items():
                     self.send_header(name, value)
                 self.send_header("Content-Length", str(len(canned.body) + (100 if canned.cut else 0)))
                 self.end_headers()
@@ -169,6 +170,7 @@ class _Canned:
                 pass
 
         self.body, self.cut, self.status, self.headers, self.trickle_s = body, cut, status, headers or {}, trickle_s
+        self.first = list(first)  # (status, headers) of the first replies, one each, before ``status``
         self.posts: list[tuple[str, dict[str, str]]] = []
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -388,15 +390,77 @@ def test_the_time_limit_covers_the_status_line_headers_and_error_body(script: li
     assert "within the request's time limit" in str(slow.value) or "HTTP 503" in str(slow.value)
 
 
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The engine's waits between tries of a request, recorded instead of slept."""
+    from components.rollout import openai_engine
+
+    said: list[float] = []
+    monkeypatch.setattr(openai_engine, "_wait", said.append)
+    return said
+
+
 @pytest.mark.parametrize("status", [429, 408, 503])
-def test_rate_limits_and_request_timeouts_are_outages(status: int) -> None:
-    """Retried by the orchestrator (a 429 was a UserError, exit 2); the body's line breaks
-    and escape bytes are escaped: one line."""
+def test_rate_limits_and_request_timeouts_are_outages(status: int, waits: list[float]) -> None:
+    """Tried 4 times, then retried by the orchestrator (a 429 was a UserError, exit 2);
+    the body's line breaks and escape bytes are escaped: one line."""
     body = b"slow down\nTraceback (most recent call last):\x1b[2J"
     with _Canned(body, status=status) as server, pytest.raises(InfraError) as caught:
         OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
     line = caught.value.line()
     assert f"HTTP {status}: slow down\\nTraceback" in line and "\n" not in line and "\x1b" not in line
+    assert line.endswith("(4 tries); retry once it is back")
+    assert (len(server.posts), waits) == (4, [0.5, 1.0, 2.0])
+
+
+@pytest.mark.parametrize(("first", "expected_waits"), [
+    ([(429, {"Retry-After": "3"})], [3.0]),              # the server's wait, longer than the first delay
+    ([(503, {})], [0.5]),                                  # no Retry-After: the delay
+    ([(429, {"Retry-After": "0"}), (502, {})], [0.5, 1.0]),  # never shorter than the delay
+    ([(429, {"Retry-After": "soon"})], [0.5]),             # unreadable: the delay
+], ids=["retry-after", "5xx", "twice", "unreadable"])
+def test_a_request_that_meets_an_outage_is_tried_again(first, expected_waits, waits: list[float]) -> None:
+    """A rate limit or a restarting server failed the whole rollout stage at its first
+    "not now"; the stage's retry then sampled every batch again."""
+    with _Canned(_reply(_choice()), first=first) as server:
+        out = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert [s.completion_ids for s in out] == [[14]]
+    assert (len(server.posts), waits) == (len(first) + 1, expected_waits)
+
+
+def test_a_long_retry_after_is_an_outage_at_once(waits: list[float]) -> None:
+    with _Canned(_reply(_choice()), first=[(429, {"Retry-After": "3600"})]) as server, \
+            pytest.raises(InfraError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.reason.startswith("HTTP 429: ")
+    assert caught.value.reason.endswith("; the server asks to wait 3600 s, more than the 30 s a request waits")
+    assert (len(server.posts), waits) == (1, [])
+
+
+def test_a_mistake_is_not_tried_again(waits: list[float]) -> None:
+    with _Canned(b'{"error": "no such model"}', status=404) as server, pytest.raises(UserError):
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert (len(server.posts), waits) == (1, [])
+
+
+def test_a_server_that_is_not_there_is_tried_4_times(waits: list[float]) -> None:
+    with pytest.raises(InfraError) as caught:
+        OpenAIEngine(base_url=f"http://127.0.0.1:{free_port()}", model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert "cannot reach the completions server" in caught.value.reason and caught.value.reason.endswith("(4 tries)")
+    assert waits == [0.5, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(("header", "seconds"), [
+    ("120", 120.0), (" 7 ", 7.0), ("", None), (None, None), ("-1", None), ("1.5", None), ("٣", None),
+    ("Wed, 21 Oct 2015 07:28:30 GMT", 30.0), ("Wed, 21 Oct 2015 07:27:00 GMT", 0.0),
+    ("Wed, 21 Oct 2015 07:28:30", None), ("not a date", None),
+])
+def test_retry_after_is_seconds_or_an_http_date(header: str | None, seconds: float | None) -> None:
+    from datetime import UTC, datetime
+
+    from components.rollout.openai_engine import retry_after_s
+
+    assert retry_after_s(header, now=datetime(2015, 10, 21, 7, 28, 0, tzinfo=UTC)) == seconds
 
 
 def test_a_reply_larger_than_the_request_can_need_is_refused_from_its_length() -> None:
