@@ -55,6 +55,10 @@ def _json(folder: Path, name: str, field: str, uri: str) -> Any:
         raise UserError(field, uri, f"{name} is not JSON ({type(exc).__name__})", FIX) from None
 
 
+LOADED_FOLDERS = ("additional_chat_templates",)
+"""The only sub-folder of a model folder a load reads (transformers' named chat templates);
+the rest (a training output's ``checkpoint-*/``, ``runs/``) is never copied."""
+MAX_TEMPLATE_FILE_BYTES = 4 * MAX_TEMPLATE_CHARS
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 """The names transformers loads a causal LM's weights from (one file, or an index of shards)."""
 
@@ -75,6 +79,12 @@ def before_load(folder: Path, field: str, uri: str) -> None:
             raise UserError(field, uri, f"config.json's {key!r} is {value_text(value, 40)}, not a whole number from 1 "
                             f"to {limit}", FIX)
     _check_weights(folder, field, uri)
+    templates = [folder / "chat_template.jinja", folder / "chat_template.json",
+                 *sorted((folder / LOADED_FOLDERS[0]).glob("*"))]
+    for path in templates:
+        if path.is_file() and path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+            raise UserError(field, uri, f"{path.relative_to(folder)} is larger than {MAX_TEMPLATE_FILE_BYTES >> 20} MiB "
+                            "(a chat template is a few KB)", FIX)
     tokenizer_config = _json(folder, "tokenizer_config.json", field, uri)
     if isinstance(tokenizer_config, dict):
         template = tokenizer_config.get("chat_template")

@@ -181,7 +181,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
                                 "point at a folder written by save_pretrained, or re-run the stage that writes it")
             # the optimizer state beside the weights is the trainer's alone (it reads and checks it itself)
             expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
-            store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,), flat=True)
+            store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,), folders=checkpoint.LOADED_FOLDERS)
         except Exception as exc:  # an unreachable store is an outage wherever the policy loads (serve too)
             if isinstance(exc, (UserError, InfraError)):
                 raise

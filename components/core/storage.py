@@ -717,22 +717,26 @@ class Store:
         return digests
 
     def download_dir(self, rel: str, local_dir: Path, expected: dict[str, Expected] | None = None,
-                     skip: tuple[str, ...] = (), flat: bool = False) -> dict[str, str]:
+                     skip: tuple[str, ...] = (), folders: tuple[str, ...] | None = None) -> dict[str, str]:
         """Copy the files under ``rel`` into ``local_dir``, streamed and hashed on the way;
         returns {relative file: sha256}. Each file named in ``expected`` (or with a manifest
         this process read) must match it, else a UserError naming the file (raised after
         the copy, before anyone loads it). Files named in ``skip`` are not copied, nor,
-        with ``flat``, those in its sub-folders (a model folder's ``checkpoint-*/`` or
-        ``runs/``, which a model load never reads)."""
+        with ``folders``, those in sub-folders other than these, one level down (a model
+        folder's ``checkpoint-*/`` or ``runs/``, which a model load never reads)."""
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         base = self._fresh(self._path(rel)).rstrip("/")
         root = self.root.rstrip("/") + "/"
         digests: dict[str, str] = {}
-        wanted = {k: v for k, v in (expected or {}).items() if not (flat and "/" in k)}
+        def kept(name: str) -> bool:
+            folder = name.rpartition("/")[0]
+            return folders is None or not folder or folder in folders
+
+        wanted = {k: v for k, v in (expected or {}).items() if kept(k)}
         for path in self.fs.find(base):
             name = path[len(base) + 1:]
-            if name in skip or (flat and "/" in name):
+            if name in skip or not kept(name):
                 continue
             target = local_dir / name
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from components.core import settings
+from components.core.checkpoint import LOADED_FOLDERS
 from components.core.errors import UserError
 from components.rollout.engines import Engine, Generation
 from components.rollout.openai_engine import OpenAIEngine
@@ -149,7 +150,7 @@ class VLLMEngine(Engine):
 
             tmp = tempfile.TemporaryDirectory(prefix="posttrain-vllm-")
             self._dirs.append(tmp)
-            Store(policy.uri, "policy").download_dir("", Path(tmp.name), flat=True)
+            Store(policy.uri, "policy").download_dir("", Path(tmp.name), folders=LOADED_FOLDERS)
             cpu = on_cpu()
             if cpu:
                 check_cpu_head_size(Path(tmp.name), policy.uri)

@@ -47,6 +47,7 @@ import weakref
 from pathlib import Path
 
 from components.core import settings
+from components.core.checkpoint import LOADED_FOLDERS
 from components.core.errors import InfraError, UserError
 from components.core.policy import TRAINER_STATE, checkpoint_expectations
 from components.core.storage import Store
@@ -160,7 +161,7 @@ def _stop(proc: subprocess.Popen, folder: tempfile.TemporaryDirectory) -> None:
 def download_checkpoint(uri: str, folder: Path) -> None:
     """The model files of the checkpoint at ``uri`` (checked against its manifest), not the optimizer state."""
     expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
-    Store(uri, "policy").download_dir("", folder, expected=expected, skip=(TRAINER_STATE,), flat=True)
+    Store(uri, "policy").download_dir("", folder, expected=expected, skip=(TRAINER_STATE,), folders=LOADED_FOLDERS)
 
 
 class VLLMServer:

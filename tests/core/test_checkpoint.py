@@ -116,7 +116,21 @@ def test_a_model_folders_sub_folders_are_not_copied(good: Path, tmp_path: Path) 
     folder = edited(good, tmp_path, lambda f: None)
     (folder / "checkpoint-500").mkdir()
     os.mkfifo(folder / "checkpoint-500" / "optimizer.pt")
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
     policy = load_policy(f"file://{folder}")
     assert policy.model.get_input_embeddings().num_embeddings == load_policy(f"file://{good}").model.get_input_embeddings().num_embeddings
+    assert policy.tokenizer.chat_template["tool_use"] == "{{ messages[0]['content'] }}"  # the one sub-folder a load reads
     (folder / "model.safetensors").rename(folder / "checkpoint-500" / "model.safetensors")
     assert refused(folder) == "no weights file in the folder (model.safetensors or pytorch_model.bin)"
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "additional_chat_templates/big.jinja"])
+def test_a_chat_template_file_of_megabytes_is_refused_before_the_load(name: str, good: Path, tmp_path: Path) -> None:
+    """A 3 GB chat_template.jinja took 6 GB to load."""
+    def big(folder: Path) -> None:
+        (folder / name).parent.mkdir(exist_ok=True)
+        with open(folder / name, "wb") as fh:
+            fh.truncate((4 << 20) + 1)  # sparse: its size is what is checked
+
+    assert refused(edited(good, tmp_path, big)) == f"{name} is larger than 4 MiB (a chat template is a few KB)"
