@@ -134,12 +134,12 @@ STAGES_IN_PROCESS = True
 """``run_local``'s driver: ``dag.test()`` runs every task in this process (the stages in the stage host)."""
 
 
-def user_errors() -> list[BaseException]:
-    """The UserErrors this process's tasks raised (``dags.wiring.USER_ERRORS``), for
-    ``run_local`` to end with the first one's line."""
-    from dags.wiring import USER_ERRORS
+def final_errors() -> list[BaseException]:
+    """The UserErrors and DataQualityErrors this process's tasks raised
+    (``dags.wiring.FINAL_ERRORS``), for ``run_local`` to end with the first one's line."""
+    from dags.wiring import FINAL_ERRORS
 
-    return USER_ERRORS
+    return FINAL_ERRORS
 
 
 def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
@@ -169,9 +169,9 @@ def _after_a_failure(record: logging.LogRecord) -> bool:
     level per pass, a second apart, and names every one of them each time (3-6 lines of
     task-instance reprs before ``posttrain run`` can print the failure's one line). While
     a task only waits for its retry, they still show."""
-    from dags.wiring import FAILED_TASKS, USER_ERRORS
+    from dags.wiring import FAILED_TASKS, FINAL_ERRORS
 
-    return not ((FAILED_TASKS or USER_ERRORS) and str(record.msg).startswith("No tasks to run"))
+    return not ((FAILED_TASKS or FINAL_ERRORS) and str(record.msg).startswith("No tasks to run"))
 
 
 def _recipe_plugins() -> list[tuple[Any, str]]:

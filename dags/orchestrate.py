@@ -254,7 +254,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     it held. ``driver`` runs each iteration: ``dags.local`` (default; ``posttrain run``:
     the Airflow DAG under ``dag.test()``) or ``pipelines.local`` (``posttrain kfp-local``:
     the Kubeflow pipeline under ``kfp.local``); each has ``NAME``, ``prepare``,
-    ``run_iteration`` and ``user_errors``. With ``stage_host`` (``posttrain run`` as its
+    ``run_iteration`` and ``final_errors``. With ``stage_host`` (``posttrain run`` as its
     own process; ``POSTTRAIN_STAGE_HOST=0`` says no), the DAG's stages run in a forked
     child that imported their libraries while this process started Airflow
     (``dags/stagehost.py``); a caller inside a larger process (a test) keeps them
@@ -302,18 +302,18 @@ def _iterate(store: Store, recipe: Recipe, recipe_path: str, holder: str, iterat
              home: Path) -> int:
     """The loop of ``run_local``, under the home's lock and the pipeline's writer lease."""
     driver.prepare(home, recipe.sandbox.concurrency)
-    user_errors = driver.user_errors()  # after prepare: importing Airflow reads the home's settings
+    final_errors = driver.final_errors()  # after prepare: importing Airflow reads the home's settings
 
     while (last := max(finished(store, recipe.pipeline), default=0)) < iterations:
         k = plan(store, recipe, holder, stale=other_local_run)
         say(f"iter {k} | starting | run root {store.uri}" + (f" | {last} finished" if last else ""))
-        user_errors.clear()  # only this iteration's tasks speak for its failure
+        final_errors.clear()  # only this iteration's tasks speak for its failure
         state = driver.run_iteration(recipe_path, store.uri, holder)
         if runner.stopping():  # SIGTERM or Ctrl-C: the command says so itself (no task of ours failed)
             raise tracking.Terminated(f"stopped by {runner.stop_signal().name}")
         if state != "success":
-            if user_errors:  # a task's UserError: its one line and exit 2, as for the checks above
-                raise user_errors[0]
+            if final_errors:  # a task's UserError or failed gate: its one line and exit 2 or 3, as for the checks above
+                raise final_errors[0]
             say(f"iter {k} | {driver.NAME} run ended {state}; fix the failing task and run the same command again "
                 "to resume")
             return 1

@@ -79,10 +79,11 @@ def schedule() -> str | Asset | None:
     return parse_schedule(value or "")
 
 
-USER_ERRORS: list[BaseException] = []
-"""The UserErrors tasks of this process failed on, first first: ``posttrain run`` runs its
-tasks in-process (``dag.test()``) and ends with the first one's line and exit 2, as if
-its own check had found it."""
+FINAL_ERRORS: list[BaseException] = []
+"""The UserErrors and DataQualityErrors tasks of this process failed on, first first:
+``posttrain run`` runs its tasks in-process (``dag.test()``) and ends with the first one's
+line and its exit status (2, or 3 for a failed data-quality gate), as if its own check
+had found it."""
 
 
 FAILED_TASKS: list[str] = []
@@ -96,9 +97,10 @@ def _fail_now(exc: BaseException) -> BaseException:
     from components.core.errors import DataQualityError, UserError
 
     if isinstance(exc, UserError):
-        USER_ERRORS.append(exc)
+        FINAL_ERRORS.append(exc)
         return AirflowFailException(exc.line())
     if isinstance(exc, DataQualityError):
+        FINAL_ERRORS.append(exc)
         return AirflowFailException(str(exc))
     return exc
 

@@ -58,7 +58,7 @@ def prepare(home: Path, sandbox_slots: int) -> None:
                    raise_on_error=True)
 
 
-def user_errors() -> list[BaseException]:
+def final_errors() -> list[BaseException]:
     """Always empty: the tasks run in subprocesses, whose errors end the run as failed tasks."""
     return []
 

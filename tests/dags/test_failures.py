@@ -75,6 +75,37 @@ def test_a_tasks_user_error_ends_posttrain_run_with_its_line_and_exit_2(tmp_path
     assert "No tasks to run" not in proc.stdout + proc.stderr
 
 
+FAILING_GATE = """
+import sys
+from components.validation import stage
+real = stage.check
+def check(rollouts, rewards, recipe):  # the gate as it finds duplicated rows
+    report = real(rollouts, rewards, recipe)
+    report.success = False
+    report.failures.append("rollouts: expect_column_values_to_be_unique {'column': 'rollout_id'} failed")
+    return report
+stage.check = check
+from components.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_failed_gate_ends_posttrain_run_with_its_line_and_exit_3(tmp_path: Path) -> None:
+    """It was exit 1, the status of an outage worth retrying, with only Airflow's traceback
+    to say why. The gate is made to fail in the command's process, before the stage host
+    forks from it."""
+    from tests.fixtures.runs import cli_env
+
+    proc = subprocess.run([sys.executable, "-c", FAILING_GATE, "run", "--recipe", str(TINY), "--iterations", "1"],
+                          cwd=tmp_path, env=cli_env(tmp_path / ".posttrain", PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("posttrain: validation failed for iteration 1 (file://"), last
+    assert last.endswith("/tiny/iter-000001/validation/report.json): rollouts: expect_column_values_to_be_unique "
+                         "{'column': 'rollout_id'} failed"), last
+
+
 def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
