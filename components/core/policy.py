@@ -38,6 +38,8 @@ from components.core.storage import Expected, Store, normalize_uri, s3_fix
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from components.core.manifest import Manifest
+
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
 CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
@@ -143,8 +145,8 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     except (ValueError, RecursionError, OSError) as exc:  # cut short, tampered with, or not a manifest at all
         raise UserError("file", above.url(MANIFEST), f"manifest is unreadable ({type(exc).__name__})",
                         "delete it and re-run the stage that wrote this checkpoint") from None
-    if not parent.endswith("/" + found.prefix):
-        return {}  # a manifest of some other layout: not one of ours
+    if not parent.endswith("/" + found.prefix):  # a stage's folder copied elsewhere, or a manifest edited by hand
+        return _copied_expectations(found, uri, above.url(MANIFEST))
     root = Store(parent[: -len(found.prefix) - 1], "policy")
     manifest = read_manifest(root, found.prefix)  # registers its outputs' expectations too
     if manifest is None:
@@ -154,6 +156,23 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
         file_url = root.url(out.digested)
         if file_url.startswith(uri + "/"):
             expected[file_url[len(uri) + 1:]] = expected_output(root, manifest, out)
+    return expected
+
+
+def _copied_expectations(found: Manifest, uri: str, manifest_url: str) -> dict[str, Expected]:
+    """What the checkpoint folder ``uri`` must hold by the manifest beside it, when that
+    manifest is of another place (a trainer's folder copied out of its run root, or a
+    manifest whose stage or iteration was edited): its files are still checked, by their
+    names within the manifest's folder, so a changed byte cannot load unseen."""
+    from components.core.manifest import MANIFEST
+
+    folder, name = found.prefix + "/", uri.rsplit("/", 1)[1] + "/"
+    remedy = f"copy the checkpoint again with its {MANIFEST}, or delete {manifest_url} if the files are what you want"
+    expected = {}
+    for out in found.outputs.values():
+        inner = out.digested[len(folder):] if out.digested.startswith(folder) else ""
+        if inner.startswith(name):
+            expected[inner[len(name):]] = Expected(sha256=out.sha256, size=out.size, stage=found.stage, remedy=remedy)
     return expected
 
 

@@ -174,6 +174,33 @@ def test_flipped_byte_in_checkpoint_is_refused_before_load(booted: Booted) -> No
         run_stage("bootstrap", TINY_RECIPE, root, 0)
 
 
+@pytest.mark.parametrize("how", ["copied", "manifest-edited"])
+def test_a_flipped_byte_is_refused_where_the_manifest_is_of_another_place(how: str, booted: Booted) -> None:
+    """A stage's folder copied out of its run root, or its manifest's iteration edited:
+    the manifest no longer named its folder and the checkpoint loaded unchecked (a run
+    trained on flipped weights with exit 0). Its files are still checked by name."""
+    import json
+
+    source = Path(booted.store.root) / booted.boot.prefix
+    folder = booted.tmp / f"elsewhere-{how}"
+    shutil.copytree(source, folder)
+    if how == "manifest-edited":
+        data = json.loads((folder / MANIFEST).read_text())
+        (folder / MANIFEST).write_text(json.dumps(data | {"iteration": 7}))
+    name = booted.boot.outputs["checkpoint"].path.rsplit("/", 1)[1]
+    checkpoint = f"file://{folder}/{name}"
+    load_policy(checkpoint)  # intact: loads
+    weights = folder / name / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[len(data) - 100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError) as err:
+        load_policy(checkpoint)
+    assert err.value.value == f"{checkpoint}/{WEIGHTS}" and "corrupt" in err.value.problem
+    assert err.value.fix == (f"copy the checkpoint again with its {MANIFEST}, or delete file://{folder}/{MANIFEST} if "
+                             "the files are what you want")
+
+
 def test_an_edited_checkpoint_config_is_refused_before_load_and_is_no_cache_hit(booted: Booted) -> None:
     """Only the weights were digested: a config.json edited to 2 layers loaded with the rest
     of the model newly initialised, and rollout ran on it with exit 0; re-running bootstrap,
