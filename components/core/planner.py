@@ -33,13 +33,20 @@ RECIPE_SNAPSHOT = "recipe.json"
 
 
 def finished(store: Store, pipeline: str) -> list[int]:
-    """Iterations whose evaluation manifest exists, ascending."""
+    """Iterations whose evaluation manifest exists, ascending. The last one's manifest is
+    read too, since the next iteration starts from it: one cut short or edited is a
+    UserError naming it (it was counted as finished, and the next iteration ran whole
+    before its own evaluation tripped over it). Earlier ones are only looked for."""
+    from components.core.context import read_manifest
+
     done = []
     for name in store.listdir(pipeline):
         if name.startswith("iter-") and name[5:].isdigit():
             k = int(name[5:])
             if store.exists(f"{stage_prefix(pipeline, k, 'evaluation')}/{MANIFEST}"):
                 done.append(k)
+    if done:
+        read_manifest(store, stage_prefix(pipeline, max(done), "evaluation"))
     return sorted(done)
 
 

@@ -1,7 +1,8 @@
 """The planner picks iteration k and leases it, on file:// and on a real S3 server.
 
 A finished iteration is one with an evaluation manifest; the tests write that file
-directly (its content is not read by the planner), so no stage runs here.
+directly (only the last one's is read, and it only has to be a manifest of its own
+folder), so no stage runs here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 from components.core import lease, planner
 from components.core.errors import UserError
-from components.core.manifest import MANIFEST, stage_prefix
+from components.core.manifest import MANIFEST, Manifest, stage_prefix
 from components.core.recipe import load_recipe
 from components.core.storage import Store
 from tests.fixtures import race
@@ -27,7 +28,9 @@ def recipe():
 
 
 def finish(store: Store, k: int) -> None:
-    store.write_json(f"{stage_prefix('tiny', k, 'evaluation')}/{MANIFEST}", {"stage": "evaluation", "iteration": k})
+    done = Manifest(stage="evaluation", pipeline="tiny", iteration=k, shard=None, inputs={}, config_digest="c",
+                    code_version="v")
+    store.write_json(f"{stage_prefix('tiny', k, 'evaluation')}/{MANIFEST}", done.to_json())
 
 
 def test_first_plan_is_iteration_1_leased_with_its_recipe(store_uri: str, recipe) -> None:
@@ -46,6 +49,22 @@ def test_next_iteration_follows_the_last_finished(store_uri: str, recipe) -> Non
     store.write_bytes("tiny/iter-000004/taskgen/tasks.parquet", b"half done: no evaluation manifest")
     assert planner.finished(store, "tiny") == [1, 2, 3]
     assert planner.plan(store, recipe, "alice") == 4
+
+
+@pytest.mark.parametrize("damage", ["cut", "other-iteration"])
+def test_a_last_finished_iteration_whose_manifest_is_damaged_is_refused(damage: str, store_uri: str, recipe) -> None:
+    """A cut-short evaluation manifest counted as finished: the next iteration ran whole
+    and registered a version before its own evaluation tripped over it."""
+    store = Store(store_uri)
+    for k in (1, 2):
+        finish(store, k)
+    rel = f"{stage_prefix('tiny', 2, 'evaluation')}/{MANIFEST}"
+    text = store.read_bytes(rel)
+    store.write_bytes(rel, text[:40] if damage == "cut" else text.replace(b'"iteration": 2', b'"iteration": 1'))
+    with pytest.raises(UserError) as err:
+        planner.plan(store, recipe, "alice")
+    assert err.value.value == store.url(rel) and err.value.fix == "delete it and re-run stage evaluation"
+    assert lease.current(store, "tiny", 3) is None  # nothing leased
 
 
 def test_holder_resumes_its_own_unfinished_iteration(store_uri: str, recipe) -> None:
