@@ -25,10 +25,12 @@ each iteration it prints a table of eval pass rates by domain; at the end, the c
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -143,7 +145,7 @@ def home_lock(home: Path) -> Iterator[None]:
     run never blocks the next one. A second run is refused (UserError, exit 2) with one
     line naming the holder."""
     home.mkdir(parents=True, exist_ok=True)
-    with open(home / "run.lock", "a+") as fh:
+    with _lock_file(home / "run.lock") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -160,6 +162,24 @@ def home_lock(home: Path) -> Iterator[None]:
             fh.truncate()
             fh.flush()
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _lock_file(path: Path):
+    """``path`` opened for reading and writing, made if missing; a UserError naming it when
+    it is not a regular file (a folder, a FIFO, a link: to ``/dev/zero`` it took the
+    lock's truncate as a traceback) or cannot be opened."""
+    fix = "remove it: posttrain run makes it again (it holds only the running command's host and pid)"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        known = {errno.ELOOP: "is a symbolic link, not a regular file", errno.EISDIR: "is a folder, not a regular file"}
+        problem = known.get(exc.errno or 0, f"cannot be opened as the home's lock file ({exc.strerror or exc})")
+        raise UserError("POSTTRAIN_HOME", str(path), problem, fix) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError("POSTTRAIN_HOME", str(path), "is not a regular file (a FIFO, a device or a socket)", fix)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a+")
 
 
 @contextmanager

@@ -235,3 +235,33 @@ def test_a_trainer_on_cuda_without_a_gpu_is_refused_before_any_work(tmp_path: Pa
     assert proc.stderr.splitlines() == ["posttrain: error: trainer.device='cuda': torch sees no CUDA device on this "
                                         "machine; fix: set trainer.device: auto or cpu, or run the trainer on a GPU node"]
     assert not (tmp_path / "home").exists()
+
+
+LOCK_FIX = "remove it: posttrain run makes it again (it holds only the running command's host and pid)"
+
+
+@pytest.mark.parametrize(("make", "problem"), [
+    (lambda p: p.mkdir(), "is a folder, not a regular file"),
+    (lambda p: __import__("os").mkfifo(p), "is not a regular file (a FIFO, a device or a socket)"),
+    (lambda p: p.symlink_to("/dev/zero"), "is a symbolic link, not a regular file"),
+], ids=["folder", "fifo", "link-to-dev-zero"])
+def test_a_home_lock_that_is_no_regular_file_is_one_line(make, problem: str, tmp_path: Path) -> None:
+    """Each was a traceback (IsADirectoryError; a FIFO's "not seekable"; EINVAL from
+    truncating /dev/zero) out of the home's lock."""
+    from dags.orchestrate import home_lock
+
+    make(tmp_path / "run.lock")
+    with pytest.raises(UserError) as err, home_lock(tmp_path):
+        pass
+    assert (err.value.field, err.value.value, err.value.problem, err.value.fix) == (
+        "POSTTRAIN_HOME", str(tmp_path / "run.lock"), problem, LOCK_FIX)
+
+
+def test_the_home_lock_holds_the_runs_host_and_pid_and_is_empty_after(tmp_path: Path) -> None:
+    import os
+
+    from dags.orchestrate import home_lock
+
+    with home_lock(tmp_path):
+        assert f"pid {os.getpid()}" in (tmp_path / "run.lock").read_text()
+    assert (tmp_path / "run.lock").read_text() == ""
