@@ -560,7 +560,10 @@ class Store:
         when the object exists (AWS S3; SeaweedFS, tested in tests/core/test_lease.py)."""
         path = self._path(rel)
         if self.uri.startswith("file://"):
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            try:
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            except (FileExistsError, NotADirectoryError):  # a file where a folder goes (a lease's folder)
+                raise _in_the_way(path, self.root) from None
             tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex[:8]}"
             try:
                 _write_local(tmp, data)

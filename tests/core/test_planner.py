@@ -163,3 +163,15 @@ def test_a_file_where_an_iteration_folder_goes_is_one_line_naming_it(tmp_path, r
     assert (err.value.value, err.value.problem) == (str(tmp_path / "tiny/iter-000001"),
                                                     "is a file where posttrain needs a folder")
     assert (tmp_path / "tiny/iter-000001").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("blocked", ["tiny/_leases", "tiny/_leases/writer"])
+def test_a_file_where_a_lease_folder_goes_is_one_line_naming_it(blocked: str, tmp_path, recipe) -> None:
+    """A lease is written with ``Store.create``, which raised NotADirectoryError or
+    FileExistsError where ``write_bytes`` named the file."""
+    store = Store(f"file://{tmp_path}")
+    (tmp_path / blocked).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / blocked).write_text("x")
+    with pytest.raises(UserError) as err:
+        lease.acquire_writer(store, "tiny", "alice")
+    assert (err.value.value, err.value.problem) == (str(tmp_path / blocked), "is a file where posttrain needs a folder")
