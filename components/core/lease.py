@@ -35,6 +35,9 @@ DEFAULT_TTL_S = 6 * 3600.0
 WRITER = -1
 """The ``iteration`` of the pipeline's writer lease (``<pipeline>/_leases/writer/``): the
 one ``posttrain run`` that may drive the pipeline, whatever iteration it is on."""
+MAX_TTL_S = 7 * 24 * 3600.0
+"""The longest a lease record may run (from its ``acquired_at``), and how far ahead of this
+machine's clock it may start: past either it is no lease's record."""
 WRITER_TTL_S = 300.0
 """The writer lease's time to live; its holder renews it every ``WRITER_TTL_S / 5``."""
 
@@ -87,6 +90,8 @@ def current(store: Store, pipeline: str, iteration: int) -> Lease | None:
         raise
     except (ValueError, TypeError, RecursionError, OSError):  # not a lease's JSON: written by something else
         lease = None
+    if lease is not None and (lease.iteration, lease.generation) != (iteration, int(rel.rsplit("/", 1)[1][:-5])):
+        lease = None  # another slot's record: a taker would write a generation that is already there, for ever
     if lease is None:
         raise UserError("lease", store.url(rel), "is not a lease record (corrupted or written by another tool)",
                         "stop any run of this pipeline, then delete that object; the next run takes the lease anew")
@@ -97,7 +102,8 @@ MAX_LEASE_BYTES = 64 << 10  # a lease record is about 150 bytes
 
 
 def _parse(data: bytes) -> Lease | None:
-    """The lease in ``data``, or None when it is not one (another shape, wrong-typed fields)."""
+    """The lease in ``data``, or None when it is not one (another shape, wrong-typed fields,
+    times past ``MAX_TTL_S``)."""
     fields = json.loads(data)
     if not isinstance(fields, dict) or set(fields) != {f.name for f in dataclasses.fields(Lease)}:
         return None
@@ -106,6 +112,8 @@ def _parse(data: bytes) -> Lease | None:
                 for k in ("acquired_at", "expires_at"))
     if not (whole and times and isinstance(fields["holder"], str) and fields["generation"] >= 0):
         return None
+    if not (0 <= fields["expires_at"] - fields["acquired_at"] <= MAX_TTL_S and fields["acquired_at"] < time.time() + MAX_TTL_S):
+        return None  # no holder takes a lease this long, or from that far ahead: it would block the pipeline for good
     return Lease(**fields)
 
 

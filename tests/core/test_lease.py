@@ -139,6 +139,9 @@ def _with(**changed) -> bytes:
     b"\xff\xfe not json", b"[1, 2]", b'{"holder": "x"}', b"{" * 5000, b"[" * 100_000,
     _with(expires_at="soon"), _with(generation="x"), _with(generation=None), _with(generation=-1), _with(holder=[1]),
     _with(iteration=True), b" " * (lease.MAX_LEASE_BYTES + 1),
+    _with(generation=3), _with(iteration=2),  # another slot's record: "20 generations lost in a row" before
+    _with(expires_at=1e300), _with(acquired_at=1e300, expires_at=1e300), _with(expires_at=0.5),  # blocked for good
+    _with(expires_at=float("inf")),
     "fifo", "dev-zero", "folder",
 ])
 @pytest.mark.timeout(60)  # a FIFO blocked the read forever before
