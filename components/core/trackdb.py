@@ -12,16 +12,24 @@ exist or holds a complete schema. A temporary file left by a killed process is r
 by the next call. Two processes creating the same database at once both build one; the
 first link wins and the other is discarded.
 
-Not covered: a database that already exists is used as it is, including one left half
-created by a version of posttrain before this module, and an in-place schema upgrade of
-an existing database after an MLflow upgrade (MLflow's ``mlflow db upgrade``, which its
-documentation asks to run on a backup).
+``check_existing`` looks at a database that is there before MLflow does: a file that is
+empty, no SQLite database, cut short of the pages its header counts, or without MLflow's
+schema is a UserError naming it (each was a ``sqlalchemy`` traceback, and an emptied file
+got a fresh schema written into it before the run was refused for another reason).
+
+Not covered: damage inside pages a short read does not touch (SQLite's ``PRAGMA
+integrity_check`` reads the whole file; MLflow's own queries meet it later), a database
+left half created by a version of posttrain before this module, and an in-place schema
+upgrade of an existing database after an MLflow upgrade (MLflow's ``mlflow db upgrade``,
+which its documentation asks to run on a backup).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,3 +114,48 @@ def ensure_created(uri: str) -> None:
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + "-journal")):
             leftover.unlink(missing_ok=True)
+
+
+_MAGIC = b"SQLite format 3\x00"
+
+
+def check_existing(uri: str) -> None:
+    """A UserError when the SQLite database of ``uri`` exists but cannot be MLflow's: empty,
+    another kind of file, cut short, or with no MLflow schema. Reads the 100-byte header
+    and the schema's version row; a no-op for other URIs and a missing file."""
+    path = sqlite_path(uri)
+    if path is None or not path.is_file():
+        return
+    with open(path, "rb") as fh:
+        head = fh.read(100)
+    size = path.stat().st_size
+    problem = None
+    if size == 0:
+        problem = "is empty (0 bytes)"
+    elif len(head) < 100 or head[:16] != _MAGIC:
+        problem = "is not an SQLite database"
+    else:
+        page_size = int.from_bytes(head[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = int.from_bytes(head[28:32], "big")
+        if head[24:28] == head[92:96] and pages and size < pages * page_size:  # the header's page count is valid
+            problem = f"is cut short ({size} bytes of the {pages * page_size} its header counts)"
+    if problem is None:
+        try:
+            with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
+                if db.execute("SELECT version_num FROM alembic_version").fetchone() is None:
+                    problem = "has no MLflow schema version"
+        except sqlite3.DatabaseError as exc:  # "no such table", "database disk image is malformed"
+            problem = f"is not an MLflow database ({exc})"
+    if problem is not None:
+        _refuse(path, uri, problem)
+
+
+def _refuse(path: Path, uri: str, problem: str) -> None:
+    from components.core.errors import UserError
+
+    fix = ("restore it from a backup, or move it aside (then a new, empty one is made: earlier runs and registered "
+           "versions are not in it)")
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        raise UserError("MLFLOW_TRACKING_URI", uri, f"the database {path} {problem}", fix)
+    raise UserError("POSTTRAIN_HOME", str(path.parent), f"its MLflow database {path.name} {problem}", fix)

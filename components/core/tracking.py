@@ -318,6 +318,7 @@ def client():
     if uri not in _clients:
         _checked(uri)
         trackdb.ensure_created(uri)  # never a half-created SQLite schema, even if this process is killed
+        trackdb.check_existing(uri)  # one that is there: no empty, foreign or cut-short file
         _clients[uri] = MlflowClient(tracking_uri=uri, registry_uri=uri)
     return _clients[uri]
 

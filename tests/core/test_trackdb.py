@@ -103,3 +103,47 @@ def test_creating_the_database_prints_none_of_mlflows_schema_lines(tmp_path, cap
     assert (tmp_path / "mlflow.db").exists()
     assert "database tables" not in out + err, out + err
     assert logging.getLogger("mlflow.store.db.utils").level == before
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """A complete MLflow database, made once."""
+    db = tmp_path_factory.mktemp("made") / "mlflow.db"
+    trackdb.ensure_created(f"sqlite:///{db}")
+    return db
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    (lambda b: b"", "is empty (0 bytes)"),
+    (lambda b: os.urandom(4096), "is not an SQLite database"),
+    (lambda b: b[: len(b) // 2], "is cut short ("),
+    (lambda b: None, "is not an MLflow database (no such table: alembic_version)"),
+], ids=["emptied", "random-bytes", "cut-in-half", "another-sqlite-database"])
+def test_a_damaged_database_is_one_line_naming_it(damage, problem: str, made: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each was a sqlalchemy traceback out of the first MLflow call (the emptied file got
+    MLflow's tables written into it first)."""
+    import sqlite3
+
+    from components.core.errors import UserError
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    db = tmp_path / "mlflow.db"
+    data = damage(made.read_bytes())
+    if data is None:
+        sqlite3.connect(db).execute("CREATE TABLE t (x)").connection.commit()
+    else:
+        db.write_bytes(data)
+    before = db.read_bytes()
+    with pytest.raises(UserError) as err:
+        trackdb.check_existing(f"sqlite:///{db}")
+    assert (err.value.field, err.value.value) == ("POSTTRAIN_HOME", str(tmp_path))
+    assert err.value.problem.startswith(f"its MLflow database mlflow.db {problem}"), err.value.problem
+    assert err.value.fix.startswith("restore it from a backup, or move it aside")
+    assert db.read_bytes() == before  # nothing written into it
+
+
+def test_a_whole_database_and_other_uris_pass(made: Path) -> None:
+    trackdb.check_existing(f"sqlite:///{made}")
+    trackdb.check_existing(f"sqlite:///{made.parent / 'absent.db'}")
+    trackdb.check_existing("http://127.0.0.1:9/")
