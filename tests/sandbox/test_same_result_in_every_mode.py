@@ -165,8 +165,10 @@ def test_a_warm_job_can_allocate_what_a_strict_job_can(runners) -> None:
     src = ("lo, hi = 0, 1024\nwhile lo < hi:\n    mid = (lo + hi + 1) // 2\n    try:\n        b = bytearray(mid << 20)\n"
            "        del b\n        lo = mid\n    except MemoryError:\n        hi = mid - 1\nprint(lo)")
     job = Job(job_id="largest", files={"main.py": src}, argv=PY)
-    largest = {mode: runners[mode].run(job).stdout for mode in ("strict", "warm")}
-    assert largest["strict"] == largest["warm"], largest
+    results = {mode: runners[mode].run(job) for mode in ("strict", "warm")}
+    largest = {mode: r.stdout for mode, r in results.items()}
+    assert largest["strict"] == largest["warm"], {m: (r.status, r.exit_code, r.stdout, r.stderr[-500:], r.extra)
+                                                  for m, r in results.items()}
     assert 480 <= int(largest["warm"]) < 512  # MiB under the 512 MiB limit, less the interpreter's own
 
 
