@@ -92,6 +92,8 @@ def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     marker = Path(env["AIRFLOW_HOME"]) / ".migrated"
     airflow = [sys.executable, "-m", "airflow"]
+    if marker.exists() and "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN" not in env:
+        _set_aside_if_damaged(Path(env["AIRFLOW_HOME"]) / "airflow.db", marker)
     if not marker.exists():
         if in_process:
             from airflow.utils import db
@@ -110,6 +112,32 @@ def prepare(home: Path, sandbox_slots: int, env: dict[str, str] | None = None) -
         return
     subprocess.run([*airflow, "pools", "set", SANDBOX_POOL, str(sandbox_slots), SANDBOX_POOL_NOTE],
                    env=env, check=True, capture_output=True)
+
+
+def _set_aside_if_damaged(database: Path, marker: Path) -> None:
+    """The embedded home's Airflow database, when it is gone or damaged (cut short, not a
+    database, no schema), is made anew: a damaged file is renamed beside it first, with
+    one line saying so. It holds only this home's ``dag.test()`` run history: what a
+    pipeline has done is in its run root, so nothing a run resumes from is lost. Every
+    rerun failed on it before (``no such table: slot_pool``, ``database disk image is
+    malformed``), since ``.migrated`` said the migration was done."""
+    from components.core.progress import say
+    from components.core.trackdb import sqlite_problem
+
+    if not (database.exists() or database.is_symlink()):  # deleted: migrated anew
+        marker.unlink()
+        return
+    problem = sqlite_problem(database, "Airflow") if database.is_file() else "is not a regular file"
+    if problem is None:
+        return
+    aside = database.with_name(f"{database.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    database.rename(aside)
+    for extra in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            database.with_name(database.name + extra).rename(aside.with_name(aside.name + extra))
+    say(f"the Airflow database {database} {problem}; moved it to {aside.name} and made a new one "
+        "(it held only this home's DAG run history; the run root holds the pipeline's state)")
+    marker.unlink()
 
 
 def _seed_rows() -> None:

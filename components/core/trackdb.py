@@ -126,6 +126,15 @@ def check_existing(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None or not path.is_file():
         return
+    if (problem := sqlite_problem(path, "MLflow")) is not None:
+        _refuse(path, uri, problem)
+
+
+def sqlite_problem(path: Path, kind: str) -> str | None:
+    """Why the SQLite file at ``path`` cannot be ``kind``'s whole database (MLflow and
+    Airflow both stamp their schema's version in alembic's ``alembic_version``): empty,
+    another kind of file, cut short of the pages its header counts, no schema version.
+    None when it can be."""
     with open(path, "rb") as fh:
         head = fh.read(100)
     size = path.stat().st_size
@@ -144,11 +153,10 @@ def check_existing(uri: str) -> None:
         try:
             with contextlib.closing(sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)) as db:
                 if db.execute("SELECT version_num FROM alembic_version").fetchone() is None:
-                    problem = "has no MLflow schema version"
+                    problem = f"has no {kind} schema version"
         except sqlite3.DatabaseError as exc:  # "no such table", "database disk image is malformed"
-            problem = f"is not an MLflow database ({exc})"
-    if problem is not None:
-        _refuse(path, uri, problem)
+            problem = f"is not an {kind} database ({exc})"
+    return problem
 
 
 def _refuse(path: Path, uri: str, problem: str) -> None:

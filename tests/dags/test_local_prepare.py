@@ -63,3 +63,29 @@ def test_a_run_killed_inside_the_first_migration_leaves_a_home_the_next_run_can_
     )
     assert rows(db, "select filename from log_template order by id desc limit 1") == [(default_template,)]
     assert rows(db, "select pool, slots from slot_pool order by pool") == [("default_pool", 128), ("posttrain_sandbox", 3)]
+
+
+def test_a_damaged_or_deleted_airflow_database_is_made_anew(tmp_path: Path) -> None:
+    """The ``.migrated`` marker said the migration was done, so every later run failed on
+    the damaged file (``database disk image is malformed``, ``no such table: slot_pool``).
+    A damaged one is set aside with a line saying so; a deleted one is simply made again."""
+    home = tmp_path / ".posttrain"
+    db = home / "airflow" / "airflow.db"
+    assert python(PREPARE, home).returncode == 0
+    whole = db.read_bytes()
+
+    db.write_bytes(whole[: len(whole) // 2])
+    cut = python(PREPARE, home)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    [aside] = [p for p in db.parent.iterdir() if p.name.startswith("airflow.db.damaged-")]
+    assert aside.read_bytes() == whole[: len(whole) // 2]  # kept, not deleted
+    line = f"the Airflow database {db} is cut short ({len(whole) // 2} bytes of the {len(whole)} its header counts); " \
+           f"moved it to {aside.name} and made a new one"
+    assert line in cut.stdout + cut.stderr
+    assert rows(db, "select pool, slots from slot_pool order by pool") == [("default_pool", 128), ("posttrain_sandbox", 3)]
+
+    db.unlink()
+    deleted = python(PREPARE, home)
+    assert deleted.returncode == 0, deleted.stderr[-3000:]
+    assert "Airflow database" not in deleted.stdout + deleted.stderr  # nothing to set aside
+    assert rows(db, "select pool, slots from slot_pool order by pool") == [("default_pool", 128), ("posttrain_sandbox", 3)]
