@@ -184,11 +184,40 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     FAILED_TASKS.clear()  # this run's failures only
     dag_log = logging.getLogger("airflow.sdk.definitions.dag")
     dag_log.addFilter(_after_a_failure)
+    processors = structlog_processors()
+    processors.insert(0, _without_a_final_errors_traceback)
     try:
         dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "holder": holder})
     finally:
         dag_log.removeFilter(_after_a_failure)
+        with contextlib.suppress(ValueError):
+            processors.remove(_without_a_final_errors_traceback)
     return str(getattr(dr, "state", "unknown"))
+
+
+def structlog_processors() -> list:
+    """structlog's processor list, the one object every logger made from its configuration
+    shares (Airflow's task runner logs through it): changed in place, it applies to all."""
+    import structlog
+
+    return structlog.get_config()["processors"]
+
+
+def _without_a_final_errors_traceback(logger: Any, method: str, event: dict) -> dict:
+    """Drops the task runner's "Task failed with exception" event, with its traceback
+    through Airflow's task runner, for a task that failed on a UserError or a failed
+    data-quality gate: ``posttrain run`` ends with that error's one line, and the task's
+    own ``posttrain task ... failed`` line stays. Other failures keep their traceback."""
+    import structlog
+
+    from dags.wiring import FINAL_ERRORS
+
+    if event.get("event") == "Task failed with exception" and FINAL_ERRORS:
+        error = event.get("exc_info")
+        error = error[1] if isinstance(error, tuple) else error if isinstance(error, BaseException) else sys.exc_info()[1]
+        if error is not None and type(error).__name__ == "AirflowFailException":
+            raise structlog.DropEvent
+    return event
 
 
 def _after_a_failure(record: logging.LogRecord) -> bool:

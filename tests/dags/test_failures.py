@@ -73,6 +73,7 @@ def test_a_tasks_user_error_ends_posttrain_run_with_its_line_and_exit_2(tmp_path
         "change the weights")
     # dag.test()'s warnings while it marks taskgen's downstream tasks upstream_failed, a pass a second
     assert "No tasks to run" not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr  # the task runner's, through Airflow's own frames
 
 
 FAILING_GATE = """
@@ -104,6 +105,8 @@ def test_a_failed_gate_ends_posttrain_run_with_its_line_and_exit_3(tmp_path: Pat
     assert last.startswith("posttrain: validation failed for iteration 1 (file://"), last
     assert last.endswith("/tiny/iter-000001/validation/report.json): rollouts: expect_column_values_to_be_unique "
                          "{'column': 'rollout_id'} failed"), last
+    # the task runner's traceback through Airflow's own frames is dropped; the task's line stays
+    assert "Traceback" not in proc.stdout + proc.stderr and "posttrain task validation failed" in proc.stdout
 
 
 def test_a_failed_run_records_why_releases_its_lease_and_the_next_run_resumes(tmp_path: Path) -> None:
