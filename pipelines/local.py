@@ -11,10 +11,10 @@ lease, the planner, and the eval table after each iteration. The pipeline's ``ho
 parameter is the run's own (``local:<home>``), so every task finds the iteration this
 process leased, and a rerun after a failure resumes it.
 
-A task's UserError (a mistake only a stage can see) comes back through the file
-``POSTTRAIN_KFP_USER_ERROR`` names (``<home>/kfp/user-error.json``, written by the
-component body): once KFP's retries of that task are spent, the command ends with the
-task's line and exit 2, as ``posttrain run`` does.
+A task's UserError (a mistake only a stage can see) or failed data-quality gate comes
+back through the file ``POSTTRAIN_KFP_USER_ERROR`` names (``<home>/kfp/user-error.json``,
+written by the component body): once KFP's retries of that task are spent, the command
+ends with the task's line and exit 2 (3 for the gate), as ``posttrain run`` does.
 
 Stopping: SIGTERM to this process alone is passed on to the task subprocess that runs
 (kfp.local waits for it otherwise, however long its stage takes), whose stage ends its
@@ -34,7 +34,7 @@ import signal
 import threading
 from pathlib import Path
 
-from components.core.errors import UserError
+from components.core.errors import final_error_from_json
 from components.core.progress import say
 
 NAME = "Kubeflow pipeline"
@@ -84,7 +84,7 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
         text = _COLOUR.sub("", str(exc)).strip()
         say(f"kfp.local: {text.splitlines()[0] if text else 'a task failed'}")
         if error.exists():
-            raise UserError.from_json(error.read_text()) from None
+            raise final_error_from_json(error.read_text()) from None
         return "failed"
     finally:
         root.handlers[:] = handlers

@@ -107,7 +107,7 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
     ``kfp:<job id>`` when empty), so no task takes it as an input."""
     from components.core import planner, settings
-    from components.core.errors import UserError
+    from components.core.errors import DataQualityError, UserError
     from components.core.recipe import load_recipe
     from components.core.runner import run_stage, stop_on_sigterm
     from components.core.storage import Store
@@ -118,14 +118,15 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
         k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
                                                         holder or f"kfp:{run_id}", replay=True)
         return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
-    except UserError as exc:
+    except (UserError, DataQualityError) as exc:
         _tell_kfp_local(exc)
         raise
 
 
 def _tell_kfp_local(exc: Exception) -> None:
-    """Under ``posttrain kfp-local`` (``pipelines/local.py``), hand a task's UserError to the
-    command, which ends with its line (copied into each component's source by KFP)."""
+    """Under ``posttrain kfp-local`` (``pipelines/local.py``), hand a task's UserError or
+    failed gate to the command, which ends with its line and exit status (copied into each
+    component's source by KFP)."""
     import os
 
     if where := os.environ.get("POSTTRAIN_KFP_USER_ERROR"):

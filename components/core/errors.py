@@ -91,6 +91,19 @@ class DataQualityError(Exception):
 
     exit_code = EXIT_DATA_QUALITY
 
+    def to_json(self) -> str:
+        """The error as one JSON object (``final_error_from_json`` reads it back)."""
+        return json.dumps({"kind": "data_quality", "message": str(self)})
+
+
+def final_error_from_json(text: str) -> UserError | DataQualityError:
+    """The UserError or DataQualityError whose ``to_json`` wrote ``text`` (a Kubeflow task
+    hands it to ``posttrain kfp-local`` that way). Not for untrusted text."""
+    fields = json.loads(text)
+    if isinstance(fields, dict) and fields.get("kind") == "data_quality":
+        return DataQualityError(str(fields["message"]))
+    return UserError.from_json(text)
+
 
 EXIT_INFRA_ERROR = 1
 

@@ -85,3 +85,15 @@ def test_retry_outages_waits_out_an_outage_and_passes_a_mistake_at_once(monkeypa
     with pytest.raises(InfraError):
         retry_outages(down, (1, 2), said.append)
     assert slept == [1, 2]
+
+
+def test_a_final_error_crosses_to_posttrain_kfp_local_as_itself() -> None:
+    """A Kubeflow task's failed gate reached ``posttrain kfp-local`` as a failed run (exit 1,
+    a retryable outage's status); it now comes back as the gate's error, exit 3."""
+    from components.core.errors import DataQualityError, UserError, final_error_from_json
+
+    gate = final_error_from_json(DataQualityError("validation failed for iteration 1 (x): rows").to_json())
+    assert type(gate) is DataQualityError and str(gate) == "validation failed for iteration 1 (x): rows"
+    assert gate.exit_code == 3
+    mistake = final_error_from_json(UserError("taskgen.task_file", "t.jsonl", "has no rows", "add rows").to_json())
+    assert type(mistake) is UserError and mistake.line() == "taskgen.task_file='t.jsonl': has no rows; fix: add rows"
