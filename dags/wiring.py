@@ -105,6 +105,23 @@ def _fail_now(exc: BaseException) -> BaseException:
     return exc
 
 
+GIVEN_AS = {"--recipe": ("recipe", "POSTTRAIN_RECIPE"), "--run-root": ("run_root", "POSTTRAIN_RUN_ROOT")}
+"""The CLI's flag a UserError about the recipe or run root names, and what a DAG run took
+it from instead: its conf's key, else the environment variable."""
+
+
+def _named_as_given(exc: BaseException, params: dict[str, Any], conf: dict[str, Any]) -> BaseException:
+    """``exc`` naming the run conf's key or the environment variable a value came from,
+    where it names the CLI's ``--recipe``/``--run-root`` (which a DAG run has none of). A
+    run ``posttrain run`` started (it sets ``holder``) keeps the flag its user typed."""
+    from components.core.errors import UserError
+
+    if not isinstance(exc, UserError) or exc.field not in GIVEN_AS or params.get("holder"):
+        return exc
+    key, variable = GIVEN_AS[exc.field]
+    return UserError(key if conf.get(key) else variable, exc.value, exc.problem, exc.fix)
+
+
 def _settings(params: dict[str, Any]):
     from components.core import settings
 
@@ -147,7 +164,7 @@ def plan() -> dict[str, Any]:
         # A stage in a container or pod cannot see this worker's files: it reads the recipe from the store.
         recipe_uri = conf.recipe if mode() == "inprocess" else publish_recipe(conf.recipe, store.uri)
     except Exception as exc:
-        raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
+        raise _fail_now(_named_as_given(exc, params, ctx["dag_run"].conf or {})) from None  # one traceback, not two
     log.info("iteration %d of %s | holder %s | MLflow iteration run: %s", k, recipe.pipeline, holder,
              tracking.run_url(recipe.pipeline, parent))
     return {"iteration": k, "recipe": conf.recipe, "recipe_uri": recipe_uri, "run_root": store.uri, "holder": holder, "pipeline": recipe.pipeline,

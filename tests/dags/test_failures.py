@@ -205,6 +205,7 @@ def test_a_refused_plan_task_makes_no_run_root(tmp_path: Path) -> None:
     ({"recipie": "/x.yaml"}, "params='recipie': is not a parameter of this pipeline"),
     ({"run_root": "relrr"}, "run_root='relrr': is a relative path"),
     ({"holder": " "}, "holder=' ': is set by posttrain run and posttrain kfp-local only"),
+    ({"recipe": "/no/such.yaml"}, "recipe='/no/such.yaml': no such recipe file"),  # it said --recipe=
 ])
 def test_a_run_conf_the_dag_cannot_use_fails_the_plan_with_one_line(conf: dict, line: str, tmp_path: Path) -> None:
     """Before: a typo ran the default recipe; a relative run root was resolved against
