@@ -73,13 +73,16 @@ def test_stage_taskgen_cannot_open_a_gap_in_the_iterations(finished, line, tmp_p
     """Before, ``posttrain stage taskgen --iteration 3`` ran with iteration 2 missing, and
     the iterations after it started from a policy no iteration 2 had judged."""
     from components.cli import main
-    from components.core.manifest import MANIFEST, stage_prefix
+    import json
+
+    from components.core.manifest import MANIFEST, Manifest, stage_prefix
 
     root = tmp_path / "root"
-    for k in finished:  # what the planner reads as finished: iteration k's evaluation manifest
+    for k in finished:  # what the planner reads as finished: iteration k's evaluation manifest (the last one is read)
         done = root / stage_prefix("tiny", k, "evaluation") / MANIFEST
         done.parent.mkdir(parents=True)
-        done.write_text("{}")
+        done.write_text(json.dumps(Manifest(stage="evaluation", pipeline="tiny", iteration=k, shard=None, inputs={},
+                                            config_digest="c", code_version="v").to_json()))
     code = main(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", "3"])
     assert code == 2
     assert capsys.readouterr().err.strip() == "posttrain: error: " + line.format(root=f"file://{root}")
