@@ -72,9 +72,9 @@ def test_a_shard_the_stage_does_not_have_is_one_line_before_the_store(args, line
 def test_stage_taskgen_cannot_open_a_gap_in_the_iterations(finished, line, tmp_path, capsys) -> None:
     """Before, ``posttrain stage taskgen --iteration 3`` ran with iteration 2 missing, and
     the iterations after it started from a policy no iteration 2 had judged."""
-    from components.cli import main
     import json
 
+    from components.cli import main
     from components.core.manifest import MANIFEST, Manifest, stage_prefix
 
     root = tmp_path / "root"
