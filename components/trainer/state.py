@@ -111,26 +111,28 @@ def save_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, positio
     return sha256_bytes(data)
 
 
+STATE_FIX = "re-run the trainer stage that wrote it, or set trainer.carry_optimizer_state: false"
+
+
 def read_trainer_state(data: bytes, where: str) -> dict:
     """The saved state from the bytes of a ``trainer_state.pt`` (``where`` names it in errors):
     a dict of the four parts ``trainer_state_bytes`` writes, else a UserError (bytes that
     are no torch file, or another object saved under that name with a digest to match)."""
-    fix = "re-run the trainer stage that wrote it, or set trainer.carry_optimizer_state: false"
     try:
         state = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # untrusted bytes: UnpicklingError, RuntimeError, EOFError, ...
-        raise UserError("trainer_state", where, f"is not a trainer state file ({exc_line(exc)[:200]})", fix) from None
+        raise UserError("trainer_state", where, f"is not a trainer state file ({exc_line(exc)[:200]})", STATE_FIX) from None
     parts = ("optimizer", "scheduler", "rng", "position")
     if not isinstance(state, dict) or not all(isinstance(state.get(k), dict) for k in parts):
         got = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
         raise UserError("trainer_state", where, f"is not a trainer state file (it holds {got}, not a dict of "
-                        f"{', '.join(parts)})", fix)
+                        f"{', '.join(parts)})", STATE_FIX)
     position = state["position"]
     for key in ("iteration", "steps_done", "global_step"):
         value = position.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise UserError("trainer_state", where, f"is not a trainer state file (its position's {key} is "
-                            f"{value_text(value, 40)!r}, not a whole number)", fix)
+                            f"{value_text(value, 40)!r}, not a whole number)", STATE_FIX)
     return state
 
 
@@ -155,8 +157,7 @@ def restore_trainer_state(state: dict, optimizer, scheduler, cfg, restore_rng: b
             _set_rng_state(state["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise UserError("trainer_state", where, f"holds random-number states this trainer cannot set "
-                            f"({exc_line(exc)[:200]})", "re-run the trainer stage that wrote it, or set "
-                            "trainer.carry_optimizer_state: false") from None
+                            f"({exc_line(exc)[:200]})", STATE_FIX) from None
     p = state["position"]
     return DataPosition(iteration=int(p["iteration"]), steps_done=int(p["steps_done"]), global_step=int(p["global_step"]))
 
