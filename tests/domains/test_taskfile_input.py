@@ -364,7 +364,8 @@ def test_a_command_that_exits_right_after_reading_parquet_does_not_abort(tmp_pat
     """pyarrow's reader threads, still winding down when a process exits right after a
     read, aborted it about one time in three (exit 134, "terminate called without an
     active exception"): ``posttrain verify`` on a Parquet task file the rows of which it
-    refuses. Every Parquet read now decodes on the calling thread."""
+    refuses. Every Parquet read now decodes on the calling thread; the thread count
+    after the reads is checked too, since the abort itself is rare on a quiet machine."""
     import subprocess
     import sys
     from pathlib import Path
@@ -375,9 +376,12 @@ def test_a_command_that_exits_right_after_reading_parquet_does_not_abort(tmp_pat
     path = tmp_path / "tasks.parquet"
     pq.write_table(pa.table({"task_id": [f"t{i}" for i in range(50)], "prompt": ["p"] * 50,
                              "reference": ["1"] * 50}), path)
-    script = ("import sys\nfrom components.domains.taskfile import read_rows\nfrom components.core.storage import Store\n"
+    script = ("import os, sys\nfrom components.domains.taskfile import read_rows\nfrom components.core.storage import Store\n"
+              "threads = len(os.listdir('/proc/self/task'))\n"
               f"rows = read_rows({str(path)!r})\nassert len(rows) == 50\n"
-              f"t = Store({str(tmp_path)!r}, 'x').read_table('tasks.parquet')\nassert t.num_rows == 50\nsys.exit(2)\n")
+              f"t = Store({str(tmp_path)!r}, 'x').read_table('tasks.parquet')\nassert t.num_rows == 50\n"
+              "assert len(os.listdir('/proc/self/task')) == threads, os.listdir('/proc/self/task')\n"
+              "sys.exit(2)\n")
     root = Path(__file__).resolve().parents[2]
     runs = [subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, timeout=120)
             for _ in range(12)]
