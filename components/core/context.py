@@ -244,8 +244,10 @@ def _adapter(shape: Any) -> TypeAdapter:
 
 def read_output_json(store: Store, manifest: Manifest, name: str, shape: type[T]) -> T:
     """JSON output ``name`` of ``manifest``, read verified and validated as ``shape`` (a
-    pydantic model or any type pydantic validates)."""
-    return read_output(store, manifest, name, lambda data, url, expected: _adapter(shape).validate_json(data))
+    pydantic model or any type pydantic validates), strictly: ``"1"`` is no number and
+    ``"yes"`` no boolean, since the stage wrote the exact types."""
+    return read_output(store, manifest, name,
+                       lambda data, url, expected: _adapter(shape).validate_json(data, strict=True))
 
 
 def verify_outputs(store: Store, manifest: Manifest) -> None:

@@ -14,6 +14,7 @@ old manifests unreadable (the error names the stage to re-run).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Annotated, Any, NotRequired, TypeVar
@@ -129,9 +130,11 @@ def to_json(facts: Any) -> dict[str, Any]:
 
 def from_json(cls: type[F], data: dict[str, Any], stage: str, where: str) -> F:
     """``data`` (a manifest's info) as ``cls``; a UserError naming the manifest and the
-    stage to re-run when it does not fit (an older layout, or a hand-edited manifest)."""
+    stage to re-run when it does not fit (an older layout, or a hand-edited manifest).
+    Validated strictly as the JSON it was written as: ``"yes"`` is no ``promoted`` and
+    ``"3"`` no count (pydantic's lax mode would take both)."""
     try:
-        return _adapter(cls).validate_python(data)
+        return _adapter(cls).validate_json(json.dumps(data), strict=True)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise UserError(f"manifest {where}", ".".join(map(str, first["loc"])) or "info",

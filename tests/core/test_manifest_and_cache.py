@@ -279,3 +279,26 @@ def test_a_manifest_of_another_folder_is_refused(tmp_path, shard, iteration, sta
     with pytest.raises(UserError) as err:
         read_manifest(store, "demo/iter-000001/reward")
     assert err.value.problem.endswith(", not of the folder it lies in") and err.value.fix == "delete it and re-run stage reward"
+
+
+@pytest.mark.parametrize(("key", "value", "loc"), [
+    ("promoted", "yes", "promoted"),
+    ("promoted", 1, "promoted"),
+    ("version", 3, "version"),
+    ("pass_rates", {"math": "0.5"}, "pass_rates.math"),
+])
+def test_facts_are_read_with_the_types_they_were_written_with(key, value, loc) -> None:
+    """pydantic's lax mode read an edited ``promoted: "yes"`` as true and ``"0.5"`` as a
+    pass rate; a manifest's facts are JSON the stage wrote, so they must have its types."""
+    from components.core.facts import Decision, to_json
+
+    decision = Decision(version="3", pass_rates={"math": 0.5}, weakest_slice=None, promoted=False, reason="r",
+                        baseline={"math": 0.25}, baseline_version="2", rule="statistical")
+    m = Manifest(stage="evaluation", pipeline="demo", iteration=3, shard=None, inputs={}, config_digest="c",
+                 code_version="v", info=to_json(decision))
+    assert m.facts(Decision) == decision
+    m.info[key] = value
+    with pytest.raises(UserError) as err:
+        m.facts(Decision)
+    assert err.value.value == loc and err.value.fix == "re-run stage evaluation (delete its _MANIFEST.json to force it)"
+    assert "its facts are not a Decision" in err.value.problem
