@@ -206,16 +206,18 @@ def structlog_processors() -> list:
 def _without_a_final_errors_traceback(logger: Any, method: str, event: dict) -> dict:
     """Drops the task runner's "Task failed with exception" event, with its traceback
     through Airflow's task runner, for a task that failed on a UserError or a failed
-    data-quality gate: ``posttrain run`` ends with that error's one line, and the task's
-    own ``posttrain task ... failed`` line stays. Other failures keep their traceback."""
+    data-quality gate, or was stopped by a signal: ``posttrain run`` ends with that
+    error's one line (or "stopped by SIGTERM"), and the task's own ``posttrain task ...
+    failed`` line stays. Other failures keep their traceback."""
     import structlog
 
     from dags.wiring import FINAL_ERRORS
 
-    if event.get("event") == "Task failed with exception" and FINAL_ERRORS:
+    if event.get("event") == "Task failed with exception":
         error = event.get("exc_info")
         error = error[1] if isinstance(error, tuple) else error if isinstance(error, BaseException) else sys.exc_info()[1]
-        if error is not None and type(error).__name__ == "AirflowFailException":
+        name = type(error).__name__ if error is not None else ""
+        if (name == "AirflowFailException" and FINAL_ERRORS) or name == "AirflowTaskTerminated":
             raise structlog.DropEvent
     return event
 
