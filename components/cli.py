@@ -103,10 +103,14 @@ def _check_orchestrator_run_id(value: str) -> None:
     longer text was a traceback from MLflow, or a tag no one could read)."""
     from components.core.storage import unusable_text
 
+    fix = "pass the orchestrator's run id (Airflow's run_id, a Kubeflow run's UUID), or leave the flag out"
     problem = unusable_text(value)
-    if problem is None and len(value) > MAX_ORCHESTRATOR_RUN_ID:
-        problem = (f"is {len(value)} characters long, more than {MAX_ORCHESTRATOR_RUN_ID}",
-                   "pass the orchestrator's run id (Airflow's run_id, a Kubeflow run's UUID)")
+    if problem is not None:
+        problem = (problem[0], fix)  # its own fix: a run id is no path
+    elif value and not value.strip():
+        problem = ("is blank", fix)
+    elif len(value) > MAX_ORCHESTRATOR_RUN_ID:
+        problem = (f"is {len(value)} characters long, more than {MAX_ORCHESTRATOR_RUN_ID}", fix)
     if problem is not None:
         raise UserError("--orchestrator-run-id", value, *problem)
 
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
     policy = False
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_joined_negative_shard(sys.argv[1:] if argv is None else argv))
         for name in ("botocore.credentials", "aiobotocore.credentials"):  # "Found credentials in ...": said at info
             logging.getLogger(name).setLevel(logging.WARNING)               # level on every S3 client, by no one's wish
         handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one
@@ -195,6 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if policy:
             gcpolicy.before_exit()
+
+
+def _joined_negative_shard(argv: list[str]) -> list[str]:
+    """``--shard -1/2`` as ``--shard=-1/2``: argparse takes a value that starts with ``-``
+    and is not a plain negative number for an option, and said "expected one argument"
+    without the value; joined, ``Shard.parse`` names it and the range."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--shard" and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2].isdigit():
+            out.append(f"--shard={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 EMPTY_REFUSED = ("recipe", "run_root", "backend")  # flags whose "" would quietly be their default

@@ -41,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,12 +188,43 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     processors = structlog_processors()
     processors.insert(0, _without_a_final_errors_traceback)
     try:
-        dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "holder": holder})
+        with _signals_kept():
+            dr = iteration_dag.test(run_conf={"recipe": recipe_path, "run_root": run_root, "holder": holder})
     finally:
         dag_log.removeFilter(_after_a_failure)
         with contextlib.suppress(ValueError):
             processors.remove(_without_a_final_errors_traceback)
     return str(getattr(dr, "state", "unknown"))
+
+
+TASK_RUNNER = "airflow.sdk.execution_time.task_runner"
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """``dag.test()`` with posttrain's handlers: SIGTERM and Ctrl-C are recorded between
+    tasks (``runner.stop_signals_recorded``: the next task refuses to start and the command
+    stops after the DAG run) and raised inside a stage (``wiring.run_stage_task``).
+    Airflow's task runner installs a SIGTERM handler at every task's start that only calls
+    the operator's ``on_kill`` (none here) and never puts the previous one back, so a
+    SIGTERM between two tasks, or after the last, was lost and ``posttrain run`` went on
+    to the next iteration. Within, ``signal.signal`` leaves SIGTERM's handler as it is
+    when the task runner calls it (it imports ``signal`` inside the function that does)."""
+    from components.core.runner import stop_signals_recorded
+
+    install = signal.signal
+
+    def keep_ours(signum: int, handler: Any) -> Any:
+        if signum == signal.SIGTERM and sys._getframe(1).f_globals.get("__name__") == TASK_RUNNER:
+            return signal.getsignal(signum)
+        return install(signum, handler)
+
+    signal.signal = keep_ours
+    try:
+        with stop_signals_recorded():
+            yield
+    finally:
+        signal.signal = install
 
 
 def structlog_processors() -> list:

@@ -42,7 +42,7 @@ from components.core import lease, preflight, runner, settings, tracking
 from components.core.context import read_manifest
 from components.core.errors import UserError
 from components.core.facts import Decision, Scored, Slice
-from components.core.manifest import stage_prefix
+from components.core.manifest import check_not_past_max, stage_prefix
 from components.core.planner import finished, plan
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
@@ -283,6 +283,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     recipe = load_recipe(conf.recipe)
     if iterations < 1:
         raise UserError("--iterations", iterations, "must be at least 1", "pass --iterations 1 or more")
+    check_not_past_max("--iterations", iterations)
     from dags import local as dag_driver
 
     if driver is None:

@@ -135,6 +135,8 @@ class StageHost:
                 reply = self._wait(runner)
             except (EOFError, OSError) as exc:  # the child died (the OOM killer): an outage, retried
                 self._dead = True
+                if runner.stopping():  # a SIGTERM to the process group ended it: this process stops too
+                    raise tracking.Terminated(f"stopped by {runner.stop_signal().name}") from None
                 raise InfraError("the stage host", f"pid {self.pid}", f"it ended while running {stage} ({exc!r}); "
                                  "the retry runs the stage in the posttrain run process") from exc
         kind, payload = reply

@@ -177,18 +177,19 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     from airflow.sdk.exceptions import AirflowTaskTerminated
 
     from components.core import tracking
-    from components.core.runner import run_stage, stop_on_sigterm, stopping
+    from components.core.runner import run_stage, stop_signals_raised, stopping
 
     # Airflow's task runner puts its own SIGTERM handler in before the task runs (it only
     # calls on_kill, which a TaskFlow task does not have): ours raises inside the stage.
-    stop_on_sigterm()
-    if stopping():  # told to stop before this task started (`posttrain run` got SIGTERM)
-        raise AirflowTaskTerminated(f"{stage}: not started, the process was told to stop")
+    # Under `posttrain run` the signals are only recorded between tasks (dags/local.py).
     args = (stage, plan["recipe"], plan["run_root"], int(plan["iteration"]), shard or None, get_current_context()["run_id"])
     try:
-        if (host := stagehost.current()) is not None:  # posttrain run: the stage host runs it (dags/stagehost.py)
-            return host.run(*args)
-        m = run_stage(*args[:5], orchestrator_run_id=args[5])
+        with stop_signals_raised():
+            if stopping():  # told to stop before this task started (`posttrain run` got SIGTERM)
+                raise AirflowTaskTerminated(f"{stage}: not started, the process was told to stop")
+            if (host := stagehost.current()) is not None:  # posttrain run: the stage host runs it (dags/stagehost.py)
+                return host.run(*args)
+            m = run_stage(*args[:5], orchestrator_run_id=args[5])
     except tracking.Terminated as exc:
         raise AirflowTaskTerminated(f"{stage}: {exc}") from None  # a signal: where it landed is noise
     except Exception as exc:

@@ -191,6 +191,16 @@ def test_an_empty_flag_is_refused_not_its_default(command: list[str], flag: str,
     assert not home.exists() and not (REPO_ROOT / "rr").exists()
 
 
+def test_taskgen_before_any_bootstrap_makes_no_home(tmp_path: Path) -> None:
+    """Refused for want of a champion, it made the home's MLflow database first (looking
+    the alias up), though a refused command makes no home."""
+    home = tmp_path / "home"
+    proc = posttrain(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--iteration", "1"], base_env(home))
+    assert_user_error(proc, "rollout.policy='champion': registered model 'tiny-policy' has no champion yet",
+                      "fix: run 'posttrain stage bootstrap' first")
+    assert not home.exists()
+
+
 @pytest.mark.parametrize("delay_s", [0.2, 0.4, 3.0])
 def test_ctrl_c_while_the_command_starts_is_one_line(delay_s: float, tmp_path: Path) -> None:
     """Ctrl-C during the command's imports (its first second) was a KeyboardInterrupt
@@ -234,6 +244,32 @@ def test_importing_the_command_leaves_the_callers_ctrl_c_handler() -> None:
             "assert signal.getsignal(signal.SIGINT) is mine, signal.getsignal(signal.SIGINT)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["stage", "rollout", "--iteration", "1", "--shard", "-1/2"],
+     "--shard='-1/2': not of the form i/n (two whole numbers of at most 6 digits); fix: pass e.g. --shard 0/2"),
+    (["run", "--iterations", "1000000"], "--iterations=1000000: is more than 999999, the highest iteration a run root "
+                                         "numbers; fix: pass --iterations from 1 to 999999"),
+    (["kfp-local", "--iterations", "1" + "0" * 30], "--iterations=1" + "0" * 30 + ": is more than "
+     "999999, the highest iteration a run root numbers; fix: pass --iterations from 1 to 999999"),
+    (["stage", "taskgen", "--iteration", "1000000"], "--iteration=1000000: is more than 999999, the highest iteration "
+                                                     "a run root numbers; fix: pass --iteration from 1 to 999999"),
+    (["replay", "--iteration", "1000000"], "--iteration=1000000: is more than 999999, the highest iteration a run root "
+                                           "numbers; fix: pass --iteration from 1 to 999999"),
+    (["stage", "taskgen", "--orchestrator-run-id", "  "], "--orchestrator-run-id='  ': is blank; fix: pass the "
+     "orchestrator's run id (Airflow's run_id, a Kubeflow run's UUID), or leave the flag out"),
+], ids=["negative-shard", "run", "kfp-local", "stage", "replay", "blank-run-id"])
+def test_a_value_out_of_range_is_one_line_before_any_work(argv: list[str], line: str, tmp_path: Path, capsys,
+                                                          monkeypatch) -> None:
+    """``--shard -1/2`` was argparse's "expected one argument" without the value; an
+    iteration count of 10**29 was taken, and a blank run id was written as a tag."""
+    from components.cli import main
+
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path / "home"))
+    code = main([*argv, "--recipe", str(TINY_RECIPE)])
+    assert (code, capsys.readouterr().err) == (2, f"posttrain: error: {line}\n")
+    assert not (tmp_path / "home").exists()
 
 
 @pytest.mark.parametrize(("run_id", "problem"), [

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from pydantic import TypeAdapter, ValidationError
 
 from components.core.errors import UserError
-from components.core.manifest import MANIFEST, WEIGHTS, InputRef, Manifest, OutputFile, Shard, stage_prefix
+from components.core.manifest import MANIFEST, WEIGHTS, InputRef, Manifest, OutputFile, Shard, iteration_prefix, stage_prefix
 from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
@@ -293,6 +293,15 @@ def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> l
     shard_dirs = [d for d in store.listdir(base) if d.startswith("shard-")]
     manifests = [m for d in shard_dirs if (m := read_manifest(store, f"{base}/{d}")) is not None]
     where = "" if stage == "bootstrap" else f" --iteration {iteration}"
+    if not manifests and stage != "bootstrap":
+        from components.core.planner import finished
+
+        # nothing of the iteration yet, and not the next one: the stage's fix below could not be followed
+        if not store.listdir(iteration_prefix(pipeline, iteration)) and \
+                iteration > (last := max(finished(store, pipeline), default=0)) + 1:
+            raise UserError("--iteration", iteration, f"iteration {iteration} has not started in {store.url(pipeline)} "
+                            f"(the last finished one is {last or 'none'})",
+                            f"pass --iteration {last + 1} or lower, or let 'posttrain run' bring the pipeline there")
     if not manifests:
         shard = " --shard i/n" if spec(stage).sharded else ""
         each = " for each of the recipe's n shards i" if shard else ""

@@ -65,6 +65,20 @@ class Shard:
         return f"shard-{self.index:05d}-of-{self.count:05d}"
 
 
+MAX_ITERATION = 999_999
+"""The highest iteration posttrain numbers: a run root's folders are ``iter-NNNNNN``
+(six digits; a nightly run reaches it in 2,700 years)."""
+
+
+def check_not_past_max(flag: str, iteration: int) -> None:
+    """A UserError for an iteration (or a count of them) past ``MAX_ITERATION``."""
+    from components.core.errors import UserError
+
+    if iteration > MAX_ITERATION:
+        raise UserError(flag, iteration, f"is more than {MAX_ITERATION}, the highest iteration a run root numbers",
+                        f"pass {flag} from 1 to {MAX_ITERATION}")
+
+
 def iteration_prefix(pipeline: str, iteration: int) -> str:
     return f"{pipeline}/iter-{iteration:06d}"
 

@@ -30,10 +30,11 @@ retry logs another).
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
-from components.core import tracking
+from components.core import settings, tracking
 from components.core.errors import InfraError, UserError, outage
 
 POLICY_SUFFIX = "-policy"
@@ -176,9 +177,12 @@ def set_alias(pipeline: str, alias: str, version: str, run_root: str | None = No
 def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] | None:
     """(version, checkpoint URI, tags) for an alias, or None when it is unset (or the
     registered model does not exist); an unreachable tracking server is an InfraError, not
-    an unset alias."""
+    an unset alias. With the embedded database not made yet, nothing is registered: None,
+    and a stage refused for it makes no home."""
     from mlflow.exceptions import MlflowException
 
+    if not os.environ.get(tracking.VARIABLE) and not (settings.home() / "mlflow.db").exists():
+        return None
     try:
         mv = tracking.client().get_model_version_by_alias(model_name(pipeline), alias)
     except MlflowException as exc:

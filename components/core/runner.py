@@ -34,11 +34,13 @@ hits the cache does both again, idempotently.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from importlib import import_module
 from pathlib import Path
 from types import ModuleType
@@ -48,7 +50,7 @@ from components.core import gcpolicy, planner, preflight, timeline, tracking
 from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
-from components.core.manifest import MANIFEST, Manifest, Shard, stage_prefix
+from components.core.manifest import MANIFEST, Manifest, Shard, check_not_past_max, stage_prefix
 from components.core.nodes import this_node
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
@@ -85,6 +87,7 @@ def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iterati
         recipe = load_recipe(recipe)
     if iteration < 0 or (stage != "bootstrap" and iteration < 1):
         raise UserError("--iteration", iteration, "iterations count from 1", "pass --iteration 1 or higher")
+    check_not_past_max("--iteration", iteration)
     parsed = Shard.parse(shard)
     if not sharded and parsed.count != 1:
         raise UserError("--shard", shard, f"stage {stage} is not sharded", "leave --shard out")
@@ -205,6 +208,51 @@ def stop_on_sigterm(sigint: bool = False) -> bool:
     if sigint:
         signal.signal(signal.SIGINT, _terminate)
     return True
+
+
+def _record(signum: int, frame) -> None:
+    _stop_signals.append(signum)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals_recorded() -> Iterator[None]:
+    """Within: a SIGTERM, and a SIGINT this process stops on (``stop_on_sigterm(sigint=True)``),
+    is only recorded (``stopping()`` turns true), not raised where it lands. For code that
+    must not be cut off at any line: ``posttrain run``'s ``dag.test()`` between its tasks,
+    each of which raises again while its stage runs (``stop_signals_raised``) and refuses
+    to start once the process was told to stop. Main thread only (elsewhere: nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        if sig == signal.SIGTERM or before[sig] is _terminate:
+            signal.signal(sig, _record)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stop_signals_raised() -> Iterator[None]:
+    """Within: SIGTERM raises ``tracking.Terminated`` (``stop_on_sigterm``), and so does a
+    SIGINT that was being recorded (``stop_signals_recorded``); the handlers before are
+    put back after. Main thread only (elsewhere: nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    stop_on_sigterm(sigint=before[signal.SIGINT] is _record)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def stopping() -> bool:

@@ -284,4 +284,7 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
     if root == "file:///":  # the pipeline's folders would be made at the top of the file system
         raise UserError("--run-root", run_root or root, "is the file system's root folder",
                         "pass a folder of its own, such as /srv/posttrain/runs")
+    if "'" in root and '"' in root:  # MLflow's search, which finds a run root's runs by tag, quotes with one or the other
+        raise UserError("--run-root", run_root or root, "holds both ' and \" (MLflow's search cannot match a tag "
+                        "value with both)", "use a run root without one of the two quote characters")
     return RunSettings(recipe=recipe_path, run_root=root)

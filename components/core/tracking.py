@@ -342,7 +342,14 @@ def experiment_id(pipeline: str) -> str:
 
 
 def _quoted(value: str) -> str:
-    return f"'{value}'"
+    """``value`` as a string in an MLflow filter, which has no escapes: in single quotes,
+    or double ones when it holds a single quote (a run root with both is refused by
+    ``settings.resolve``)."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"{value!r} holds both quote characters: no MLflow filter can match it")
 
 
 def _first(exp: str, flt: str):

@@ -162,13 +162,16 @@ def decode(data: bytes, uri: str) -> str:
 def read_bytes(path_or_uri: str) -> bytes:
     from fsspec.implementations.local import LocalFileSystem
 
-    from components.core.storage import filesystem
+    from components.core.storage import filesystem, normalize_uri
 
     uri = str(path_or_uri)
     if "://" not in uri:
         return _read_local(uri, uri)
+    # file:// and s3:// only, as for a run root: file://rel/t.json (a host) was read as
+    # the relative rel/t.json, and ftp:// was tried and named only by its exception's type
+    normalized = normalize_uri(uri, "task file")
     try:
-        fs, path = filesystem(uri)
+        fs, path = filesystem(normalized)
     except (OSError, ValueError) as exc:
         raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
                         "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None

@@ -32,7 +32,7 @@ import json
 
 from components.core.context import read_manifests, read_output_json, read_output_records
 from components.core.facts import StatsFile
-from components.core.manifest import Manifest, Shard, iteration_prefix
+from components.core.manifest import Manifest, Shard, check_not_past_max, iteration_prefix
 from components.core.records import Execution, Reward, Rollout, Task, to_table
 from components.core.storage import Store
 from components.reward.normalize import STATS_OUTPUT, Stats, from_json
@@ -143,6 +143,7 @@ def handle_replay(args: argparse.Namespace) -> int:
 
     if args.iteration < 1:
         raise UserError("--iteration", args.iteration, "iterations count from 1", "pass --iteration 1 or higher")
+    check_not_past_max("--iteration", args.iteration)
     recipe = load_recipe(args.recipe)
     store = Store(settings.resolve(run_root=args.run_root).run_root, "--run-root")
     if not store.uri.startswith("file://"):  # no bucket, bad keys, no server: one line (a local root is only read)

@@ -169,6 +169,8 @@ def test_changed_stage_config_reruns(booted: Booted) -> None:
 @pytest.mark.parametrize(("stage", "shard", "missing"), [("rollout", "0/2", "taskgen"), ("evaluation", None, "trainer")])
 def test_stage_without_upstream_manifest_says_what_to_run(booted: Booted, stage: str, shard: str | None, missing: str) -> None:
     runs = run_count()
+    # an iteration begun elsewhere (a library caller may run any iteration's stages): its upstream stage is the fix
+    booted.store.write_bytes(f"tiny/iter-000007/{stage}-begun.txt", b"")
     with pytest.raises(UserError) as info:
         run_stage(stage, TINY_RECIPE, booted.root, 7, shard)
     err = info.value
@@ -179,6 +181,20 @@ def test_stage_without_upstream_manifest_says_what_to_run(booted: Booted, stage:
                        "--recipe, first (or the whole iteration: 'posttrain run')")
     assert booted.store.glob(f"tiny/iter-000007/{stage}/**") == []
     assert run_count() == runs
+
+
+@pytest.mark.parametrize(("stage", "shard"), [("rollout", "0/2"), ("evaluation", None)])
+def test_a_stage_of_an_iteration_far_ahead_names_the_last_finished_one(booted: Booted, stage: str,
+                                                                       shard: str | None) -> None:
+    """The fix said to run the upstream stage of iteration 7, which is refused in turn
+    while iteration 6 has not finished."""
+    with pytest.raises(UserError) as info:
+        run_stage(stage, TINY_RECIPE, booted.root, 77, shard)
+    err = info.value
+    assert (err.field, err.value) == ("--iteration", 77)
+    assert err.problem == f"iteration 77 has not started in {booted.store.url('tiny')} (the last finished one is none)"
+    assert err.fix == "pass --iteration 1 or lower, or let 'posttrain run' bring the pipeline there"
+    assert booted.store.glob("tiny/iter-000077/**") == []
 
 
 def test_missing_shard_is_named(booted: Booted) -> None:

@@ -163,3 +163,23 @@ def test_the_task_failure_callback_ends_the_iteration_failed_and_a_resume_reopen
     assert len(c.search_runs([exp], f"tags.`{tracking.TAG_STAGE}` = 'iteration'")) == 1
     assert tracking.end_if_running(parent) and status(parent) == "FINISHED"
     assert tracking.iteration_run("cb", 1, ROOT) == parent and status(parent) == "FINISHED"  # a finished one stays so
+
+
+@pytest.mark.parametrize("root", ["file:///runs/it's", 'file:///runs/say "hi"', "file:///runs/a\\b%_"])
+def test_runs_are_found_by_a_run_root_with_quotes(posttrain_home: Path, root: str) -> None:
+    """MLflow's filters have no escapes: a run root holding ``'`` made every search by run
+    root a syntax error (a traceback and exit 1 from ``posttrain run``)."""
+    parent = tracking.iteration_run("q", 1, root, "manual__1")
+    assert tracking.find_iteration_run("q", 1, root).info.run_id == parent
+    assert tracking.running_iteration_runs("q", root) == {1: parent}
+    assert tracking.running_iteration_runs("q", ROOT) == {}
+    assert tracking.pipeline_run("q", root) == tracking.pipeline_run("q", root)
+
+
+def test_a_run_root_with_both_quote_characters_is_refused() -> None:
+    from components.core import settings
+    from components.core.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        settings.resolve(str(TINY_RECIPE), "file:///runs/it's \"x\"")
+    assert err.value.field == "--run-root" and err.value.fix == "use a run root without one of the two quote characters"

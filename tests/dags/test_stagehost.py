@@ -6,6 +6,7 @@ process of its own.
 - SIGTERM to ``posttrain run`` alone (not its process group) reaches the stage in the
   host: exit 143, the stage's MLflow run KILLED, no manifest, no process left.
 - Ctrl-C (SIGINT to the process group) does the same, with exit 130.
+- SIGTERM to the process group between two iterations stops the run too (exit 143).
 - SIGKILL to ``posttrain run`` alone takes the host with it, and the next run on the same
   home finishes the iteration.
 - A bad ``POSTTRAIN_STAGE_HOST`` is one line and exit 2; the project's errors cross the
@@ -110,6 +111,30 @@ def test_ctrl_c_stops_posttrain_run_and_its_host(tmp_path: Path) -> None:
     runs = c.search_runs([c.get_experiment_by_name("tiny").experiment_id], "attributes.run_name = 'bootstrap'")
     assert [r.info.status for r in runs] == ["KILLED"]
     assert not list((home / "store" / "tiny").glob("bootstrap/_MANIFEST.json"))
+
+
+def test_sigterm_to_the_process_group_between_two_iterations_stops_posttrain_run(tmp_path: Path) -> None:
+    """``timeout`` and a container runtime signal the whole process group. Airflow's task
+    runner installed its own SIGTERM handler at every task's start (it only calls the
+    operator's ``on_kill``) and never put posttrain's back, so a SIGTERM that came while
+    the next iteration was planned was lost in ``posttrain run``, and the stage host it
+    also ended was taken for an outage: the run went on through every iteration."""
+    home = tmp_path / ".posttrain"
+    proc = subprocess.Popen(posttrain("run", "--recipe", str(TINY), "--iterations", "3"), cwd=tmp_path,
+                            env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen: list[str] = []
+    try:
+        read_until(proc.stdout, "iter 2 | starting", seen)
+        os.killpg(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        end(proc)
+    assert proc.returncode == 143, "".join(seen) + rest
+    assert rest.splitlines()[-1] == "posttrain: stopped by SIGTERM; run the same command again to resume", rest
+    assert "Traceback (most recent call last)" not in rest and "unreachable" not in rest, rest
+    assert not list((home / "store" / "tiny").glob("iter-000002/evaluation/_MANIFEST.json"))
+    assert not list((home / "store" / "tiny").glob("iter-000003"))
 
 
 def test_sigkill_to_posttrain_run_alone_takes_the_host_and_a_rerun_finishes(tmp_path: Path) -> None:

@@ -41,6 +41,21 @@ def error_line(capsys, code: int) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize(("uri", "problem"), [
+    ("file://rel/t.json", "a file URI with the host 'rel': only local paths are supported; "
+                          "fix: write three slashes for a local path (file:///rel/t.json)"),
+    ("ftp://h/t.json", "unsupported URI scheme 'ftp'; fix: use one of file://, s3://"),
+    ("s3:///t.json", "s3 URI has no bucket; fix: write s3://bucket/prefix"),
+])
+def test_a_task_file_uri_of_another_kind_is_refused_unread(uri, problem, tmp_path, capsys, monkeypatch):
+    """``file://rel/t.json`` read the relative ``rel/t.json`` (exit 0 when it existed), and
+    ``ftp://`` was tried and named only by its exception's type (``gaierror``)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
+    (tmp_path / "rel" / "t.json").write_text(json.dumps({"prompt": "1+1", "reference": {"answer": "2"}}))
+    assert error_line(capsys, verify(tmp_path, uri)) == f"posttrain: error: task file='{uri}': {problem}"
+
+
 @pytest.mark.timeout(20)
 def test_a_fifo_task_file_is_refused_not_waited_on(tmp_path, capsys):
     fifo = tmp_path / "f.jsonl"

@@ -74,7 +74,7 @@ def test_cli_replay_with_another_config_writes_a_versioned_folder(stored, tmp_pa
 
 @pytest.mark.parametrize(("recipe", "iteration", "message"), [
     ({**RECIPE, "domains": ["nosuch"]}, 1, "unknown domain"),
-    (RECIPE, 7, "no manifested output for iteration 7"),
+    (RECIPE, 7, "iteration 7 has not started in"),
     (RECIPE, 0, "iterations count from 1"),
 ])
 def test_user_mistakes_exit_2(stored, tmp_path, capsys, recipe, iteration, message):
