@@ -45,6 +45,17 @@ MAX_TOKEN_ID = SIZE_LIMITS["vocab_size"]
 FIX = "re-run the stage that wrote it, or point at another checkpoint"
 
 
+def no_checkpoint(field: str, uri: str) -> UserError:
+    """The error for a checkpoint URI without ``config.json``: a local one that is no
+    folder says so (a FIFO, a file, nothing there), rather than "config.json missing"."""
+    from components.core.files import not_a_folder
+    from components.core.storage import scheme
+
+    why = not_a_folder(uri[len("file://"):]) if scheme(uri) == "file" else None
+    return UserError(field, uri, why or "no Hugging Face checkpoint there (config.json missing)",
+                     "point at a folder written by save_pretrained, or re-run the stage that writes it")
+
+
 def _json(folder: Path, name: str, field: str, uri: str) -> Any:
     path = folder / name
     if not path.is_file():

@@ -40,6 +40,23 @@ def _not_regular(mode: int) -> Unreadable:
     return Unreadable("is not a regular file")
 
 
+def not_a_folder(name: str | Path) -> str | None:
+    """Why local ``name`` is no folder, in words (``no such folder``, ``is a file, not a
+    folder``, ``is not a folder (a FIFO)``), or None for a folder (symlinks followed)."""
+    try:
+        mode = os.stat(name).st_mode
+    except FileNotFoundError:
+        return "no such folder"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or type(exc).__name__})"
+    if stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISREG(mode):
+        return "is a file, not a folder"
+    kind = next((k for test, k in _KINDS if test(mode)), None)
+    return f"is not a folder ({kind})" if kind else "is not a folder"
+
+
 def read_regular(name: str | Path, limit: int) -> bytes:
     """At most ``limit + 1`` bytes of the regular file ``name`` (symlinks followed): a
     result longer than ``limit`` means "too large", even for a file that grows while it is

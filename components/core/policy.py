@@ -196,8 +196,7 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
     with tempfile.TemporaryDirectory(prefix="posttrain-load-") as tmp:
         try:
             if not store.exists("config.json"):
-                raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
-                                "point at a folder written by save_pretrained, or re-run the stage that writes it")
+                raise checkpoint.no_checkpoint(field, uri)
             # the optimizer state beside the weights is the trainer's alone (it reads and checks it itself)
             expected = {k: v for k, v in checkpoint_expectations(uri).items() if k != TRAINER_STATE}
             store.download_dir("", Path(tmp), expected=expected, skip=(TRAINER_STATE,), folders=checkpoint.LOADED_FOLDERS)

@@ -217,7 +217,7 @@ def load_tokenizer(uri: str, field: str = "policy") -> Any:
     """The tokenizer of the checkpoint folder at ``uri`` (any store URI or local path),
     reading its tokenizer and config files only; a folder without a readable tokenizer
     is a UserError naming ``field`` and the URI."""
-    from components.core import hfimport
+    from components.core import checkpoint, hfimport
 
     hfimport.lean()
     from transformers import AutoTokenizer
@@ -228,8 +228,7 @@ def load_tokenizer(uri: str, field: str = "policy") -> Any:
     store = Store(uri, field)
     names = [n for n in store.listdir("") if not n.endswith(WEIGHT_SUFFIXES) and "." in n]
     if "config.json" not in names:
-        raise UserError(field, uri, "no Hugging Face checkpoint there (config.json missing)",
-                        "point at a folder written by save_pretrained, or re-run the stage that writes it")
+        raise checkpoint.no_checkpoint(field, uri)
     with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as tmp:
         for name in names:
             if name not in MODEL_FILES:

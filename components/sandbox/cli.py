@@ -139,7 +139,7 @@ def handle_run(args: argparse.Namespace) -> int:
     source = _read_text("file", args.file, "pass the path of a readable .py or .sh file")
     lang = args.lang or {".py": "python", ".sh": "bash"}.get(path.suffix)
     if lang is None:
-        raise UserError("--lang", None, f"cannot tell the language of {path.name}", "pass --lang python or --lang bash")
+        raise UserError("--lang", "not given", f"cannot tell the language of {path.name} from its suffix", "pass --lang python or --lang bash")
     name = "main.py" if lang == "python" else "main.sh"
     argv = [PYTHON, "-I", "-S", name] if lang == "python" else ["bash", name]
     config = _config(args)

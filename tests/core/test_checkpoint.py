@@ -8,6 +8,7 @@ random, NaN or integer weights loaded in silence."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -134,3 +135,22 @@ def test_a_chat_template_file_of_megabytes_is_refused_before_the_load(name: str,
             fh.truncate((4 << 20) + 1)  # sparse: its size is what is checked
 
     assert refused(edited(good, tmp_path, big)) == f"{name} is larger than 4 MiB (a chat template is a few KB)"
+
+
+@pytest.mark.parametrize(("make", "problem"), [
+    (lambda p: None, "no such folder"),
+    (lambda p: p.write_text("x"), "is a file, not a folder"),
+    (os.mkfifo, "is not a folder (a FIFO)"),
+    (lambda p: p.mkdir(), "no Hugging Face checkpoint there (config.json missing)"),
+])
+def test_a_checkpoint_that_is_no_folder_says_so(make, problem: str, tmp_path: Path) -> None:
+    """A FIFO, a file or nothing at all was "config.json missing", as for an empty folder."""
+    from components.core.prompts import load_tokenizer
+
+    path = tmp_path / "ckpt"
+    make(path)
+    for load in (load_policy, load_tokenizer):
+        with pytest.raises(UserError) as err:
+            load(f"file://{path}")
+        assert err.value.problem == problem
+        assert err.value.fix == "point at a folder written by save_pretrained, or re-run the stage that writes it"

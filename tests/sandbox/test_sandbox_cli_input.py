@@ -32,6 +32,7 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "latin1.py").write_bytes(b"x = '\xff'\n")
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "prog.rb").write_text("puts 1\n")
     return tmp_path
 
 
@@ -47,6 +48,7 @@ def files(tmp_path: Path) -> Path:
     (["--stdin-file", "folder", "ok.py"], "--stdin-file", "'folder'", "is a directory"),
     (["--stdin-file", "latin1.txt", "ok.py"], "--stdin-file", "'latin1.txt'", "not UTF-8"),
     (["latin1.py"], "file", "'latin1.py'", "not UTF-8"),
+    (["prog.rb"], "--lang", "'not given'", "pass --lang python or --lang bash"),  # was "--lang=None"
 ])
 def test_bad_input_is_one_line_and_exit_2(files, argv, flag, value, fix):
     proc = sandbox_run(*argv, cwd=files)
