@@ -69,6 +69,7 @@ def test_resolve_alias_tells_an_unset_alias_from_an_outage(monkeypatch: pytest.M
         RESOURCE_DOES_NOT_EXIST,
     )
 
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://h:5000")  # a server: the registry is asked
     cases = [
         (MlflowException("Registered model alias champion not found.", INVALID_PARAMETER_VALUE), None),
         (MlflowException("Registered Model with name=demo-policy not found", RESOURCE_DOES_NOT_EXIST), None),
