@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import NoReturn
@@ -216,6 +217,23 @@ def _joined_negative_shard(argv: list[str]) -> list[str]:
     return out
 
 
+SET_BY = {"--recipe": ("recipe", "POSTTRAIN_RECIPE"), "--run-root": ("run_root", "POSTTRAIN_RUN_ROOT")}
+"""A flag a UserError names, and the environment variable its value comes from when the
+command was given no such flag."""
+
+
+def _named_as_set(exc: UserError, args: argparse.Namespace) -> UserError:
+    """``exc`` naming ``POSTTRAIN_RUN_ROOT`` or ``POSTTRAIN_RECIPE`` where it names
+    ``--run-root`` or ``--recipe`` and the value came from that variable (the user typed
+    no such flag)."""
+    if exc.field not in SET_BY:
+        return exc
+    attr, variable = SET_BY[exc.field]
+    if getattr(args, attr, None) is not None or not os.environ.get(variable):
+        return exc
+    return UserError(variable, exc.value, exc.problem, exc.fix)
+
+
 EMPTY_REFUSED = ("recipe", "run_root", "backend")  # flags whose "" would quietly be their default
 
 
@@ -246,7 +264,7 @@ def _dispatch(args: argparse.Namespace, handlers: dict) -> int:
             return code
         return args.handler(args)
     except UserError as exc:
-        print(f"posttrain: error: {exc.line()}", file=sys.stderr)
+        print(f"posttrain: error: {_named_as_set(exc, args).line()}", file=sys.stderr)
         return EXIT_USER_ERROR
     except DataQualityError as exc:
         print(f"posttrain: {exc}", file=sys.stderr)

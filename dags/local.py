@@ -259,10 +259,17 @@ def _after_a_failure(record: logging.LogRecord) -> bool:
     failed for good: dag.test() marks the failure's downstream tasks upstream_failed one
     level per pass, a second apart, and names every one of them each time (3-6 lines of
     task-instance reprs before ``posttrain run`` can print the failure's one line). While
-    a task only waits for its retry, they still show."""
+    a task only waits for its retry, they still show. Once the process was told to stop
+    (SIGTERM or Ctrl-C, recorded by ``_signals_kept``), the wait ends here: dag.test()
+    logs this once a second, after its pass committed, while a task waits for its retry
+    (up to minutes), and ``tracking.Terminated`` leaves dag.test() from there."""
+    from components.core import runner, tracking
     from dags.wiring import FAILED_TASKS, FINAL_ERRORS
 
-    return not ((FAILED_TASKS or FINAL_ERRORS) and str(record.msg).startswith("No tasks to run"))
+    waiting = str(record.msg).startswith("No tasks to run")
+    if waiting and runner.stopping():  # told to stop while a task waits for its retry: stop now, not after the wait
+        raise tracking.Terminated(f"stopped by {runner.stop_signal().name}")
+    return not ((FAILED_TASKS or FINAL_ERRORS) and waiting)
 
 
 def _recipe_plugins() -> list[tuple[Any, str]]:

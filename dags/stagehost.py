@@ -67,8 +67,10 @@ class StageHostError(Exception):
 def enabled() -> bool:
     """``POSTTRAIN_STAGE_HOST``: on when unset, empty, ``1``, ``on`` or ``true``; off for
     ``0``, ``off`` or ``false``; anything else is a UserError."""
-    raw = os.environ.get(ENV, "")
-    value = raw.strip().lower()
+    from components.core.settings import env_text
+
+    raw = env_text(ENV)
+    value = raw.lower()
     if value in ("", "1", "on", "true"):
         return True
     if value in ("0", "off", "false"):

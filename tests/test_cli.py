@@ -191,6 +191,33 @@ def test_an_empty_flag_is_refused_not_its_default(command: list[str], flag: str,
     assert not home.exists() and not (REPO_ROOT / "rr").exists()
 
 
+@pytest.mark.parametrize(("variable", "value", "line"), [
+    ("POSTTRAIN_RUN_ROOT", "ftp://x/y", "POSTTRAIN_RUN_ROOT='ftp://x/y': unsupported URI scheme 'ftp'; "
+                                        "fix: use one of file://, s3://"),
+    ("POSTTRAIN_RUN_ROOT", " /tmp/x", "POSTTRAIN_RUN_ROOT=' /tmp/x': has white space around it; "
+                                      "fix: remove the spaces around it"),  # was stripped, and the run made it
+    ("POSTTRAIN_RECIPE", "/no/such.yaml", "POSTTRAIN_RECIPE='/no/such.yaml': no such recipe file; "
+                                          "fix: pass a YAML file such as recipes/demo.yaml"),
+    ("POSTTRAIN_GC", "   ", "POSTTRAIN_GC='   ': is only white space; fix: set a value, or unset it for the default"),
+    ("POSTTRAIN_STAGE_HOST", "  ", "POSTTRAIN_STAGE_HOST='  ': is only white space; "
+                                   "fix: set a value, or unset it for the default"),
+    ("POSTTRAIN_RETRY_DELAY_S", " ", "POSTTRAIN_RETRY_DELAY_S=' ': is only white space; "
+                                     "fix: set a value, or unset it for the default"),
+    ("POSTTRAIN_EXECUTION", " inprocess ", "POSTTRAIN_EXECUTION=' inprocess ': has white space around it; "
+                                          "fix: remove the spaces around it"),
+], ids=["run-root-scheme", "run-root-spaces", "recipe", "gc", "stage-host", "retry-delay", "execution"])
+def test_a_setting_from_the_environment_is_named_as_set(variable: str, value: str, line: str, tmp_path: Path) -> None:
+    """The run root's and the recipe's errors named ``--run-root``/``--recipe``, flags the
+    user never typed; a value of spaces was taken as unset, and one with spaces around
+    it was stripped without a word."""
+    home = tmp_path / "home"
+    env = {**base_env(home), variable: value}
+    argv = ["run", "--iterations", "1"] + ([] if variable == "POSTTRAIN_RECIPE" else ["--recipe", str(TINY_RECIPE)])
+    proc = posttrain(argv, env)
+    assert (proc.returncode, proc.stderr) == (2, f"posttrain: error: {line}\n"), proc.stdout[-2000:]
+    assert not (home / "store").exists() and not (home / "mlflow.db").exists()
+
+
 def test_taskgen_before_any_bootstrap_makes_no_home(tmp_path: Path) -> None:
     """Refused for want of a champion, it made the home's MLflow database first (looking
     the alias up), though a refused command makes no home."""

@@ -106,12 +106,25 @@ def check_home() -> Path:
     return path
 
 
+def env_text(name: str) -> str:
+    """The setting ``name`` from the environment: "" when unset or empty (not given); a
+    UserError for a value with white space around it, or only white space, which was
+    stripped, or taken as unset, without a word."""
+    from components.core.errors import UserError
+
+    raw = os.environ.get(name, "")
+    if raw != raw.strip():
+        raise UserError(name, raw, "has white space around it" if raw.strip() else "is only white space",
+                        "remove the spaces around it" if raw.strip() else "set a value, or unset it for the default")
+    return raw
+
+
 def default_run_root() -> str:
-    return os.environ.get("POSTTRAIN_RUN_ROOT") or str(home() / "store")
+    return env_text("POSTTRAIN_RUN_ROOT") or str(home() / "store")
 
 
 def default_recipe() -> str:
-    return os.environ.get("POSTTRAIN_RECIPE") or DEFAULT_RECIPE
+    return env_text("POSTTRAIN_RECIPE") or DEFAULT_RECIPE
 
 
 @dataclass(frozen=True)
@@ -180,7 +193,7 @@ def gc_policy() -> bool:
     a UserError (a typo would otherwise leave the policy on unnoticed)."""
     from components.core.errors import UserError
 
-    value = os.environ.get("POSTTRAIN_GC", "").strip().lower()
+    value = env_text("POSTTRAIN_GC").lower()
     if value in ("", "posttrain"):
         return True
     if value == "default":
@@ -220,7 +233,7 @@ def _check_image_run_root(run_root: str | None) -> None:
     """Inside an image the working directory is the read-only install and a container's
     files vanish with it: the run root must be named, and be a store URI or an absolute
     (mounted) folder."""
-    given = run_root or os.environ.get("POSTTRAIN_RUN_ROOT")
+    given = run_root or env_text("POSTTRAIN_RUN_ROOT")
     if not given:
         raise UserError("--run-root", "(unset)", "inside an image the run root must be given, not defaulted to a local folder",
                         "pass --run-root s3://bucket/prefix (or set POSTTRAIN_RUN_ROOT), or an absolute path to a mounted volume")
@@ -276,7 +289,7 @@ def resolve(recipe: str | None = None, run_root: str | None = None) -> RunSettin
     if chosen.startswith("file:") and "://" not in chosen:  # file:/abs/r.yaml, as a run root may be written
         chosen = normalize_uri(chosen, "--recipe")
     recipe_path = chosen if "://" in chosen else str(local_path(chosen, "--recipe"))
-    if not (run_root or os.environ.get("POSTTRAIN_RUN_ROOT")):
+    if not (run_root or env_text("POSTTRAIN_RUN_ROOT")):
         check_home()  # the default run root is in the home: a bad POSTTRAIN_HOME is named as such (made when work starts)
     else:
         home()  # its text at least, before the run root is made: the embedded MLflow database lives there

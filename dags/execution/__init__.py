@@ -35,6 +35,7 @@ from typing import Any
 
 from components import __version__
 from components.core.errors import UserError, value_text
+from components.core.settings import env_text
 from components.core.stages import StageSpec, resources
 
 MODE_VAR = "POSTTRAIN_EXECUTION"
@@ -55,8 +56,8 @@ first delay would be cut to it."""
 
 def mode() -> str:
     """The execution mode; a UserError (a DAG import error) naming the choices for a bad value."""
-    raw = os.environ.get(MODE_VAR) or ""
-    value = (raw or "inprocess").strip().lower()
+    raw = env_text(MODE_VAR)
+    value = (raw or "inprocess").lower()
     if value not in MODES:
         raise UserError(MODE_VAR, raw, "unknown execution mode",
                         f"use one of {', '.join(MODES)} (unset: inprocess)")
@@ -104,8 +105,8 @@ def schedule_value(value: str) -> str | None:
 def retry_delay_s() -> float:
     """``POSTTRAIN_RETRY_DELAY_S``: the first retry's delay in seconds, from 0 to
     ``MAX_RETRY_DELAY_S`` (default 10); a UserError otherwise."""
-    raw = os.environ.get(RETRY_DELAY_VAR) or ""
-    if not raw.strip():
+    raw = env_text(RETRY_DELAY_VAR)
+    if not raw:
         return RETRY_DELAY_DEFAULT_S
     try:
         value = float(raw)

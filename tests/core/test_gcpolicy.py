@@ -105,10 +105,19 @@ def test_a_library_call_of_main_keeps_the_callers_collector(posttrain_home: Path
     assert (gcpolicy.enabled(), gc.isenabled(), gc.get_freeze_count()) == (False, True, 0)
 
 
-@pytest.mark.parametrize(("value", "on"), [("", True), ("posttrain", True), ("default", False), (" Default ", False)])
+@pytest.mark.parametrize(("value", "on"), [("", True), ("posttrain", True), ("default", False), ("Default", False)])
 def test_the_setting(value: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POSTTRAIN_GC", value)
     assert settings.gc_policy() is on
+
+
+def test_a_setting_with_spaces_around_it_is_refused_not_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from components.core.errors import UserError
+
+    monkeypatch.setenv("POSTTRAIN_GC", " default ")
+    with pytest.raises(UserError) as info:
+        settings.gc_policy()
+    assert info.value.line() == "POSTTRAIN_GC=' default ': has white space around it; fix: remove the spaces around it"
 
 
 @pytest.mark.parametrize("command", [["run", "--recipe", str(TINY), "--iterations", "1"],

@@ -73,8 +73,9 @@ def test_the_file_systems_root_is_no_run_root(root: str, env: Path, capsys: pyte
     ([*RUN, "--run-root", "file://[x/y"], {},
      "--run-root='file://[x/y': a file URI with the host '[x': only local paths are supported; "
      "fix: write three slashes for a local path (file:///[x/y)"),
-    (RUN, {"POSTTRAIN_RUN_ROOT": "s3://[x"}, f"--run-root='s3://[x': {BRACKET_S3}"),
-    (["run", "--iterations", "1"], {"POSTTRAIN_RECIPE": "s3://[x/y.yaml"}, f"--recipe='s3://[x/y.yaml': {BRACKET_S3}"),
+    (RUN, {"POSTTRAIN_RUN_ROOT": "s3://[x"}, f"POSTTRAIN_RUN_ROOT='s3://[x': {BRACKET_S3}"),
+    (["run", "--iterations", "1"], {"POSTTRAIN_RECIPE": "s3://[x/y.yaml"},
+     f"POSTTRAIN_RECIPE='s3://[x/y.yaml': {BRACKET_S3}"),
     (["serve", "--checkpoint", "s3://[x"], {}, f"--checkpoint='s3://[x': {BRACKET_S3}"),
 ], ids=["run-root-s3", "run-root-file", "env-run-root", "env-recipe", "serve-checkpoint"])
 def test_a_bracket_in_a_store_uri_is_one_line(argv: list[str], environ: dict[str, str], line: str, env: Path,
@@ -206,7 +207,7 @@ def test_a_nul_in_a_recipe_location_is_one_cli_line(env: Path, capsys: pytest.Ca
     (["run", "--recipe", "~nosuchuser-posttrain/x.yaml", "--iterations", "1"], {},
      "--recipe='~nosuchuser-posttrain/x.yaml'"),
     (["run", "--iterations", "1"], {"POSTTRAIN_RECIPE": "~nosuchuser-posttrain/x.yaml"},
-     "--recipe='~nosuchuser-posttrain/x.yaml'"),
+     "POSTTRAIN_RECIPE='~nosuchuser-posttrain/x.yaml'"),
 ], ids=["run-root", "recipe", "env-recipe"])
 def test_the_home_of_no_user_is_one_line(argv: list[str], environ: dict[str, str], line: str, env: Path,
                                          capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,7 +319,7 @@ def test_a_recipe_uri_error_names_the_uri_given(uri: str, problem: str, env: Pat
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     uri = uri.format(tmp=env)
     monkeypatch.setenv("POSTTRAIN_RECIPE", uri)
-    assert refused(capsys, ["run", "--iterations", "1"]) == f"posttrain: error: --recipe={uri!r}: {problem}"
+    assert refused(capsys, ["run", "--iterations", "1"]) == f"posttrain: error: POSTTRAIN_RECIPE={uri!r}: {problem}"
 
 
 def test_a_recipe_uri_still_loads(tmp_path: Path) -> None:

@@ -53,8 +53,11 @@ def docker_env(monkeypatch):
 def test_the_mode_defaults_to_in_process_and_a_bad_value_names_the_choices(monkeypatch):
     monkeypatch.delenv("POSTTRAIN_EXECUTION", raising=False)
     assert mode() == "inprocess"
-    monkeypatch.setenv("POSTTRAIN_EXECUTION", "Docker ")
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "Docker")
     assert mode() == "docker"
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "docker ")  # was stripped without a word
+    with pytest.raises(UserError, match="has white space around it"):
+        mode()
     monkeypatch.setenv("POSTTRAIN_EXECUTION", "ecs")
     monkeypatch.setenv("POSTTRAIN_SCHEDULE", "")
     with pytest.raises(UserError) as info:  # a DAG import error of one line
