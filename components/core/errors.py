@@ -167,6 +167,8 @@ def outage(exc: BaseException) -> str | None:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        if isinstance(cur, InfraError):  # already one: its reason, not its whole line inside another's
+            return cur.reason
         if isinstance(cur, (ConnectionError, TimeoutError)) or type(cur).__name__ in _OUTAGE_TYPES:
             return f"{type(cur).__name__}: {str(cur).splitlines()[0] if str(cur) else ''}"
         if any(word in str(cur) for word in _OUTAGE_WORDS):

@@ -216,7 +216,7 @@ def torch_threads(default: str = "1") -> int:
     if raw.strip().lower() == "auto":
         return max(1, len(os.sched_getaffinity(0)))
     try:
-        count = int(raw)
+        count = int(raw) if raw.isascii() else 0  # int() reads other scripts' digits too ('٣' is 3)
     except ValueError:
         count = 0
     if not 1 <= count <= MAX_TORCH_THREADS:

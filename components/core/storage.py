@@ -280,6 +280,9 @@ def _check_endpoint(var: str, endpoint: str) -> None:
         raise UserError(var, endpoint, "has a query or fragment, which an S3 endpoint does not take", fix)
 
 
+CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
 def _check_aws_settings() -> None:
     """The AWS variables botocore would refuse deep inside the first request (then named
     as the run root being unreachable): the region's form, the retry mode, and a CA
@@ -290,6 +293,12 @@ def _check_aws_settings() -> None:
                             "set it to e.g. us-east-1, or unset it")
     if (mode := os.environ.get("AWS_RETRY_MODE")) and mode not in RETRY_MODES:
         raise UserError("AWS_RETRY_MODE", mode, f"is not one of {', '.join(RETRY_MODES)}", "set it to standard, or unset it")
+    for var in CREDENTIAL_VARS:  # an HTTP header or a signature holds printable ASCII only: botocore failed to encode it
+        value = os.environ.get(var, "")
+        if value and not (value.isascii() and value.isprintable()):
+            raise UserError(var, "(hidden)" if "SECRET" in var or "TOKEN" in var else value,
+                            "holds a character that is not printable ASCII (a key has letters, digits and +/=)",
+                            f"set {var} to the key as the provider gave it, or unset it")
     if bundle := os.environ.get("AWS_CA_BUNDLE"):
         try:
             readable = os.path.isfile(bundle) and os.access(bundle, os.R_OK)
@@ -306,7 +315,8 @@ def _s3_options() -> dict[str, Any]:
     _check_aws_settings()
     if endpoint:
         if endpoint != endpoint.strip():
-            raise UserError(var, endpoint, "has white space around it", f"write {endpoint.strip()}")
+            raise UserError(var, endpoint, "has white space around it" if endpoint.strip() else "is only white space",
+                            f"write {endpoint.strip()}" if endpoint.strip() else "set it to http(s)://host:port, or unset it")
         if not endpoint.startswith(("http://", "https://")):
             given = scheme(endpoint) if "://" in endpoint else ""
             if given:  # ftp://host: another scheme, not a missing one

@@ -97,3 +97,17 @@ def test_a_final_error_crosses_to_posttrain_kfp_local_as_itself() -> None:
     assert gate.exit_code == 3
     mistake = final_error_from_json(UserError("taskgen.task_file", "t.jsonl", "has no rows", "add rows").to_json())
     assert type(mistake) is UserError and mistake.line() == "taskgen.task_file='t.jsonl': has no rows; fix: add rows"
+
+
+def test_an_outage_wrapped_in_another_error_keeps_its_reason_once() -> None:
+    """The outage line said "...: InfraError: tracking server unreachable at ...; retry once
+    it is back; retry once it is back"."""
+    from components.core.errors import InfraError, outage
+
+    first = InfraError("tracking server", "http://127.0.0.1:9", "ConnectionRefusedError: refused")
+    try:
+        raise RuntimeError("the stage failed") from first
+    except RuntimeError as exc:
+        again = InfraError("tracking server", "http://127.0.0.1:9", outage(exc))
+    assert again.line() == "tracking server unreachable at 'http://127.0.0.1:9': ConnectionRefusedError: refused; " \
+                           "retry once it is back"

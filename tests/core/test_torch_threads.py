@@ -41,10 +41,11 @@ def test_the_default_applies_only_when_unset_or_empty(raw: str | None, default: 
     assert settings.torch_threads(default=default) == expected
 
 
-BAD = ["0", "-2", "two", "1.5", "513", "100000", "9" * 5000, "٣٠٠٠"]  # 5,000 digits; Arabic-Indic 3000
+BAD = ["0", "-2", "two", "1.5", "513", "100000", "9" * 5000, "٣٠٠٠", "٣"]  # 5,000 digits; Arabic-Indic 3000 and 3
 
 
-@pytest.mark.parametrize("raw", BAD, ids=["0", "-2", "two", "1.5", "513", "100000", "5000-digits", "arabic-3000"])
+@pytest.mark.parametrize("raw", BAD, ids=["0", "-2", "two", "1.5", "513", "100000", "5000-digits", "arabic-3000",
+                                          "arabic-3"])
 def test_a_bad_value_names_the_variable_and_the_fix(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POSTTRAIN_TORCH_THREADS", raw)
     with pytest.raises(UserError) as err:

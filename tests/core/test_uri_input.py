@@ -444,6 +444,11 @@ def test_an_endpoint_of_another_scheme_is_named_with_a_fix_that_works(monkeypatc
     ({"AWS_REGION": "US-EAST-1"}, "AWS_REGION='US-EAST-1': is not a region name"),
     ({"AWS_RETRY_MODE": "bogus"}, "AWS_RETRY_MODE='bogus': is not one of legacy, standard, adaptive"),
     ({"AWS_CA_BUNDLE": "/nonexistent/ca.pem"}, "AWS_CA_BUNDLE='/nonexistent/ca.pem': is not a readable file"),
+    ({"AWS_SECRET_ACCESS_KEY": "se\udcffcret"}, "AWS_SECRET_ACCESS_KEY='(hidden)': holds a character that is not "
+                                                "printable ASCII"),  # was UnicodeEncodeError, blaming the endpoint
+    ({"AWS_ACCESS_KEY_ID": "key\n"}, "AWS_ACCESS_KEY_ID='key\\n': holds a character that is not printable ASCII"),
+    ({"AWS_ENDPOINT_URL": "  "}, "AWS_ENDPOINT_URL='  ': is only white space; fix: set it to http(s)://host:port, "
+                                 "or unset it"),  # the fix was empty
 ])
 def test_an_aws_setting_botocore_cannot_use_is_named_itself(env: dict, line: str, monkeypatch) -> None:
     """Before, each was "--run-root='s3://...': store is not reachable or not writable (...)" with a fix
