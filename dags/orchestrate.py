@@ -296,10 +296,14 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     # made) instead of failing a stage's task, or the DAG's import after Airflow started.
     settings.torch_threads()
     settings.gc_policy()
+    runner.code_version()  # every stage's manifest records it (a container's tasks check their own)
     if stage_host and driver.STAGES_IN_PROCESS:
         stagehost.enabled()
     if recipe.rollout.engine == "vllm":
         settings.check_vllm()
+        from components.rollout import vllm_engine
+
+        vllm_engine.check_before_run()
     preflight.tracking_uri()
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
         execution.check_settings()

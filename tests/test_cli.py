@@ -7,6 +7,7 @@ traceback, and nothing half-written (no manifest of the failing stage, no new fi
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from components import __version__
 from components.core.facts import Scored
 from components.core.runner import run_stage
 from components.core.storage import Store
@@ -205,7 +207,10 @@ def test_an_empty_flag_is_refused_not_its_default(command: list[str], flag: str,
                                      "fix: set a value, or unset it for the default"),
     ("POSTTRAIN_EXECUTION", " inprocess ", "POSTTRAIN_EXECUTION=' inprocess ': has white space around it; "
                                           "fix: remove the spaces around it"),
-], ids=["run-root-scheme", "run-root-spaces", "recipe", "gc", "stage-host", "retry-delay", "execution"])
+    ("POSTTRAIN_CODE_VERSION", "not a version", "POSTTRAIN_CODE_VERSION='not a version': is not a version (letters, "
+     "digits, '.', '_', '+', '-'; at most 128); fix: set it to the code's version or commit, e.g. "
+     f"{__version__}, or unset it"),  # was checked when bootstrap's manifest was written
+], ids=["run-root-scheme", "run-root-spaces", "recipe", "gc", "stage-host", "retry-delay", "execution", "code-version"])
 def test_a_setting_from_the_environment_is_named_as_set(variable: str, value: str, line: str, tmp_path: Path) -> None:
     """The run root's and the recipe's errors named ``--run-root``/``--recipe``, flags the
     user never typed; a value of spaces was taken as unset, and one with spaces around
@@ -215,6 +220,20 @@ def test_a_setting_from_the_environment_is_named_as_set(variable: str, value: st
     argv = ["run", "--iterations", "1"] + ([] if variable == "POSTTRAIN_RECIPE" else ["--recipe", str(TINY_RECIPE)])
     proc = posttrain(argv, env)
     assert (proc.returncode, proc.stderr) == (2, f"posttrain: error: {line}\n"), proc.stdout[-2000:]
+    assert not (home / "store").exists() and not (home / "mlflow.db").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM importable here")
+def test_a_vllm_python_without_vllm_is_refused_before_bootstrap(tmp_path: Path) -> None:
+    """It was found when rollout started its server, after bootstrap had trained, and the
+    message held the probe's traceback."""
+    home = tmp_path / "home"
+    env = {**base_env(home), "POSTTRAIN_VLLM_PYTHON": sys.executable}
+    proc = posttrain(["run", "--iterations", "1", "--recipe", str(REPO_ROOT / "recipes" / "tiny-vllm.yaml")], env)
+    assert (proc.returncode, proc.stderr) == (2, f"posttrain: error: POSTTRAIN_VLLM_PYTHON={sys.executable!r}: cannot "
+                                                 "import vllm there (ModuleNotFoundError: No module named 'vllm'); fix: "
+                                                 "run `make vllm` again, or point POSTTRAIN_VLLM_PYTHON at a Python "
+                                                 "with vllm\n"), proc.stdout[-2000:]
     assert not (home / "store").exists() and not (home / "mlflow.db").exists()
 
 

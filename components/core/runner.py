@@ -335,6 +335,7 @@ def headline(named: dict[str, float], most: int = 4) -> str:
 
 def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,
                orchestrator_run_id: str, in_order: bool = False) -> Manifest | None:
+    version = code_version()  # a bad POSTTRAIN_CODE_VERSION before any work, not when the manifest is written
     ctx = make_context(stage, recipe, run_root, iteration, shard)
     if in_order and stage == "taskgen":
         _check_in_order(ctx)
@@ -343,7 +344,7 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     digest = config_digest(ctx.recipe.whole, stage)
     label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
     existing = read_manifest(ctx.store, ctx.prefix)
-    hit = existing is not None and existing.matches(ctx.inputs, digest, code_version())
+    hit = existing is not None and existing.matches(ctx.inputs, digest, version)
     # only a stage that can follow reads the PET_* placement (a bad value there is its error alone)
     node = this_node() if hasattr(module, "follow") else None
     if node is not None and node.multi and not node.leader:
@@ -384,7 +385,7 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
         finished = time.time()
         manifest = Manifest(
             stage=stage, pipeline=ctx.pipeline, iteration=ctx.iteration, shard=str(ctx.shard) if ctx.sharded else None,
-            inputs=dict(ctx.inputs), config_digest=digest, code_version=code_version(), outputs=dict(ctx.outputs),
+            inputs=dict(ctx.inputs), config_digest=digest, code_version=version, outputs=dict(ctx.outputs),
             metrics=named, info=to_json(ctx.facts) if ctx.facts is not None else {},
             timings={"start": started, "end": finished, "duration_s": finished - started}, mlflow_run_id=run_id,
         )

@@ -58,7 +58,7 @@ from components.core.checkpoint import LOADED_FOLDERS
 from components.core.errors import UserError
 from components.rollout.engines import Engine, Generation
 from components.rollout.openai_engine import OpenAIEngine
-from components.rollout.vllm_server import VLLMServer, check_head_size
+from components.rollout.vllm_server import VLLMServer, check_head_size, cpu_head_sizes
 
 INSTALL_HINT = ("run `make vllm` (vLLM's CPU build in .venv-vllm, or POSTTRAIN_VLLM_PYTHON=<its python>) or "
                 "`pip install vllm` (GPU), or set rollout.engine: hf")
@@ -66,6 +66,21 @@ INSTALL_HINT = ("run `make vllm` (vLLM's CPU build in .venv-vllm, or POSTTRAIN_V
 
 def vllm_importable() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def check_before_run() -> None:
+    """What a run with ``rollout.engine: vllm`` checks before any work: vLLM importable in
+    this process, else an interpreter that has it (``POSTTRAIN_VLLM_PYTHON`` or
+    ``.venv-vllm``), probed as the server would be (seconds): before, a missing or broken
+    one was found when rollout started its server, after bootstrap's training."""
+    if vllm_importable():
+        return
+    python = settings.vllm_python()
+    if not python:
+        raise UserError("rollout.engine", "vllm", "vLLM is neither importable here nor installed in its own "
+                        "environment (POSTTRAIN_VLLM_PYTHON unset, no .venv-vllm in this checkout)", INSTALL_HINT)
+    settings.check_vllm_python(python)
+    cpu_head_sizes(python)
 
 
 def import_vllm():

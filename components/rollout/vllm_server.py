@@ -82,8 +82,8 @@ def cpu_head_sizes(python: str) -> tuple[int, ...]:
         raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot run it ({exc.strerror or type(exc).__name__})",
                         fix) from None
     if done.returncode != 0:
-        tail = " | ".join(done.stderr.strip().splitlines()[-LOG_TAIL_LINES:])
-        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot import vllm there ({tail})", fix)
+        last_line = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]  # the exception, not its traceback
+        raise UserError("POSTTRAIN_VLLM_PYTHON", python, f"cannot import vllm there ({last_line[:300]})", fix)
     last = (done.stdout.strip().splitlines() or [""])[-1]
     try:
         sizes = json.loads(last)
