@@ -307,6 +307,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     preflight.tracking_uri()
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
         execution.check_settings()
+        execution.check_engine_here()
         if execution.mode() == "inprocess" and recipe.trainer.device == "cuda":
             check_cuda()  # the trainer runs here: no GPU is refused now, not after rollout and reward
     home = settings.made_home()

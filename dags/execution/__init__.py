@@ -141,6 +141,37 @@ def check_settings() -> None:
         cluster.cluster_settings()
 
 
+def check_engine_here() -> None:
+    """``posttrain run``'s check, before any work, that this machine can reach the chosen
+    mode's engine at all: a Kubernetes configuration (in-cluster, or a kubeconfig), a
+    Docker engine's socket. Before, each stage task failed on it and was retried as an
+    outage, minutes of tracebacks and then exit 1. Not at the DAG's import: a scheduler's
+    workers have their own. A socket or cluster that is there but does not answer is
+    still an outage, retried."""
+    chosen = mode()
+    if chosen == "kubernetes":
+        from kubernetes import config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            try:
+                config.load_kube_config()
+            except Exception as exc:  # noqa: BLE001 - ConfigException, or a kubeconfig that does not parse
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+                raise UserError(MODE_VAR, chosen, f"no Kubernetes configuration here ({why})",
+                                "point KUBECONFIG at the cluster's config, or unset POSTTRAIN_EXECUTION to run the "
+                                "stages in this process") from None
+    elif chosen == "docker":
+        given = os.environ.get("DOCKER_HOST") or ""
+        url = given or "unix:///var/run/docker.sock"
+        if url.startswith("unix://") and not os.path.exists(url[len("unix://"):]):
+            raise UserError("DOCKER_HOST" if given else MODE_VAR, given or chosen,
+                            f"no Docker engine socket at {url[len('unix://'):]}",
+                            "start the engine (dockerd, or `podman system service`) or point DOCKER_HOST at its socket, "
+                            "or unset POSTTRAIN_EXECUTION to run the stages in this process")
+
+
 IMAGE_PREFIX_VAR, IMAGE_TAG_VAR = "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG"
 # The image reference grammar of the OCI distribution spec (what docker, podman and the kubelet parse)
 _HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"

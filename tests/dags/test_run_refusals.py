@@ -265,3 +265,26 @@ def test_the_home_lock_holds_the_runs_host_and_pid_and_is_empty_after(tmp_path: 
     with home_lock(tmp_path):
         assert f"pid {os.getpid()}" in (tmp_path / "run.lock").read_text()
     assert (tmp_path / "run.lock").read_text() == ""
+
+
+def test_an_engine_this_machine_cannot_reach_is_refused_before_any_work(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage task failed on it and was retried as an outage: minutes of tracebacks,
+    then exit 1 (no kubeconfig: 137 s)."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "kubernetes")
+    with pytest.raises(UserError) as info:
+        execution.check_engine_here()
+    assert info.value.field == "POSTTRAIN_EXECUTION" and info.value.problem.startswith("no Kubernetes configuration here")
+
+    monkeypatch.setenv("POSTTRAIN_EXECUTION", "docker")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/docker.sock")
+    with pytest.raises(UserError) as info:
+        execution.check_engine_here()
+    assert info.value.line() == (f"DOCKER_HOST='unix://{tmp_path}/docker.sock': no Docker engine socket at "
+                                 f"{tmp_path}/docker.sock; fix: start the engine (dockerd, or `podman system service`) "
+                                 "or point DOCKER_HOST at its socket, or unset POSTTRAIN_EXECUTION to run the stages "
+                                 "in this process")
+    (tmp_path / "docker.sock").touch()  # there: whether it answers is an outage, found (and retried) by the task
+    execution.check_engine_here()
