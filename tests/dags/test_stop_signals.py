@@ -61,14 +61,17 @@ def test_a_stage_raises_on_ctrl_c_and_sigterm_and_the_recording_resumes_after(fr
     assert runner._stop_signals == [signal.SIGINT, signal.SIGTERM, signal.SIGINT]
 
 
-def test_a_recorded_stop_ends_dag_test_while_a_task_waits_for_its_retry(fresh_stop_state) -> None:
+def test_a_recorded_stop_ends_dag_test_while_a_task_waits_for_its_retry(fresh_stop_state, monkeypatch) -> None:
     """dag.test() logs "No tasks to run" once a second while a task waits for its retry
     (minutes in docker mode without a Docker daemon): a recorded SIGTERM made the command
     wait that out; it now leaves dag.test() from there."""
     import logging
 
+    from dags import wiring
     from dags.local import _after_a_failure
 
+    monkeypatch.setattr(wiring, "FAILED_TASKS", [])  # as in a run where no task has failed for good (another
+    monkeypatch.setattr(wiring, "FINAL_ERRORS", [])  # test's run in this process may have left some)
     record = logging.LogRecord("airflow.sdk.definitions.dag", logging.WARNING, __file__, 1,
                                "No tasks to run. unrunnable tasks: %s", ({"rollout"},), None)
     assert _after_a_failure(record) is True  # not told to stop: the wait goes on, and the line shows
