@@ -217,18 +217,13 @@ def _joined_negative_shard(argv: list[str]) -> list[str]:
     return out
 
 
-SET_BY = {"--recipe": ("recipe", "POSTTRAIN_RECIPE"), "--run-root": ("run_root", "POSTTRAIN_RUN_ROOT")}
-"""A flag a UserError names, and the environment variable its value comes from when the
-command was given no such flag."""
-
-
 def _named_as_set(exc: UserError, args: argparse.Namespace) -> UserError:
     """``exc`` naming ``POSTTRAIN_RUN_ROOT`` or ``POSTTRAIN_RECIPE`` where it names
     ``--run-root`` or ``--recipe`` and the value came from that variable (the user typed
     no such flag)."""
-    if exc.field not in SET_BY:
+    if exc.field not in settings.FLAG_VARIABLES:
         return exc
-    attr, variable = SET_BY[exc.field]
+    attr, variable = settings.FLAG_VARIABLES[exc.field]
     if getattr(args, attr, None) is not None or not os.environ.get(variable):
         return exc
     return UserError(variable, exc.value, exc.problem, exc.fix)

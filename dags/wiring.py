@@ -105,20 +105,16 @@ def _fail_now(exc: BaseException) -> BaseException:
     return exc
 
 
-GIVEN_AS = {"--recipe": ("recipe", "POSTTRAIN_RECIPE"), "--run-root": ("run_root", "POSTTRAIN_RUN_ROOT")}
-"""The CLI's flag a UserError about the recipe or run root names, and what a DAG run took
-it from instead: its conf's key, else the environment variable."""
-
-
 def _named_as_given(exc: BaseException, params: dict[str, Any], conf: dict[str, Any]) -> BaseException:
     """``exc`` naming the run conf's key or the environment variable a value came from,
     where it names the CLI's ``--recipe``/``--run-root`` (which a DAG run has none of). A
     run ``posttrain run`` started (it sets ``holder``) keeps the flag its user typed."""
     from components.core.errors import UserError
+    from components.core.settings import FLAG_VARIABLES
 
-    if not isinstance(exc, UserError) or exc.field not in GIVEN_AS or params.get("holder"):
+    if not isinstance(exc, UserError) or exc.field not in FLAG_VARIABLES or params.get("holder"):
         return exc
-    key, variable = GIVEN_AS[exc.field]
+    key, variable = FLAG_VARIABLES[exc.field]
     return UserError(key if conf.get(key) else variable, exc.value, exc.problem, exc.fix)
 
 

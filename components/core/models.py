@@ -34,7 +34,7 @@ import os
 import tempfile
 import time
 
-from components.core import settings, tracking
+from components.core import tracking
 from components.core.errors import InfraError, UserError, outage
 
 POLICY_SUFFIX = "-policy"
@@ -181,7 +181,7 @@ def resolve_alias(pipeline: str, alias: str) -> tuple[str, str, dict[str, str]] 
     and a stage refused for it makes no home."""
     from mlflow.exceptions import MlflowException
 
-    if not os.environ.get(tracking.VARIABLE) and not (settings.home() / "mlflow.db").exists():
+    if not os.environ.get(tracking.VARIABLE) and not tracking.embedded_db().exists():
         return None
     try:
         mv = tracking.client().get_model_version_by_alias(model_name(pipeline), alias)

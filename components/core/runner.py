@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from importlib import import_module
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from components import __version__
 from components.core import gcpolicy, planner, preflight, timeline, tracking
@@ -224,18 +225,11 @@ def stop_signals_recorded() -> Iterator[None]:
     must not be cut off at any line: ``posttrain run``'s ``dag.test()`` between its tasks,
     each of which raises again while its stage runs (``stop_signals_raised``) and refuses
     to start once the process was told to stop. Main thread only (elsewhere: nothing)."""
-    if threading.current_thread() is not threading.main_thread():
+    with _handlers_put_back() as before:
+        for sig in before:
+            if sig == signal.SIGTERM or before[sig] is _terminate:
+                signal.signal(sig, _record)
         yield
-        return
-    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
-        if sig == signal.SIGTERM or before[sig] is _terminate:
-            signal.signal(sig, _record)
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -243,13 +237,22 @@ def stop_signals_raised() -> Iterator[None]:
     """Within: SIGTERM raises ``tracking.Terminated`` (``stop_on_sigterm``), and so does a
     SIGINT that was being recorded (``stop_signals_recorded``); the handlers before are
     put back after. Main thread only (elsewhere: nothing)."""
-    if threading.current_thread() is not threading.main_thread():
+    with _handlers_put_back() as before:
+        if before:
+            stop_on_sigterm(sigint=before[signal.SIGINT] is _record)
         yield
+
+
+@contextlib.contextmanager
+def _handlers_put_back() -> Iterator[dict[int, Any]]:
+    """``STOP_SIGNALS``' handlers as they are, put back after the block; {} off the main
+    thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield {}
         return
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    stop_on_sigterm(sigint=before[signal.SIGINT] is _record)
     try:
-        yield
+        yield before
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

@@ -106,6 +106,11 @@ def check_home() -> Path:
     return path
 
 
+FLAG_VARIABLES = {"--recipe": ("recipe", "POSTTRAIN_RECIPE"), "--run-root": ("run_root", "POSTTRAIN_RUN_ROOT")}
+"""The flags whose value may come from the environment instead: flag -> (its argument and
+run parameter name, the variable), for an error to name what the value came from."""
+
+
 def env_text(name: str) -> str:
     """The setting ``name`` from the environment: "" when unset or empty (not given); a
     UserError for a value with white space around it, or only white space, which was

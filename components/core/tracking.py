@@ -88,9 +88,14 @@ def stage_run_name(label: str, iteration: int) -> str:
     return label if label == "bootstrap" else f"{label}{SEP}{iteration_name(iteration)}"
 
 
+def embedded_db() -> Path:
+    """The home's own SQLite database file (made by nothing here)."""
+    return settings.home() / "mlflow.db"
+
+
 def embedded_uri() -> str:
-    """The tracking URI of the home's own SQLite database (made by nothing here)."""
-    return f"sqlite:///{settings.home() / 'mlflow.db'}"
+    """The tracking URI of ``embedded_db``."""
+    return f"sqlite:///{embedded_db()}"
 
 
 def tracking_uri() -> str:

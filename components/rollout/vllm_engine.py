@@ -75,12 +75,19 @@ def check_before_run() -> None:
     one was found when rollout started its server, after bootstrap's training."""
     if vllm_importable():
         return
-    python = settings.vllm_python()
+    python = server_python()
+    settings.check_vllm_python(python)
+    cpu_head_sizes(python)
+
+
+def server_python(given: str | None = None) -> str:
+    """The interpreter a vLLM server runs in: ``given``, else ``settings.vllm_python``; a
+    UserError when that is none ("")."""
+    python = settings.vllm_python() if given is None else given
     if not python:
         raise UserError("rollout.engine", "vllm", "vLLM is neither importable here nor installed in its own "
                         "environment (POSTTRAIN_VLLM_PYTHON unset, no .venv-vllm in this checkout)", INSTALL_HINT)
-    settings.check_vllm_python(python)
-    cpu_head_sizes(python)
+    return python
 
 
 def import_vllm():
@@ -143,11 +150,7 @@ class VLLMEngine(Engine):
         return vllm_importable()
 
     def _python(self) -> str:
-        python = settings.vllm_python() if self.server_python is None else self.server_python
-        if not python:
-            raise UserError("rollout.engine", "vllm", "vLLM is neither importable here nor installed in its own "
-                            "environment (POSTTRAIN_VLLM_PYTHON unset, no .venv-vllm in this checkout)", INSTALL_HINT)
-        return python
+        return server_python(self.server_python)
 
     def server_for(self, policy) -> VLLMServer:
         """The running server of ``policy``'s checkpoint (the previous checkpoint's is stopped first)."""
