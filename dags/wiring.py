@@ -38,13 +38,13 @@ callback or the stage's next attempt ends it.
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 from functools import cache
 from typing import Any
 
 from airflow.sdk import Asset, task
 
+from components.core.settings import env_text
 from components.core.stages import StageSpec
 from dags import stagehost
 from dags.execution import MAX_RETRY_DELAY_S, SCHEDULE_VAR, container_task, mode, retry_delay_s, schedule_value
@@ -68,7 +68,7 @@ def parse_schedule(value: str) -> str | Asset | None:
 
 
 def schedule() -> str | Asset | None:
-    value = os.environ.get(SCHEDULE_VAR)
+    value = env_text(SCHEDULE_VAR) or None  # empty: unset, as for every setting
     if value is None:
         try:  # an Airflow Variable (or AIRFLOW_VAR_POSTTRAIN_SCHEDULE); absent or unreadable: manual
             from airflow.sdk import Variable

@@ -210,14 +210,23 @@ def test_an_empty_flag_is_refused_not_its_default(command: list[str], flag: str,
     ("POSTTRAIN_CODE_VERSION", "not a version", "POSTTRAIN_CODE_VERSION='not a version': is not a version (letters, "
      "digits, '.', '_', '+', '-'; at most 128); fix: set it to the code's version or commit, e.g. "
      f"{__version__}, or unset it"),  # was checked when bootstrap's manifest was written
-], ids=["run-root-scheme", "run-root-spaces", "recipe", "gc", "stage-host", "retry-delay", "execution", "code-version"])
+    # these three were stripped by int(), float() and the schedule's parser
+    ("POSTTRAIN_TORCH_THREADS", " 2", "POSTTRAIN_TORCH_THREADS=' 2': has white space around it; "
+                                      "fix: remove the spaces around it"),
+    ("POSTTRAIN_SCHEDULE", "@daily ", "POSTTRAIN_SCHEDULE='@daily ': has white space around it; "
+                                      "fix: remove the spaces around it"),
+    ("POSTTRAIN_VLLM_START_TIMEOUT_S", " 600", "POSTTRAIN_VLLM_START_TIMEOUT_S=' 600': has white space around it; "
+                                               "fix: remove the spaces around it"),
+], ids=["run-root-scheme", "run-root-spaces", "recipe", "gc", "stage-host", "retry-delay", "execution", "code-version",
+        "torch-threads", "schedule", "vllm-start-timeout"])
 def test_a_setting_from_the_environment_is_named_as_set(variable: str, value: str, line: str, tmp_path: Path) -> None:
     """The run root's and the recipe's errors named ``--run-root``/``--recipe``, flags the
     user never typed; a value of spaces was taken as unset, and one with spaces around
     it was stripped without a word."""
     home = tmp_path / "home"
     env = {**base_env(home), variable: value}
-    argv = ["run", "--iterations", "1"] + ([] if variable == "POSTTRAIN_RECIPE" else ["--recipe", str(TINY_RECIPE)])
+    recipe = REPO_ROOT / "recipes" / "tiny-vllm.yaml" if variable == "POSTTRAIN_VLLM_START_TIMEOUT_S" else TINY_RECIPE
+    argv = ["run", "--iterations", "1"] + ([] if variable == "POSTTRAIN_RECIPE" else ["--recipe", str(recipe)])
     proc = posttrain(argv, env)
     assert (proc.returncode, proc.stderr) == (2, f"posttrain: error: {line}\n"), proc.stdout[-2000:]
     assert not (home / "store").exists() and not (home / "mlflow.db").exists()
@@ -242,8 +251,10 @@ def test_taskgen_before_any_bootstrap_makes_no_home(tmp_path: Path) -> None:
     the alias up), though a refused command makes no home."""
     home = tmp_path / "home"
     proc = posttrain(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--iteration", "1"], base_env(home))
+    # the fix names the run root: a bootstrap that followed it into another run root would not help
     assert_user_error(proc, "rollout.policy='champion': registered model 'tiny-policy' has no champion yet",
-                      "fix: run 'posttrain stage bootstrap' first")
+                      f"fix: run 'posttrain stage bootstrap --run-root {(home / 'store').as_uri()}', with this run's "
+                      "--recipe, first ('posttrain run' does it for you)")
     assert not home.exists()
 
 

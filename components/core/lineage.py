@@ -11,6 +11,8 @@ same policy.
 
 from __future__ import annotations
 
+import shlex
+
 from components.core import models
 from components.core.errors import UserError
 from components.core.recipe import Recipe
@@ -19,13 +21,16 @@ from components.core.storage import normalize_uri
 ALIASES = ("champion", "candidate")
 
 
-def resolve_policy(recipe: Recipe) -> tuple[str, str]:
+def resolve_policy(recipe: Recipe, run_root: str = "") -> tuple[str, str]:
+    """(version, checkpoint URI) of ``rollout.policy``; an alias not set yet is a UserError
+    whose fix is the bootstrap command (under ``run_root``, when given)."""
     ref = recipe.rollout.policy
     if ref in ALIASES:
         found = models.resolve_alias(recipe.pipeline, ref)
         if found is None:
+            where = f" --run-root {shlex.quote(run_root)}', with this run's --recipe," if run_root else "'"
             raise UserError("rollout.policy", ref, f"registered model '{models.model_name(recipe.pipeline)}' has no {ref} yet",
-                            "run 'posttrain stage bootstrap' first ('posttrain run' does it for you)")
+                            f"run 'posttrain stage bootstrap{where} first ('posttrain run' does it for you)")
         version, uri, _ = found
         return version, uri
     return "external", normalize_uri(models.resolve_model_uri(ref, "rollout.policy"), "rollout.policy")

@@ -175,7 +175,7 @@ MIN_VLLM_START_TIMEOUT_S = 1.0  # a vLLM server takes seconds to start: less nev
 def vllm_start_timeout_s() -> float:
     """``POSTTRAIN_VLLM_START_TIMEOUT_S``: seconds from 1 up to a day (default 600); a
     UserError otherwise (NaN, inf and 1e400 would wait for ever)."""
-    raw = os.environ.get("POSTTRAIN_VLLM_START_TIMEOUT_S") or "600"
+    raw = env_text("POSTTRAIN_VLLM_START_TIMEOUT_S") or "600"  # float() would strip white space
     try:
         value = float(raw)
     except ValueError:
@@ -217,8 +217,8 @@ def torch_threads(default: str = "1") -> int:
     times over. Not covered: a CPU quota (a container's ``cpu.max``) narrower than the
     affinity mask: ``auto`` counts the mask; give such a pod its count. ``default``: the
     value when the variable is unset or empty."""
-    raw = os.environ.get("POSTTRAIN_TORCH_THREADS") or default
-    if raw.strip().lower() == "auto":
+    raw = env_text("POSTTRAIN_TORCH_THREADS") or default  # int() would strip white space
+    if raw.lower() == "auto":
         return max(1, len(os.sched_getaffinity(0)))
     try:
         count = int(raw) if raw.isascii() else 0  # int() reads other scripts' digits too ('٣' is 3)

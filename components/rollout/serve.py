@@ -34,9 +34,10 @@ prompt's tokens plus ``max_tokens`` must fit the model's ``max_position_embeddin
 vLLM refuses a request over its context length, where ``HFEngine`` itself would shorten
 the completion). Other paths and methods get OpenAI's error body too (404, 405); there
 are no ``/docs`` pages, and a path with a trailing slash is a 404, not a redirect. HTTP is
-parsed by h11: a request head past 16 KiB is refused (400) as it arrives, and past
-``MAX_CONNECTIONS`` (64) open connections a new request is answered 503, so the bodies of
-waiting requests stay bounded. ``logprobs.text_offset`` is where each token's text starts
+parsed by h11: a request head past 16 KiB (``MAX_HEAD_BYTES``) is refused (400) as it
+arrives, and one that arrived whole before h11 could see its size is refused with the same
+400 before the app reads it; at most ``MAX_CONNECTIONS`` (64) connections are open, a new
+request past them is answered 503, so the bodies of waiting requests stay bounded. ``logprobs.text_offset`` is where each token's text starts
 in the choice's ``text``. Requests wait their turn on the event loop, and one whose client
 has gone by then is not generated when the server has seen the connection close (for a
 body over 64 KiB uvicorn may have stopped reading it, and the request is generated).
@@ -87,6 +88,7 @@ MAX_BODY_BYTES = 8 << 20  # a request body; 256 prompts of the longest context f
 MAX_LOGPROBS = 5  # OpenAI's completions take 'logprobs' from 0 to 5 (only the sampled token's are returned)
 GRACEFUL_SHUTDOWN_S = 30  # a client that stalls its upload does not hold the server up past this on SIGTERM
 MAX_CONNECTIONS = 64  # open connections (and so request bodies held while they wait for the lock); more get 503
+MAX_HEAD_BYTES = 16 << 10  # a request line and its headers (h11's limit on a head still arriving)
 NEUTRAL = {"top_k": (None, -1, 0), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
            "repetition_penalty": (None, 1), "min_p": (None, 0), "logit_bias": (None, {}), "suffix": (None, "")}
 """Sampling options of OpenAI's or vLLM's completions API this server does not implement:
@@ -313,6 +315,13 @@ def text_offsets(tokenizer: Any, ids: list[int], text_length: int) -> list[int]:
     return [min(len(tokenizer.decode(ids[:k], skip_special_tokens=True)), text_length) for k in range(len(ids))]
 
 
+def head_bytes(scope: dict[str, Any]) -> int:
+    """The size of an HTTP request's head as it came: its path and query, and each header
+    line (name, value, ``": "`` and CRLF)."""
+    return (len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            + sum(len(name) + len(value) + 4 for name, value in scope.get("headers") or ()))
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None):
     from fastapi.responses import JSONResponse
 
@@ -403,9 +412,15 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
     app.add_route("/v1/completions", completions, methods=["POST"])
 
     async def quiet_when_given_up(scope, receive, send):
-        """The app; a request uvicorn cancels because the shutdown's grace ran out (a
-        client stalled mid-upload) ends without a word: uvicorn logs any exception the
-        app raises, this one as a 40-line 'Exception in ASGI application'."""
+        """The app, behind the head's size check; a request uvicorn cancels because the
+        shutdown's grace ran out (a client stalled mid-upload) ends without a word: uvicorn
+        logs any exception the app raises, this one as a 40-line 'Exception in ASGI application'."""
+        if scope["type"] == "http" and head_bytes(scope) > MAX_HEAD_BYTES:
+            # h11 limits a head that is still arriving; one that came in a single read is whole by then
+            refusal = _error(400, f"the request head is {head_bytes(scope)} bytes, over the {MAX_HEAD_BYTES} a "
+                             "request may have; send shorter headers", "invalid_request_error")
+            await refusal(scope, receive, send)
+            return
         try:
             await app(scope, receive, send)
         except asyncio.CancelledError:
@@ -474,9 +489,10 @@ def serve(checkpoint: str, host: str, port: int, model_name: str = "", batch_siz
 
     # h11, not httptools: h11 refuses a request head past 16 KiB (httptools took 100 MiB headers, holding the
     # event loop and every other client for seconds); past MAX_CONNECTIONS open connections a new one is 503
+    # (uvicorn's limit counts the new connection itself)
     server = Server(uvicorn.Config(make_app(policy, name, batch_size, stop), host=host, port=port, log_level="warning",
                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, http="h11",
-                                   limit_concurrency=MAX_CONNECTIONS))
+                                   limit_concurrency=MAX_CONNECTIONS + 1))
     shown_host = f"[{host}]" if ":" in host else host
     say(f"serve | {policy.uri} as {name!r} on http://{shown_host}:{port}/v1")
     # After shutting down, uvicorn re-raises the signal into the handlers it found; that SIGINT

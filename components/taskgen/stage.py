@@ -89,7 +89,7 @@ def inputs(ctx: StageContext) -> None:
         version, uri = start.policy_version, start.policy_uri
         baseline_version, baseline_rates = start.baseline_version, dict(start.baseline_pass_rates)
     else:
-        version, uri = resolve_policy(ctx.recipe)
+        version, uri = resolve_policy(ctx.recipe, ctx.store.uri)
         baseline_version, baseline_rates = starting_baseline(ctx.pipeline, version)
     ctx.inputs["policy"] = InputRef(uri=uri, digest=f"version:{version}")
     ctx.facts = StartingPolicy(policy_version=version, policy_uri=uri, baseline_version=baseline_version,

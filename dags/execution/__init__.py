@@ -65,7 +65,8 @@ def mode() -> str:
 
 
 def schedule_value(value: str) -> str | None:
-    """A ``POSTTRAIN_SCHEDULE`` value, stripped: None for manual (empty, ``manual``,
+    """A ``POSTTRAIN_SCHEDULE`` value (the environment's through ``env_text``, which refuses
+    white space around it; an Airflow Variable's is stripped here): None for manual (empty, ``manual``,
     ``none``), else a preset, an asset schedule or a cron expression; a UserError naming
     the allowed values otherwise."""
     text = (value or "").strip()
@@ -126,7 +127,7 @@ def check_settings() -> None:
     ``POSTTRAIN_CONTAINER_FLAGS`` file and ``POSTTRAIN_DOCKER_NETWORK``, the kubernetes mode's cluster settings, and both
     modes' image prefix and tag). A schedule kept as an Airflow Variable is not read here."""
     chosen = mode()
-    schedule_value(os.environ.get(SCHEDULE_VAR) or "")
+    schedule_value(env_text(SCHEDULE_VAR))
     retry_delay_s()
     if chosen in ("docker", "kubernetes"):
         image_for("trainer")

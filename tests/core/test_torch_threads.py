@@ -22,7 +22,7 @@ from tests.fixtures.runs import TINY, cli_env, run_posttrain
 CPUS = len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize(("raw", "expected"), [(None, 1), ("", 1), ("3", 3), ("auto", CPUS), (" AUTO ", CPUS)])
+@pytest.mark.parametrize(("raw", "expected"), [(None, 1), ("", 1), ("3", 3), ("auto", CPUS), ("AUTO", CPUS)])
 def test_values(raw: str | None, expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
     if raw is None:
         monkeypatch.delenv("POSTTRAIN_TORCH_THREADS", raising=False)

@@ -227,7 +227,8 @@ def test_a_relative_sqlite_database_is_made_where_the_command_runs(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.splitlines() == [
         "posttrain: error: rollout.policy='champion': registered model 'tiny-policy' has no champion yet; fix: run "
-        "'posttrain stage bootstrap' first ('posttrain run' does it for you)"]
+        f"'posttrain stage bootstrap --run-root {(tmp_path / 'rr').as_uri()}', with this run's --recipe, first "
+        "('posttrain run' does it for you)"]
     assert (tmp_path / "rel.db").is_file() and not (tmp_path / "home" / "mlflow.db").exists()
 
 
