@@ -3,7 +3,8 @@ scheduler on this machine.
 
 ``prepare`` points Airflow at a SQLite home under ``POSTTRAIN_HOME`` (migrated once) and
 sizes the sandbox pool; ``run_iteration`` calls ``dag.test()`` once with the recipe,
-run root and iteration as the run's params and returns the DAG run's state. Which
+run root and lease holder as the run's params (the plan task finds the iteration through
+the holder's lease) and returns the DAG run's state. Which
 iterations to run (and skipping finished ones) is ``orchestrate.run_local``'s job; a
 half-done iteration resumes because every stage with a matching manifest is a cache hit.
 

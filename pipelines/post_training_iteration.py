@@ -41,7 +41,8 @@ Choices, and what this does not do:
 - KFP caching is off on every task: the stage manifests are the cache (a re-run with
   the same inputs and config is a no-op), and KFP's own cache would wrongly skip a
   stage whose store was wiped.
-- Every task retries twice with exponential backoff. KFP cannot tell a user's mistake
+- Every stage task retries twice with exponential backoff (``plan`` and ``hand-back``
+  are not retried; below). KFP cannot tell a user's mistake
   (exit 2 in the CLI) from a transient failure, so a bad recipe is retried too and
   fails the same way each time; ``posttrain kfp-local`` checks the recipe, task file and
   store before it starts the pipeline.
@@ -70,7 +71,7 @@ Choices, and what this does not do:
   bubblewrap cannot mount its ``/proc`` and the sandbox refuses untrusted code unless the
   recipe allows weaker isolation. For full sandbox isolation on a cluster, run the
   iteration through the Airflow DAG's ``kubernetes`` mode (``dags/execution/kubernetes.py``).
-- Retries: KFP retries every task but ``plan`` twice (10 s, then 20 s), whatever its exit
+- Retries: KFP retries every task but ``plan`` and ``hand-back`` twice (10 s, then 20 s), whatever its exit
   status. ``plan`` waits out outages itself, so a bad recipe or run root fails the run
   once, at its first task; a mistake only a stage can see is still retried.
 - One iteration per run, like the DAG; a KFP recurring run plans the next iteration
@@ -78,10 +79,9 @@ Choices, and what this does not do:
 - MLflow: a stage task stopped with SIGTERM ends its stage run KILLED (``_run`` installs
   ``runner.stop_on_sigterm``); a retried one marks its SIGKILLed attempt KILLED; the
   ``plan`` task ends iterations that finished while their parent run stayed RUNNING.
-  Not covered: ending the iteration's parent run FAILED when the KFP run fails for good
-  (the Airflow DAG does it in its failure callbacks). A ``dsl.ExitHandler`` task around
-  the stages could (``kfp.local`` runs exit handlers), but it is not wired: the parent
-  stays RUNNING until the next run takes the iteration again, which reuses that parent.
+  A run that fails for good ends the iteration's MLflow runs FAILED and hands its lease
+  back in its exit task (``hand_back``, a ``dsl.ExitHandler`` around the stages, which
+  ``kfp.local`` runs too), as the Airflow DAG's failure callbacks do.
 """
 
 # No ``from __future__ import annotations``: KFP reads the component signatures' real types.
@@ -99,7 +99,7 @@ S3_SECRET = "posttrain-s3"
 S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_NODE_SELECTOR = "posttrain.io/pool=gpu"  # the GPU pool's node label (infra/terraform/node_pools.tf)
-STAGE_UID = 10001  # the images' user (containers/base/Dockerfile)
+STAGE_UID = 10001  # the images' user (containers/base.Dockerfile)
 
 
 def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder: str) -> str:

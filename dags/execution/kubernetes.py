@@ -83,7 +83,7 @@ from dags.execution.cluster import (  # noqa: F401 - the settings, read by this 
 ARGS_FIELD = "arguments"
 
 GPU_RESOURCE = "nvidia.com/gpu"
-STAGE_UID = 10001  # the images' user "posttrain" (containers/base/Dockerfile)
+STAGE_UID = 10001  # the images' user "posttrain" (containers/base.Dockerfile)
 
 
 def security_contexts(sandboxed: bool) -> tuple[k8s.V1PodSecurityContext, k8s.V1SecurityContext]:

@@ -75,7 +75,7 @@ variable "stage_configmap" {
 }
 
 variable "sandbox_runtime_class" {
-  description = "RuntimeClass of the sandboxed stages' pods (bootstrap, sandbox, evaluation), e.g. \"gvisor\"; it must exist on the cluster. Empty: the default runtime."
+  description = "RuntimeClass of the sandboxed stages' pods (bootstrap, rollout, sandbox, evaluation), e.g. \"gvisor\"; it must exist on the cluster. Empty: the default runtime."
   type        = string
   default     = ""
 }
