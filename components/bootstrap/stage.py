@@ -6,9 +6,10 @@ completions of the recipe's domains (one domain per step, round-robin;
 ``bootstrap.batch_tokens`` caps a step's padded tokens, so a long-prompt domain's steps
 take fewer examples instead of costing several times more). Every ``bootstrap.eval_every`` steps it checks the
 greedy pass rate on a held-out check set (train distribution, disjoint from the eval
-suite) and stops as soon as the mean is inside ``[target_low, target_high]``
+suite) and stops as soon as the mean reaches ``target_low`` (inside ``[target_low,
+target_high]``, or above it: then the overshoot rule below picks the snapshot)
 (with ``bootstrap.balance_domains`` each step's domain is drawn with weight
-``target_high - pass rate`` from the last check, so weak domains get the steps) — SFT
+``max(0.05, target_high - pass rate)`` from the last check, so weak domains get the steps) — SFT
 accuracy jumps suddenly, so it checks often and keeps the previous snapshot when a jump
 overshoots, whichever lies closer to the band. The result is saved in Hugging Face
 format, scored on the fixed eval suite, registered as a version of

@@ -2,7 +2,8 @@
 make before any stage runs, each failure one ``UserError`` line (exit 2; under Airflow the
 plan task fails at once, not after its retries).
 
-``check_all(recipe, run_root)`` runs these (in the order its docstring gives):
+``check_all(recipe, run_root)`` runs 0-4, cheapest first: 0, 1, 3, 4, then 2 (a champion
+of another run root is not this run's to read); 5 runs on its own:
 
 0. ``tracking_uri``: ``MLFLOW_TRACKING_URI``, when set, is one posttrain can use
    (``tracking.check_uri``: an MLflow server or a database whose driver is installed; not

@@ -6,8 +6,8 @@ numbers (a quarter, a half and a quarter of the tasks). The verifier reads the f
 line of the completion, strips spaces and compares the integer exactly; anything that
 is not an integer scores 0. Nothing runs in the sandbox.
 
-Trap tasks (``metadata["trap"] = True``): sums with a carry out of the units digit
-(``"47+38="``: 85). The shortcut "add digit by digit, drop the carry" (75) passes every
+Trap tasks (``metadata["trap"] = True``): difficulty-2 and -3 sums with a carry out of the
+units digit (``"47+38="``: 85; a difficulty-1 carry such as ``"1+9="`` is not marked). The shortcut "add digit by digit, drop the carry" (75) passes every
 task without a carry and fails these.
 
 Not covered: other operations (see the ``math`` domain), word problems, or partial

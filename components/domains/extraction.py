@@ -8,7 +8,7 @@ The prompt is a statement of one or more periods, one line each, then a question
 
 and the completion is the value (``"25"``), or values in the asked order separated by
 commas for a two-field question (``"Q1 rev,tax?"`` -> ``"412,30"``). Difficulty sets the
-context length: 1 is one short period (under 40 characters), 2 is up to 128 characters,
+context length: 1 is one short period (under 40 characters; a trap's estimate adds up to 14), 2 is up to 128 characters,
 3 fills up to ``MAX_PROMPT_CHARS`` (sized for the demo policy's 256 positions minus the
 completion). ``Task.context_tokens`` is the prompt length in the policy's tokens (per character for the demo tokenizer),
 so evaluation buckets these tasks by context length.

@@ -4,15 +4,16 @@
 
 Serves ``POST /v1/completions`` and ``GET /v1/models`` for one checkpoint (any store
 URI or local folder ``load_policy`` reads). ``prompt`` may be a string, a list of
-strings, a list of token ids or a list of token-id lists; each choice carries
-``logprobs.tokens`` / ``logprobs.token_logprobs`` for every generated token (EOS
+strings, a list of token ids or a list of token-id lists; when the request sets
+``logprobs`` (as the ``openai`` engine does), each choice carries ``logprobs.tokens`` /
+``logprobs.token_logprobs`` for every generated token (EOS
 included when generation stopped on it), recorded exactly as ``HFEngine`` records them
 (under ``softmax(logits / temperature)``). ``temperature: 0`` is greedy. With
 ``return_tokens_as_token_ids: true`` (vLLM's extension) tokens are ``"token_id:<id>"``.
 Text prompts become token ids in ``--prompt-format`` (``components.core.prompts``):
-``raw`` (the default: BOS and the text, what a completions endpoint is given), ``chat``
-(the tokenizer's chat template around the text as one user turn, with the generation
-prompt) or ``auto``; choose the recipe's ``rollout.prompt_format`` to serve prompts as the
+``raw`` (BOS and the text, what a completions endpoint is given), ``chat`` (the
+tokenizer's chat template around the text as one user turn, with the generation prompt)
+or ``auto`` (the default: ``chat`` when the tokenizer has a chat template, else ``raw``); choose the recipe's ``rollout.prompt_format`` to serve prompts as the
 pipeline puts them. Token-id prompts are used as they are. A request is generated as one ``HFEngine`` call, seeded with the request's ``seed``
 (default 0), so the same request returns the same completions.
 

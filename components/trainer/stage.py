@@ -10,7 +10,8 @@ started from, which is the lineage the registry version points back to.
 
 Which groups train: by default every group with learning signal (some weighted
 advantage not 0), the last step partial. With ``trainer.dynamic_sampling`` (DAPO),
-groups whose raw rewards are all equal are dropped and every step holds exactly
+groups whose rewards behind the advantages (``normalized_reward``: the raw score, its
+per-domain z-score, or the shuffled control's permuted score) are all equal are dropped and every step holds exactly
 ``prompts_per_step`` informative groups, for ``taskgen.tasks_per_iteration //
 prompts_per_step`` steps per epoch (fewer, whole ones, when too few groups are
 informative); a seeded shuffle picks them, and the informative groups beyond the target
