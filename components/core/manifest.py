@@ -9,7 +9,7 @@ Layout under a run root::
 A manifest records the stage, iteration, shard, input URIs with digests, the config
 digest, the code version, each output file with its row count and sha256, summary
 metrics, timings and the MLflow run id. Its ``content_digest`` covers only what
-determines downstream work (outputs and inputs), not timings, so a reproduced re-run
+determines downstream work (outputs, inputs, the config digest and the stage's facts), not timings, so a reproduced re-run
 has the same digest and does not invalidate later stages.
 
 Every output records its sha256 and size; readers and cache hits check them (see

@@ -8,7 +8,7 @@ checkpoint URI is the version tag ``posttrain.checkpoint_uri`` (also a tag of th
 that registered it); everything that needs a version's checkpoint reads that tag
 (``checkpoint_of``), falling back to the version's source for versions registered as a
 bare checkpoint folder. Aliases: ``candidate`` (latest trained) and ``champion``
-(promoted by evaluation).
+(set by bootstrap, then moved by evaluation's promotions).
 
 A registered model belongs to one run root (model tag ``posttrain.run_root``, set when it
 is created; a model without it is claimed by its next registration). Registering a
@@ -17,7 +17,7 @@ version or moving an alias for another run root is refused (``UserError`` on
 otherwise move each other's champion. ``check_owner`` is the same check for the
 preflight. Runs, experiments and datasets are :mod:`components.core.tracking`.
 
-A registration costs a few tenths of a second and about 30 kB of artifacts (the model's
+A registration costs a few tenths of a second and about 6 kB of artifacts (the model's
 MLmodel, pickle and environment files; no weights).
 
 Not covered: two run roots claiming an unowned model at the same instant (the last tag

@@ -2,7 +2,7 @@
 
 The demo policy is a Llama-architecture causal LM built from ``ModelConfig`` with a
 character-level tokenizer made by the ``tokenizers`` library (every printable ASCII
-character plus newline is one token). Checkpoints are plain Hugging Face folders
+character, tab and newline is one token). Checkpoints are plain Hugging Face folders
 (``config.json``, ``model.safetensors``, tokenizer files), so transformers and vLLM load
 them as they are. Any other Hugging Face causal LM folder also loads through
 ``load_policy``. ``pad_batch`` and ``token_logprobs`` score (prompt, completion) pairs
@@ -13,8 +13,9 @@ end without padding, for the trainer.
 A checkpoint a stage wrote is verified before it is loaded: ``load_policy`` finds the
 producing stage's manifest in the folder above the checkpoint (``<stage prefix>/checkpoint``
 beside ``<stage prefix>/_MANIFEST.json``; a registry version's source is that same URI),
-and every file the manifest digests (the weights ``model.safetensors``, the trainer state)
-must match its size and sha256 as it is copied down, else a UserError names the file and
+and every file of it the manifest digests (the weights ``model.safetensors``, the config and
+tokenizer files; not the trainer state beside them, which only the trainer reads, checked
+the same way) must match its size and sha256 as it is copied down, else a UserError names the file and
 the stage to re-run. A folder that no manifest describes (an external Hugging Face
 checkpoint given as ``model.source``) has nothing to check against and loads as it is.
 

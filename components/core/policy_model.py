@@ -6,7 +6,8 @@ stored checkpoint, and ``PolicyModel.load_context`` loads it from the store with
 ``load_policy`` (the same verified read every stage uses), its prompts in ``prompt_format``
 (``rollout.prompt_format``: ``auto`` by default, the chat template when the tokenizer has
 one; a model saved before the setting existed is ``raw``). ``predict`` returns the
-greedy completions of the ``hf`` engine, exactly what the eval suite scores::
+greedy completions of the ``hf`` engine, exactly what the eval suite scores when
+``rollout.engine`` is ``hf`` (another engine's may differ)::
 
     import mlflow
     model = mlflow.pyfunc.load_model("models:/tiny-policy@champion")

@@ -25,10 +25,10 @@ observation, then the generation prompt for the next action. All of it is observ
 tokens (mask 0): the policy trains only on its actions. Under ``raw`` an observation is
 its text's tokens, appended as they are.
 
-``load_tokenizer(uri)`` reads only a checkpoint's tokenizer files (never its weights or
-optimizer state, and its ``config.json`` only when the tokenizer's own config does not
-name its class), so a stage that only counts tokens (taskgen) downloads a few
-kilobytes; ``context_tokens(tasks, count)`` sets each task's ``context_tokens`` to its
+``load_tokenizer(uri)`` reads a checkpoint's small top-level files, the tokenizer's among
+them (never its weights or optimizer state, nor ``generation_config.json``, and its
+``config.json`` only when the tokenizer's own config does not name its class), so a stage
+that only counts tokens (taskgen) downloads a few kilobytes; ``context_tokens(tasks, count)`` sets each task's ``context_tokens`` to its
 prompt's length under a counter such as ``counter(tokenizer, fmt)``.
 
 Not covered: system prompts, templates that need keyword arguments beyond

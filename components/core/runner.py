@@ -3,8 +3,8 @@
 ``run_stage`` is what ``posttrain stage <id>`` calls and what every orchestrator task
 calls. Each stage package has a ``stage`` module with:
 
-- ``SECTIONS``: the recipe sections the stage reads (besides pipeline, seed and
-  domains); they make its cache key, and ``ctx.recipe`` refuses any other section;
+- ``SECTIONS``: the recipe sections the stage reads (besides ``recipe.COMMON_FIELDS``:
+  pipeline, seed, domains, timeouts and resources); they make its cache key, and ``ctx.recipe`` refuses any other section;
 - ``inputs(ctx)``: declare inputs (upstream manifests, policy URI) on ``ctx.inputs``;
 - ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx`` (and its
   facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged);

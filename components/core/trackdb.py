@@ -29,20 +29,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 PREFIX = "sqlite:///"
+_SQLITE_FILE = re.compile(r"sqlite(\+[A-Za-z0-9_]+)?:///")
 
 
 def sqlite_path(uri: str) -> Path | None:
-    """The database file of an ``sqlite:///...`` URI; None for any other URI (and for an
-    in-memory ``sqlite://``)."""
-    if not uri.startswith(PREFIX):
+    """The database file of an ``sqlite:///...`` URI (or ``sqlite+<driver>:///...``); None
+    for any other URI (and for an in-memory ``sqlite://``)."""
+    found = _SQLITE_FILE.match(uri)
+    if found is None:
         return None
-    path = uri[len(PREFIX):].split("?", 1)[0]
+    path = uri[found.end():].split("?", 1)[0]
     return Path(path) if path and path != ":memory:" else None
 
 

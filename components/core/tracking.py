@@ -198,7 +198,7 @@ def check_uri(uri: str) -> None:
             raise refuse(f"the host is not a valid name ({exc})", "write http(s)://host:port of the MLflow server") \
                 from None
         return
-    if base == "sqlite" and not driver:
+    if base == "sqlite":  # sqlite+pysqlite:///... is the same file (it was not checked at all)
         _check_sqlite(uri, parts.netloc, refuse)
     _check_driver(uri, refuse)
 

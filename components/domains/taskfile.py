@@ -1,4 +1,4 @@
-"""Tasks from a user's file: Parquet, JSONL, or one JSON object, validated row by row.
+"""Tasks from a user's file: Parquet, JSONL, or JSON (one object or an array of them), validated row by row.
 
 ``load_tasks(path_or_uri)`` reads ``.parquet``, ``.jsonl`` or ``.json`` from a local path
 or any store URI (``file://``, ``s3://``) and returns ``Task`` records. Each row needs

@@ -7,7 +7,7 @@ interpreter of a separate environment (``POSTTRAIN_VLLM_PYTHON``, by default
 
     <python> -m vllm.entrypoints.openai.api_server --model <local checkpoint folder> ...
 
-``VLLMServer.start`` downloads the checkpoint (its weights, config and tokenizer; never
+``VLLMServer(python, uri, ...)`` downloads the checkpoint (its weights, config and tokenizer; never
 the optimizer state beside them) into a temporary folder, starts the server there on a
 free local port, and waits for ``GET /v1/models`` to list it (at most
 ``POSTTRAIN_VLLM_START_TIMEOUT_S`` seconds). The server samples and reports logprobs

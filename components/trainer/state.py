@@ -16,10 +16,11 @@ Two uses:
   but keeps its own derived seed (``restore_rng=False``), so each iteration stays
   reproducible from (pipeline, iteration, stage).
 
-Schedules (``trainer.lr_schedule``): linear warmup from 0 over ``warmup_steps``, then
+Schedules (``trainer.lr_schedule``): linear warmup over ``warmup_steps`` (step k at (k + 1) / ``warmup_steps`` of the rate), then
 ``constant``, ``linear`` or ``cosine`` decay to ``min_lr_ratio * learning_rate`` over
 ``decay_steps``; steps count across iterations. After loading, the recipe's current
-learning rate and betas win over the saved ones, so a changed recipe takes effect.
+learning rate and the code's betas (``BETAS``, not a recipe setting) win over the saved
+ones, so a changed recipe takes effect.
 
 The file always holds the full, unsharded AdamW state keyed by parameter index, whoever
 wrote it: one process, DDP ranks (replicas) or FSDP2 ranks (gathered by

@@ -125,11 +125,13 @@ def test_only_a_server_or_a_database_is_a_tracking_uri(tmp_path: Path) -> None:
     assert _refused("http://") == ("MLFLOW_TRACKING_URI='http://': an MLflow server URI without a host; "
                                    "fix: write http(s)://host:port of the MLflow server")
     memory = "an in-memory SQLite database: every version and alias would be lost when the process ends"
-    for uri in ("sqlite:///", "sqlite://", "sqlite:///:memory:"):
+    # with a driver named (sqlite+pysqlite://) none of the SQLite checks ran, and these were accepted
+    for uri in ("sqlite:///", "sqlite://", "sqlite:///:memory:", "sqlite+pysqlite:///", "sqlite+pysqlite://"):
         assert _refused(uri) == f"MLFLOW_TRACKING_URI={uri!r}: {memory}; fix: {SQLITE_FIX}"
-    under_file = f"sqlite:///{regular}/x.db"
-    assert _refused(under_file) == (f"MLFLOW_TRACKING_URI={under_file!r}: cannot make the database: {str(regular)!r} is "
-                                    f"a file, not a folder; fix: {SQLITE_FIX}")
+    for scheme in ("sqlite", "sqlite+pysqlite"):
+        under_file = f"{scheme}:///{regular}/x.db"
+        assert _refused(under_file) == (f"MLFLOW_TRACKING_URI={under_file!r}: cannot make the database: "
+                                        f"{str(regular)!r} is a file, not a folder; fix: {SQLITE_FIX}")
     a_folder = f"sqlite:///{tmp_path}"
     assert _refused(a_folder) == (f"MLFLOW_TRACKING_URI={a_folder!r}: the database path {str(tmp_path)!r} is a folder; "
                                   f"fix: {SQLITE_FIX}")
