@@ -11,7 +11,8 @@ group); ``previous`` is ``HFEngine(prefix_sharing=False)``, which sends G copies
 prompt through ``model.generate`` in length buckets (the engine before prefix sharing).
 
 Bucketing: ``ModelConfig()`` defaults (hidden 256, 4 layers) on prompts that mix short
-arithmetic-style prompts with long code-style ones, one sample each, through
+random strings (4-12 characters) with long ones (60-180), as the demo's arithmetic and code
+prompts differ in length, one sample each, through
 ``HFEngine(bucket=True)`` and ``HFEngine(bucket=False)``.
 
 Every variant runs once per repeat, alternating in one process, so all see the same

@@ -9,8 +9,8 @@ setuptools versions that differ from the main ``.venv``, so it cannot share it):
     echo "$PWD" > .venv-vllm/lib/python3.11/site-packages/posttrain-src.pth   # the repo, without its dependencies
     .venv-vllm/bin/python benchmarks/rollout/vllm_vs_hf.py [--prompts 96] [--max-new-tokens 24] [--repeats 3]
 
-It saves the demo-size policy (``ModelConfig()`` defaults: Llama, hidden 256, 4 layers,
-head size 64, random weights; speed does not depend on training) to a temporary store,
+It saves a policy of ``ModelConfig()``'s default size (twice the demo recipe's width:
+Llama, hidden 256, 4 layers, head size 64, random weights; speed does not depend on training) to a temporary store,
 loads it back with ``load_policy`` and then
 
 - checks agreement: greedy completions of both engines on the same prompts must be

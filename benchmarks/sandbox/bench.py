@@ -14,11 +14,12 @@ of its wall time, so one more job per CPU keeps the CPUs busy, while bare Python
 is CPU-bound either way), and how far the wall clock of timed-out jobs lands from the
 limit. Writes results.json and results.md beside this file (or into ``--out``) and prints
 the ratios against the goals (strict p50 <= 2x bare, warm throughput >= 3x bare, timeouts
-within 200 ms). ``--quick`` is a smoke run through the same code with fewer samples: it
+within 200 ms, the stage within 1.25x of the pool on the demo mix). ``--quick`` is a smoke run through the same code with fewer samples: it
 prints the same tables and writes no results unless ``--out`` is given.
 
 Fairness: every mode runs the same job at the same concurrency (bare through a thread
-pool of that size, the sandbox through ``run_many`` with as many warm workers), rounds
+pool of that size, the sandbox through ``run_many`` at that concurrency; the warm pool is made once with
+as many workers as the highest level), rounds
 interleaved; the method is also written into results.md.
 
 The demo mix: the jobs the sandbox stage runs for ``recipes/demo.yaml`` (its domains, its

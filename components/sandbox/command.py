@@ -9,7 +9,7 @@ Chain (each step ``exec``s the next, so the job's tree is one process lineage):
 3. ``bwrap``: new user, pid, net, ipc, uts, mount and cgroup namespaces; no further
    user namespaces; read-only /usr (and the merged-usr symlinks), a few /etc files,
    fresh /proc and a fresh read-only /dev, size-capped tmpfs on /tmp, /work and /dev/shm; the job's files copied
-   in from memfds; empty environment; all capabilities dropped (the warm worker keeps
+   in from memfds; a cleared environment but PATH, HOME=/work, TMPDIR, LANG (and PWD); all capabilities dropped (the warm worker keeps
    CAP_SYS_ADMIN/CAP_SETPCAP inside its own user namespace only, to build per-job
    namespaces); the seccomp filter; ``--die-with-parent`` and ``--new-session``.
 
@@ -18,7 +18,8 @@ its options from that pipe before it creates any namespace; the job then sends
 ``bwrap_options`` (strict.py parks such launches ahead of their jobs).
 
 Not covered: bind-mounting host data folders (jobs get only their own files);
-Landlock (mounts already hide the host tree); devices beyond null/zero/random/tty.
+Landlock (mounts already hide the host tree); devices beyond bwrap's ``--dev`` set (null, zero,
+full, random, urandom, tty, ptmx and pts, on a /dev remounted read-only).
 """
 
 from __future__ import annotations

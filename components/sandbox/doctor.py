@@ -1,6 +1,6 @@
 """``posttrain sandbox doctor``: what the sandbox needs here, and the real reason when it is missing.
 
-Two checks:
+Three checks:
 
 - ``installed_causes`` (``doctor --installed``): the static prerequisites an image or a
   host must ship, checked without creating any namespace, so it runs inside an image

@@ -8,7 +8,8 @@ test back over a private pipe. The parent validates and re-serialises those line
 alone writes ``{"values": [...]}`` to the executor's result pipe (``{result_fd}``).
 
 Why the solution cannot forge the verdict: the result fd is closed in its process and
-the parent's copy is unreachable (non-dumpable: no /proc/<ppid>/fd or /mem; ptrace and
+the parent's copy is unreachable (non-dumpable: its /proc/<ppid>/fd entries, mem and environ cannot be opened; in warm
+mode, where the job owns its user namespace, the fd numbers can be listed; ptrace and
 process_vm_* are blocked by seccomp); results.json, stdout, exit codes and the test
 files carry no weight; killing or stopping the parent yields no result (score 0); and
 expected answers never enter the sandbox — the verifier compares values outside. The

@@ -3,7 +3,8 @@
 ``Limits`` turns the recipe's few knobs (timeout, memory, output cap) into every limit
 the sandbox applies: rlimits (CPU, address space, file size, open files, processes),
 cgroup values, tmpfs sizes and the output flood threshold. ``UidPool`` hands each
-concurrently running sandbox its own unprivileged host uid, so per-uid limits
+concurrently running sandbox its own unprivileged host uid when run as root (otherwise
+every job has this user's uid; ``posttrain sandbox doctor`` warns ``shared-job-uid``), so per-uid limits
 (RLIMIT_NPROC) and signals never cross between jobs. A ``Lease`` is what one sandbox
 holds on the host (its uid, its cgroup, the host's ends of its fds): taken together,
 given back together in ``release``.

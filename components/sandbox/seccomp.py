@@ -3,7 +3,8 @@
 The filter is a deny list on top of the namespaces: by default every syscall is allowed
 and the ones below fail with ``EPERM`` (``EAFNOSUPPORT`` for non-local sockets,
 ``ENOSYS`` for ``clone3`` so libc falls back to ``clone``, whose namespace flags are
-then checked). Syscalls of a foreign architecture (i386 ``int 0x80``) kill the process.
+then checked). Syscalls of a foreign architecture (i386 ``int 0x80``) never run: libseccomp's default
+kills the calling thread (a job's other threads go on).
 
 Three filters exist: ``job`` for untrusted code in a fresh sandbox; ``zygote`` for the
 warm worker, which must still create per-job pid/mount/ipc namespaces and mount their

@@ -3,7 +3,9 @@
 ``SandboxSession(config)`` starts one warm worker (pool.Worker) in session mode: /work
 and /tmp persist between commands, so an agent episode can write a file in one turn
 and run it in the next. Each ``exec(cmd)`` runs in its own pid/mount/ipc namespace
-under the same limits as a job (rlimits, cgroup, seccomp, wall clock); processes it
+under a job's rlimits, seccomp filter and wall clock, in the session worker's cgroup
+(one group for the whole session, sized as a worker starts: ``memory_mb`` + ``work_mb``
++ ``tmp_mb`` + 128 MiB; a warm job's group is fitted to ``memory_mb``); processes it
 starts die when it returns. The session is closed by ``close()``, by leaving its
 ``with`` block, or when ``session_timeout_s`` runs out (later ``exec`` calls then
 return a ``timeout`` result without running anything).

@@ -1,7 +1,7 @@
 """Strict mode: a fresh bubblewrap sandbox per job, its launch parked ahead of time.
 
 Joining a job's cgroup (v1) costs one RCU grace period (several ms, the largest part of
-a strict job's overhead here), and the fork/exec chain a few more. So after each job a
+a strict job's overhead here), and the fork/exec chain a few more. So while each job runs a
 background thread *parks* the next launch for the same job shape (argv, file count,
 result fd, limits): a fresh ``Lease`` (uid, cgroup, fds), the launch chain run up to
 bwrap, which blocks reading its options (``--args``) before it creates any namespace.

@@ -2,7 +2,8 @@
 
 Each job gets a fresh temp work folder, its own session (so a timeout kills the whole
 tree), rlimits for CPU time, address space, file size and open files, capped output,
-the result pipe (``{result_fd}``), and ``-I`` for Python. It is watched and turned into
+the result pipe (``{result_fd}``); the job's argv runs as given (the domains' Python
+jobs pass ``-I`` themselves). It is watched and turned into
 a ``JobResult`` exactly as a bwrap job is (``supervise.watch_process``,
 ``outcome.to_result``). A ``SessionJob`` runs flattened (``core.jobs.flatten``).
 

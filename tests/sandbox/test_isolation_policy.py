@@ -39,6 +39,27 @@ def test_allowed_weak_isolation_runs_and_says_weak(monkeypatch):
     assert result.status == "ok" and "WEAK" in result.isolation and "WEAK" in executor.isolation
 
 
+@pytest.mark.parametrize("mode", ["strict", "warm"])
+def test_allowed_weak_isolation_without_seccomp_runs_in_both_modes(monkeypatch, mode):
+    """On a host without seccomp (pyseccomp not importable), warm mode raised
+    ModuleNotFoundError though the recipe allowed weak isolation; strict mode ran."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)
+    detect.probe.cache_clear()  # the host as probed without pyseccomp, and not kept for later tests
+    try:
+        executor = bwrap.BwrapExecutor(sandbox_config(mode=mode, allow_weak_isolation=True))
+        try:
+            source = "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])"
+            result = executor.run(Job("w", {"main.py": source}, ["{python}", "-I", "-S", "main.py"]))
+        finally:
+            executor.close()
+    finally:
+        detect.probe.cache_clear()
+    assert (result.status, result.stdout) == ("ok", "0\n"), result.stderr  # no filter, as the isolation string says
+    assert "no-seccomp(WEAK)" in result.isolation and "no-seccomp(WEAK)" in executor.isolation
+
+
 def test_interpreter_outside_usr_is_refused():
     with pytest.raises(UserError) as err:
         bwrap.BwrapExecutor(sandbox_config(python="/root/.pyenv/versions/3.11.7/bin/python"))
