@@ -228,20 +228,21 @@ def kill_while_creating_the_tracking_db(cwd: Path, home: Path) -> None:
 def test_killed_at_random_times_then_rerun_ends_as_an_uninterrupted_run(uninterrupted: Outcome, tmp_path: Path) -> None:
     home = tmp_path / ".posttrain"
     kill_while_creating_the_tracking_db(tmp_path, home)
+    killed = 0
     for i, after in enumerate(KILL_AFTER_S):
         log_path = tmp_path / f"run-{i}.log"
         with open(log_path, "w") as log:
             proc = start(tmp_path, home, log)
-            started = time.monotonic()
             try:
                 proc.wait(timeout=after)
             except subprocess.TimeoutExpired:
                 pass
             finally:
                 kill(proc)
-        assert proc.returncode == -signal.SIGKILL or time.monotonic() - started < after
+        killed += proc.returncode == -signal.SIGKILL
         if proc.returncode != -signal.SIGKILL:  # it ended before its kill: it must have finished, and the chain is done
             assert proc.returncode == 0, log_path.read_text()[-3000:]
             break
+    assert killed >= 1  # at least one run was cut short: the rerun below resumes something
     finish(tmp_path, home)
     assert_same(outcome(home), uninterrupted)
