@@ -1,7 +1,10 @@
 """Hostile programs against the bwrap sandbox, in strict and warm mode.
 
-Each test checks one property: the status the job gets and how fast it came back, plus
-that the host is untouched where that is the point.
+Each test checks one property: the status the job gets, plus that the host is untouched
+where that is the point. No wall-clock bounds: a status other than ``timeout`` shows the
+job was stopped by its own mechanism (the memory limit, the file-size limit, the output
+cap) before its time limit, and a hang is pytest-timeout's to catch. How close to its
+limit a timed-out job ends is measured by ``benchmarks/sandbox/bench.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +32,6 @@ def sh(src: str, timeout_s: float | None = None) -> Job:
     return Job(job_id="hostile", files={"main.sh": src}, argv=["bash", "main.sh"], timeout_s=timeout_s)
 
 
-def run_timed(executor, job):
-    start = time.monotonic()
-    result = executor.run(job)
-    return result, time.monotonic() - start
-
-
 def test_isolation_string_is_recorded(executor):
     result = executor.run(py("print('hi')"))
     assert result.status == "ok" and result.stdout == "hi\n"
@@ -52,43 +49,37 @@ def test_runs_as_unprivileged_uid_without_capabilities(executor):
 
 def test_fork_bomb_is_contained(executor):
     src = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    result, took = run_timed(executor, py(src, timeout_s=2))
+    result = executor.run(py(src, timeout_s=2))
     assert result.status in ("timeout", "killed")
-    assert took < 4.5
     assert executor.run(py("print(1)")).status == "ok"  # the host (and a warm worker) still works
 
 
 def test_bash_fork_bomb_is_contained(executor):
-    result, took = run_timed(executor, sh(":(){ :|:& };:\nwait", timeout_s=2))
+    result = executor.run(sh(":(){ :|:& };:\nwait", timeout_s=2))
     assert result.status != "infra_error"  # bash may give up on EAGAIN and exit by itself
-    assert took < 4.5
     assert executor.run(py("print(1)")).status == "ok"
 
 
 def test_memory_bomb_is_oom(executor):
-    result, took = run_timed(executor, py("x = bytearray(4 * 1024**3)", timeout_s=5))
+    result = executor.run(py("x = bytearray(4 * 1024**3)", timeout_s=5))
     assert result.status == "oom"
-    assert took < 2.0
 
 
 def test_gradual_memory_growth_is_oom(executor):
-    result, took = run_timed(executor, py("chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))", timeout_s=5))
+    result = executor.run(py("chunks = []\nwhile True:\n    chunks.append(bytearray(8 << 20))", timeout_s=5))
     assert result.status == "oom"
-    assert took < 4.0
 
 
 def test_infinite_loop_times_out_on_time(executor):
-    result, took = run_timed(executor, py("while True:\n    pass", timeout_s=1.0))
+    result = executor.run(py("while True:\n    pass", timeout_s=1.0))
     assert result.status == "timeout"
-    assert 0.95 < took < 1.6
     assert result.cpu_time_s > 0.05  # the loop's CPU is accounted even though it was killed (was ~0 before)
 
 
 def test_sleep_with_children_past_timeout_kills_the_tree(executor):
     token = f"{secrets.randbelow(10**6) + 1000}.5"
-    result, took = run_timed(executor, sh(f"sleep {token} &\nsleep {token} &\nwait", timeout_s=1.0))
+    result = executor.run(sh(f"sleep {token} &\nsleep {token} &\nwait", timeout_s=1.0))
     assert result.status == "timeout"
-    assert took < 1.8
     time.sleep(0.2)
     assert pids_with(f"sleep\0{token}") == []
 
@@ -97,9 +88,8 @@ def test_daemon_does_not_outlive_its_job(executor):
     token = f"{secrets.randbelow(10**6) + 1000}.25"
     src = (f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
            f"        os.execv('/bin/sleep', ['sleep', '{token}'])\n    os._exit(0)\nprint('parent done')")
-    result, took = run_timed(executor, py(src))
+    result = executor.run(py(src))
     assert result.status == "ok" and "parent done" in result.stdout
-    assert took < 2.0
     time.sleep(0.2)
     assert pids_with(f"sleep\0{token}") == []
 
@@ -109,25 +99,22 @@ def test_disk_fill_fails_fast_and_stays_in_tmpfs(executor):
            "        with open(f'/work/f{i}', 'wb') as fh:\n            for _ in range(8):\n                fh.write(block)\n"
            "except OSError as exc:\n    print('stopped', exc.strerror)\n    raise SystemExit(3)\n")
     before = os.statvfs("/").f_bfree
-    result, took = run_timed(executor, py(src, timeout_s=10))
+    result = executor.run(py(src, timeout_s=10))
     assert result.status == "failed" and "stopped" in result.stdout
-    assert took < 5.0
     assert abs(os.statvfs("/").f_bfree - before) * os.statvfs("/").f_frsize < 64 << 20  # host disk untouched
 
 
 def test_single_huge_file_hits_fsize_limit(executor):
     src = "f = open('/tmp/big', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))\n"
-    result, took = run_timed(executor, py(src, timeout_s=10))
+    result = executor.run(py(src, timeout_s=10))
     assert result.status == "failed"
     assert "File too large" in result.stderr or "No space left" in result.stderr
-    assert took < 5.0
 
 
 def test_stdout_flood_is_capped_and_killed(executor):
     src = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
-    result, took = run_timed(executor, py(src, timeout_s=20))
+    result = executor.run(py(src, timeout_s=20))
     assert result.status == "killed" and result.extra.get("reason") == "output flood"
-    assert took < 5.0
     assert len(result.stdout) < 8192 + 100
 
 
@@ -167,10 +154,9 @@ def test_no_network_even_to_host_loopback(executor, loopback_server):
            f"    except OSError as exc:\n        out.append(type(exc).__name__)\n"
            f"for fam in (16, 17):  # AF_NETLINK, AF_PACKET\n    try:\n        socket.socket(fam, socket.SOCK_RAW)\n"
            f"        out.append('RAW')\n    except OSError as exc:\n        out.append(type(exc).__name__)\nprint(out)")
-    result, took = run_timed(executor, py(src))
+    result = executor.run(py(src))
     assert result.status == "ok", result.stderr
     assert "CONNECTED" not in result.stdout and "RAW" not in result.stdout
-    assert took < 2.0
     assert hits == []
 
 
@@ -237,10 +223,9 @@ def test_cannot_kill_host_processes(executor):
         src = ("import os, signal\nkilled = 0\nfor pid in range(2, 70000):\n    try:\n"
                "        os.kill(pid, signal.SIGKILL) if pid != os.getpid() else None\n        killed += 1\n"
                "    except OSError:\n        pass\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\nprint(killed)")
-        result, took = run_timed(executor, py(src, timeout_s=10))
+        result = executor.run(py(src, timeout_s=10))
         assert result.status == "ok", result.stderr
         assert int(result.stdout) <= 2  # at most the sandbox's own init is visible
-        assert took < 5.0
         assert victim.poll() is None
     finally:
         victim.kill()
