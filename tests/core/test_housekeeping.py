@@ -49,11 +49,13 @@ def test_stopped_store_is_an_outage_and_a_starting_one_too(restartable_s3: Resta
 @pytest.mark.parametrize(("code", "status", "kind"), [
     ("ServiceUnavailable", 503, InfraError), ("SlowDown", 503, InfraError), ("503", 503, InfraError),
     ("InternalError", 500, InfraError), ("502", 502, InfraError), ("RequestTimeout", 400, InfraError),
-    ("NoSuchBucket", 404, UserError), ("AccessDenied", 403, UserError), ("InvalidAccessKeyId", 403, UserError),
+    ("AccessDenied", 403, UserError),
 ])
 def test_server_replies_are_sorted_into_outages_and_mistakes(s3_env, monkeypatch: pytest.MonkeyPatch, code: str,
                                                               status: int, kind: type) -> None:
-    """What s3fs raises for each S3 reply (through its own translation), injected at the PUT."""
+    """What s3fs raises for each S3 reply (through its own translation), injected at the PUT:
+    replies the real server does not give on demand (5xx, throttling, a policy's refusal).
+    A missing bucket and unknown keys come from the real server below."""
     from botocore.exceptions import ClientError
     from s3fs.errors import translate_boto_error
 
@@ -66,6 +68,23 @@ def test_server_replies_are_sorted_into_outages_and_mistakes(s3_env, monkeypatch
     monkeypatch.setattr(store.fs, "pipe_file", reply)
     with pytest.raises(kind):
         store.check_reachable()
+
+
+@pytest.mark.parametrize("variable", ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"])
+def test_a_key_the_server_does_not_accept_is_a_user_error(s3_env, monkeypatch: pytest.MonkeyPatch,
+                                                          variable: str) -> None:
+    """The real server's InvalidAccessKeyId and SignatureDoesNotMatch: the user's mistake."""
+    import s3fs
+
+    monkeypatch.setenv(variable, "not-the-key")
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client keeps the key it was made with
+    try:
+        with pytest.raises(UserError) as err:
+            Store(f"s3://{s3_env.bucket}/replies").check_reachable()
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert err.value.fix == ("check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE): the server refused "
+                             "them"), err.value.line()
 
 
 def test_missing_bucket_is_a_user_error(s3_env, monkeypatch: pytest.MonkeyPatch) -> None:

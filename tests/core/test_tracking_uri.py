@@ -60,30 +60,21 @@ class _Client:
         raise self.exc
 
 
-def test_resolve_alias_tells_an_unset_alias_from_an_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_alias_tells_an_unset_alias_from_an_outage(mlflow_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a real MLflow server: no registered model and a model without the alias are
+    both "not set yet" (None); a server nobody listens on is an outage. Only a refusal
+    needs a fake (this server has no authentication): it propagates as it is."""
     from mlflow.exceptions import MlflowException
-    from mlflow.protos.databricks_pb2 import (
-        INTERNAL_ERROR,
-        INVALID_PARAMETER_VALUE,
-        PERMISSION_DENIED,
-        RESOURCE_DOES_NOT_EXIST,
-    )
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
+    from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://h:5000")  # a server: the registry is asked
-    cases = [
-        (MlflowException("Registered model alias champion not found.", INVALID_PARAMETER_VALUE), None),
-        (MlflowException("Registered Model with name=demo-policy not found", RESOURCE_DOES_NOT_EXIST), None),
-    ]
-    for exc, want in cases:
-        monkeypatch.setattr(tracking, "client", lambda exc=exc: _Client(exc))
-        assert models.resolve_alias("demo", "champion") is want
-    refused = MlflowException("API request to http://h/api/2.0/mlflow/registered-models/alias failed with exception "
-                              "HTTPConnectionPool(host='h', port=5000): Max retries exceeded (Caused by "
-                              "NewConnectionError('Failed to establish a new connection: [Errno 111] Connection "
-                              "refused'))", INTERNAL_ERROR)
-    monkeypatch.setattr(tracking, "client", lambda: _Client(refused))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    assert models.resolve_alias("alias-probe", "champion") is None  # no registered model 'alias-probe-policy'
+    MlflowClient(mlflow_server.uri).create_registered_model(models.model_name("alias-probe"))
+    assert models.resolve_alias("alias-probe", "champion") is None  # the model, without the alias
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     with pytest.raises(InfraError) as info:
-        models.resolve_alias("demo", "champion")
+        models.resolve_alias("alias-probe", "champion")
     assert info.value.what == "tracking server"
     denied = MlflowException("Permission denied for registered model demo-policy", PERMISSION_DENIED)
     monkeypatch.setattr(tracking, "client", lambda: _Client(denied))
