@@ -182,8 +182,12 @@ def test_a_task_file_of_another_fsspec_protocol_is_left_to_the_preflight(tmp_pat
                                      "model: {source: 'gguf:llm_pkg/model.gguf'}", "rollout: {policy: candidate}",
                                      "rollout: {policy: 'file:///no/such/checkpoint'}"])
 def test_checkpoint_locations_that_name_one_still_load(section: str) -> None:
-    """Whether the checkpoint is there is the preflight's to say; the load checks only the form."""
-    parse_recipe(yaml.safe_load(f"pipeline: tiny\n{section}\n"))
+    """Whether the checkpoint is there is the preflight's to say; the load checks only the form
+    and keeps the location as given."""
+    [(section_name, fields)] = yaml.safe_load(section).items()
+    [(field, value)] = fields.items()
+    recipe = parse_recipe(yaml.safe_load(f"pipeline: tiny\n{section}\n"))
+    assert getattr(getattr(recipe, section_name), field) == value
 
 
 def test_an_empty_model_source_stops_run_before_any_work(env: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@ that hold no process are removed; groups of live processes are left alone."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ def make(name: str, parent=None):
 
 def test_names_carry_the_creator_pid():
     name = cgroups.group_name()
-    assert cgroups.creator_pid(name) is not None
+    assert cgroups.creator_pid(name) == os.getpid()
     assert cgroups.creator_pid("posttrain-probe-1234abcd") is None
     assert cgroups.creator_pid("posttrain-0123456789ab") is None
     assert cgroups.creator_pid("other-12-ab") is None
@@ -72,7 +73,7 @@ def test_sweep_removes_groups_of_dead_creators_only():
 def test_sweep_leaves_this_process_live_groups():
     group = cgroups.JobCgroup.create(["pids"], memory_bytes=1 << 26, pids_max=16, cpus=0)
     try:
-        assert cgroups.creator_pid(group.name) is not None
+        assert cgroups.creator_pid(group.name) == os.getpid()
         cgroups.sweep_stale(min_age_s=0, parents=[PARENT])
         assert group.paths["pids"].exists()
     finally:
