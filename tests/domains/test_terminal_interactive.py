@@ -150,7 +150,8 @@ def scripted(actions: list[str]):
     (["chmod 555 /work"], "failed", 0.0),
     (["chmod 000 /work"], "failed", 0.0),
     (["for i in 1 2 3 4 5; do head -c 16M /dev/zero > ../f$i; done"], "failed", 0.0),
-    (["mkfifo p"], "ok", None),  # a FIFO is listed as "other", not opened (the listing blocked to the job's limit)
+    (["mkfifo p"], "ok", 2 / 3),  # a FIFO is listed as "other", not opened (the listing blocked to the job's limit,
+    # a timeout); the note and the new folder match, the FIFO is extra
 ])
 def test_what_an_episode_does_to_its_session_is_its_own_verdict(actions, status, score) -> None:
     task = interactive_task("note")
@@ -165,10 +166,9 @@ def test_what_an_episode_does_to_its_session_is_its_own_verdict(actions, status,
     assert result.status == status and verdict.status != "infra_error", (result.status, result.stderr[-500:])
     if status == "failed":
         assert result.exit_code == 126 and "cannot set the job up in /work" in result.stderr
-        assert verdict.score == 0.0
     else:
-        assert result.result["state"]["p"] == "other" and result.duration_s < 4.0
-        assert verdict.score == pytest.approx(2 / 3)  # note and the new dir match; the FIFO is extra
+        assert result.result["state"]["p"] == "other"
+    assert verdict.score == pytest.approx(score)
 
 
 @needs_bwrap
