@@ -115,20 +115,18 @@ def test_a_chat_template_that_cannot_render_is_one_line_as_the_policy_loads(temp
         prompts.encode(tok, "a secret", "chat")
 
 
+@pytest.mark.timeout(60)  # a probe that did not give up would render for ever
 def test_a_chat_template_that_renders_for_ever_is_one_line_and_its_render_stops(monkeypatch) -> None:
     """Nested loops, each under Jinja's range bound (10**10 steps): taskgen, rollout and
     serve hung as the policy loaded. The probe gives up after PROBE_LIMIT_S and stops the
     render's thread; a template that renders in time still loads."""
     import threading
-    import time
 
     monkeypatch.setattr(prompts, "PROBE_LIMIT_S", 0.5)
     tok = templated()
     tok.chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TEMPLATE
-    started = time.monotonic()
     with pytest.raises(UserError) as err:
         prompts.resolve_format(tok, "auto")
-    assert time.monotonic() - started < 30
     assert err.value.field == "chat_template"
     assert err.value.problem == "the tokenizer's chat template renders a one-line prompt for over 0.5 s"
     assert "rollout.prompt_format: raw" in err.value.fix

@@ -19,7 +19,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -208,7 +207,6 @@ def test_fuzz_recipes(tmp_path):
     for i in range(CASES):
         path.write_bytes(recipe_case(rng))
         where = f"recipe case {i} (seed {SEED})"
-        start = time.monotonic()
         with deadline(LIMIT_S):
             try:
                 recipe = load_recipe(path)
@@ -219,7 +217,6 @@ def test_fuzz_recipes(tmp_path):
                 line = exc.line()
                 assert "\n" not in line and len(line) < 2000, f"{where}: {line[:300]}"
                 outcomes["user_error"] += 1
-        assert time.monotonic() - start < LIMIT_S, where
     assert outcomes["user_error"] > 50 and sum(outcomes.values()) == CASES, outcomes
     assert peak_rss_bytes() - before < LIMIT_BYTES  # the fuzz raised the process's peak by under 1 GB
 
@@ -286,12 +283,10 @@ def limited():
 
 
 def run_cli(argv: list[str], tmp_path) -> subprocess.CompletedProcess:
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "components.cli", *argv], capture_output=True, text=True,
                           timeout=LIMIT_S * 3, preexec_fn=limited, cwd=Path.cwd(),
                           env={"PATH": "/usr/bin:/bin", "POSTTRAIN_HOME": str(tmp_path / "home"), "HOME": str(tmp_path)})
-    assert time.monotonic() - start < LIMIT_S * 3
-    return proc
+    return proc  # a hang is subprocess.run's TimeoutExpired
 
 
 def test_cli_sample_quick(tmp_path):

