@@ -106,6 +106,7 @@ class JobCgroup:
     name: str
     controllers: list[str]
     paths: dict[str, Path] = field(default_factory=dict)
+    peak_stale: bool = False  # a reset was asked for and could not be done: no per-job peak
 
     @classmethod
     def create(cls, controllers: list[str], memory_bytes: int, pids_max: int, cpus: float) -> JobCgroup:
@@ -166,9 +167,20 @@ class JobCgroup:
         return [str(p / "cgroup.procs") for p in self.paths.values()]
 
     def reset_peak(self) -> None:
-        self._write("memory", "memory.max_usage_in_bytes", 0, optional=True)
+        """A warm worker's group between two jobs: where ``memory.max_usage_in_bytes`` cannot
+        be reset, the group reports no per-job peak (None) rather than the worker's lifetime
+        peak, as on v2."""
+        if "memory" not in self.paths:
+            return
+        try:
+            self._write("memory", "memory.max_usage_in_bytes", 0)
+            self.peak_stale = False
+        except OSError:
+            self.peak_stale = True
 
     def peak_memory_mb(self) -> float | None:
+        if self.peak_stale:
+            return None
         text = self._read("memory", "memory.max_usage_in_bytes").strip()
         return int(text) / 2**20 if text else None
 
@@ -289,7 +301,6 @@ class JobCgroupV2(JobCgroup):
     kept-open fd (a write there resets the peak this fd sees, kernel >= 6.12)."""
 
     peak_fd: int = -1
-    peak_stale: bool = False  # a reset was asked for and could not be done: no per-job peak
 
     @classmethod
     def create_v2(cls, parent: Path, controllers: tuple[str, ...], memory_bytes: int, pids_max: int,

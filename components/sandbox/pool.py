@@ -11,7 +11,7 @@ second later as a backstop (the job is then a timeout and the worker is replaced
 
 Not covered: per-job cgroups (the worker's cgroup covers one job at a time; its memory
 peak is reset per job where the kernel allows, else no per-job cgroup peak is
-reported on cgroup v2; on v1 a reset that fails leaves the worker's lifetime peak); jobs that need a different interpreter than the worker's (they still run,
+reported); jobs that need a different interpreter than the worker's (they still run,
 exec'd, without the warm speed-up).
 """
 

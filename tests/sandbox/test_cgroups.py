@@ -198,6 +198,25 @@ def test_v2_group_without_controllers_writes_no_limits(tmp_path):
     group.close()
 
 
+def test_v1_peak_is_not_reported_when_it_cannot_be_reset(tmp_path, monkeypatch):
+    """A v1 reset that failed was ignored, and the warm worker's lifetime peak was then
+    reported as the next job's."""
+    import errno
+
+    folder = tmp_path / "memory"
+    folder.mkdir()
+    (folder / "memory.max_usage_in_bytes").write_text("9437184\n")
+    group = cgroups.JobCgroup(name="posttrain-v1", controllers=["memory"], paths={"memory": folder})
+    assert group.peak_memory_mb() == 9.0
+
+    def refused(controller, name, value, optional=False):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(group, "_write", refused)
+    group.reset_peak()
+    assert group.peak_memory_mb() is None
+
+
 def test_v2_peak_is_not_reported_when_it_cannot_be_reset(tmp_path):
     """Kernels before 6.12 cannot reset memory.peak: a warm worker's group must not pass
     the worker's lifetime peak off as the job's."""
