@@ -44,7 +44,7 @@ from typing import Any
 
 from airflow.sdk import Asset, task
 
-from components.core.settings import env_text
+from components.core.settings import FLAG_VARIABLES, env_text
 from components.core.stages import StageSpec
 from dags import stagehost
 from dags.execution import MAX_RETRY_DELAY_S, SCHEDULE_VAR, container_task, mode, retry_delay_s, schedule_value
@@ -110,7 +110,6 @@ def _named_as_given(exc: BaseException, params: dict[str, Any], conf: dict[str, 
     where it names the CLI's ``--recipe``/``--run-root`` (which a DAG run has none of). A
     run ``posttrain run`` started (it sets ``holder``) keeps the flag its user typed."""
     from components.core.errors import UserError
-    from components.core.settings import FLAG_VARIABLES
 
     if not isinstance(exc, UserError) or exc.field not in FLAG_VARIABLES or params.get("holder"):
         return exc

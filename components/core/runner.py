@@ -4,7 +4,8 @@
 calls. Each stage package has a ``stage`` module with:
 
 - ``SECTIONS``: the recipe sections the stage reads (besides ``recipe.COMMON_FIELDS``:
-  pipeline, seed, domains, timeouts and resources); they make its cache key, and ``ctx.recipe`` refuses any other section;
+  pipeline, seed, domains, timeouts and resources); they make its cache key, and
+  ``ctx.recipe`` refuses any other section;
 - ``inputs(ctx)``: declare inputs (upstream manifests, policy URI) on ``ctx.inputs``;
 - ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx`` (and its
   facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged);

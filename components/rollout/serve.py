@@ -13,9 +13,11 @@ included when generation stopped on it), recorded exactly as ``HFEngine`` record
 Text prompts become token ids in ``--prompt-format`` (``components.core.prompts``):
 ``raw`` (BOS and the text, what a completions endpoint is given), ``chat`` (the
 tokenizer's chat template around the text as one user turn, with the generation prompt)
-or ``auto`` (the default: ``chat`` when the tokenizer has a chat template, else ``raw``); choose the recipe's ``rollout.prompt_format`` to serve prompts as the
-pipeline puts them. Token-id prompts are used as they are. A request is generated as one ``HFEngine`` call, seeded with the request's ``seed``
-(default 0), so the same request returns the same completions.
+or ``auto`` (the default: ``chat`` when the tokenizer has a chat template, else ``raw``);
+choose the recipe's ``rollout.prompt_format`` to serve prompts as the pipeline puts them.
+Token-id prompts are used as they are. A request is generated as one ``HFEngine`` call,
+seeded with the request's ``seed`` (default 0), so the same request returns the same
+completions.
 
 Every request is checked before any generation and refused with HTTP 400 and an OpenAI
 error body (``error.message`` names the field, the value and the fix, a long value
@@ -38,8 +40,8 @@ are no ``/docs`` pages, and a path with a trailing slash is a 404, not a redirec
 parsed by h11: a request head past 16 KiB (``MAX_HEAD_BYTES``) is refused (400) as it
 arrives, and one that arrived whole before h11 could see its size is refused with the same
 400 before the app reads it; at most ``MAX_CONNECTIONS`` (64) connections are open, a new
-request past them is answered 503, so the bodies of waiting requests stay bounded. ``logprobs.text_offset`` is where each token's text starts
-in the choice's ``text``. Requests wait their turn on the event loop, and one whose client
+request past them is answered 503, so the bodies of waiting requests stay bounded.
+``logprobs.text_offset`` is where each token's text starts in the choice's ``text``. Requests wait their turn on the event loop, and one whose client
 has gone by then is not generated when the server has seen the connection close (for a
 body over 64 KiB uvicorn may have stopped reading it, and the request is generated).
 
@@ -416,10 +418,11 @@ def make_app(policy: Policy, model_name: str, batch_size: int = 64, stop: thread
         """The app, behind the head's size check; a request uvicorn cancels because the
         shutdown's grace ran out (a client stalled mid-upload) ends without a word: uvicorn
         logs any exception the app raises, this one as a 40-line 'Exception in ASGI application'."""
-        if scope["type"] == "http" and head_bytes(scope) > MAX_HEAD_BYTES:
+        size = head_bytes(scope) if scope["type"] == "http" else 0
+        if size > MAX_HEAD_BYTES:
             # h11 limits a head that is still arriving; one that came in a single read is whole by then
-            refusal = _error(400, f"the request head is {head_bytes(scope)} bytes, over the {MAX_HEAD_BYTES} a "
-                             "request may have; send shorter headers", "invalid_request_error")
+            refusal = _error(400, f"the request head is {size} bytes, over the {MAX_HEAD_BYTES} a request may have; "
+                             "send shorter headers", "invalid_request_error")
             await refusal(scope, receive, send)
             return
         try:

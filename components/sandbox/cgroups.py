@@ -5,8 +5,8 @@ cgroup this process already lives in (so an outer limit, e.g. a container's, sti
 applies). A ``JobCgroupV2`` is one folder under this process's cgroup v2 (its
 ``base_v2()``), with whichever of memory, pids and cpu that folder delegates. Processes
 join by writing their pid to each ``cgroup.procs`` *before* they exec the sandbox (see
-command.py's ``WRAPPER`` and ``host_argv``), so nothing escapes. After the job the group is swept (SIGKILL to whatever is
-left; ``cgroup.kill`` on v2) and removed. ``create_group`` picks v1 where its
+command.py's ``WRAPPER`` and ``host_argv``), so nothing escapes. After the job the group is
+swept (SIGKILL to whatever is left; ``cgroup.kill`` on v2) and removed. ``create_group`` picks v1 where its
 controllers are writable, else v2.
 
 cgroup v2's "no internal processes" rule: a cgroup that hands controllers to children

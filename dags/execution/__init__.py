@@ -66,8 +66,8 @@ def mode() -> str:
 
 def schedule_value(value: str) -> str | None:
     """A ``POSTTRAIN_SCHEDULE`` value (the environment's through ``env_text``, which refuses
-    white space around it; an Airflow Variable's is stripped here): None for manual (empty, ``manual``,
-    ``none``), else a preset, an asset schedule or a cron expression; a UserError naming
+    white space around it; an Airflow Variable's is stripped here): None for manual (empty,
+    ``manual``, ``none``), else a preset, an asset schedule or a cron expression; a UserError naming
     the allowed values otherwise."""
     text = (value or "").strip()
     if text.lower() in MANUAL:
