@@ -29,6 +29,7 @@ import errno
 import fcntl
 import os
 import re
+import signal
 import socket
 import stat
 import threading
@@ -188,10 +189,19 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
     body runs and renewed in the background; a live lease of another ``posttrain run``
     (another home, another machine) refuses this one with one line naming it (UserError,
     exit 2). A lease left by a killed run is taken over: at once when it ran on this host
-    (its process is gone), else once it expires (``lease.WRITER_TTL_S``)."""
+    (its process is gone), else once it expires (``lease.WRITER_TTL_S``).
+
+    A run that loses its lease stops: when a renewal finds another holder, or when no
+    renewal has succeeded for the lease's whole lifetime (the store was unreachable, or
+    the process was paused: another run may have taken it over since), the renewing thread
+    sends this process SIGTERM, so the running stage ends as a stopped one does (its
+    MLflow run KILLED) and no further task starts, and the body's end becomes a UserError
+    (exit 2) naming the reason. Not covered: a stage whose process ignores SIGTERM, and
+    writes between the lease's expiry and the signal landing."""
     holder = holder_text(home)
+    ttl_s = lease.WRITER_TTL_S
     try:
-        lease.acquire_writer(store, pipeline, holder, stale=stale_on_this_host(home))
+        lease.acquire_writer(store, pipeline, holder, stale=stale_on_this_host(home), ttl_s=ttl_s)
     except lease.LeaseHeld as exc:
         left = max(0.0, exc.lease.expires_at - time.time())
         raise UserError("run_root", store.uri, f"pipeline {pipeline!r} is being run by {exc.lease.holder} "
@@ -199,25 +209,44 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
                         "wait for that run to finish or stop it (a stopped run's lease is taken over once it "
                         "expires), or use another run root") from None
     stop = threading.Event()
+    lost: list[str] = []
+
+    def lose(reason: str) -> None:
+        lost.append(reason)
+        say(f"writer lease of {pipeline!r} {reason}; this run stops")
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def renew() -> None:
-        while not stop.wait(lease.WRITER_TTL_S / 5):
+        renewed = time.monotonic()
+        while not stop.wait(ttl_s / 5):
             try:
-                if not lease.renew_writer(store, pipeline, holder):
-                    say(f"writer lease of {pipeline!r} was taken over; this run should stop")
-                    return
-            except Exception as exc:  # an outage: try again at the next beat; the stages say more
+                if not lease.renew_writer(store, pipeline, holder, ttl_s=ttl_s):
+                    cur = lease.current(store, pipeline, lease.WRITER)
+                    return lose(f"was taken over by {cur.holder if cur else 'nobody (it was released)'}")
+                renewed = time.monotonic()
+            except Exception as exc:  # an outage: try again at the next beat, while the lease lasts
+                if time.monotonic() - renewed >= ttl_s:
+                    return lose(f"was not renewed for {ttl_s:.0f} s ({type(exc).__name__}: the store is "
+                                "unreachable) and has expired: another run may hold it now")
                 say(f"could not renew the writer lease of {pipeline!r} ({type(exc).__name__}); retrying")
 
     beat = threading.Thread(target=renew, name="posttrain-writer-lease", daemon=True)
     beat.start()
     try:
         yield holder
+    except tracking.Terminated:
+        if not lost:
+            raise
     finally:
         stop.set()
         beat.join(timeout=5)
-        with suppress(Exception):  # an outage at the end: the lease expires by itself
-            lease.release_writer(store, pipeline, holder)
+        if not lost:
+            with suppress(Exception):  # an outage at the end: the lease expires by itself
+                lease.release_writer(store, pipeline, holder)
+    if lost:
+        raise UserError("run_root", store.uri, f"this run's writer lease of pipeline {pipeline!r} {lost[0]}, "
+                        "so it stopped", "run the same command again once the other run has finished or the "
+                        "store is reachable: it resumes the iteration")
 
 
 def check_before_run(recipe: Recipe, store: Store) -> None:
@@ -306,6 +335,10 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         vllm_engine.check_before_run()
     preflight.tracking_uri()
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
+        # The DAG's tasks take their time limits and cluster resources from POSTTRAIN_RECIPE
+        # when the DAG is parsed (dags.wiring.recipe_at_parse), which happens later in this
+        # process: this run's recipe is the one they must come from.
+        os.environ["POSTTRAIN_RECIPE"] = conf.recipe
         execution.check_settings()
         execution.check_engine_here()
         if execution.mode() == "inprocess" and recipe.trainer.device == "cuda":

@@ -147,7 +147,9 @@ class TaskgenConfig(_Section):
                                           "iteration k; after the last step, domain_weights")
     task_file: str = Field("", max_length=4096, description="Parquet/JSONL/JSON task file (path or URI) to sample from instead of generating")
     oversample: float = Field(1.0, ge=1.0, le=16.0, description="draw this many times tasks_per_iteration tasks: the surplus "
-                                                                 "dynamic sampling (trainer.dynamic_sampling) refills from")
+                                                                 "dynamic sampling (trainer.dynamic_sampling) refills from; "
+                                                                 "without it, every drawn group with signal trains, so "
+                                                                 "the iteration takes more steps")
     adaptive_difficulty: bool = Field(False, description="within each domain, sample difficulty pools by weights that follow "
                                                          "each pool's recent pass rate (persisted across iterations), so tasks "
                                                          "stay near the edge of competence; false: the domain's own mix")
@@ -181,12 +183,14 @@ class RolloutConfig(_Section):
                                                           "when the tokenizer has a template")
     workers: int = Field(1, ge=1, le=64, description="processes that sample generation batches side by side (hf engine, "
                          "forked, one torch thread each; the same samples as one), in rollout and the eval suite: the "
-                         "cores a shard has to itself")
+                         "cores a shard has to itself; only where torch runs one thread (POSTTRAIN_TORCH_THREADS=1, "
+                         "as under a scheduler), else 1")
 
 
 class SandboxConfig(_Section):
     backend: str = Field("bwrap", max_length=200, description="executor, by registry name: 'bwrap' (hardened) or 'subprocess' (weak)")
-    mode: Literal["strict", "warm"] = Field("strict", description="strict: a fresh sandbox per job; warm: pre-started sandboxed workers fork per job")
+    mode: Literal["strict", "warm"] = Field("strict", description="strict: a fresh sandbox per job; warm: pre-started sandboxed workers fork per job "
+                                                    "(bwrap backend; 'subprocess' has one mode)")
     allow_weak_isolation: bool = Field(False, description="run untrusted code even when the host cannot give full isolation (or with backend 'subprocess')")
     timeout_s: float = Field(5.0, ge=MIN_JOB_TIMEOUT_S, le=86400, description="wall-clock limit per job")
     concurrency: int = Field(2, ge=1, le=SANDBOX_UID_SLOTS, description="jobs at once (at most the sandbox's uid pool); "
@@ -202,7 +206,9 @@ class SandboxConfig(_Section):
 
 
 class RewardConfig(_Section):
-    normalize: Literal["none", "domain_zscore"] = Field("none", description="per-domain normalisation")
+    normalize: Literal["none", "domain_zscore"] = Field("none", description="per-domain z-score of rewards before the group "
+                                                                  "advantages; under scale_by_std (the default) it changes "
+                                                                  "no advantage, so it acts only with scale_by_std: false")
     advantage_eps: float = Field(1e-6, gt=0, le=1, description="added to the group std (above 1 it flattens every advantage)")
     scale_by_std: bool = Field(True, description="divide advantages by the group std (GRPO) or only centre them")
     domain_weights: dict[str, float] = Field(default_factory=dict, description="loss weight per domain (unlisted: 1): "
@@ -227,7 +233,7 @@ class LoraConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    algorithm: Literal["grpo"] = Field("grpo", description="policy-gradient objective")
+    algorithm: Literal["grpo"] = Field("grpo", description="policy-gradient objective (GRPO is the only one)")
     learning_rate: float = Field(1e-4, gt=0, le=1, description="Adam learning rate (above 1 diverges at once)")
     prompts_per_step: int = Field(16, ge=1, le=BIG, description="tasks (groups) per optimizer step")
     epochs: int = Field(1, ge=1, le=1000, description="passes over the iteration's batch")

@@ -12,6 +12,9 @@ the Airflow DAG and the Kubeflow pipeline.
 | ``POSTTRAIN_VLLM_PYTHON`` | a separate vLLM environment's interpreter (``vllm`` engine) | ``.venv-vllm/bin/python`` here, if any |
 | ``POSTTRAIN_VLLM_START_TIMEOUT_S`` | seconds that vLLM's server may take to answer ``/v1/models`` | ``600`` |
 | ``POSTTRAIN_TORCH_THREADS`` | torch intra-op threads: 1-512, or ``auto`` (every CPU this process has) | ``auto`` in ``posttrain run``, else 1 |
+| ``POSTTRAIN_RETRY_DELAY_S`` | seconds before a failed stage task is retried (doubling, up to 10 minutes) | ``10`` |
+| ``POSTTRAIN_GC`` | ``default``: Python's own collector, not ``components/core/gcpolicy.py``'s | the policy |
+| ``POSTTRAIN_STAGE_HOST`` | ``0``: ``posttrain run`` runs its stages in its own process (``dags/stagehost.py``) | ``1`` |
 
 An explicit value (a CLI flag, a DAG run param) overrides the environment; empty means
 "not given". Every default is absolute, so a worker whose working directory differs

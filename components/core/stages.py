@@ -14,7 +14,7 @@ tests.
 Adding a stage is one module plus one ``StageSpec`` here (or, from another package, an
 entry point in the ``posttrain.stages`` group that names a ``StageSpec``, whose
 ``before`` splices it in front of existing stages). Time limits come from here unless
-the recipe's ``orchestration.timeouts`` overrides them.
+the recipe's ``timeouts`` overrides them (``resources`` likewise the cluster requests).
 
 Not covered: conditional stages (every registered stage runs every iteration) and
 stages that fan out over something other than shards.

@@ -236,3 +236,23 @@ def test_a_conf_recipe_whose_timeouts_the_dag_does_not_apply_is_warned_of(tmp_pa
     assert run["state"] == "failed"
     assert (f"the recipe {given} sets other stage timeouts or resources than POSTTRAIN_RECIPE's, which the DAG's "
             "tasks were made with") in run["log"]
+
+
+@pytest.mark.slow
+def test_posttrain_runs_recipe_sets_the_tasks_time_limits(tmp_path: Path) -> None:
+    """``posttrain run --recipe X`` applies X's ``timeouts`` (before, the DAG's tasks took
+    theirs from POSTTRAIN_RECIPE or the demo recipe, and X's did nothing): a bootstrap that
+    cannot reach its band within 1 s times out on every attempt, and the run fails."""
+    from tests.fixtures.runs import cli_env, run_posttrain
+
+    parsed = yaml.safe_load(TINY.read_text())
+    parsed["timeouts"] = {"bootstrap": 1}
+    parsed["bootstrap"].update(max_steps=100_000, eval_every=50_000)  # minutes of SFT without the limit
+    recipe = tmp_path / "timed.yaml"
+    recipe.write_text(yaml.safe_dump(parsed))
+    env = cli_env(tmp_path / "home", POSTTRAIN_RETRY_DELAY_S="1")
+    proc = run_posttrain(["run", "--recipe", str(recipe), "--iterations", "1"], tmp_path, env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count("AirflowTaskTimeout: Timeout") >= 2, out[-3000:]  # the first attempt and a retry
+    assert "iter 0 | bootstrap |" not in out  # no attempt finished

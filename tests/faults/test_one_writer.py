@@ -143,3 +143,71 @@ def test_a_second_run_on_the_same_run_root_is_refused_then_takes_over_once_the_f
     assert store.exists("tiny/iter-000001/evaluation/_MANIFEST.json")
     assert lease.current(store, "tiny", 1).holder == f"local:{second_home}"
     assert lease.current(store, "tiny", lease.WRITER).holder == ""  # handed back at the end
+
+
+@pytest.fixture
+def sigterm_raises():
+    """SIGTERM raises ``tracking.Terminated`` in this (main) thread, as under ``posttrain run``;
+    the handlers and the recorded stop signals are put back after."""
+    from components.core import runner
+
+    before = {sig: signal.getsignal(sig) for sig in runner.STOP_SIGNALS}
+    runner.stop_on_sigterm()
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    runner._stop_signals.clear()
+
+
+def _hold_until_stopped() -> None:
+    for _ in range(400):  # a stage running: only the lease's SIGTERM ends it
+        time.sleep(0.05)
+    raise AssertionError("the run was not stopped after losing its writer lease")
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_writer_lease_is_taken_over_stops(tmp_path: Path, monkeypatch, sigterm_raises) -> None:
+    from components.core.errors import UserError
+    from dags.orchestrate import writer_lease
+
+    monkeypatch.setattr(lease, "WRITER_TTL_S", 1.0)  # renewed every 0.2 s
+    store = Store(f"file://{tmp_path}/store")
+    with pytest.raises(UserError) as info:
+        with writer_lease(store, "p", tmp_path / "home") as holder:
+            assert lease.current(store, "p", lease.WRITER).holder == holder
+            lease.acquire_writer(store, "p", "posttrain run on host elsewhere", stale=lambda cur: True)
+            _hold_until_stopped()
+    assert info.value.field == "run_root"
+    assert "writer lease of pipeline 'p' was taken over by posttrain run on host elsewhere, so it stopped" in str(info.value)
+    assert lease.current(store, "p", lease.WRITER).holder == "posttrain run on host elsewhere"  # not released by the loser
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_cannot_renew_for_the_lease_lifetime_stops(tmp_path: Path, monkeypatch, sigterm_raises) -> None:
+    from components.core.errors import UserError
+    from dags.orchestrate import writer_lease
+
+    monkeypatch.setattr(lease, "WRITER_TTL_S", 1.0)
+    store = Store(f"file://{tmp_path}/store")
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("store down")
+
+    with pytest.raises(UserError) as info:
+        with writer_lease(store, "p", tmp_path / "home"):
+            monkeypatch.setattr(lease, "renew_writer", unreachable)
+            _hold_until_stopped()
+    assert "was not renewed for 1 s (ConnectionError: the store is unreachable) and has expired" in str(info.value)
+
+
+def test_a_run_that_keeps_its_writer_lease_releases_it(tmp_path: Path, monkeypatch) -> None:
+    from dags.orchestrate import writer_lease
+
+    monkeypatch.setattr(lease, "WRITER_TTL_S", 1.0)
+    store = Store(f"file://{tmp_path}/store")
+    with writer_lease(store, "p", tmp_path / "home") as holder:
+        first = lease.current(store, "p", lease.WRITER).generation
+        time.sleep(0.7)  # three renewals' time: the lease is renewed, not lost
+        assert lease.current(store, "p", lease.WRITER).holder == holder
+        assert lease.current(store, "p", lease.WRITER).generation > first
+    assert lease.current(store, "p", lease.WRITER) is None or not lease.current(store, "p", lease.WRITER).live()
