@@ -544,6 +544,8 @@ def _read_text(path: str | Path) -> str:
             if scheme == "s3" and not store.fs.exists(bucket):
                 raise UserError("--recipe", str(path), f"no bucket {bucket!r} in the store",
                                 "name an existing bucket (or check AWS_ENDPOINT_URL: another server has other buckets)")
+            if scheme == "file":
+                raise UserError("--recipe", str(path), "no such recipe file", "pass a YAML file such as recipes/demo.yaml")
             raise UserError("--recipe", str(path), "no such recipe in the store", "publish it first (the DAG's plan task does)")
         return _decode(store.read_bytes(name), path)
     except UserError:
@@ -651,6 +653,11 @@ def load_recipe(path: str | Path) -> Recipe:
                         f"{exc.first.line + 1} and {exc.again.line + 1}); YAML would keep the last silently",
                         "keep one of them") from None
     except yaml.YAMLError as exc:
+        if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow: no line mark
+            line = text.count("\n", 0, exc.position) + 1
+            raise UserError("--recipe", str(path), f"the character {chr(exc.character)!r} (U+{exc.character:04X}) at "
+                            f"line {line} is not allowed in YAML", "remove it or write it as an escape in a "
+                            "double-quoted string") from None
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
         raise UserError("--recipe", str(path), f"not valid YAML at {where}", "fix the YAML syntax there") from None

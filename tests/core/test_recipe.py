@@ -51,6 +51,9 @@ ERRORS = [
      ["bootstrap.target_low=0.9", "above bootstrap.target_high", "fix: make target_low <= target_high"]),
     ("invalid-yaml", "pipeline: t\nrollout: {group_size: 4\nseed: 1\n",
      ["--recipe=", "not valid YAML at line 3", "fix: fix the YAML syntax there"]),
+    ("control-character", "pipeline: t\n\nseed: 7\x07\n",  # it said "not valid YAML at unknown position"
+     ["--recipe=", "the character '\\x07' (U+0007) at line 3 is not allowed in YAML",
+      "fix: remove it or write it as an escape in a double-quoted string"]),
     ("non-mapping", "- pipeline\n- t\n", ["recipe=", "must be a YAML mapping", "fix: write key: value pairs"]),
     ("empty-file", "", ["recipe=", "must be a YAML mapping", "fix: write key: value pairs"]),
 ]
@@ -113,3 +116,11 @@ def test_stage_digest_covers_only_its_sections() -> None:
     # evaluation scores with the rollout engine: a change of engine settings re-runs it
     wider = parse_recipe({"pipeline": "t", "rollout": {"batch_size": 7}})
     assert config_digest(base, "evaluation") != config_digest(wider, "evaluation")
+
+
+def test_a_missing_file_uri_recipe_is_no_such_file(tmp_path: Path) -> None:
+    """A ``file://`` recipe is a local file: it was told to "publish it first" as a store's would be."""
+    with pytest.raises(UserError) as info:
+        load_recipe(f"file://{tmp_path}/absent.yaml")
+    assert info.value.line() == (f"--recipe='file://{tmp_path}/absent.yaml': no such recipe file; "
+                                 "fix: pass a YAML file such as recipes/demo.yaml")
