@@ -37,6 +37,7 @@ callback or the stage's next attempt ends it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from functools import cache
@@ -179,7 +180,9 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     # Under `posttrain run` the signals are only recorded between tasks (dags/local.py).
     args = (stage, plan["recipe"], plan["run_root"], int(plan["iteration"]), shard or None, get_current_context()["run_id"])
     try:
-        with stop_signals_raised():
+        # The plan's lease on the iteration lasts 6 hours; a stage may run longer (the
+        # trainer's limit is 6 hours by itself): it is renewed while the stage runs.
+        with stop_signals_raised(), _lease_renewed(plan):
             if stopping():  # told to stop before this task started (`posttrain run` got SIGTERM)
                 raise AirflowTaskTerminated(f"{stage}: not started, the process was told to stop")
             if (host := stagehost.current()) is not None:  # posttrain run: the stage host runs it (dags/stagehost.py)
@@ -190,6 +193,17 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     except Exception as exc:
         raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     return stagehost.task_result(stage, m)
+
+
+def _lease_renewed(plan: dict[str, Any]):
+    """``lease.renewed`` for the plan's iteration and holder (a plan from before holders
+    were handed on renews nothing)."""
+    from components.core import lease
+    from components.core.storage import Store
+
+    if not plan.get("holder") or not plan.get("pipeline"):
+        return contextlib.nullcontext()
+    return lease.renewed(Store(plan["run_root"], "run_root"), plan["pipeline"], int(plan["iteration"]), plan["holder"])
 
 
 def stage_failed(context: dict[str, Any]) -> None:

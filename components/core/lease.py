@@ -22,14 +22,19 @@ hundred bytes per change).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 from components.core.errors import UserError
 from components.core.storage import Store
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 6 * 3600.0
 WRITER = -1
@@ -169,12 +174,48 @@ def acquire_writer(store: Store, pipeline: str, holder: str, stale: Callable[[Le
     return acquire(store, pipeline, WRITER, holder, ttl_s, stale)
 
 
-def renew_writer(store: Store, pipeline: str, holder: str, ttl_s: float = WRITER_TTL_S) -> bool:
-    """Extend ``holder``'s writer lease; False when it is no longer ``holder``'s (taken over)."""
-    cur = current(store, pipeline, WRITER)
+def renew(store: Store, pipeline: str, iteration: int, holder: str, ttl_s: float = DEFAULT_TTL_S) -> bool:
+    """Extend ``holder``'s lease on ``iteration`` by ``ttl_s`` from now; False when it is no
+    longer ``holder``'s (released, or taken over after it expired)."""
+    cur = current(store, pipeline, iteration)
     if cur is None or cur.holder != holder:
         return False
-    return _write_next(store, pipeline, WRITER, cur, holder, ttl_s) is not None
+    return _write_next(store, pipeline, iteration, cur, holder, ttl_s) is not None
+
+
+def renew_writer(store: Store, pipeline: str, holder: str, ttl_s: float = WRITER_TTL_S) -> bool:
+    """Extend ``holder``'s writer lease; False when it is no longer ``holder``'s (taken over)."""
+    return renew(store, pipeline, WRITER, holder, ttl_s)
+
+
+@contextlib.contextmanager
+def renewed(store: Store, pipeline: str, iteration: int, holder: str, every_s: float | None = None) -> Iterator[None]:
+    """Within: ``holder``'s lease on ``iteration`` is renewed every ``every_s`` (a sixth of
+    ``DEFAULT_TTL_S`` unless given) by a background thread, so a stage that runs longer than
+    the lease's lifetime keeps it. A renewal that fails (an outage) is logged and tried at
+    the next beat; one that finds the lease no longer ``holder``'s stops renewing and says
+    so. Not covered: stopping the stage when the lease is lost (``posttrain run``'s writer
+    lease does that for its own runs: ``dags.orchestrate.writer_lease``)."""
+    beat_s = DEFAULT_TTL_S / 6 if every_s is None else every_s
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(beat_s):
+            try:
+                if not renew(store, pipeline, iteration, holder):
+                    log.warning("the lease on iteration %d of %s is no longer %s's; not renewed", iteration, pipeline, holder)
+                    return
+            except Exception as exc:  # an outage: the next beat tries again
+                log.warning("could not renew the lease on iteration %d of %s (%s); retrying", iteration, pipeline,
+                            type(exc).__name__)
+
+    thread = threading.Thread(target=beat, name=f"posttrain-lease-{iteration}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 def release_writer(store: Store, pipeline: str, holder: str) -> bool:

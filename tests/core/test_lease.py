@@ -165,3 +165,22 @@ def test_a_corrupted_lease_is_one_line_naming_the_object(garbage: bytes | str, t
     assert info.value.line() == (
         f"lease={store.url('p/_leases/iter-000001/000000.json')!r}: is not a lease record (corrupted or written by "
         "another tool); fix: stop any run of this pipeline, then delete that object; the next run takes the lease anew")
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_is_renewed_while_its_stage_runs(tmp_path: Path) -> None:
+    """A stage may outlive the lease's lifetime (6 hours, the trainer's own limit): the
+    lease is renewed while it runs, and renewing stops once another holder has it."""
+    store = Store(f"file://{tmp_path}/store")
+    first = lease.acquire(store, "p", 1, "airflow:run-a", ttl_s=0.5)
+    with lease.renewed(store, "p", 1, "airflow:run-a", every_s=0.1):
+        time.sleep(1.0)  # twice the lifetime it was taken with
+        cur = lease.current(store, "p", 1)
+        assert cur.holder == "airflow:run-a" and cur.live() and cur.generation > first.generation
+    assert lease.release(store, "p", 1, "airflow:run-a")
+    taken = lease.acquire(store, "p", 1, "airflow:run-b")
+    with lease.renewed(store, "p", 1, "airflow:run-a", every_s=0.05):
+        time.sleep(0.3)  # six beats: the first finds run-b's lease and stops
+    cur = lease.current(store, "p", 1)
+    assert (cur.holder, cur.generation) == ("airflow:run-b", taken.generation)
+    assert len(store.listdir("p/_leases/iter-000001")) == taken.generation + 1
