@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError, outage
 from components.core.manifest import MANIFEST, WEIGHTS, InputRef, Manifest, OutputFile, Shard, iteration_prefix, stage_prefix
 from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
@@ -263,7 +263,9 @@ MAX_MANIFEST_BYTES = 64 << 20
 
 def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     """The manifest under ``rel_prefix`` (None if there is none). Its outputs become
-    expectations: any later read of them through a Store in this process is checked."""
+    expectations: any later read of them through a Store in this process is checked. A
+    manifest that cannot be read as one is a UserError naming it and the stage to re-run;
+    a store that fails the read with an outage (5xx, busy, unreachable) is an InfraError."""
     rel = f"{rel_prefix}/{MANIFEST}"
     if not store.exists(rel):
         return None
@@ -272,6 +274,9 @@ def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     try:
         manifest = Manifest.from_json(json.loads(store.read_small(rel, MAX_MANIFEST_BYTES)))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OSError) as exc:  # cut short, not a manifest
+        # s3fs raises a 503 SlowDown / 500 as a bare OSError(EBUSY/EREMOTEIO): the store, not the file
+        if isinstance(exc, OSError) and (down := outage(exc)) is not None:
+            raise InfraError("store", store.uri, down) from None
         detail = f"{type(exc).__name__}: {str(exc)[:120]}" if str(exc) and not isinstance(exc, RecursionError) \
             else type(exc).__name__
         raise UserError("file", store.url(rel), f"manifest is unreadable ({detail})",

@@ -171,11 +171,15 @@ class Manifest:
         data.pop("content_digest", None)
         _check(data, _MANIFEST_FIELDS, "")
         if data.get("shard") is not None:
-            match = re.fullmatch(r"(\d{1,9})/(\d{1,9})", data["shard"])
+            match = SHARD_TEXT.fullmatch(data["shard"])  # ASCII digits, as Shard.parse takes them
             if not match:
                 raise ValueError(f"shard {data['shard'][:40]!r} is not i/n")
             if not 0 <= int(match[1]) < int(match[2]):
                 raise ValueError(f"shard {data['shard']!r} is out of range (0 <= i < n)")
+        for name in ("metrics", "timings"):  # numbers, as the runner writes them (NaN too: a diverged loss)
+            for key, value in data.get(name, {}).items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"field {name}.{str(key)[:40]} is a {type(value).__name__}, not a number")
         for name, field_types in (("inputs", _INPUT_FIELDS), ("outputs", _OUTPUT_FIELDS)):
             for key, value in data[name].items():
                 if not isinstance(value, dict):

@@ -198,7 +198,8 @@ def resolve_model_uri(uri: str, field: str) -> str:
     """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> the stored checkpoint URI
     of that registry version; ``gguf:<package>/<file>.gguf`` -> the local Hugging Face folder
     converted from that GGUF file of an installed package (once per file digest, see
-    :mod:`components.core.gguf`); any other URI is returned unchanged."""
+    :mod:`components.core.gguf`); any other URI is returned unchanged. A version or alias
+    that does not exist is a UserError; an unreachable tracking server an InfraError."""
     from mlflow.exceptions import MlflowException
 
     from components.core import gguf
@@ -215,7 +216,12 @@ def resolve_model_uri(uri: str, field: str) -> str:
         else:
             name, version = ref.rsplit("/", 1)
             mv = tracking.client().get_model_version(name, version)
-    except (MlflowException, ValueError):
+    except (MlflowException, ValueError) as exc:
+        if (down := outage(exc)) is not None:  # the server, not the name: retried, never "no such version"
+            raise InfraError("tracking server", tracking.tracking_uri(), down) from None
+        if isinstance(exc, MlflowException) and \
+                getattr(exc, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise  # neither missing nor an outage (a refused permission): as it is
         raise UserError(field, uri, f"no such registered model version at {tracking.tracking_uri()}",
                         "use models:/<name>@<alias> or models:/<name>/<version> of an existing version") from None
     return checkpoint_of(mv)

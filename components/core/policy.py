@@ -144,6 +144,8 @@ def checkpoint_expectations(uri: str) -> dict[str, Expected]:
     try:
         found = Manifest.from_json(json.loads(above.read_small(MANIFEST, MAX_MANIFEST_BYTES)))
     except (ValueError, RecursionError, OSError) as exc:  # cut short, tampered with, or not a manifest at all
+        if isinstance(exc, OSError) and (down := outage(exc)) is not None:  # a 503/500 s3fs raised as an OSError
+            raise InfraError("store", above.uri, down) from None
         raise UserError("file", above.url(MANIFEST), f"manifest is unreadable ({type(exc).__name__})",
                         "delete it and re-run the stage that wrote this checkpoint") from None
     if not parent.endswith("/" + found.prefix):  # a stage's folder copied elsewhere, or a manifest edited by hand

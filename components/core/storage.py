@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 
 from components.core.errors import InfraError, UserError, outage
 from components.core.files import Unreadable, read_regular
+from components.core.manifest import WEIGHTS
 
 SUPPORTED_SCHEMES = ("file", "s3")
 
@@ -718,8 +719,14 @@ class Store:
         return parquet_table(self.read_bytes(rel))
 
     # -- folders (checkpoints) -----------------------------------------------------------
-    def upload_dir(self, local_dir: Path, rel: str) -> dict[str, str]:
-        """Copy a local folder's files under ``rel``; returns {relative file: sha256}."""
+    def upload_dir(self, local_dir: Path, rel: str, replace: bool = True) -> dict[str, str]:
+        """Copy a local folder's files under ``rel``; returns {relative file: sha256}. With
+        ``replace`` (the default) whatever was under ``rel`` is removed first, so a re-run
+        leaves no file of an earlier one beside its own (a stale ``chat_template.jinja``
+        that a load would read although no manifest lists it)."""
+        assert rel.strip("/"), "upload_dir replaces a folder, never the store's root"
+        if replace:
+            self.delete(rel, recursive=True)
         digests: dict[str, str] = {}
         for file in sorted(Path(local_dir).rglob("*")):
             if file.is_file():
@@ -736,7 +743,12 @@ class Store:
         this process read) must match it, else a UserError naming the file (raised after
         the copy, before anyone loads it). Files named in ``skip`` are not copied, nor,
         with ``folders``, those in sub-folders other than these, one level down (a model
-        folder's ``checkpoint-*/`` or ``runs/``, which a model load never reads)."""
+        folder's ``checkpoint-*/`` or ``runs/``, which a model load never reads). When
+        ``expected`` lists the folder's files (more than its weights: every manifest since
+        each checkpoint file became an output), a copied file it does not list is a
+        UserError naming it, before it is copied: a file an earlier run left, or one put
+        there by hand, that a load would read unchecked. A manifest that lists only the
+        weights (written before that) leaves the other files unchecked."""
         local_dir = Path(local_dir)
         local_dir.mkdir(parents=True, exist_ok=True)
         base = self._fresh(self._path(rel)).rstrip("/")
@@ -747,6 +759,7 @@ class Store:
             return folders is None or not folder or folder in folders
 
         wanted = {k: v for k, v in (expected or {}).items() if kept(k)}
+        listed = set(expected or {}) - {WEIGHTS}  # the folder's files, not only its weights
         for path in self.fs.find(base):
             name = path[len(base) + 1:]
             if name in skip or not kept(name):
@@ -755,6 +768,11 @@ class Store:
             target.parent.mkdir(parents=True, exist_ok=True)
             inner = path[len(root):] if path.startswith(root) else f"{rel}/{name}".strip("/")
             want = wanted.pop(name, None) or expected_for(self.url(inner))
+            if listed and name not in (expected or {}):
+                some = next(iter((expected or {}).values()))
+                raise UserError("file", self.url(inner), f"is in the folder {self.url(rel)}, but the manifest of stage "
+                                f"{some.stage} that wrote the folder does not list it (left by an earlier run, or put "
+                                "there by hand)", f"delete that file; or {some.remedy}")
             if self.uri.startswith("file://") and not os.path.isfile(path):  # a FIFO or device: never copied
                 raise UserError("file", self.url(inner), "is not a regular file (a FIFO, a device or a socket)",
                                 want.remedy if want else f"remove it from {self.url(rel)}")

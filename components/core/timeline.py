@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from components.core import tracking
 from components.core.context import read_manifest, read_manifests, read_output_json
-from components.core.facts import StatsFile
+from components.core.facts import Decision, Scored, StatsFile
 from components.core.intervals import wilson
 from components.core.manifest import Manifest, stage_prefix
 from components.core.storage import Store
@@ -113,7 +113,9 @@ def headline(store: Store, pipeline: str, iteration: int) -> dict[str, float]:
 
 
 def _scores(m: Manifest, iteration: int) -> Scores:
-    rates = {d: float(v) for d, v in (m.info.get("pass_rates") or {}).items()}
+    """The pass rates of a bootstrap (``Scored``) or evaluation (``Decision``) manifest, read
+    through its typed facts: a UserError naming the manifest when they are not numbers."""
+    rates = dict(m.facts(Scored if m.stage == "bootstrap" else Decision).pass_rates)
     results = m.outputs.get("eval_results")
     n = results.rows // len(rates) if results is not None and rates else 0
     return Scores(iteration, rates, n)

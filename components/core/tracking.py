@@ -329,9 +329,13 @@ def client():
 
 
 def experiment_id(pipeline: str) -> str:
-    """The pipeline's experiment (created when missing), with the experiment kind tag set."""
+    """The pipeline's experiment (created when missing), with the experiment kind tag set.
+    One deleted in the MLflow UI (MLflow keeps its name, and takes no runs in it) is a
+    UserError naming it and how to restore or purge it."""
     c = client()
     exp = c.get_experiment_by_name(pipeline)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        raise _deleted(pipeline, exp.experiment_id)
     if exp is None:
         artifacts = None
         if tracking_uri().startswith("sqlite:"):
@@ -344,6 +348,22 @@ def experiment_id(pipeline: str) -> str:
     if KIND_TAG not in exp.tags:  # made before the tag was set (a kind a user chose is kept)
         c.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
     return exp.experiment_id
+
+
+def _deleted(pipeline: str, exp_id: str):
+    """The UserError for the pipeline's experiment when it is deleted (not yet purged)."""
+    import shlex
+
+    from components.core.errors import UserError
+
+    uri = shown_uri(tracking_uri())
+    env = f"MLFLOW_TRACKING_URI={shlex.quote(uri)}"
+    database = shlex.quote(uri) if not uri.startswith(("http://", "https://")) else "<the server's backend store URI>"
+    return UserError("MLflow experiment", pipeline, f"is deleted (experiment id {exp_id} at {uri}), and MLflow makes "
+                     "no runs in a deleted experiment",
+                     f"restore it ({env} mlflow experiments restore --experiment-id {exp_id}), or purge it so that a "
+                     f"new one is made ({env} mlflow gc --backend-store-uri {database} --experiment-ids {exp_id}), "
+                     "then run again")
 
 
 def _quoted(value: str) -> str:
