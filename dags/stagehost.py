@@ -133,8 +133,7 @@ class StageHost:
 
         with self._lock:
             try:
-                self.conn.send((stage, recipe, run_root, iteration, shard, orchestrator_run_id))
-                reply = self._wait(runner)
+                reply = self._wait(runner, (stage, recipe, run_root, iteration, shard, orchestrator_run_id))
             except (EOFError, OSError) as exc:  # the child died (the OOM killer): an outage, retried
                 self._dead = True
                 if runner.stopping():  # a SIGTERM to the process group ended it: this process stops too
@@ -148,12 +147,14 @@ class StageHost:
             raise tracking.Terminated(payload)
         raise pickle.loads(payload)
 
-    def _wait(self, runner) -> tuple[str, Any]:
-        """The child's reply. A SIGTERM here (``runner.stopping()``, or ``Terminated`` raised in
-        this thread) or a Ctrl-C goes on to the child, which ends the stage's run KILLED;
-        then the parent stops as it would have."""
+    def _wait(self, runner, request: tuple) -> tuple[str, Any]:
+        """Send ``request`` and return the child's reply. A SIGTERM here, the sending included
+        (``runner.stopping()``, or ``Terminated`` raised in this thread), or a Ctrl-C goes on
+        to the child, which ends the stage's run KILLED (an idle child just exits); then
+        the parent stops as it would have."""
         forwarded = False
         try:
+            self.conn.send(request)
             while not self.conn.poll(0.2):
                 if runner.stopping() and not forwarded:
                     os.kill(self.pid, signal.SIGTERM)
