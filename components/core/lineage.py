@@ -3,7 +3,8 @@
 ``resolve_policy(recipe)`` turns ``rollout.policy`` into (version, checkpoint URI):
 ``champion`` or ``candidate`` through the MLflow registry aliases, anything else as a
 checkpoint URI or folder, or a registry URI (``models:/<name>@<alias>``,
-``models:/<name>/<version>``); a registry version's checkpoint is its
+``models:/<name>/<version>``: a version of the pipeline's own model keeps its number,
+any other is ``external``); a registry version's checkpoint is its
 ``posttrain.checkpoint_uri`` tag (``models.checkpoint_of``). taskgen resolves it once per iteration and records it in
 its manifest (``facts.StartingPolicy``), so every later stage of the iteration uses the
 same policy.
@@ -33,4 +34,10 @@ def resolve_policy(recipe: Recipe, run_root: str = "") -> tuple[str, str]:
                             f"run 'posttrain stage bootstrap{where} first ('posttrain run' does it for you)")
         version, uri, _ = found
         return version, uri
+    if ref.startswith("models:/"):
+        mv = models.registry_version(ref, "rollout.policy")
+        uri = normalize_uri(models.checkpoint_of(mv), "rollout.policy")
+        # A version of this pipeline's own model keeps its number: the trainer's parent_version
+        # and taskgen's paired baseline follow it as they do an alias.
+        return (str(mv.version) if mv.name == models.model_name(recipe.pipeline) else "external"), uri
     return "external", normalize_uri(models.resolve_model_uri(ref, "rollout.policy"), "rollout.policy")

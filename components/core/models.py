@@ -200,14 +200,21 @@ def resolve_model_uri(uri: str, field: str) -> str:
     converted from that GGUF file of an installed package (once per file digest, see
     :mod:`components.core.gguf`); any other URI is returned unchanged. A version or alias
     that does not exist is a UserError; an unreachable tracking server an InfraError."""
-    from mlflow.exceptions import MlflowException
-
     from components.core import gguf
 
     if gguf.is_gguf(uri):
         return gguf.checkpoint(uri, field)
     if not uri.startswith("models:/"):
         return uri
+    return checkpoint_of(registry_version(uri, field))
+
+
+def registry_version(uri: str, field: str):
+    """The MLflow ``ModelVersion`` that ``models:/<name>@<alias>`` or ``models:/<name>/<version>``
+    names; a version or alias that does not exist is a UserError naming ``field``, an
+    unreachable tracking server an InfraError."""
+    from mlflow.exceptions import MlflowException
+
     ref = uri[len("models:/"):]
     try:
         if "@" in ref:
@@ -224,7 +231,7 @@ def resolve_model_uri(uri: str, field: str) -> str:
             raise  # neither missing nor an outage (a refused permission): as it is
         raise UserError(field, uri, f"no such registered model version at {tracking.tracking_uri()}",
                         "use models:/<name>@<alias> or models:/<name>/<version> of an existing version") from None
-    return checkpoint_of(mv)
+    return mv
 
 
 def set_version_tags(pipeline: str, version: str, tags: dict[str, str]) -> None:

@@ -35,3 +35,19 @@ def test_unknown_registry_references_are_user_errors(registered, uri):
     with pytest.raises(UserError) as err:
         models.resolve_model_uri(uri, "model.source")
     assert "model.source" in err.value.line() and uri in err.value.line() and "fix:" in err.value.line()
+
+
+def test_a_starting_policy_of_the_pipelines_own_model_keeps_its_version(registered):
+    """``rollout.policy: models:/<this pipeline's model>/<v>`` (or ``@alias``) starts from
+    version v: the trainer's parent_version and taskgen's baseline follow it (it was
+    recorded as "external", as another model's version is)."""
+    from components.core.lineage import resolve_policy
+    from components.core.recipe import parse_recipe
+
+    def start(pipeline: str, policy: str) -> tuple[str, str]:
+        return resolve_policy(parse_recipe({"pipeline": pipeline, "rollout": {"policy": policy}}))
+
+    assert start("reg", "models:/reg-policy/2") == ("2", "file:///store/reg/iter-000001/trainer/checkpoint")
+    assert start("reg", "models:/reg-policy@champion") == ("1", "file:///store/reg/bootstrap/checkpoint")
+    assert start("other", "models:/reg-policy/2") == ("external", "file:///store/reg/iter-000001/trainer/checkpoint")
+    assert start("reg", "champion") == ("1", "file:///store/reg/bootstrap/checkpoint")
