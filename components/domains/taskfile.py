@@ -14,8 +14,11 @@ when the taskgen stage loads the file) and
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
 the fix. Each domain checks its reference's shape here (``Domain.reference_problem``), so
 a wrong-shaped reference is an error at load time, not a verifier crash mid-run. Bounds:
-a file of at most ``MAX_FILE_BYTES``, values nested at most ``MAX_DEPTH`` deep, prompts of
-at most ``MAX_PROMPT_CHARS``; values in messages are shortened with ``reprlib`` first.
+a file of at most ``MAX_FILE_BYTES`` (a ``.json`` file, one document parsed whole, at most
+``MAX_JSON_FILE_BYTES``; JSON Lines and Parquet rows are parsed and checked one at a
+time), values nested at most ``MAX_DEPTH`` deep, prompts of at most ``MAX_PROMPT_CHARS``;
+values in messages are shortened with ``reprlib`` first. Running out of memory while
+parsing is a UserError naming the file, never a MemoryError traceback.
 A local file must be a regular file (symlinks followed): a FIFO, a device such as
 ``/dev/zero`` or a directory is refused before a byte is read, and at most
 ``MAX_FILE_BYTES + 1`` bytes are read even from a file that grows (``read_regular``).
@@ -30,6 +33,7 @@ larger than memory.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import reprlib
 from collections.abc import Callable, Iterator
@@ -45,6 +49,10 @@ REQUIRED = ("domain", "prompt", "reference")
 OPTIONAL = ("task_id", "split", "difficulty", "context_tokens", "metadata")
 FORMATS = (".parquet", ".jsonl", ".json")
 MAX_FILE_BYTES = MAX_TASK_FILE_BYTES
+MAX_JSON_FILE_BYTES = 64 << 20
+"""Largest ``.json`` task file: one document, parsed whole, takes up to about 20 times its
+size in memory (a 420 MB ``[[],[],...]`` ran out of memory after 95 s). JSON Lines and
+Parquet files are parsed a row (a batch) at a time, up to ``MAX_FILE_BYTES``."""
 MAX_PROMPT_CHARS = 1_000_000
 """Longest prompt of a task (about 250k tokens of English: beyond any policy's context). A
 50 MB prompt took 20 GB of memory to tokenize before this bound."""
@@ -159,14 +167,18 @@ def decode(data: bytes, uri: str) -> str:
         raise UserError("task file", uri, f"not UTF-8 text (byte {data[at]:#04x} at offset {at}, line {line})", fix) from None
 
 
-def read_bytes(path_or_uri: str) -> bytes:
+def read_bytes(path_or_uri: str, whole_json: bool = False) -> bytes:
+    """A task file's bytes: at most ``MAX_FILE_BYTES``, or ``MAX_JSON_FILE_BYTES`` for a
+    ``.json`` document parsed whole (``whole_json``); a larger file is a UserError found
+    after reading one byte past the limit."""
     from fsspec.implementations.local import LocalFileSystem
 
     from components.core.storage import filesystem, normalize_uri
 
     uri = str(path_or_uri)
+    limit = MAX_JSON_FILE_BYTES if whole_json else MAX_FILE_BYTES
     if "://" not in uri:
-        return _read_local(uri, uri)
+        return _read_local(uri, uri, limit, whole_json)
     # file:// and s3:// only, as for a run root: file://rel/t.json (a host) was read as
     # the relative rel/t.json, and ftp:// was tried and named only by its exception's type
     normalized = normalize_uri(uri, "task file")
@@ -176,40 +188,84 @@ def read_bytes(path_or_uri: str) -> bytes:
         raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
                         "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
     if isinstance(fs, LocalFileSystem):  # file://: the same checks as a plain path
-        return _read_local(path, uri)
+        return _read_local(path, uri, limit, whole_json)
     try:
-        data = fs.cat_file(path, start=0, end=MAX_FILE_BYTES + 1)  # never more than one byte past the limit
+        data = fs.cat_file(path, start=0, end=limit + 1)  # never more than one byte past the limit
     except Exception as exc:  # noqa: BLE001 - botocore's errors are not OSErrors: an outage or the user's
         if (down := outage(exc)) is not None:  # the store, not the file: retry once it is back
             raise InfraError("store", uri, down) from None
-        raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})",
-                        "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise UserError("task file", uri, f"larger than {MAX_FILE_BYTES >> 20} MiB", "split it into smaller files")
+        raise UserError("task file", uri, f"cannot be read ({type(exc).__name__})", _store_fix(exc)) from None
+    if len(data) > limit:
+        raise _too_large(uri, limit, whole_json)
     return data
 
 
-def _read_local(path: str, uri: str) -> bytes:
+def _store_fix(exc: BaseException) -> str:
+    """The fix for an S3 store that answered but refused a task file: the keys, the
+    profile, the endpoint's TLS (``storage.s3_fix``) when that is the cause; else (no
+    such object or bucket, a malformed name) naming an existing file."""
+    from components.core.storage import s3_fix
+
+    fix = s3_fix(exc)
+    text = f"{type(exc).__name__} {exc}"
+    if isinstance(exc, FileNotFoundError) or "NoSuch" in text or fix == s3_fix(Exception()):
+        return "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)"
+    return fix
+
+
+def _too_large(uri: str, limit: int, whole_json: bool) -> UserError:
+    if whole_json:
+        return UserError("task file", uri, f"larger than {limit >> 20} MiB, the limit for a .json file (one document, "
+                         "parsed whole: it takes up to 20 times its size in memory)",
+                         "write it as JSON Lines (.jsonl, one task per line) or Parquet, or split it into smaller files")
+    return UserError("task file", uri, f"larger than {limit >> 20} MiB", "split it into smaller files")
+
+
+def _read_local(path: str, uri: str, limit: int, whole_json: bool) -> bytes:
     try:
-        data = read_regular(path, MAX_FILE_BYTES)
+        data = read_regular(path, limit)
     except Unreadable as exc:
         why = "cannot be read: no such file" if exc.why == "no such file" else exc.why
         raise UserError("task file", uri, why,
                         "pass an existing regular .parquet, .jsonl or .json file (local path, file:// or s3:// URI)") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise UserError("task file", uri, f"larger than {MAX_FILE_BYTES >> 20} MiB", "split it into smaller files")
+    if len(data) > limit:
+        raise _too_large(uri, limit, whole_json)
     return data
 
 
 def read_rows(path_or_uri: str, limit: int | None = None) -> list[Any]:
     """The rows of a task file; with ``limit``, at most that many from its start, and a
     JSON Lines or Parquet file is parsed no further (``posttrain verify`` uses row 0 of
-    files up to ``MAX_FILE_BYTES``). A JSON file is parsed whole either way."""
+    files up to ``MAX_FILE_BYTES``). A JSON file is parsed whole either way, so it is
+    refused past ``MAX_JSON_FILE_BYTES``; running out of memory while parsing is a
+    UserError naming the file, never a MemoryError traceback."""
+    uri = str(path_or_uri)
+    with _memory_guard(uri):
+        return list(iter_rows(uri, limit))
+
+
+@contextlib.contextmanager
+def _memory_guard(uri: str) -> Iterator[None]:
+    """A MemoryError in the body (parsing a file too large for this machine's memory) as
+    a UserError naming the file and the fix."""
+    try:
+        yield
+    except MemoryError:
+        json_file = uri.lower().endswith(".json")
+        raise UserError("task file", uri, "too large to parse in this machine's memory (MemoryError)",
+                        "split it into smaller files" + (", or write it as JSON Lines (.jsonl, one task per line) "
+                                                         "or Parquet" if json_file else "")) from None
+
+
+def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
+    """``read_rows``, one row at a time: a JSON Lines or Parquet file's rows are parsed
+    as they are taken, so a caller that stops at a bad row parses no further. Wrap a
+    caller in ``_memory_guard`` (``read_rows`` and ``load_tasks`` do)."""
     uri = str(path_or_uri)
     suffix = next((s for s in FORMATS if uri.lower().endswith(s)), None)
     if suffix is None:
         raise UserError("task file", uri, "unknown file type", f"use one of {list(FORMATS)}")
-    data = read_bytes(uri)
+    data = read_bytes(uri, whole_json=suffix == ".json")
     if suffix == ".parquet":
         import pyarrow as pa
 
@@ -217,11 +273,16 @@ def read_rows(path_or_uri: str, limit: int | None = None) -> list[Any]:
 
         try:
             table = parquet_table(data)
-            return (table if limit is None else table.slice(0, limit)).to_pylist()
+            del data
+            batches = (table if limit is None else table.slice(0, limit)).to_batches()
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
+        for batch in batches:  # a batch's rows as Python objects at a time, not the whole table's
+            yield from batch.to_pylist()
+        return
     text = decode(data, uri)
+    del data  # the file's bytes: the text holds them now
     if suffix == ".json":
         try:
             obj = loads(text)
@@ -230,23 +291,26 @@ def read_rows(path_or_uri: str, limit: int | None = None) -> list[Any]:
                             "fix the JSON syntax there") from None
         except JSONLimit as exc:
             raise UserError("task file", uri, exc.problem, exc.fix) from None
+        del text
         rows = obj if isinstance(obj, list) else [obj]
-        return rows if limit is None else rows[:limit]
-    rows = []
+        yield from (rows if limit is None else rows[:limit])
+        return
+    count = 0
     for n, line in enumerate(_lines(text), start=1):
-        if limit is not None and len(rows) >= limit:
+        if limit is not None and count >= limit:
             break
         line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
-            rows.append(loads(line))
+            row = loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"task file line {n}", line[:60], f"not valid JSON ({exc.msg})",
                             "write one JSON object per line") from None
         except JSONLimit as exc:
             raise UserError(f"task file line {n}", line[:60], exc.problem, exc.fix) from None
-    return rows
+        count += 1
+        yield row
 
 
 def _lines(text: str) -> Iterator[str]:
@@ -359,7 +423,7 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
         name, what = problem
-        raise UserError(f"{where}: reference.{name}", short(reference.get(name)), f"{what} for domain {row['domain']}",
+        raise UserError(f"{where}: reference.{name}", short(field_value(reference, name)), f"{what} for domain {row['domain']}",
                         f"see the reference shape in components/domains/{row['domain']}.py")
     task_id_value = row.get("task_id")
     if task_id_value is not None and (isinstance(task_id_value, bool) or not isinstance(task_id_value, (str, int))
@@ -379,6 +443,23 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
         difficulty=difficulty, prompt=row["prompt"], context_tokens=context, reference=reference,
         metadata=metadata,
     )
+
+
+def field_value(reference: dict[str, Any], name: str) -> Any:
+    """The value a domain's ``task_problem`` names in ``reference``: a key (``answer``) or
+    an entry of an object under one, as ``start['a/b']`` (the key's repr, cut after 40
+    characters for a long one: the first key whose repr begins so is taken). None when
+    ``name`` names nothing there."""
+    if name in reference:
+        return reference[name]
+    head, bracket, rest = name.partition("[")
+    container = reference.get(head)
+    if not bracket or not rest.endswith("]") or not isinstance(container, dict):
+        return None
+    shown = rest[:-1]
+    found = [key for key in container if repr(key)[:len(shown)] == shown]
+    exact = [key for key in found if repr(key) == shown]
+    return container[(exact or found)[0]] if found else None
 
 
 def _object(value: Any, field: str) -> dict[str, Any]:
@@ -407,11 +488,11 @@ def load_tasks(path_or_uri: str | Path, count: Callable[[str], int] = len) -> li
     """All tasks of a Parquet/JSONL/JSON file; a UserError for the first bad row. Rows
     without ``context_tokens`` get ``count(prompt)`` (characters by default)."""
     uri = str(path_or_uri)
-    rows = read_rows(uri)
-    if not rows:
-        raise UserError("task file", uri, "holds no tasks", "add at least one row")
     shown = printable(uri, limit=10_000)
-    tasks = [parse_task(row, f"{shown} row {i}", count) for i, row in enumerate(rows)]
+    with _memory_guard(uri):  # each row is checked as it is parsed: a bad row 0 of a huge file ends the read there
+        tasks = [parse_task(row, f"{shown} row {i}", count) for i, row in enumerate(iter_rows(uri))]
+    if not tasks:
+        raise UserError("task file", uri, "holds no tasks", "add at least one row")
     seen: dict[str, int] = {}
     for i, t in enumerate(tasks):
         if t.task_id in seen:

@@ -53,7 +53,8 @@ A task file's reference is checked as it loads (``task_problem``): every path is
 without ``.``, ``..``, empty parts or control characters, each part a valid file name; a
 start state holds only ``dir`` and ``file:`` entries, none inside a file, and no ``dir`` in
 a multi-step or interactive task (its session lays out files only); an expected file's
-text fits what the listing reads (``LISTED_BYTES``).
+text fits what the listing reads (``LISTED_BYTES``); each entry's text is at most
+``MAX_REFERENCE_CHARS`` characters.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 from components.core.records import Task
 from components.domains.base import (
     DONE,
+    MAX_REFERENCE_CHARS,
     MAX_REFERENCE_ITEMS,
     Domain,
     Interactive,
@@ -301,6 +303,9 @@ class Terminal(Domain):
             for path, kind in state.items():
                 if (why := path_problem(path)) is not None:
                     return f"{name}[{path!r:.40}]", why
+                if isinstance(kind, str) and len(kind) > MAX_REFERENCE_CHARS:  # not a wrong kind: a long text
+                    return (f"{name}[{path!r:.40}]", f"is {len(kind):,} characters, more than {MAX_REFERENCE_CHARS:,} "
+                            "(the longest text a reference holds)")
                 if name == "start" and not (is_text(kind) and (kind == "dir" or kind.startswith("file:"))):
                     return f"{name}[{path!r:.40}]", "must be 'dir' or 'file:<text>' (a start state cannot hold a link)"
                 if not is_text(kind) or not (kind == "dir" or kind == "link" or kind.startswith("file:")):
