@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from components.core import models, tracking
 from components.core.errors import InfraError, UserError, outage
 from components.core.recipe import Recipe
-from components.core.storage import Store, filesystem, normalize_uri, scheme
+from components.core.storage import Store, filesystem, normalize_uri, s3_fix_or, scheme
 
 
 def tracking_uri(uri: str | None = None) -> None:
@@ -149,6 +149,7 @@ def task_file(recipe: Recipe) -> None:
     source = recipe.taskgen.task_file
     if not source:
         return
+    refused = TASK_FILE_FIX
     if "://" not in source:  # a path as taskgen reads it (relative to the working folder)
         problem = _check_local_task_file(source, MAX_FILE_BYTES)
     else:
@@ -165,8 +166,9 @@ def task_file(recipe: Recipe) -> None:
             if (down := outage(exc)) is not None:
                 raise InfraError("store", source, down) from None
             problem = f"cannot be read ({type(exc).__name__})"
+            refused = s3_fix_or(exc, TASK_FILE_FIX) if source.startswith("s3://") else TASK_FILE_FIX
     if problem is not None:
-        fix = "split it into smaller files" if "larger than" in problem else TASK_FILE_FIX
+        fix = "split it into smaller files" if "larger than" in problem else refused
         raise UserError("taskgen.task_file", source, problem, fix)
 
 

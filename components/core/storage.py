@@ -256,6 +256,17 @@ def s3_fix(exc: BaseException) -> str:
     return "point AWS_ENDPOINT_URL at the S3 server (http://host:port) and check its keys and bucket"
 
 
+def s3_fix_or(exc: BaseException, otherwise: str) -> str:
+    """``s3_fix(exc)`` when it names the cause (the keys, the profile, the endpoint's TLS, a
+    refusal), else ``otherwise``: for a file named by the user, a missing object or bucket
+    and anything unrecognised are best fixed by naming an existing file."""
+    fix = s3_fix(exc)
+    text = f"{type(exc).__name__} {exc}"
+    if isinstance(exc, FileNotFoundError) or "NoSuch" in text or fix == s3_fix(Exception()):
+        return otherwise
+    return fix
+
+
 RETRY_MODES = ("legacy", "standard", "adaptive")
 _REGION = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*", re.ASCII)
 

@@ -204,13 +204,9 @@ def _store_fix(exc: BaseException) -> str:
     """The fix for an S3 store that answered but refused a task file: the keys, the
     profile, the endpoint's TLS (``storage.s3_fix``) when that is the cause; else (no
     such object or bucket, a malformed name) naming an existing file."""
-    from components.core.storage import s3_fix
+    from components.core.storage import s3_fix_or
 
-    fix = s3_fix(exc)
-    text = f"{type(exc).__name__} {exc}"
-    if isinstance(exc, FileNotFoundError) or "NoSuch" in text or fix == s3_fix(Exception()):
-        return "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)"
-    return fix
+    return s3_fix_or(exc, "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)")
 
 
 def _too_large(uri: str, limit: int, whole_json: bool) -> UserError:

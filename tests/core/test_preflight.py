@@ -169,3 +169,24 @@ def test_a_run_root_bootstrapped_under_another_tracking_database_is_refused(tmp_
                                   f"(sqlite:///{posttrain_home / 'mlflow.db'}) has no 'tiny-policy'")
     models._claim("tiny", store.uri)  # the database the run root was made with
     preflight.registered_here(recipe, store)
+
+
+@pytest.mark.parametrize(("refusal", "fix"), [
+    ("NoCredentialsError", "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for the S3 server"),
+    ("FileNotFoundError", "pass an existing .parquet, .jsonl or .json file (local path, file:// or s3:// URI)"),
+])
+def test_an_s3_task_file_the_store_refuses_names_the_right_fix(refusal: str, fix: str, monkeypatch) -> None:
+    """A task file in a store without credentials was told to "pass an existing file"."""
+    import botocore.exceptions
+
+    from components.core.recipe import parse_recipe
+
+    class Refusing:
+        def size(self, path):
+            raise botocore.exceptions.NoCredentialsError() if refusal == "NoCredentialsError" else FileNotFoundError(path)
+
+    monkeypatch.setattr(preflight, "filesystem", lambda uri: (Refusing(), uri[len("s3://"):]))
+    recipe = parse_recipe({"pipeline": "t", "domains": ["arithmetic"], "taskgen": {"task_file": "s3://b/tasks.jsonl"}})
+    with pytest.raises(UserError) as info:
+        preflight.task_file(recipe)
+    assert info.value.line() == f"taskgen.task_file='s3://b/tasks.jsonl': cannot be read ({refusal}); fix: {fix}"
