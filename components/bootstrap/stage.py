@@ -40,6 +40,7 @@ from collections import Counter
 from components.core import models
 from components.core.context import StageContext
 from components.core.facts import Scored
+from components.core.manifest import WEIGHTS
 from components.core.policy import (
     EOS,
     Policy,
@@ -189,7 +190,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     version = models.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
                                            {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri},
                                            run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens,
-                                           prompt_format=recipe.rollout.prompt_format)
+                                           prompt_format=recipe.rollout.prompt_format,
+                                           weights_sha256=digests.get(WEIGHTS, ""))
     policy.version = version
     results, rates, worst = evaluate_and_log(ctx, policy)
     models.set_version_tags(ctx.pipeline, version, eval_tags(rates))

@@ -40,6 +40,9 @@ from components.core.errors import InfraError, UserError, outage
 POLICY_SUFFIX = "-policy"
 TAG_CHECKPOINT = "posttrain.checkpoint_uri"
 TAG_RUN_ROOT = tracking.TAG_RUN_ROOT
+TAG_WEIGHTS = "posttrain.weights_sha256"
+"""The sha256 of the version's weights file when it was registered: a checkpoint URI
+re-written with other weights is another version."""
 MODEL_ARTIFACT = "policy"
 """Name of the LoggedModel each registration logs under the stage's run."""
 
@@ -109,12 +112,16 @@ def _claim(pipeline: str, run_root: str) -> None:
 
 def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: dict[str, str], *,
                         run_root: str | None = None, max_new_tokens: int = 24, batch_size: int = 64,
-                        prompt_format: str = "auto") -> str:
+                        prompt_format: str = "auto", weights_sha256: str = "") -> str:
     """A new version of ``<pipeline>-policy`` serving the stored checkpoint; returns the version.
 
     ``run_root`` (default: ``tags["posttrain.run_root"]``) must own the registered model.
     Idempotent: a checkpoint URI that already has a version returns that version (a
-    retried stage does not register twice). ``max_new_tokens`` and ``batch_size`` are the
+    retried stage does not register twice), unless ``weights_sha256`` is given and that
+    version was registered with other weights (``TAG_WEIGHTS``): a stage re-run that wrote
+    other weights to the same place is a new version, so the old one's eval tags and
+    aliases never describe weights they were not judged on. Not covered: the old version
+    still points at the re-written place. ``max_new_tokens`` and ``batch_size`` are the
     served model's defaults (a request may pass ``max_new_tokens``); ``prompt_format`` is how it
     encodes prompts (the recipe's ``rollout.prompt_format``, as the policy was trained)."""
     global last_registration_s
@@ -140,9 +147,10 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
         except MlflowException:
             pass  # created concurrently
     c.set_tag(run_id, TAG_CHECKPOINT, checkpoint_uri)
-    for mv in c.search_model_versions(f"name = '{name}'"):
-        if checkpoint_of(mv) == checkpoint_uri:
-            return str(mv.version)
+    same = [int(mv.version) for mv in c.search_model_versions(f"name = '{name}'") if checkpoint_of(mv) == checkpoint_uri
+            and (dict(mv.tags).get(TAG_WEIGHTS, "") in ("", weights_sha256) or not weights_sha256)]
+    if same:
+        return str(max(same))  # the latest registration of these weights at this place
     started = time.perf_counter()
     run = c.get_run(run_id)
     model = c.create_logged_model(run.info.experiment_id, name=MODEL_ARTIFACT, source_run_id=run_id,
@@ -155,7 +163,9 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
     # The logged model's own folder, not models:/<model_id>: a registry resolves that form
     # through the process's global tracking URI, which this client does not set.
     mv = c.create_model_version(name, source=model.artifact_location, run_id=run_id,
-                                tags={**tags, TAG_CHECKPOINT: checkpoint_uri}, model_id=model.model_id)
+                                tags={**tags, TAG_CHECKPOINT: checkpoint_uri,
+                                      **({TAG_WEIGHTS: weights_sha256} if weights_sha256 else {})},
+                                model_id=model.model_id)
     return str(mv.version)
 
 

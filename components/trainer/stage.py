@@ -80,7 +80,7 @@ from components.core import models, stages, tracking
 from components.core.context import StageContext
 from components.core.errors import UserError
 from components.core.facts import Checkpoint, StartingPolicy
-from components.core.manifest import InputRef
+from components.core.manifest import WEIGHTS, InputRef
 from components.core.nodes import Node, this_node
 from components.core.policy import load_policy, save_policy
 from components.core.progress import bar, say
@@ -213,7 +213,7 @@ def run(ctx: StageContext) -> dict[str, float]:
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
     }, run_root=ctx.store.uri, max_new_tokens=ctx.recipe.whole.evaluation.max_new_tokens,
-       prompt_format=ctx.recipe.rollout.prompt_format)
+       prompt_format=ctx.recipe.rollout.prompt_format, weights_sha256=trained.checkpoint_digests.get(WEIGHTS, ""))
     models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
     # The run's description (shown first on its page): where the checkpoint is, and its version.
     tracking.client().set_tag(run_id, "mlflow.note.content", f"Checkpoint: `{uri}`\n\nRegistered as "

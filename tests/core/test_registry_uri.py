@@ -51,3 +51,18 @@ def test_a_starting_policy_of_the_pipelines_own_model_keeps_its_version(register
     assert start("reg", "models:/reg-policy@champion") == ("1", "file:///store/reg/bootstrap/checkpoint")
     assert start("other", "models:/reg-policy/2") == ("external", "file:///store/reg/iter-000001/trainer/checkpoint")
     assert start("reg", "champion") == ("1", "file:///store/reg/bootstrap/checkpoint")
+
+
+def test_a_checkpoint_rewritten_with_other_weights_is_a_new_version(posttrain_home):
+    """Registration is idempotent per checkpoint URI (a retried stage), but a re-run that
+    wrote other weights to the same place got the old version back, with its eval tags
+    and aliases describing weights they were never judged on."""
+    run = tracking.client().create_run(tracking.experiment_id("rw"))
+    uri = "file:///store/rw/iter-000001/trainer/checkpoint"
+    first = models.register_checkpoint("rw", uri, run.info.run_id, {}, weights_sha256="a" * 64)
+    assert models.register_checkpoint("rw", uri, run.info.run_id, {}, weights_sha256="a" * 64) == first  # a retry
+    second = models.register_checkpoint("rw", uri, run.info.run_id, {}, weights_sha256="b" * 64)
+    assert (first, second) == ("1", "2")
+    assert models.register_checkpoint("rw", uri, run.info.run_id, {}, weights_sha256="b" * 64) == "2"
+    assert tracking.client().get_model_version("rw-policy", "2").tags[models.TAG_WEIGHTS] == "b" * 64
+    assert models.register_checkpoint("rw", uri, run.info.run_id, {}) == "2"  # no digest given: the latest by URI
