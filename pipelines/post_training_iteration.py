@@ -72,13 +72,16 @@ Choices, and what this does not do:
   recipe allows weaker isolation. For full sandbox isolation on a cluster, run the
   iteration through the Airflow DAG's ``kubernetes`` mode (``dags/execution/kubernetes.py``).
 - Retries: KFP retries every task but ``plan`` and ``hand-back`` twice (10 s, then 20 s), whatever its exit
-  status. ``plan`` waits out outages itself, so a bad recipe or run root fails the run
+  status. ``plan`` makes the DAG's plan task's checks (``dags.orchestrate.check_before_run``)
+  and waits out outages and an iteration another run holds itself (10 s, 20 s, 40 s, as
+  the DAG's plan task retries), so a bad recipe, task file or run root fails the run
   once, at its first task; a mistake only a stage can see is still retried.
 - One iteration per run, like the DAG; a KFP recurring run plans the next iteration
   itself (``max_concurrency=1`` on the recurring run: iteration k+1 needs checkpoint k).
 - MLflow: a stage task stopped with SIGTERM ends its stage run KILLED (``_run`` installs
   ``runner.stop_on_sigterm``); a retried one marks its SIGKILLed attempt KILLED; the
-  ``plan`` task ends iterations that finished while their parent run stayed RUNNING.
+  ``plan`` task ends iterations that finished while their parent run stayed RUNNING, and
+  sets its own iteration's run RUNNING again where an earlier, failed run ended it FAILED.
   A run that fails for good ends the iteration's MLflow runs FAILED and hands its lease
   back in its exit task (``hand_back``, a ``dsl.ExitHandler`` around the stages, which
   ``kfp.local`` runs too), as the Airflow DAG's failure callbacks do.
@@ -140,38 +143,50 @@ def plan(recipe: str, run_root: str, run_id: str, holder: str) -> int:
     resumes the iteration its earlier run leased); end the MLflow runs of iterations that
     finished while their parent run stayed RUNNING.
 
-    KFP does not retry this task (``make_pipeline``): a bad recipe or run root fails it
-    once, at the start of the run. It rides out an outage of the store or the tracking
-    server itself, waiting 10 s, 20 s and 40 s (``POSTTRAIN_RETRY_DELAY_S`` sets the first).
+    KFP does not retry this task (``make_pipeline``): a bad recipe, task file or run root
+    fails it once, at the start of the run, with the line the DAG's plan task and
+    ``posttrain run`` give (the same checks: ``dags.orchestrate.check_before_run``). It
+    rides out an outage of the store or the tracking server itself, and an iteration
+    another run holds (``LeaseHeld``), waiting 10 s, 20 s and 40 s as the DAG's plan task
+    retries (``POSTTRAIN_RETRY_DELAY_S`` sets the first), then fails naming the holder.
     Not covered: a pod lost while it plans fails the run (the next run plans again)."""
     import sys
 
     from components.core.errors import UserError, retry_outages
+    from components.core.lease import LeaseHeld
     from dags.execution import retry_delay_s
 
     try:
         first = retry_delay_s()
         return retry_outages(lambda: _plan_once(recipe, run_root, run_id, holder), (first, 2 * first, 4 * first),
-                             lambda line: print(f"plan: {line}", file=sys.stderr, flush=True))
+                             lambda line: print(f"plan: {line}", file=sys.stderr, flush=True), also=(LeaseHeld,))
     except UserError as exc:
         _tell_kfp_local(exc)
         raise
 
 
 def _plan_once(recipe: str, run_root: str, run_id: str, holder: str) -> int:
-    """One attempt of ``plan`` (copied into its component's source by KFP)."""
-    from components.core import planner, settings
+    """One attempt of ``plan`` (copied into its component's source by KFP): the DAG's plan
+    task's steps (``dags/wiring.py``), in its order."""
+    from components.core import planner, settings, tracking
     from components.core.recipe import load_recipe
     from components.core.runner import close_finished_iterations
-    from components.core.storage import Store
+    from components.core.storage import Store, removed_if_refused
+    from dags.orchestrate import check_before_run
 
     settings.check_run_params({"recipe": recipe, "run_root": run_root, "holder": holder})
     conf = settings.resolve(recipe or None, run_root or None)
     loaded = load_recipe(conf.recipe)  # first: a bad recipe leaves no run root behind
     store = Store(conf.run_root, "run_root")
-    store.check_reachable()
+    # posttrain run's checks (task file, policy source, tracking URI vs run root, the store's
+    # probe, the registry's owner): one line, and a refused run makes no run root
+    with removed_if_refused(store):
+        check_before_run(loaded, store)
     k = planner.plan(store, loaded, holder or f"kfp:{run_id}", replay=True)
     close_finished_iterations(store, loaded.pipeline)
+    # a resubmitted run's iteration: hand_back ended its MLflow run FAILED; RUNNING again,
+    # so the iteration's end (the evaluation stage's, or a later plan's) ends it FINISHED
+    tracking.iteration_run(loaded.pipeline, k, store.uri, run_id)
     return k
 
 

@@ -47,11 +47,40 @@ class UserError(Exception):
         return json.dumps({"field": self.field, "value": value, "problem": self.problem, "fix": self.fix})
 
     @classmethod
+    def from_line(cls, text: str) -> UserError | None:
+        """The UserError whose ``line()`` is ``text`` exactly (what a stage container or pod
+        printed after ``posttrain: error: ``), or None where no UserError writes it."""
+        import ast
+
+        if len(text) > MAX_LINE or not text.isprintable():
+            return None
+        for i in (i for i, c in enumerate(text) if c == "="):
+            field, rest, start = text[:i], text[i + 1:], 0
+            while (j := rest.find(": ", start)) != -1:
+                start = j + 1
+                try:
+                    value = ast.literal_eval(rest[:j])
+                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                    continue
+                if not (_bare(value) or isinstance(value, str)):
+                    continue
+                tail, k = rest[j + 2:], len(rest)
+                while (k := tail.rfind(_FIX, 0, k)) != -1:  # the last "; fix: " first: a problem may hold one
+                    error = cls(field, value, tail[:k], tail[k + len(_FIX):])
+                    if error.line() == text:
+                        return error
+        return None
+
+    @classmethod
     def from_json(cls, text: str) -> UserError:
         """The error ``to_json`` wrote. Not for untrusted text: a file that is not one
         raises ``ValueError`` or ``KeyError``."""
         fields = json.loads(text)
         return cls(str(fields["field"]), fields["value"], str(fields["problem"]), str(fields["fix"]))
+
+
+MAX_LINE = 20_000  # longer than any line a UserError writes (its value is cut to 200 characters)
+_FIX = "; fix: "
 
 
 def one_line(text: str) -> str:
@@ -105,6 +134,21 @@ def final_error_from_json(text: str) -> UserError | DataQualityError:
     return UserError.from_json(text)
 
 
+def final_error_from_line(status: int, line: str, stage: str) -> UserError | DataQualityError:
+    """The error a stage's container or pod ended with, from its exit status (2: a UserError,
+    3: a failed data-quality gate) and its last line, as ``posttrain stage`` printed it
+    (``posttrain: error: <the UserError's line>``, ``posttrain: <the gate's message>``); a
+    line no UserError writes (no output, argparse's usage error) becomes one naming the
+    stage and carrying that line."""
+    text = line.strip()
+    if status == EXIT_DATA_QUALITY:
+        return DataQualityError(text.removeprefix("posttrain: ") or f"{stage}: failed its data-quality gate")
+    assert status == EXIT_USER_ERROR, status
+    found = UserError.from_line(text.removeprefix("posttrain: error: "))
+    return found if found is not None else UserError(
+        stage, text, f"its container exited {status} (a user's mistake)", "see the task's log for the stage's output")
+
+
 EXIT_INFRA_ERROR = 1
 
 _OUTAGE_TYPES = {
@@ -156,13 +200,23 @@ def server_side(exc: BaseException) -> str | None:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             if code in _SERVER_SIDE_CODES or (code.isdigit() and int(code) >= 500) or int(status) >= 500:
                 return f"HTTP {status or code} {code}: {str(cur).splitlines()[0][:160] if str(cur) else ''}"
-        cur = cur.__cause__ or cur.__context__
+        cur = _underneath(cur)
     return None
+
+
+def _underneath(exc: BaseException) -> BaseException | None:
+    """The error ``exc`` was raised from or while handling, as a traceback shows it:
+    its ``__cause__``, else its ``__context__`` unless it was raised ``from None``
+    (``__suppress_context__``: the error it replaced is not part of it)."""
+    if exc.__cause__ is not None:
+        return exc.__cause__
+    return None if exc.__suppress_context__ else exc.__context__
 
 
 def outage(exc: BaseException) -> str | None:
     """A short reason if ``exc`` (or anything in its cause chain) means a service could
-    not be reached or answered 5xx; None for anything else (a bug, a user's mistake)."""
+    not be reached or answered 5xx; None for anything else (a bug, a user's mistake). An
+    error raised ``from None`` while handling an outage is not one: its chain ends there."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -173,21 +227,29 @@ def outage(exc: BaseException) -> str | None:
             return f"{type(cur).__name__}: {str(cur).splitlines()[0] if str(cur) else ''}"
         if any(word in str(cur) for word in _OUTAGE_WORDS):
             return f"{type(cur).__name__}: {str(cur).splitlines()[0]}"
-        cur = cur.__cause__ or cur.__context__
+        cur = _underneath(cur)
     return server_side(exc)
 
 
-def retry_outages(fn: Callable[[], T], delays_s: Sequence[float], say: Callable[[str], None]) -> T:
+def retry_outages(fn: Callable[[], T], delays_s: Sequence[float], say: Callable[[str], None],
+                  also: tuple[type[Exception], ...] = ()) -> T:
     """``fn()``, called again after each of ``delays_s`` while it fails on an outage (an
-    ``InfraError``, or what ``outage`` recognises), with one line to ``say`` per wait. A
-    UserError or any other failure, and the outage after the last delay, propagate at once.
-    For a step an orchestrator must not retry (a mistake would fail once per retry, each
-    after its backoff) that still has to ride out a restarting store."""
+    ``InfraError``, or what ``outage`` recognises) or on one of ``also`` (another run
+    holding a lease: waited out as the DAG's task retries wait it out), with one line to
+    ``say`` per wait. A UserError or any other failure, and the outage after the last
+    delay, propagate at once. For a step an orchestrator must not retry (a mistake would
+    fail once per retry, each after its backoff) that still has to ride out a restarting
+    store."""
     for attempt, delay in enumerate((*delays_s, None), start=1):
         try:
             return fn()
+        except (UserError, DataQualityError):
+            raise  # a mistake or bad data, even one found while handling an outage: retrying cannot fix it
         except Exception as exc:
-            reason = exc.line() if isinstance(exc, InfraError) else outage(exc)
+            if isinstance(exc, also):
+                reason: str | None = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            else:
+                reason = exc.line() if isinstance(exc, InfraError) else outage(exc)
             if reason is None or delay is None:
                 raise
             say(f"{reason} (attempt {attempt} of {len(delays_s) + 1}; again in {delay:g} s)")

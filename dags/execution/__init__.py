@@ -239,6 +239,19 @@ def args_task(spec: StageSpec):
     return stage_args
 
 
+def fail_now(status: int, line: str, stage: str, what: str):
+    """The ``AirflowFailException`` for a stage container or pod that exited 2 or 3 (no retry
+    can help), its error first added to ``dags.wiring.FINAL_ERRORS`` as the in-process path
+    adds the stage's own: ``posttrain run`` then ends with that line and exit 2 or 3, not 1."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from components.core.errors import final_error_from_line
+    from dags import wiring
+
+    wiring.FINAL_ERRORS.append(final_error_from_line(status, line, stage))
+    return AirflowFailException(f"stage {what} exited {status}: {line}")
+
+
 def _module(name: str):
     if name == "docker":
         from dags.execution import docker as module

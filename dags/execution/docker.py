@@ -11,7 +11,9 @@ What a stage container gets:
   ``*TOKEN*``, ``*PASSWORD*``) go as private environment, never rendered in the UI;
 - the network ``POSTTRAIN_DOCKER_NETWORK`` (default ``host``: the store and tracking
   server the worker reaches on loopback are reachable the same way);
-- a local run root (``file://``) bind-mounted at the same path;
+- a local run root (``file://``) bind-mounted at the same path: ``POSTTRAIN_RUN_ROOT``'s,
+  read at DAG parse, and the run's own (a run conf's ``run_root``, ``posttrain run
+  --run-root``) where that is another folder;
 - the flags in ``POSTTRAIN_CONTAINER_FLAGS`` (default ``containers/podman-run-flags`` of
   this checkout when present), the same file the Makefile and tests pass to ``podman
   run``: ``--ulimit`` and ``--runtime`` on every container, ``--security-opt`` only on
@@ -133,7 +135,6 @@ def passed_environment() -> tuple[dict[str, str], dict[str, str]]:
 def _operator_class():
     from airflow.providers.docker.exceptions import DockerContainerFailedException
     from airflow.providers.docker.operators.docker import DockerOperator
-    from airflow.sdk.exceptions import AirflowFailException
 
     class _Engine:
         """docker-py's client with the stage's security options and runtime added to each
@@ -175,17 +176,52 @@ def _operator_class():
             return self._engine
 
         def execute(self, context):
-            from dags.execution import FAIL_NOW_EXIT_CODES
+            from dags.execution import FAIL_NOW_EXIT_CODES, fail_now
 
+            self._normalize_mounts()
+            self.mounts = [*self.mounts, *run_root_mounts(self.command, self.mounts)]
             try:
                 return super().execute(context)
             except DockerContainerFailedException as exc:
                 if self._engine is not None and self._engine.status in FAIL_NOW_EXIT_CODES:
-                    last = (exc.logs or ["(no output)"])[-1]
-                    raise AirflowFailException(f"stage container exited {self._engine.status}: {last}") from exc
+                    last = next((str(line).strip() for line in reversed(exc.logs or []) if str(line).strip()), "(no output)")
+                    raise fail_now(self._engine.status, last, self.task_id, "container") from exc
                 raise
 
     return StageContainer
+
+
+def local_folder(run_root: str) -> str | None:
+    """The absolute folder of a local run root (a path or ``file://`` URI); None for a
+    store's (``s3://``) and for a URI the stage itself will refuse."""
+    from components.core.storage import normalize_uri
+
+    try:
+        uri = normalize_uri(run_root)
+    except UserError:
+        return None
+    return uri.removeprefix("file://") if uri.startswith("file://") else None
+
+
+def run_root_mounts(command: list[str] | str | None, mounts: list) -> list:
+    """The bind mount of the task's own run root (its ``--run-root`` argument, rendered
+    from the plan), where it is local and no mount at the same path holds it: a run root
+    given in the run conf or ``posttrain run --run-root`` differs from the one read at
+    DAG parse (``POSTTRAIN_RUN_ROOT``), and a container that cannot see it failed every
+    stage with exit 2 (no such run root). Made first if missing, as the parse-time one is."""
+    args = command.split() if isinstance(command, str) else list(command or [])
+    given = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--run-root"), None)
+    path = local_folder(given) if given else None
+    if path is None:
+        return []
+    for m in mounts:
+        target, source = m.get("Target"), m.get("Source")
+        if target == source and target and (path == target or path.startswith(target.rstrip("/") + "/")):
+            return []
+    from docker.types import Mount
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return [Mount(target=path, source=path, type="bind")]
 
 
 def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:

@@ -67,7 +67,7 @@ from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperato
 from kubernetes.client import models as k8s
 
 from components.core.stages import Resources, StageSpec
-from dags.execution import FAIL_NOW_EXIT_CODES, image_for
+from dags.execution import FAIL_NOW_EXIT_CODES, fail_now, image_for
 from dags.execution.cluster import (  # noqa: F401 - the settings, read by this mode (and by the tests through it)
     CONFIGMAP_VAR,
     DEFAULTS,
@@ -152,6 +152,18 @@ def exit_code(remote_pod, container: str) -> int | None:
     return terminated.exit_code if terminated is not None else None
 
 
+def last_line(remote_pod, container: str, failure: str) -> str:
+    """The stage's last line: its termination message's (the log's tail, with
+    ``FallbackToLogsOnError``), else the provider's failure's first line (the rest of
+    that text is the pod's spec, which it logs on failure)."""
+    statuses = (remote_pod.status.container_statuses if remote_pod is not None and remote_pod.status else None) or []
+    status = next((s for s in statuses if s.name == container), None)
+    terminated = status.state.terminated if status is not None and status.state is not None else None
+    message = terminated.message if terminated is not None and isinstance(terminated.message, str) else ""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else (failure.strip().splitlines() or ["(no output)"])[0]
+
+
 class StagePod(KubernetesPodOperator):
     """KubernetesPodOperator for a posttrain stage: a pod whose stage exits 2 (a user's
     mistake) or 3 (a failed data-quality gate) fails the task at once, unretried, with the
@@ -167,5 +179,6 @@ class StagePod(KubernetesPodOperator):
         except AirflowException as exc:
             code = exit_code(remote_pod, self.base_container_name)
             if code in FAIL_NOW_EXIT_CODES and not isinstance(exc, (AirflowFailException, AirflowSkipException)):
-                raise AirflowFailException(f"stage pod exited {code}: {str(exc).splitlines()[-1]}") from exc
+                raise fail_now(code, last_line(remote_pod, self.base_container_name, str(exc)), self.task_id,
+                               "pod") from exc
             raise

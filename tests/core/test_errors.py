@@ -111,3 +111,75 @@ def test_an_outage_wrapped_in_another_error_keeps_its_reason_once() -> None:
         again = InfraError("tracking server", "http://127.0.0.1:9", outage(exc))
     assert again.line() == "tracking server unreachable at 'http://127.0.0.1:9': ConnectionRefusedError: refused; " \
                            "retry once it is back"
+
+
+def _raised_while_handling(error: Exception, suppress: bool) -> Exception:
+    """``error`` raised inside the handler of a refused connection, ``from None`` or not."""
+    try:
+        try:
+            raise ConnectionRefusedError("Connection refused")
+        except ConnectionRefusedError:
+            if suppress:
+                raise error from None
+            raise error  # noqa: B904 - the point: the connection error stays its context
+    except Exception as exc:
+        return exc
+
+
+def test_an_error_raised_from_none_while_handling_an_outage_is_not_one() -> None:
+    """``outage`` followed ``__context__`` past ``raise ... from None``: a UserError a
+    handler raised in place of a refused connection read as that outage."""
+    from components.core.errors import outage
+
+    mistake = _raised_while_handling(UserError("task file", "t.jsonl", "has no rows", "add rows"), suppress=True)
+    assert outage(mistake) is None
+    other = _raised_while_handling(RuntimeError("the stage failed"), suppress=True)
+    assert outage(other) is None
+    # raised in the handler without ``from None``, or ``from`` it: still that outage, as before
+    kept = _raised_while_handling(RuntimeError("the stage failed"), suppress=False)
+    assert outage(kept) == "ConnectionRefusedError: Connection refused"
+    try:
+        raise RuntimeError("wrapped") from ConnectionResetError("Connection reset by peer")
+    except RuntimeError as exc:
+        assert outage(exc) == "ConnectionResetError: Connection reset by peer"
+
+
+@pytest.mark.parametrize("suppress", [True, False])
+def test_retry_outages_passes_a_mistake_found_while_handling_an_outage_at_once(suppress: bool, monkeypatch) -> None:
+    """A UserError or failed gate raised while a connection error was being handled was
+    retried (and said as that outage) 3 times with backoff, then raised."""
+    from components.core import errors
+    from components.core.errors import DataQualityError, retry_outages
+
+    slept: list[float] = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    said: list[str] = []
+    for error in (UserError("task file", "t.jsonl", "has no rows", "add rows"), DataQualityError("validation failed")):
+        raised = _raised_while_handling(error, suppress)
+        calls: list[int] = []
+
+        def fails(raised: Exception = raised, calls: list[int] = calls) -> None:
+            calls.append(1)
+            raise raised
+
+        with pytest.raises(type(error)) as err:
+            retry_outages(fails, (10, 20, 40), said.append)
+        assert err.value is error and calls == [1]
+    assert slept == [] and said == []
+
+
+@pytest.mark.parametrize("error", [
+    UserError("--recipe", "/nonexistent/recipe.yaml", "no such recipe file", "pass a YAML file such as recipes/demo.yaml"),
+    UserError("--nodes", 0, "must be at least 1", "pass 1"),
+    UserError("taskgen.task_file[/t/a=b: c.jsonl]", "it's \"x\": y", "row 2: a; fix: b", "fix: it"),
+    UserError("f", Path("/tmp/x y"), "p", "x"),
+    UserError("n", None, "p", "x"),
+])
+def test_a_stage_containers_line_comes_back_as_its_user_error(error: UserError) -> None:
+    """A container or pod hands its UserError to the DAG's worker as the one line it prints."""
+    from components.core.errors import final_error_from_line
+
+    back = final_error_from_line(2, f"posttrain: error: {error.line()}\n", "taskgen")
+    assert type(back) is UserError and back.line() == error.line()
+    value = error.value if isinstance(error.value, (int, type(None))) else str(error.value)
+    assert (back.field, back.value, back.problem, back.fix) == (error.field, value, error.problem, error.fix)

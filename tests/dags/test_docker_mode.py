@@ -162,11 +162,19 @@ def test_a_user_mistake_in_a_container_fails_at_once(podman_socket: str, stage_i
     Airflow does not retry it; the message is the stage's one line."""
     from airflow.sdk.exceptions import AirflowFailException
 
+    from components.core.errors import UserError
+    from dags import wiring
+
+    monkeypatch.setattr(wiring, "FINAL_ERRORS", [])
     op = _taskgen_container(podman_socket, monkeypatch, "/nonexistent/recipe.yaml")
     with pytest.raises(AirflowFailException) as failed:
         op.execute({})
     assert str(failed.value) == ("stage container exited 2: posttrain: error: --recipe='/nonexistent/recipe.yaml': "
                                  "no such recipe file; fix: pass a YAML file such as recipes/demo.yaml")
+    # and `posttrain run` ends with that line and exit 2, as in-process (it exited 1)
+    assert [(type(e), e.line()) for e in wiring.FINAL_ERRORS] == [
+        (UserError, "--recipe='/nonexistent/recipe.yaml': no such recipe file; fix: pass a YAML file such as "
+                    "recipes/demo.yaml")]
 
 
 def test_an_outage_in_a_container_is_left_to_the_retries(podman_socket: str, stage_images, monkeypatch) -> None:

@@ -166,7 +166,7 @@ def test_a_published_recipe_is_content_addressed_and_loads_like_the_file(tmp_pat
     assert publish_recipe(TINY, root) == uri and publish_recipe(uri, root) == uri  # idempotent
     assert len(list((tmp_path / "store" / "recipes").iterdir())) == 1
     assert load_recipe(uri) == load_recipe(TINY)
-    with pytest.raises(UserError, match="no such recipe in the store"):
+    with pytest.raises(UserError, match="no such recipe file"):
         load_recipe(f"{root}/recipes/0000.yaml")
 
 

@@ -304,9 +304,12 @@ def _offline(op) -> None:
 
 
 @pytest.mark.parametrize("code", [2, 3])
-def test_a_stage_pod_that_exits_with_a_user_mistake_fails_at_once(code):
+def test_a_stage_pod_that_exits_with_a_user_mistake_fails_at_once(code, monkeypatch):
     from airflow.sdk.exceptions import AirflowFailException
 
+    from dags import wiring
+
+    monkeypatch.setattr(wiring, "FINAL_ERRORS", [])  # the pod's error goes there, for `posttrain run`
     cls, kwargs = mode.operator(registered()[1], resources(registered()[1].id))
     op = cls(task_id="taskgen", arguments=_args(registered()[1]), **kwargs)
     _offline(op)
@@ -314,6 +317,7 @@ def test_a_stage_pod_that_exits_with_a_user_mistake_fails_at_once(code):
     assert mode.exit_code(pod, "base") == code
     with pytest.raises(AirflowFailException, match=rf"^stage pod exited {code}: "):
         op.cleanup(pod, pod)
+    assert len(wiring.FINAL_ERRORS) == 1  # tests/dags/test_exec_stage_containers.py checks what it is
 
 
 def test_a_stage_pod_that_fails_otherwise_is_left_to_the_retries():

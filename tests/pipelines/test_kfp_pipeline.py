@@ -390,6 +390,94 @@ def test_a_failed_run_hands_its_lease_back(tmp_path, monkeypatch):
     MLflow run FAILED and hands the lease back, so the next run (here: another holder)
     plans iteration 1 at once; before, it met a live lease for 6 hours (``LeaseHeld``)."""
     import kfp.local
+    import yaml
+
+    from components.core import lease
+    from components.core.planner import plan as plan_iteration
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+    from pipelines import local
+    from pipelines.post_training_iteration import post_training_iteration
+    from tests.dags.test_failures import eval_suite_as_task_file
+
+    home, store = tmp_path / "home", Store(str(tmp_path / "store"))
+    monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    # plan's checks pass (every row is valid), taskgen fails (each row is an eval-suite task)
+    data = yaml.safe_load(TINY.read_text())
+    data["taskgen"]["task_file"] = str(eval_suite_as_task_file(tmp_path))
+    recipe = tmp_path / "notasks.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    local.prepare(home, 1)
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
+                   raise_on_error=False)
+    post_training_iteration(recipe=str(recipe), run_root=store.uri, holder="")
+    assert store.exists("tiny/bootstrap/_MANIFEST.json") and not store.exists("tiny/iter-000001/taskgen/_MANIFEST.json")
+    leased = lease.current(store, "tiny", 1)
+    assert leased is not None and leased.holder == "", leased  # handed back (the released record has no holder)
+    assert plan_iteration(store, load_recipe(str(recipe)), "local:elsewhere") == 1
+
+
+@pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
+def test_a_missing_task_file_fails_the_plan_task_once_and_leases_nothing(tmp_path, monkeypatch, capfd):
+    """On a cluster (the pipeline run straight, no ``posttrain kfp-local`` checks first),
+    ``plan`` made only the recipe's and the store's checks: a missing task file was leased
+    an iteration, bootstrapped, and failed at taskgen, retried. Now ``plan`` makes the
+    DAG's plan task's checks (``check_before_run``): one line, no retry, no run root."""
+    from components.core.errors import UserError
+    from pipelines import local
+
+    home, missing = tmp_path / "home", tmp_path / "nowhere" / "tasks.jsonl"
+    monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "r.yaml").write_text(TINY.read_text().replace("taskgen: {", f"taskgen: {{task_file: '{missing}', "))
+    local.prepare(home, 1)
+    with pytest.raises(UserError) as err:
+        local.run_iteration(str(tmp_path / "r.yaml"), str(tmp_path / "store"), "")
+    assert err.value.line() == (f"taskgen.task_file='{missing}': no such file; fix: pass an existing .parquet, .jsonl "
+                                "or .json file (local path, file:// or s3:// URI)")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
+    assert re.findall(r"Executing task '([\w-]+)'", out) == ["plan", "hand-back"]
+    assert not (tmp_path / "store").exists()  # nothing leased, no run root made
+
+
+def test_plan_waits_out_an_iteration_another_run_holds(tmp_path, monkeypatch, capsys):
+    """A run that finds its iteration leased by another waits (10 s, 20 s, 40 s, as the
+    DAG's plan task's retries) and takes it once that run hands it back; it failed at once.
+    ``plan`` called as its component calls it, with the waits recorded (no sleeping)."""
+    from components.core import errors, lease
+    from components.core.planner import plan as plan_iteration
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+    from pipelines.post_training_iteration import plan
+
+    home, store = tmp_path / "home", Store(str(tmp_path / "store"))
+    monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("POSTTRAIN_RETRY_DELAY_S", raising=False)
+    assert plan_iteration(store, load_recipe(str(TINY)), "local:elsewhere") == 1
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the other run ends during the second wait
+        waits.append(seconds)
+        if len(waits) == 2:
+            assert lease.release(store, "tiny", 1, "local:elsewhere")
+
+    monkeypatch.setattr(errors.time, "sleep", sleep)
+    assert plan(str(TINY), store.uri, "job-1", "") == 1
+    assert waits == [10, 20]
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 2 and all(line.startswith("plan: iteration 1 of pipeline 'tiny' is held by 'local:elsewhere' "
+                                                  "(lease expires in ") for line in said), said
+    assert said[0].endswith("(attempt 1 of 4; again in 10 s)") and said[1].endswith("(attempt 2 of 4; again in 20 s)")
+    assert lease.current(store, "tiny", 1).holder == "kfp:job-1"
+
+
+@pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
+def test_a_held_iteration_fails_the_plan_task_after_its_waits(tmp_path, monkeypatch, capfd):
+    """Under kfp.local, as on a cluster: the lease stays held, ``plan`` tries 4 times
+    (``POSTTRAIN_RETRY_DELAY_S`` shortens the waits) and fails the run naming the holder."""
+    import kfp.local
 
     from components.core import lease
     from components.core.planner import plan as plan_iteration
@@ -400,13 +488,56 @@ def test_a_failed_run_hands_its_lease_back(tmp_path, monkeypatch):
 
     home, store = tmp_path / "home", Store(str(tmp_path / "store"))
     monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    monkeypatch.setenv("POSTTRAIN_RETRY_DELAY_S", "0.01")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    recipe = tmp_path / "nomodel.yaml"  # plan takes it; bootstrap cannot load its model
-    recipe.write_text(TINY.read_text().replace("model: {", "model: {source: /nonexistent, "))
+    assert plan_iteration(store, load_recipe(str(TINY)), "local:elsewhere") == 1
     local.prepare(home, 1)
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
                    raise_on_error=False)
-    post_training_iteration(recipe=str(recipe), run_root=store.uri, holder="")
-    leased = lease.current(store, "tiny", 1)
-    assert leased is not None and leased.holder == "", leased  # handed back (the released record has no holder)
-    assert plan_iteration(store, load_recipe(str(recipe)), "local:elsewhere") == 1
+    post_training_iteration(recipe=str(TINY), run_root=store.uri, holder="")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", "".join(capfd.readouterr()))
+    assert re.findall(r"Executing task '([\w-]+)'", out) == ["plan", "hand-back"]
+    waits = re.findall(r"plan: iteration 1 of pipeline 'tiny' is held by 'local:elsewhere' .*"
+                       r"\(attempt (\d) of 4; again in ([\d.]+) s\)", out)
+    assert waits == [("1", "0.01"), ("2", "0.02"), ("3", "0.04")]
+    assert "LeaseHeld: iteration 1 of pipeline 'tiny' is held by 'local:elsewhere'" in out
+    assert lease.current(store, "tiny", 1).holder == "local:elsewhere"  # still the other run's
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You may be attemping to run a task:RuntimeWarning")  # by design: no containers
+def test_a_resubmitted_run_ends_its_iteration_run_finished(tmp_path, monkeypatch):
+    """A run failed after taskgen (its exit task ended the iteration's MLflow run FAILED);
+    the resubmitted run resumed the iteration from the cache and finished it, but the
+    iteration's run stayed FAILED: the KFP ``plan`` did not set it RUNNING again, as the
+    DAG's plan task does, and a cache-hit taskgen does not either."""
+    import kfp.local
+    from mlflow.tracking import MlflowClient
+
+    from components.core.storage import Store
+    from pipelines import local
+    from pipelines.post_training_iteration import post_training_iteration
+
+    home, store = tmp_path / "home", Store(str(tmp_path / "store"))
+    monkeypatch.setenv("POSTTRAIN_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    bad = tmp_path / "badlora.yaml"  # only the trainer sees the mistake: every stage before it runs and is cached
+    bad.write_text(TINY.read_text().replace("trainer: {", "trainer: {lora: {rank: 4, target_modules: [no_such_proj]}, "))
+    local.prepare(home, 1)
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
+                   raise_on_error=False)
+    post_training_iteration(recipe=str(bad), run_root=store.uri, holder="")
+    assert store.exists("tiny/iter-000001/validation/_MANIFEST.json")
+    assert not store.exists("tiny/iter-000001/trainer/_MANIFEST.json")
+    client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tiny").experiment_id
+    [parent] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
+    assert parent.info.status == "FAILED"
+    taskgen = store.read_bytes("tiny/iter-000001/taskgen/_MANIFEST.json")
+
+    post_training_iteration(recipe=str(TINY), run_root=store.uri, holder="")  # the recipe fixed, resubmitted
+    assert store.exists("tiny/iter-000001/evaluation/_MANIFEST.json")
+    assert store.read_bytes("tiny/iter-000001/taskgen/_MANIFEST.json") == taskgen  # a cache hit
+    [again] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
+    assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"  # reopened, then finished
+    assert client.search_runs([experiment], "attributes.status = 'RUNNING'") == []
