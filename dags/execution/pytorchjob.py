@@ -57,6 +57,7 @@ from typing import Any
 from kubernetes.client import ApiClient
 from kubernetes.client import models as k8s
 
+from components.core import manifest
 from components.core.errors import UserError
 from components.core.recipe import RECIPES_DIR, Recipe, is_uri
 from components.core.stages import Resources, resources, spec
@@ -67,7 +68,7 @@ KIND = "PyTorchJob"
 CONTAINER = "pytorch"  # the container the operator gives torchrun's settings to
 STAGE = "trainer"
 MAX_NAME = 48  # job name + "-worker-<n>" must stay a DNS label (63) for the replicas' services
-MAX_ITERATION = 10**9 - 1  # "-trainer-<k>" leaves the pipeline's name at least 30 of MAX_NAME's characters
+MAX_ITERATION = manifest.MAX_ITERATION  # a run root numbers no more; "-trainer-<k>" then leaves the name room
 
 
 def job_name(pipeline: str, iteration: int) -> str:
@@ -110,9 +111,7 @@ def check(recipe: Recipe, iteration: int, nodes: int, res: Resources) -> None:
         raise UserError("--nodes", nodes, f"a job needs 1 to {MAX_NODES} nodes", f"pass --nodes from 1 to {MAX_NODES}")
     if iteration < 1:
         raise UserError("--iteration", iteration, "the trainer runs in iterations 1 and up", "pass --iteration 1 or more")
-    if iteration > MAX_ITERATION:  # the job name keeps the number whole, and a label value holds at most 63 characters
-        raise UserError("--iteration", iteration, f"more than {MAX_ITERATION}, too long for the job's name",
-                        f"pass an iteration from 1 to {MAX_ITERATION}")
+    manifest.check_not_past_max("--iteration", iteration)  # the job's pods would fail `posttrain stage --iteration` on it
     processes = recipe.trainer.processes
     if res.gpus > 0 and processes > res.gpus:
         raise UserError("trainer.processes", processes, f"needs one GPU per process (nccl) but each node gets "

@@ -118,7 +118,8 @@ def test_a_cpu_trainer_gets_no_gpu_and_settings_follow_the_environment(monkeypat
     (0, 4, {}, "--nodes", "a job needs 1 to 4096 nodes"),
     (100_000_000, 4, {}, "--nodes", "a job needs 1 to 4096 nodes"),
     (2, 0, {}, "--iteration", "iterations 1 and up"),
-    (2, 10**80, {}, "--iteration", "more than 999999999, too long for the job's name"),  # an invalid name before
+    (2, 10**80, {}, "--iteration", "is more than 999999, the highest iteration a run root numbers"),  # an invalid name before
+    (2, 10**6, {}, "--iteration", "is more than 999999, the highest iteration a run root numbers"),  # its pods would fail
     (2, 4, {"processes": 3}, "trainer.processes", "one GPU per process"),
 ])
 def test_bad_input_is_a_user_error(nodes, iteration, trainer, field, problem) -> None:
@@ -189,8 +190,8 @@ def test_publish_to_a_store_that_is_down_or_refuses_is_one_line(tmp_path, capsys
 
 def test_the_largest_iteration_still_makes_a_valid_job() -> None:
     job = pytorchjob.render(recipe(), RECIPE_URI, RUN_ROOT, pytorchjob.MAX_ITERATION, 2)
-    assert job["metadata"]["name"].endswith("-trainer-999999999") and len(job["metadata"]["name"]) <= pytorchjob.MAX_NAME
-    assert job["metadata"]["labels"]["posttrain.io/iteration"] == "999999999"
+    assert job["metadata"]["name"].endswith("-trainer-999999") and len(job["metadata"]["name"]) <= pytorchjob.MAX_NAME
+    assert job["metadata"]["labels"]["posttrain.io/iteration"] == "999999"
 
 
 def test_publish_to_an_unreachable_store_is_one_line(tmp_path) -> None:
