@@ -93,6 +93,13 @@ def missing_pairs(candidate: Sequence[EvalResult], baseline: Sequence[EvalResult
     return sum(r.task_id not in have for r in candidate)
 
 
+ROUNDING = 1e-9
+"""Differences of pass rates below this are floating-point rounding, not a change: the
+means of [0.3, 0.2, 0.1] and [0.1, 0.2, 0.3] differ in the last bit, and 0.50 - 0.48 is
+0.020000000000000018, past a tolerance of 0.02 (rates are counts over at most millions of
+tasks, so a real difference is far larger)."""
+
+
 def statistical_rule(rows: Sequence[Comparison], confidence: float) -> tuple[bool, str]:
     """Held if a domain regresses significantly (interval entirely below 0) or the mean
     pass rate over domains drops; else promoted."""
@@ -103,7 +110,7 @@ def statistical_rule(rows: Sequence[Comparison], confidence: float) -> tuple[boo
         return False, f"significant regression at {pct}: " + ", ".join(worse)
     cand = float(np.mean([r.candidate for r in rows])) if rows else 0.0
     base = float(np.mean([r.baseline for r in rows])) if rows else 0.0
-    if cand < base:
+    if cand < base - ROUNDING:
         return False, f"mean pass rate dropped {base:.3f}->{cand:.3f} (no domain regressed significantly at {pct})"
     return True, f"no domain regressed significantly at {pct}; mean pass rate {base:.3f}->{cand:.3f}"
 
@@ -111,7 +118,8 @@ def statistical_rule(rows: Sequence[Comparison], confidence: float) -> tuple[boo
 def strict_rule(candidate: dict[str, float], baseline: dict[str, float], tolerance: float) -> tuple[bool, str]:
     """Held if any domain dropped by more than ``tolerance`` (a missing domain counts as 0)."""
     drops = {d: baseline[d] - candidate.get(d, 0.0) for d in baseline}
-    worst = [f"{d} {baseline[d]:.3f}->{candidate.get(d, 0.0):.3f}" for d, drop in sorted(drops.items()) if drop > tolerance]
+    worst = [f"{d} {baseline[d]:.3f}->{candidate.get(d, 0.0):.3f}" for d, drop in sorted(drops.items())
+             if drop > tolerance + ROUNDING]
     if worst:
         return False, "regressed beyond tolerance: " + ", ".join(worst)
     return True, "no domain regressed beyond tolerance"

@@ -13,7 +13,7 @@ import math
 def group_advantages(rewards: list[float | None], eps: float, scale_by_std: bool) -> list[float]:
     """Advantages for one group; ``None`` marks an excluded sample (advantage 0)."""
     kept = [r for r in rewards if r is not None]
-    if len(kept) < 2:
+    if len(kept) < 2 or max(kept) == min(kept):  # no signal: exactly 0 (sum/len of 0.7s is not 0.7)
         return [0.0 for _ in rewards]
     mean = sum(kept) / len(kept)
     std = math.sqrt(sum((r - mean) ** 2 for r in kept) / len(kept))

@@ -19,7 +19,30 @@ from components.evaluation.stage import BASELINE_TAG, baseline_for, fixed_baseli
     ({"math": 0.10}, False, "regressed beyond tolerance: code 0.300->0.000"),  # a missing domain counts as 0
 ])
 def test_strict_rule(candidate, promoted, reason):
-    assert strict_rule(candidate, {"code": 0.30, "math": 0.10}, tolerance=0.02 + 1e-9) == (promoted, reason)
+    assert strict_rule(candidate, {"code": 0.30, "math": 0.10}, tolerance=0.02) == (promoted, reason)
+
+
+def test_a_drop_of_exactly_the_tolerance_promotes_whatever_the_rounding():
+    """0.50 - 0.48 is 0.020000000000000018 in floats: it was held past a tolerance of 0.02."""
+    held = [(b, b - 4 / 200) for b in (k / 200 for k in range(4, 201)) if not strict_rule({"a": b - 4 / 200}, {"a": b}, 0.02)[0]]
+    assert held == []
+    assert strict_rule({"a": 0.475}, {"a": 0.5}, 0.02) == (False, "regressed beyond tolerance: a 0.500->0.475")
+
+
+def test_an_unchanged_mean_is_no_drop_whatever_the_summation_order():
+    """The means of [0.3, 0.2, 0.1] and [0.1, 0.2, 0.3] differ in the last bit: it was held as
+    "mean pass rate dropped 0.200->0.200"."""
+    from components.evalsuite.decision import Comparison, statistical_rule
+
+    def row(domain, base, cand):
+        return Comparison(domain=domain, tasks=200, candidate=cand, baseline=base, difference=cand - base,
+                          ci_low=-0.05, ci_high=0.05)
+
+    rows = [row("a", 0.1, 0.3), row("b", 0.2, 0.2), row("c", 0.3, 0.1)]
+    assert statistical_rule(rows, 0.95) == (True, "no domain regressed significantly at 95%; mean pass rate 0.200->0.200")
+    rows[0] = row("a", 0.1, 0.295)
+    assert statistical_rule(rows, 0.95) == (False, "mean pass rate dropped 0.200->0.198 (no domain regressed "
+                                                   "significantly at 95%)")
 
 
 def test_baseline_is_the_champion_not_a_weaker_held_parent(tmp_path, posttrain_home):

@@ -85,3 +85,15 @@ def test_a_half_finished_previous_iteration_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as err:
         run_reward(recipe(), store, 2, "0/2")
     assert err.value.field == "stage reward" and "['1/2']" in err.value.fix
+
+
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 2 / 3, 0.7, 0.9])
+@pytest.mark.parametrize("size", [3, 8, 16])
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_a_group_of_equal_rewards_has_advantages_of_exactly_zero(value, size, scale_by_std):
+    """The mean of eight 0.7s is not 0.7 in floats: each advantage came out near -1e-10,
+    not 0, so the trainer without dynamic sampling kept such groups as having signal."""
+    from components.reward.advantages import group_advantages
+
+    assert group_advantages([value] * size + [None], 1e-6, scale_by_std) == [0.0] * (size + 1)
+    assert group_advantages([value] * (size - 1) + [1.0], 1e-6, scale_by_std)[-1] > 0
