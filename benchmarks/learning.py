@@ -18,7 +18,10 @@ stage for the final candidate) are paired by task, and
 95% percentile interval. "above" means the interval's lower bound is above 0. Per seed,
 and for all seeds together: the per-task differences of every seed are *pooled* (each
 seed has its own eval suite of the same size, so the pooled difference is the mean of
-the seeds' differences, and the interval resamples tasks across all of them).
+the seeds' differences, and the interval resamples tasks across all of them). The pooled
+interval covers the eval tasks' noise around the trained policies, not the variation of
+training from seed to seed: read it with the per-seed rows (not covered: a two-level
+bootstrap over seeds and tasks, which three seeds could not support).
 
     python benchmarks/learning.py [--seeds 7 8 9] [--iterations 5] [--recipe recipes/demo.yaml]
     python benchmarks/learning.py --quick [--out PATH]

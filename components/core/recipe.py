@@ -252,14 +252,19 @@ class TrainerConfig(_Section):
         "token_mean", description="token_mean: over all tokens of a step; sequence_mean: per-sequence token mean, "
                                   "then mean over sequences; seq_mean_token_sum: per-sequence token sum, then mean")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate decay after warmup")
-    warmup_steps: int = Field(0, ge=0, le=10 * BIG, description="optimizer steps of linear warmup from 0 (counted across iterations)")
-    decay_steps: int = Field(1000, ge=1, le=10 * BIG, description="steps (across iterations) over which linear/cosine decay to min_lr_ratio")
+    warmup_steps: int = Field(0, ge=0, le=10 * BIG, description="optimizer steps of linear warmup from 0 (counted across "
+                              "iterations where the schedule position is carried: full training with "
+                              "carry_optimizer_state; under LoRA or without carry, per iteration)")
+    decay_steps: int = Field(1000, ge=1, le=10 * BIG, description="steps over which linear/cosine decay to min_lr_ratio (across "
+                             "iterations where the schedule position is carried, as for warmup_steps)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed learning rate, as a share of learning_rate")
     dynamic_sampling: bool = Field(False, description="drop groups whose rewards are all equal and fill every step with "
                                                        "exactly prompts_per_step informative groups (DAPO), refilling from "
                                                        "taskgen.oversample's surplus; false: every group with signal, last "
                                                        "step partial")
-    carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting checkpoint")
+    carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting "
+                                          "checkpoint (full training only: LoRA starts fresh adapters, moments and "
+                                          "schedule every iteration)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the trainer's model lives: auto = cuda when "
                                                                     "a GPU is visible, else cpu")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32, or bfloat16 autocast of the forward pass "

@@ -18,7 +18,9 @@ Two uses:
 
 Schedules (``trainer.lr_schedule``): linear warmup over ``warmup_steps`` (step k at (k + 1) / ``warmup_steps`` of the rate), then
 ``constant``, ``linear`` or ``cosine`` decay to ``min_lr_ratio * learning_rate`` over
-``decay_steps``; steps count across iterations. After loading, the recipe's current
+``decay_steps``; steps count across iterations where the position is carried (full
+training with ``carry_optimizer_state``; under LoRA, whose adapters are fresh each
+iteration, or without carry, the schedule starts again each iteration). After loading, the recipe's current
 learning rate and the code's betas (``BETAS``, not a recipe setting) win over the saved
 ones, so a changed recipe takes effect.
 
