@@ -110,3 +110,28 @@ def test_a_step_whose_gradient_is_not_finite_updates_nothing() -> None:
     healthy = step(policy.model, rollout_batch(policy), kl_coef=0.1)  # the next step trains as usual
     assert not healthy.skipped and torch.isfinite(torch.tensor(healthy.grad_norm))
     assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+
+
+def _grads_with_ratio(ratio_log: float, **kw):
+    """The step's gradient (clipped as the step leaves it) when every recorded logprob is
+    ``ratio_log`` nats below the policy's own, so each importance ratio is e^ratio_log."""
+    policy = tiny_policy()
+    samples = [Sample(s.prompt_ids, s.completion_ids, [x - ratio_log for x in s.old_logprobs], s.advantage)
+               for s in rollout_batch(policy)]
+    stats = step(policy.model, samples, lr=0.0, **kw)
+    return torch.cat([p.grad.flatten() for p in policy.model.parameters()]), stats
+
+
+def test_kl_coef_clip_eps_and_max_grad_norm_change_the_update() -> None:
+    """Each of the recipe's trainer.kl_coef, clip_eps and max_grad_norm changes the
+    gradient the step applies (they were tested only at fixed values)."""
+    base, stats = _grads_with_ratio(0.5)  # ratios 1.65: outside clip_eps 0.2 everywhere
+    assert stats.clip_frac == 1.0 and stats.kl > 0
+    with_kl, _ = _grads_with_ratio(0.5, kl_coef=0.5)
+    assert not torch.allclose(base, with_kl, atol=1e-7)
+    wide, wide_stats = _grads_with_ratio(0.5, clip_eps=0.9)  # nothing clipped: positive advantages train too
+    assert wide_stats.clip_frac == 0.0 and not torch.allclose(base, wide, atol=1e-7)
+    small, small_stats = _grads_with_ratio(0.5, max_grad_norm=1e-3)
+    assert small_stats.grad_norm == pytest.approx(stats.grad_norm)  # the norm before clipping
+    assert float(small.norm()) == pytest.approx(1e-3, rel=1e-3) and float(base.norm()) > 1e-2
+    assert torch.allclose(small / small.norm(), base / base.norm(), atol=1e-5)  # the same direction, scaled
