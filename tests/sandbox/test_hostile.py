@@ -118,6 +118,24 @@ def test_stdout_flood_is_capped_and_killed(executor):
     assert len(result.stdout) < 8192 + 100
 
 
+@pytest.mark.parametrize("mode", ["strict", "warm"])
+def test_the_recipes_output_cap_sets_what_is_kept(mode):
+    """``sandbox.output_cap_bytes`` is what each stream keeps (it was tested at its default only)."""
+    from components.sandbox.executor import get_executor
+    from tests.sandbox.helpers import bwrap_unavailable, sandbox_config
+
+    if bwrap_unavailable():
+        pytest.skip(f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+    job = py("import sys\nprint('x' * 5000)\nsys.stderr.write('y' * 5000)")
+    with get_executor(sandbox_config(mode=mode, output_cap_bytes=1000)) as small:
+        capped = small.run(job)
+    with get_executor(sandbox_config(mode=mode, output_cap_bytes=8192)) as large:
+        whole = large.run(job)
+    assert capped.status == whole.status == "ok"
+    assert capped.stdout == "x" * 1000 + "\n...[4001 bytes cut]" and capped.stderr == "y" * 1000 + "\n...[4000 bytes cut]"
+    assert whole.stdout == "x" * 5000 + "\n" and whole.stderr == "y" * 5000
+
+
 @pytest.fixture
 def loopback_server():
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
