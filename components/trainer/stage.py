@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,10 +193,8 @@ def run(ctx: StageContext) -> dict[str, float]:
         trained = _train_distributed(ctx, policy, batches, start.policy_uri, rel, temperature, node)
     else:
         trained = _train_here(ctx, policy, batches, start.policy_uri, rel, temperature)
-    totals: dict[str, float] = defaultdict(float)
+    means = step_means(trained.stats)
     for step, stats in enumerate(trained.stats):
-        for k in STEP_METRICS:
-            totals[k] += getattr(stats, k)
         if not trained.logged:
             tracking.log_metrics(run_id, {f"trainer/step/{k}": getattr(stats, k) for k in STEP_METRICS},
                                  step=trained.global_step + step)
@@ -219,7 +216,6 @@ def run(ctx: StageContext) -> dict[str, float]:
     tracking.client().set_tag(run_id, "mlflow.note.content", f"Checkpoint: `{uri}`\n\nRegistered as "
                               f"`{models.model_name(ctx.pipeline)}` version {version}, trained from version {start.policy_version}.")
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
-    n = max(1, len(batches))
     skipped = sum(s.skipped for s in trained.stats)
     if skipped:
         say(f"iter {ctx.iteration} | trainer | WARNING: {skipped} of {len(batches)} steps had a gradient that is not "
@@ -229,10 +225,9 @@ def run(ctx: StageContext) -> dict[str, float]:
         f"{f' x {node.count} nodes' if node.multi else ''} | "
         f"registered version {version}")
     return {
-        "steps": float(len(batches)), "groups": float(len(groups)), "loss": totals["loss"] / n,
-        "clip_frac": totals["clip_frac"] / n, "kl": totals["kl"] / n, "entropy": totals["entropy"] / n,
-        "grad_norm": totals["grad_norm"] / n, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-        "lr": totals["lr"] / n, "global_step": float(position), "skipped_steps": float(skipped),
+        "steps": float(len(batches)), "groups": float(len(groups)), **means,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "global_step": float(position), "skipped_steps": float(skipped),
         "carried_optimizer_state": float(trained.carried), "torchrun_processes": float(cfg.processes * node.count if launched else 0),
         "torch_threads": float(trained.threads),
         **selection.metrics(),
@@ -241,6 +236,13 @@ def run(ctx: StageContext) -> dict[str, float]:
 
 STEP_METRICS = ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr")
 """Logged per optimizer step as ``trainer/step/<name>``."""
+
+
+def step_means(stats: list) -> dict[str, float]:
+    """The stage's ``STEP_METRICS``: means over the steps that updated the policy (a skipped
+    step's loss and gradient norm are not finite, and would make every mean NaN); 0 with none."""
+    kept = [s for s in stats if not s.skipped]
+    return {k: sum(getattr(s, k) for s in kept) / max(1, len(kept)) for k in STEP_METRICS}
 
 
 @dataclass(frozen=True)

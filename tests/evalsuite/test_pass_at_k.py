@@ -45,3 +45,11 @@ def test_sampled_pass_at_k_per_domain(monkeypatch, k):
     assert rates == {"arithmetic": pytest.approx(sum(solved[:6]) / 6), "math": pytest.approx(sum(solved[6:]) / 6)}
     assert rates == ({"arithmetic": pytest.approx(2 / 6), "math": pytest.approx(2 / 6)} if k == 1
                      else {"arithmetic": 1.0, "math": 1.0})  # more samples, more tasks solved
+
+
+def test_a_small_pass_at_k_keeps_its_digits() -> None:
+    """1 - exp(log_ratio) lost about 2e-9 of 0.001 (n=1000, c=1, k=1)."""
+    from components.evalsuite.stats import pass_at_k
+
+    assert float(pass_at_k(1000, 1, 1)) == pytest.approx(0.001, rel=1e-12)
+    assert float(pass_at_k(10**6, 1, 1)) == pytest.approx(1e-6, rel=1e-12)

@@ -135,3 +135,17 @@ def test_kl_coef_clip_eps_and_max_grad_norm_change_the_update() -> None:
     assert small_stats.grad_norm == pytest.approx(stats.grad_norm)  # the norm before clipping
     assert float(small.norm()) == pytest.approx(1e-3, rel=1e-3) and float(base.norm()) > 1e-2
     assert torch.allclose(small / small.norm(), base / base.norm(), atol=1e-5)  # the same direction, scaled
+
+
+def test_the_stages_step_means_leave_out_a_skipped_step() -> None:
+    """A skipped step's loss is not finite: the stage's mean loss was NaN for the iteration."""
+    from components.trainer.grpo import StepStats
+    from components.trainer.stage import step_means
+
+    ok = [StepStats(loss=0.2, clip_frac=0.1, kl=0.01, entropy=1.0, grad_norm=2.0, tokens=10, lr=1e-3),
+          StepStats(loss=0.4, clip_frac=0.3, kl=0.03, entropy=3.0, grad_norm=4.0, tokens=10, lr=1e-3)]
+    bad = StepStats(loss=float("nan"), clip_frac=0.5, kl=float("inf"), entropy=0.0, grad_norm=float("nan"), tokens=10,
+                    lr=1e-3, skipped=True)
+    assert step_means([ok[0], bad, ok[1]]) == pytest.approx(
+        {"loss": 0.3, "clip_frac": 0.2, "kl": 0.02, "entropy": 2.0, "grad_norm": 3.0, "lr": 1e-3})
+    assert step_means([bad]) == {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "lr": 0.0}
