@@ -10,7 +10,7 @@
   each resample is one multinomial draw of those three counts: exactly the bootstrap over
   task indices, in O(resamples) memory whatever the suite's size.
 - ``pass_at_k(samples, correct, k)``: the unbiased pass@k estimator of Chen et al. (2021),
-  ``1 - C(n-c, k) / C(n, k)`` per task (through log-gamma: no large binomials).
+  ``1 - C(n-c, k) / C(n, k)`` per task (a product of k factors in log1p: no large binomials).
 
 Example::
 
