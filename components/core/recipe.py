@@ -253,8 +253,8 @@ class TrainerConfig(_Section):
                                   "then mean over sequences; seq_mean_token_sum: per-sequence token sum, then mean")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate decay after warmup")
     warmup_steps: int = Field(0, ge=0, le=10 * BIG, description="optimizer steps of linear warmup from 0 (counted across "
-                              "iterations where the schedule position is carried: full training with "
-                              "carry_optimizer_state; under LoRA or without carry, per iteration)")
+                              "iterations when carry_optimizer_state carries the schedule position; "
+                              "without it, per iteration)")
     decay_steps: int = Field(1000, ge=1, le=10 * BIG, description="steps over which linear/cosine decay to min_lr_ratio (across "
                              "iterations where the schedule position is carried, as for warmup_steps)")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="floor of the decayed learning rate, as a share of learning_rate")
@@ -263,8 +263,8 @@ class TrainerConfig(_Section):
                                                        "taskgen.oversample's surplus; false: every group with signal, last "
                                                        "step partial")
     carry_optimizer_state: bool = Field(True, description="load Adam moments and schedule position from the starting "
-                                          "checkpoint (full training only: LoRA starts fresh adapters, moments and "
-                                          "schedule every iteration)")
+                                          "checkpoint (under LoRA, whose adapters are fresh each iteration, only the "
+                                          "schedule position)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="where the trainer's model lives: auto = cuda when "
                                                                     "a GPU is visible, else cpu")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="float32, or bfloat16 autocast of the forward pass "

@@ -275,7 +275,7 @@ def _run(workdir: Path) -> None:
     scheduler = build_scheduler(optimizer, cfg)
     start_step = 0
     carried = workdir / "trainer_state.pt"
-    if carried.exists() and cfg.lora.rank == 0:
+    if carried.exists():  # under LoRA only the schedule's position (restore_trainer_state)
         state = read_trainer_state(carried.read_bytes(), str(carried))
         start_step = restore_trainer_state(state, optimizer, scheduler, cfg, False, str(carried),
                                            _load_optimizer(scorer, optimizer, cfg.parallelism)).global_step

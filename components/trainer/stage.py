@@ -271,7 +271,7 @@ def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, te
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     carried = None
-    if cfg.carry_optimizer_state and cfg.lora.rank == 0:  # fresh adapters each iteration: nothing to carry
+    if cfg.carry_optimizer_state:  # under LoRA (fresh adapters each iteration) only the schedule's position
         carried = load_trainer_state(Store(start_uri, "policy"), "", optimizer, scheduler, cfg, restore_rng=False)
     global_step = carried.global_step if carried else 0
     # Seeded after loading (not before): a library imported for the first time may draw from
@@ -306,7 +306,7 @@ def _train_here(ctx: StageContext, policy, batches, start_uri: str, rel: str, te
 def _carried(start_uri: str, cfg) -> bytes | None:
     """The starting checkpoint's trainer state, when it is carried in."""
     source = Store(start_uri, "policy")
-    if cfg.carry_optimizer_state and cfg.lora.rank == 0 and source.exists(STATE_FILE):
+    if cfg.carry_optimizer_state and source.exists(STATE_FILE):
         return source.read_bytes(STATE_FILE)
     return None
 

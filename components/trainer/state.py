@@ -20,7 +20,8 @@ Schedules (``trainer.lr_schedule``): linear warmup over ``warmup_steps`` (step k
 ``constant``, ``linear`` or ``cosine`` decay to ``min_lr_ratio * learning_rate`` over
 ``decay_steps``; steps count across iterations where the position is carried (full
 training with ``carry_optimizer_state``; under LoRA, whose adapters are fresh each
-iteration, or without carry, the schedule starts again each iteration). After loading, the recipe's current
+iteration, the schedule's position is carried and the Adam moments are not; without
+carry the schedule starts again each iteration). After loading, the recipe's current
 learning rate and the code's betas (``BETAS``, not a recipe setting) win over the saved
 ones, so a changed recipe takes effect.
 
@@ -142,9 +143,12 @@ def read_trainer_state(data: bytes, where: str) -> dict:
 def restore_trainer_state(state: dict, optimizer, scheduler, cfg, restore_rng: bool, where: str,
                           load_optimizer: Callable[[dict], None] | None = None) -> DataPosition:
     """Load a saved state into ``optimizer``/``scheduler``; ``load_optimizer`` replaces
-    ``optimizer.load_state_dict`` (a sharded optimizer loads the full state its own way)."""
+    ``optimizer.load_state_dict`` (a sharded optimizer loads the full state its own way).
+    Under LoRA (``cfg.lora.rank > 0``) only the schedule's position is loaded: each
+    iteration trains fresh adapters, which the saved Adam moments do not belong to."""
     try:
-        (load_optimizer or optimizer.load_state_dict)(state["optimizer"])
+        if cfg.lora.rank == 0:
+            (load_optimizer or optimizer.load_state_dict)(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError) as exc:
         raise UserError("trainer_state", where, f"cannot load it into this model's optimizer ({exc})",

@@ -127,3 +127,30 @@ def test_state_of_another_architecture_is_a_user_error(tmp_path) -> None:
 def test_lr_schedule(schedule: str, step: int, expected: float) -> None:
     cfg = TrainerConfig(lr_schedule=schedule, warmup_steps=2, decay_steps=10, min_lr_ratio=0.1)
     assert lr_factor(step, cfg) == pytest.approx(expected)
+
+
+def test_under_lora_the_schedule_position_is_carried_and_the_moments_are_not(tmp_path) -> None:
+    """Each iteration trains fresh adapters: the saved Adam moments are not theirs, but the
+    schedule goes on (before, every iteration warmed up again from step 0)."""
+    from components.trainer.lora import apply_lora
+
+    lora_cfg = CFG.model_copy(update={"lora": CFG.lora.model_copy(update={"rank": 4})})
+    store = Store(str(tmp_path), "test")
+    first = apply_lora(tiny_policy().model, lora_cfg.lora)
+    opt = build_optimizer(first, lora_cfg)
+    sched = build_scheduler(opt, lora_cfg)
+    for _ in range(3):
+        opt.zero_grad()
+        sum(p.sum() for p in first.parameters() if p.requires_grad).backward()
+        opt.step()
+        sched.step()
+    assert len(opt.state) > 0  # the first adapters' moments, saved with the state
+    save_trainer_state(store, "", opt, sched, DataPosition(iteration=1, steps_done=3, global_step=3))
+
+    second = apply_lora(tiny_policy(seed=1).model, lora_cfg.lora)  # the next iteration's fresh adapters
+    opt2 = build_optimizer(second, lora_cfg)
+    sched2 = build_scheduler(opt2, lora_cfg)
+    position = load_trainer_state(store, "", opt2, sched2, lora_cfg, restore_rng=False)
+    assert position.global_step == 3 and sched2.last_epoch == 3
+    assert opt2.param_groups[0]["lr"] == pytest.approx(lora_cfg.learning_rate * lr_factor(3, lora_cfg))
+    assert len(opt2.state) == 0  # no moments from the previous adapters
