@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--shard", default=None, help="i/n for rollout, sandbox and reward")
     stage.add_argument("--orchestrator-run-id", default="",
                        help="the orchestrator's run id (an Airflow run id): the stage's MLflow run nests under that run's iteration run")
+    stage.add_argument("--lease-holder", default="",
+                       help="the holder of the iteration's lease (the orchestrator's plan passes it): renewed while the stage runs")
 
     run = sub.add_parser("run", help="run iterations of the Airflow DAG on the embedded defaults")
     _common(run)
@@ -98,13 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
 MAX_ORCHESTRATOR_RUN_ID = 1000  # Airflow's run ids stop at 250 characters, Kubeflow's are UUIDs
 
 
-def _check_orchestrator_run_id(value: str) -> None:
+def _check_orchestrator_run_id(value: str, flag: str = "--orchestrator-run-id",
+                               fix: str = "pass the orchestrator's run id (Airflow's run_id, a Kubeflow run's UUID), "
+                                          "or leave the flag out") -> None:
     """``--orchestrator-run-id`` goes into an MLflow tag and the stage's lineage: text a
     log and a database can hold (a control character, bytes that are not UTF-8 or a
-    longer text was a traceback from MLflow, or a tag no one could read)."""
+    longer text was a traceback from MLflow, or a tag no one could read). The same for
+    ``--lease-holder``, which goes into a lease record."""
     from components.core.storage import unusable_text
 
-    fix = "pass the orchestrator's run id (Airflow's run_id, a Kubeflow run's UUID), or leave the flag out"
     problem = unusable_text(value)
     if problem is not None:
         problem = (problem[0], fix)  # its own fix: a run id is no path
@@ -113,7 +117,7 @@ def _check_orchestrator_run_id(value: str) -> None:
     elif len(value) > MAX_ORCHESTRATOR_RUN_ID:
         problem = (f"is {len(value)} characters long, more than {MAX_ORCHESTRATOR_RUN_ID}", fix)
     if problem is not None:
-        raise UserError("--orchestrator-run-id", value, *problem)
+        raise UserError(flag, value, *problem)
 
 
 def _stage(args: argparse.Namespace) -> int:
@@ -121,11 +125,30 @@ def _stage(args: argparse.Namespace) -> int:
 
     conf = settings.resolve(args.recipe, args.run_root)
     _check_orchestrator_run_id(args.orchestrator_run_id)
+    _check_orchestrator_run_id(args.lease_holder, "--lease-holder",
+                               "pass the holder the orchestrator's plan leased the iteration to, or leave the flag out")
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     settings.gc_policy()  # and a bad POSTTRAIN_GC
-    run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
-              orchestrator_run_id=args.orchestrator_run_id, in_order=True)
+    with _lease_renewed(args, conf):
+        run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
+                  orchestrator_run_id=args.orchestrator_run_id, in_order=True)
     return 0
+
+
+def _lease_renewed(args: argparse.Namespace, conf):
+    """With ``--lease-holder`` (a stage container or pod of the DAG), the iteration's lease
+    is renewed while the stage runs: one stage may outlive its 6 hours (the trainer's limit
+    is as long). Bootstrap runs before any iteration is leased: nothing to renew."""
+    import contextlib
+
+    if not args.lease_holder or args.stage_id == "bootstrap":
+        return contextlib.nullcontext()
+    from components.core import lease
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+
+    return lease.renewed(Store(conf.run_root, "--run-root"), load_recipe(conf.recipe).pipeline, args.iteration,
+                         args.lease_holder)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -109,7 +109,7 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     """Shared component body (copied into each component's source by KFP). The iteration is
     the one the ``plan`` task leased to this job (found again by its holder: ``holder``, or
     ``kfp:<job id>`` when empty), so no task takes it as an input."""
-    from components.core import planner, settings
+    from components.core import lease, planner, settings
     from components.core.errors import DataQualityError, UserError
     from components.core.recipe import load_recipe
     from components.core.runner import run_stage, stop_on_sigterm
@@ -118,9 +118,12 @@ def _run(stage: str, recipe: str, run_root: str, shard: str, run_id: str, holder
     stop_on_sigterm()  # a stopped pod: the stage's MLflow run ends KILLED, not RUNNING
     try:
         conf = settings.resolve(recipe or None, run_root or None)
-        k = 0 if stage == "bootstrap" else planner.plan(Store(conf.run_root, "run_root"), load_recipe(conf.recipe),
-                                                        holder or f"kfp:{run_id}", replay=True)
-        return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
+        if stage == "bootstrap":
+            return run_stage(stage, conf.recipe, conf.run_root, 0, shard or None, orchestrator_run_id=run_id).content_digest
+        store, loaded, who = Store(conf.run_root, "run_root"), load_recipe(conf.recipe), holder or f"kfp:{run_id}"
+        k = planner.plan(store, loaded, who, replay=True)
+        with lease.renewed(store, loaded.pipeline, k, who):  # a stage may outlive the lease's 6 hours
+            return run_stage(stage, conf.recipe, conf.run_root, k, shard or None, orchestrator_run_id=run_id).content_digest
     except (UserError, DataQualityError) as exc:
         _tell_kfp_local(exc)
         raise

@@ -343,3 +343,46 @@ def test_an_orchestrator_run_id_no_tag_can_hold_is_exit_2(run_id: str, problem: 
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("posttrain: error: --orchestrator-run-id=") and problem in err
     assert not (tmp_path / "rr").exists()
+
+
+def test_a_lease_holder_no_lease_can_hold_is_exit_2(tmp_path: Path, capsys) -> None:
+    from components.cli import main
+
+    code = main(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", str(tmp_path / "rr"),
+                 "--lease-holder", "two\nlines"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("posttrain: error: --lease-holder='two\\nlines': contains the control character "
+                                 "U+000A; fix: pass the holder the orchestrator's plan leased the iteration to, or leave "
+                                 "the flag out\n")
+    assert not (tmp_path / "rr").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_stage_given_its_lease_holder_renews_the_lease(tmp_path: Path, monkeypatch) -> None:
+    """A stage container or pod (``--lease-holder``, passed by the DAG) keeps the plan's
+    lease while it runs; a stage may outlive the lease's 6 hours."""
+    import time
+
+    from components.cli import _lease_renewed, build_parser
+    from components.core import lease, settings
+
+    monkeypatch.setattr(lease, "DEFAULT_TTL_S", 0.6)  # a beat every 0.1 s
+    root = f"file://{tmp_path}/rr"
+    taken = lease.acquire(Store(root), "tiny", 2, "airflow:scheduled__1", ttl_s=0.5)
+    args = build_parser().parse_args(["stage", "rollout", "--recipe", str(TINY_RECIPE), "--run-root", root,
+                                      "--iteration", "2", "--lease-holder", "airflow:scheduled__1"])
+    with _lease_renewed(args, settings.resolve(args.recipe, args.run_root)):
+        time.sleep(1.0)
+        cur = lease.current(Store(root), "tiny", 2)
+        assert cur.holder == "airflow:scheduled__1" and cur.live() and cur.generation > taken.generation
+    bootstrap = build_parser().parse_args(["stage", "bootstrap", "--run-root", root, "--lease-holder", "x"])
+    assert type(_lease_renewed(bootstrap, None)).__name__ == "nullcontext"  # nothing is leased before iteration 1
+
+
+def test_the_dags_stage_arguments_carry_the_plans_holder() -> None:
+    from dags.execution import stage_arguments
+
+    plan = {"recipe_uri": "s3://b/r.yaml", "run_root": "s3://b", "iteration": 3, "holder": "airflow:manual__1"}
+    assert stage_arguments(plan, "manual__1", "0/2") == [
+        "--recipe", "s3://b/r.yaml", "--run-root", "s3://b", "--iteration", "3", "--orchestrator-run-id", "manual__1",
+        "--lease-holder", "airflow:manual__1", "--shard", "0/2"]

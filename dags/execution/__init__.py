@@ -220,6 +220,8 @@ def stage_arguments(plan: dict[str, Any], run_id: str, shard: str = "") -> list[
     task's map index can show it)."""
     args = ["--recipe", plan["recipe_uri"], "--run-root", plan["run_root"], "--iteration", str(plan["iteration"]),
             "--orchestrator-run-id", run_id]
+    if plan.get("holder"):  # the stage renews the plan's lease on the iteration while it runs
+        args += ["--lease-holder", plan["holder"]]
     return [*args, "--shard", shard] if shard else args
 
 
