@@ -47,8 +47,9 @@ an InfraError, within the stage's timeout.
 LoRA (``trainer.lora.rank`` > 0, ``lora.py``): adapters are added after loading (and in
 each torchrun worker before wrapping), only they train, and they are merged into the
 base weights on save, so the checkpoint is a plain Hugging Face model. Each iteration
-starts fresh adapters on the merged weights, so no optimizer state is carried in under
-LoRA (the saved ``trainer_state.pt`` holds the adapters' moments, for inspection only).
+starts fresh adapters on the merged weights, so under LoRA only the schedule's position
+is carried in, not the Adam moments (the saved ``trainer_state.pt`` holds the adapters'
+moments, for inspection only).
 
 On several nodes (a PyTorchJob's replicas, ``dags/execution/pytorchjob.py``): every
 replica runs ``posttrain stage trainer``; the ``PET_*`` variables (``components/core/nodes.py``) make
