@@ -116,3 +116,14 @@ def test_stage_reports_the_control_and_replay_reproduces_the_permutation(tmp_pat
     assert report["changed"] == [] and report["advantage_changed"] == 0
     off = replay(parse_recipe({"pipeline": "ctl", "domains": ["math", "arithmetic"], "rollout": {"shards": 2}}), store, 1)
     assert off["changed"] == [] and off["advantage_changed"] > 0
+
+
+def test_advantage_eps_and_scale_by_std_reach_the_advantages():
+    """``reward.advantage_eps`` and ``scale_by_std`` act through the stage's scoring: for
+    M1's group [1, 0, 0, 0] (mean 0.25, std sqrt(3)/4) the winner's advantage is
+    0.75 / (std + eps), or 0.75 unscaled."""
+    std = 3 ** 0.5 / 4
+    for reward, expected in [({}, 0.75 / (std + 1e-6)), ({"advantage_eps": 0.5}, 0.75 / (std + 0.5)),
+                             ({"scale_by_std": False}, 0.75)]:
+        winner = by_task(scored(**reward))[M1.task_id][0]
+        assert winner.raw_reward == 1 and winner.advantage == pytest.approx(expected, rel=1e-9), reward
