@@ -71,3 +71,24 @@ def test_the_baseline_is_fixed_before_the_alias_moves(tmp_path, posttrain_home):
     assert baseline_for("fixed", parent_version="1") == ("2", {"code": 0.35})  # what a naive retry would compare with
     assert fixed_baseline("fixed", candidate="2", parent_version="1") == ("1", {"code": 0.30})
     assert tracking.client().get_model_version("fixed-policy", "2").tags[BASELINE_TAG] == "1"
+
+
+@pytest.mark.parametrize(("promotion", "missing", "tolerance", "expected"), [
+    ("strict", "", 0.05, ("strict", "evaluation.promotion is strict", True, "no domain regressed beyond tolerance")),
+    ("strict", "", 0.01, ("strict", "evaluation.promotion is strict", False, "regressed beyond tolerance: code 0.300->0.270")),
+    ("statistical", "no results", 0.05, ("strict", "fallback: no results", True,
+                                        "strict rule (no results): no domain regressed beyond tolerance")),
+    ("statistical", "no results", 0.01, ("strict", "fallback: no results", False,
+                                        "strict rule (no results): regressed beyond tolerance: code 0.300->0.270")),
+])
+def test_the_recipes_regression_tolerance_decides_through_the_stage(promotion, missing, tolerance, expected):
+    """``evaluation.regression_tolerance`` reaches the stage's decision, in strict mode and in
+    the statistical rule's fallback (it was tested only as strict_rule's argument)."""
+    from types import SimpleNamespace
+
+    from components.core.recipe import parse_recipe
+    from components.evaluation.stage import decide
+
+    recipe = parse_recipe({"pipeline": "tol", "evaluation": {"promotion": promotion, "regression_tolerance": tolerance}})
+    rates, baseline = {"code": 0.27, "math": 0.10}, {"code": 0.30, "math": 0.10}
+    assert decide(SimpleNamespace(recipe=recipe), [], missing, rates, baseline) == expected
