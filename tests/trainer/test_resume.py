@@ -154,3 +154,19 @@ def test_under_lora_the_schedule_position_is_carried_and_the_moments_are_not(tmp
     assert position.global_step == 3 and sched2.last_epoch == 3
     assert opt2.param_groups[0]["lr"] == pytest.approx(lora_cfg.learning_rate * lr_factor(3, lora_cfg))
     assert len(opt2.state) == 0  # no moments from the previous adapters
+
+
+@pytest.mark.parametrize(("carry", "rank", "carried"), [(True, 0, True), (False, 0, False), (True, 4, True), (False, 4, False)])
+def test_carry_optimizer_state_decides_what_the_trainer_takes_in(tmp_path, carry: bool, rank: int, carried: bool) -> None:
+    """``trainer.carry_optimizer_state: false`` starts every iteration with fresh moments and
+    schedule; under LoRA the state goes in too (``restore_trainer_state`` then takes only
+    the schedule's position)."""
+    from components.trainer.stage import _carried
+
+    policy = tiny_policy()
+    opt, sched = fresh(policy)
+    save_trainer_state(Store(str(tmp_path), "test"), "", opt, sched, DataPosition(iteration=1, steps_done=2, global_step=2))
+    cfg = CFG.model_copy(update={"carry_optimizer_state": carry, "lora": CFG.lora.model_copy(update={"rank": rank})})
+    data = _carried(f"file://{tmp_path}", cfg)
+    assert (data == (tmp_path / STATE_FILE).read_bytes()) if carried else data is None
+    assert _carried(f"file://{tmp_path}/elsewhere", cfg) is None  # a checkpoint without a state: nothing
