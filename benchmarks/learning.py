@@ -284,13 +284,20 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def threads_text(threads) -> str:
+    """``{bootstrap: n, arms: m}`` as text (results written before the split hold one number)."""
+    if isinstance(threads, dict):
+        return f"{threads['bootstrap']} in the bootstrap, {threads['arms']} in the arms"
+    return str(threads)
+
+
 def write(out: Path, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     kind = "`--quick` smoke run (too short to learn: not a result)" if result["quick"] else "full run"
     parts = [f"# Learning benchmark ({result['date']}, {result['machine']})", "",
              f"{kind}: `{result['command']}` on `{result['recipe']}`, seeds {result['seeds']}, "
-             f"{result['iterations']} iteration(s) per arm, torch threads {result['torch_threads']}, commit "
+             f"{result['iterations']} iteration(s) per arm, torch threads {threads_text(result['torch_threads'])}, commit "
              f"{result['commit'][:7]}{' plus uncommitted changes' if result['dirty'] else ''}. Load average (1/5/15 min) "
              f"{'/'.join(f'{x:.2f}' for x in result['load_avg_before'])} before, "
              f"{'/'.join(f'{x:.2f}' for x in result['load_avg_after'])} after; {result['seconds']:.0f} s in all. "
@@ -341,11 +348,16 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     arms = compare(per_seed, tuple(args.arms))
     head, dirty = commit()
-    result = {"command": " ".join(["python benchmarks/learning.py", *sys.argv[1:]]), "quick": args.quick,
+    threads_env = os.environ.get("POSTTRAIN_TORCH_THREADS")
+    prefix = [f"POSTTRAIN_TORCH_THREADS={threads_env}"] if threads_env else []
+    result = {"command": " ".join([*prefix, "python benchmarks/learning.py", *sys.argv[1:]]), "quick": args.quick,
               "recipe": os.path.relpath(Path(args.recipe).resolve(), REPO), "seeds": args.seeds,
               "iterations": args.iterations, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "torch_threads": settings.torch_threads(default="auto"), "commit": head, "dirty": dirty,
+              # what the processes ran on: `posttrain stage bootstrap` defaults to 1, `posttrain run` (the
+              # arms) to every core, unless POSTTRAIN_TORCH_THREADS says
+              "torch_threads": {"bootstrap": settings.torch_threads(default="1"),
+                                "arms": settings.torch_threads(default="auto")}, "commit": head, "dirty": dirty,
               "load_avg_before": list(load), "load_avg_after": list(os.getloadavg()),
               "seconds": time.perf_counter() - started, "arms": arms, "summary": summary_line(arms)}
     for arm, a in arms.items():

@@ -48,6 +48,20 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repo (tests.rollout.test_hf_engi
 sys.path.insert(0, str(HERE))  # bench.py's prompt set
 
 
+def recomputed(policy, samples, temperature: float) -> list[list[float]]:
+    """The trainer's view of the samples' logprobs: a right-padded batch through
+    ``token_logprobs`` under softmax(logits / T), cut to each completion."""
+    import torch
+
+    from components.core.policy import pad_batch, token_logprobs
+
+    ids, attn, _ = pad_batch([(s.prompt_ids, s.completion_ids) for s in samples], policy.pad_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(policy.model, ids, attn, temperature)
+    return [logp[r, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.completion_ids)].tolist()
+            for r, s in enumerate(samples)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=96)
@@ -75,7 +89,6 @@ def main() -> None:
     from components.rollout.engines import get_engine
     from components.rollout.hf_engine import HFEngine
     from components.rollout.vllm_engine import on_cpu
-    from tests.rollout.test_hf_engine import recomputed
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
