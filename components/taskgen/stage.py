@@ -4,7 +4,8 @@ Weights come from ``taskgen.curriculum`` (the step covering this iteration) or e
 ``taskgen.domain_weights``. With ``taskgen.task_file`` set, tasks are sampled from that
 file (validated by ``components.domains.taskfile``; its content digest is an input, so
 editing the file re-runs taskgen) instead of generated: each domain's share is drawn
-without replacement while the file has enough tasks of it, then with replacement.
+without replacement while the file has enough tasks of it, then with replacement (a
+repeat gets its own id, ``<task_id>~r<k>``, so it is a group of its own).
 
 It draws ``round(tasks_per_iteration * oversample)`` tasks (``taskgen.oversample``, 1 by
 default): the surplus is what ``trainer.dynamic_sampling`` refills from. Within a domain
@@ -107,8 +108,17 @@ Weigh = Callable[[str, tuple[int, ...]], dict[int, float]]
 
 
 def sample(pool: list[Task], n: int, r: random.Random) -> list[Task]:
-    """``n`` tasks of ``pool``: without replacement while it has enough, then with."""
-    return r.sample(pool, n) if n <= len(pool) else pool + r.choices(pool, k=n - len(pool))
+    """``n`` tasks of ``pool``: without replacement while it has enough, then with. A task
+    drawn again is a copy with its own id (``<task_id>~r<k>``, k = 1, 2, ...): each draw is
+    its own GRPO group, whose rollout ids and group must not merge with the first draw's."""
+    if n <= len(pool):
+        return r.sample(pool, n)
+    drawn = Counter(t.task_id for t in pool)
+    again = []
+    for t in r.choices(pool, k=n - len(pool)):
+        again.append(dataclasses.replace(t, task_id=f"{t.task_id}~r{drawn[t.task_id]}"))
+        drawn[t.task_id] += 1
+    return pool + again
 
 
 def from_file(path: str, domains: list[str], weights: dict[str, float], total: int, r: random.Random,

@@ -81,6 +81,12 @@ def test_taskgen_samples_from_the_task_file(tmp_path):
     assert by == {"math": 15, "structured": 5}  # arithmetic has no rows in the file: its share is redistributed
     assert {t.prompt for t in tasks if t.domain == "math"} == {r["prompt"] for r in rows[:6]}  # all 6, then repeats
     assert all(t.split == "train" for t in tasks)
+    # A repeat is its own GRPO group: the same task drawn twice had the same id, so its
+    # rollout ids collided and the validation gate stopped the iteration.
+    assert len({t.task_id for t in tasks}) == 20
+    firsts = {t.task_id for t in tasks if "~r" not in t.task_id}
+    assert len(firsts) == 7 and all(t.task_id.split("~r")[0] in firsts for t in tasks)
+    assert {t.task_id.split("~r")[1] for t in tasks if "~r" in t.task_id} <= {"1", "2", "3", "4", "5"}
 
 
 def test_task_file_with_a_domain_outside_the_recipe_is_a_user_error(tmp_path):
