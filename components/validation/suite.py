@@ -2,7 +2,7 @@
 
 ``check(rollouts, rewards, recipe)`` builds one table per record type, validates each
 against its expectation suite in an ephemeral GX context (no files, no progress bars)
-and returns a ``Report``. Expectations cover ranges (rewards in [0, 1], logprobs <= 0,
+and returns a ``Report``. Expectations cover ranges (rewards in [0, 1], logprobs finite and <= 0,
 finite advantages), shapes (one logprob per completion token), allowed values
 (statuses, domains), uniqueness of ids, and that enough rewards survived infrastructure
 failures to train on.
@@ -168,6 +168,8 @@ def _frames(rollouts: list[Rollout], rewards: list[Reward],
         "domain": [r.domain for r in rollouts],
         "completion_tokens": [_policy_run(r) for r in rollouts],
         "logprob_max": [max(_policy_logprobs(r), default=0.0) for r in rollouts],
+        # GX takes NaN for a missing value, and max() hides a NaN that is not first: checked apart
+        "logprobs_finite": [all(math.isfinite(lp) for lp in r.logprobs) for r in rollouts],
         "logprobs_match_tokens": [len(r.logprobs) == len(r.completion_token_ids) == r.completion_tokens for r in rollouts],
         "mask_matches_tokens": [_mask_ok(r) for r in rollouts],
         "observation_logprobs_zero": [all(lp == 0.0 for lp, m in zip(r.logprobs, r.completion_mask) if m == 0)
@@ -197,6 +199,7 @@ def _suites(gx, recipe, max_new_tokens: int, max_turns: int):
         E.ExpectColumnValuesToBeInSet(column="domain", value_set=domains),
         E.ExpectColumnValuesToBeBetween(column="completion_tokens", min_value=1, max_value=max_new_tokens),
         E.ExpectColumnValuesToBeBetween(column="logprob_max", max_value=1e-6),
+        E.ExpectColumnValuesToBeInSet(column="logprobs_finite", value_set=[True]),
         E.ExpectColumnValuesToBeInSet(column="logprobs_match_tokens", value_set=[True]),
         E.ExpectColumnValuesToBeInSet(column="mask_matches_tokens", value_set=[True]),
         E.ExpectColumnValuesToBeInSet(column="observation_logprobs_zero", value_set=[True]),

@@ -35,7 +35,7 @@ def clean() -> tuple[list[Rollout], list[Reward]]:
 
 def test_clean_batch_passes_every_expectation() -> None:
     report = check(*clean(), RECIPE)
-    assert (report.success, report.failures, report.checked) == (True, [], 17)
+    assert (report.success, report.failures, report.checked) == (True, [], 18)
 
 
 def test_rewards_carry_the_recipes_loss_weight() -> None:
@@ -97,6 +97,9 @@ def _bad_reward(i: int, **changes):
 
 @pytest.mark.parametrize(("breakage", "expected"), [
     (_bad_rollout(1, logprobs=[0.3]), "rollouts: expect_column_values_to_be_between {'column': 'logprob_max'"),
+    # a NaN passed the range check (GX reads it as missing), and -inf is <= 0
+    (_bad_rollout(1, logprobs=[float("nan")]), "rollouts: expect_column_values_to_be_in_set {'column': 'logprobs_finite'"),
+    (_bad_rollout(1, logprobs=[float("-inf")]), "rollouts: expect_column_values_to_be_in_set {'column': 'logprobs_finite'"),
     (_bad_rollout(2, logprobs=[-0.1, -0.2]), "rollouts: expect_column_values_to_be_in_set {'column': 'logprobs_match_tokens'"),
     (_bad_rollout(0, completion_tokens=0, completion_token_ids=[], logprobs=[]),
      "rollouts: expect_column_values_to_be_between {'column': 'completion_tokens'"),
@@ -143,4 +146,4 @@ def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_h
                                                "expect_column_values_to_be_between {'column': 'raw_reward'")
     assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     report = store.read_json("gate/iter-000001/validation/report.json")
-    assert report["success"] is False and report["checked"] == 17 and len(report["failures"]) == 1
+    assert report["success"] is False and report["checked"] == 18 and len(report["failures"]) == 1

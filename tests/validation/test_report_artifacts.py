@@ -20,7 +20,7 @@ from components.validation.suite import CELL_CHARS, COLUMNS, SAMPLE_VALUES, VALU
 from tests.reward.builders import write_stage
 from tests.validation.test_gate import RECIPE, TASK, clean
 
-ROWS = 20  # 17 GX expectations + rewards-match-rollouts + two non-empty-table checks
+ROWS = 21  # 18 GX expectations + rewards-match-rollouts + two non-empty-table checks
 RAW_REWARD_KWARGS = '{"column": "raw_reward", "max_value": 1.0, "min_value": 0.0}'
 
 
@@ -64,7 +64,7 @@ def test_passing_gate_logs_every_expectation_as_a_success(tmp_path, posttrain_ho
     [mean] = [r for r in rows if r["column"] == "is_ok"]
     assert (mean["observed"], mean["kwargs"]) == ("1.0", '{"column": "is_ok", "max_value": 1.0, "min_value": 0.5}')
     assert page.split("<tbody>")[1].count("<tr>") == ROWS and 'class="fail"' not in page
-    assert "Data-quality gate <span class=\"ok\">passed</span>: 20 checks, 0 failed" in page
+    assert "Data-quality gate <span class=\"ok\">passed</span>: 21 checks, 0 failed" in page
     report = store.read_json("gate/iter-000001/validation/report.json")
     assert report["success"] is True and report["expectations"] == rows
 
