@@ -20,7 +20,8 @@ interactive tasks out).
 
 from __future__ import annotations
 
-from components.core.policy import EOS, Policy
+from components.core.policy import Policy
+from components.core.prompts import observation_ids
 from components.core.recipe import Recipe
 from components.core.records import EvalResult, Task
 from components.domains import registry
@@ -35,15 +36,18 @@ MULTI_TURN = "multi_turn"
 
 
 def episode_example(policy: Policy, episode: list[list[str]]) -> tuple[list[int], list[int]]:
-    """(completion token ids, mask) of a reference episode: actions + EOS at 1, observations at 0."""
+    """(completion token ids, mask) of a reference episode, in the layout the episode runner
+    gives the policy (``components.rollout.episode``): each action and the policy's EOS at
+    1, then the observation as ``prompts.observation_ids`` lays it out under the policy's
+    prompt format (a user turn and the generation prompt under ``chat``) at 0."""
     ids: list[int] = []
     mask: list[int] = []
     for action, observation in episode:
-        act = list(policy.tokenizer(action, add_special_tokens=False)["input_ids"]) + [EOS]
+        act = list(policy.tokenizer(action, add_special_tokens=False)["input_ids"]) + [policy.eos_id]
         ids += act
         mask += [1] * len(act)
         if action.strip() != DONE and observation:
-            obs = list(policy.tokenizer(observation, add_special_tokens=False)["input_ids"])
+            obs = observation_ids(policy.tokenizer, observation, policy.prompt_format, True)
             ids += obs
             mask += [0] * len(obs)
     return ids, mask

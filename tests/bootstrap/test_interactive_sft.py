@@ -9,6 +9,7 @@ import torch
 from components.bootstrap.stage import _examples, sft_batch
 from components.core.policy import EOS, pad_batch, token_logprobs
 from components.domains.terminal import Terminal
+from components.evalsuite.episodes import episode_example
 from tests.rollout.helpers import tiny_policy
 
 TERMINAL = Terminal()
@@ -44,3 +45,18 @@ def test_an_episode_example_trains_on_actions_and_not_on_observations() -> None:
     row0 = [logp[0, i].item() for i in range(plain.shape[1]) if plain[0, i]]
     assert abs(masked - -(sum(row0) + sum(actions)) / (len(row0) + len(actions))) < 1e-5
     assert abs(masked - (-(logp * plain).sum() / plain.sum()).item()) > 1e-4
+
+
+def test_under_a_chat_template_an_episode_example_has_the_runners_layout() -> None:
+    """The observation is a user turn followed by the generation prompt, as the episode
+    runner lays it out (``prompts.observation_ids``), and actions end with the tokenizer's
+    own EOS: the example put the raw observation after the character tokenizer's EOS id."""
+    from components.core.policy import Policy
+    from tests.core.test_prompts import templated
+
+    policy = Policy(model=tiny_policy().model, tokenizer=templated(), uri="memory://t", version="t", prompt_format="chat")
+    ids, mask = episode_example(policy, [["cat n", "\n[exit 0 ok]\nfoo\n\n"], ["DONE", ""]])
+    assert policy.tokenizer.decode(ids) == "cat n<eos><bos>u:\n[exit 0 ok]\nfoo\n\n<eos><bos>a:DONE<eos>"
+    action, done = chars(policy, "cat n") + [policy.eos_id], chars(policy, "DONE") + [policy.eos_id]
+    assert ids[:len(action)] == action and ids[-len(done):] == done
+    assert mask == [1] * len(action) + [0] * (len(ids) - len(action) - len(done)) + [1] * len(done)
