@@ -41,7 +41,12 @@ Not covered: top-k/top-p truncation (the recorded logprobs would then need the t
 distribution), stop strings other than the EOS token, models whose layers are not plain
 full attention (sliding-window or linear-attention layers), and sharing the prefix in
 memory: after the repeat each of the G rows holds its own copy of the prompt's keys and
-values, and decoding attends over each copy.
+values, and decoding attends over each copy. Nor a per-row length budget: a batch's new
+tokens are capped by its widest prompt against the model's positions, so a prompt near
+the limit shortens its batch-mates' completions (length bucketing keeps such prompts
+together), and a prompt at or past the limit is not refused: it gets one token. (A
+multi-turn episode whose prompt leaves no room for an action gets none, and the
+data-quality gate then stops the iteration.)
 """
 
 from __future__ import annotations
