@@ -49,6 +49,7 @@ from components.core.records import Task
 from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
+from components.domains.base import task_id
 from components.domains.taskfile import check_domains, load_tasks, read_bytes
 from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
@@ -130,7 +131,8 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
     loaded = load_tasks(path, count)
     check_domains(loaded, domains, path)
     for t in loaded:
-        if t.task_id not in exclude:  # never train on an eval-suite task
+        # never train on an eval-suite task: by id, and by content for a row that names its own id
+        if t.task_id not in exclude and task_id(t.domain, t.prompt) not in exclude:
             pools[t.domain].append(dataclasses.replace(t, split="train"))
     present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
     if not present:

@@ -95,3 +95,20 @@ def test_task_file_with_a_domain_outside_the_recipe_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as err:
         run_taskgen(tmp_path, recipe(task_file=str(path)), 1)
     assert err.value.field == "taskgen.task_file" and "'code'" in err.value.problem
+
+
+def test_a_task_file_row_that_names_its_own_id_is_still_no_eval_task(tmp_path):
+    """Eval-suite tasks were skipped by id only: a row with its own ``task_id`` and an eval
+    prompt was trained on. Now the content decides too."""
+    from components.evalsuite.suite import eval_tasks
+
+    r = recipe()
+    evals = [t for t in eval_tasks(r) if t.domain == "math"]
+    rows = [{"task_id": f"mine-{i}", "domain": "math", "prompt": t.prompt, "reference": t.reference}
+            for i, t in enumerate(evals)]
+    rows += [{"task_id": "mine-new", "domain": "math", "prompt": "31*2-1=", "reference": {"answer": "61"}}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    tasks = run_taskgen(tmp_path, recipe(task_file=str(path), domain_weights={"arithmetic": 0.0, "structured": 0.0}), 1)
+    assert {t.prompt for t in tasks} == {"31*2-1="}  # only the row that is no eval task, drawn 20 times
+    assert {t.task_id.split("~r")[0] for t in tasks} == {"mine-new"}
