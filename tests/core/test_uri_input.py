@@ -317,7 +317,7 @@ def test_a_float_written_without_a_dot_still_loads() -> None:
     ("file://", "a file URI needs an absolute path; fix: write file:///absolute/path or a bare path"),
     ("file:///", "names no recipe file; fix: write file:///path/to/recipe.yaml or s3://bucket/prefix/recipe.yaml"),
     ("file://{tmp}", "is a folder, not a recipe file; fix: name the recipe's YAML file in it"),
-    ("file://{tmp}/none.yaml", "no such recipe in the store; fix: publish it first (the DAG's plan task does)"),
+    ("file://{tmp}/none.yaml", "no such recipe file; fix: pass a YAML file such as recipes/demo.yaml"),
 ])
 def test_a_recipe_uri_error_names_the_uri_given(uri: str, problem: str, env: Path, capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
