@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from components.core.errors import UserError
+
+
+def main_thread_sleeps(slept: list[float]):
+    """A ``time.sleep`` that records the main thread's waits instead of sleeping (patching
+    ``errors.time`` patches the process's ``time``: another test's thread still running
+    in this worker sleeps for real)."""
+    real = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            slept.append(seconds)
+        else:
+            real(seconds)
+
+    return sleep
 
 
 @pytest.mark.parametrize("value, shown", [
@@ -51,7 +68,7 @@ def test_retry_outages_waits_out_an_outage_and_passes_a_mistake_at_once(monkeypa
     from components.core.errors import InfraError, UserError, retry_outages
 
     slept: list[float] = []
-    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setattr(errors.time, "sleep", main_thread_sleeps(slept))
     said: list[str] = []
     calls = iter([InfraError("store", "s3://b", "503"), ConnectionRefusedError("Connection refused"), 7])
 
@@ -152,7 +169,7 @@ def test_retry_outages_passes_a_mistake_found_while_handling_an_outage_at_once(s
     from components.core.errors import DataQualityError, retry_outages
 
     slept: list[float] = []
-    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setattr(errors.time, "sleep", main_thread_sleeps(slept))
     said: list[str] = []
     for error in (UserError("task file", "t.jsonl", "has no rows", "add rows"), DataQualityError("validation failed")):
         raised = _raised_while_handling(error, suppress)
