@@ -14,7 +14,8 @@ last iteration's candidate.
     python benchmarks/smollm2.py --quick [--out PATH]
 
 Writes ``benchmarks/results/smollm2.json`` and ``.md`` (or ``--out`` .json/.md) and ends with
-``smollm2: N iterations, S s/iteration (median), mean eval pass@1 B -> A (+D)``.
+``smollm2: N iterations, S s/iteration (median of iterations 2..N), mean eval pass@1 B -> A (+D)``
+(``(one iteration)`` when N is 1).
 ``--quick`` is a smoke run of 1 iteration of the same recipe shrunk (4 train tasks, 2
 samples each, 4 new tokens, 4 eval tasks per domain); it prints the same table and line
 and writes no results unless ``--out`` is given (about a minute and a half on 2 cores, half

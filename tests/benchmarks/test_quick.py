@@ -151,5 +151,5 @@ def test_learning(tmp_path):
 def test_smollm2(tmp_path):
     out = run_quick("smollm2.py", tmp_path, timeout=400)
     assert_line(out, r"\| 1 \| \d+\.\d \| (\d+\.\d \| ){7}\d+ \| \d\.\d{3} \| \d\.\d{3} \| (yes|no) \|")
-    assert_line(out, r"(?m)^smollm2: 1 iterations, \d+\.\d s/iteration \(median\), mean eval pass@1 \d\.\d{3} -> \d\.\d{3} "
+    assert_line(out, r"(?m)^smollm2: 1 iterations, \d+\.\d s/iteration \(one iteration\), mean eval pass@1 \d\.\d{3} -> \d\.\d{3} "
                      r"\([+-]\d\.\d{3}\)$")
