@@ -55,6 +55,7 @@ from components.core.progress import say
 from components.core.records import Task
 from components.core.seeds import seed_everything
 from components.domains import registry
+from components.domains.base import exclusion
 from components.evalsuite.decision import record_decision, unpaired
 from components.evalsuite.episodes import episode_example
 from components.evalsuite.score import eval_tags, evaluate_and_log
@@ -122,11 +123,11 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
     import torch
 
     cfg, recipe = ctx.recipe.bootstrap, ctx.recipe
-    exclude = {t.task_id for t in eval_tasks(recipe)}
+    exclude = exclusion(eval_tasks(recipe))
     rng = random.Random(ctx.seed("sft-data"))
     check = [t for name in recipe.domains for t in registry.get(name).train_tasks(random.Random(ctx.seed("check", name)),
                                                                                    cfg.eval_tasks_per_domain, exclude)]
-    exclude |= {t.task_id for t in check}
+    exclude |= exclusion(check)
     domains = [registry.get(n) for n in recipe.domains]
     model = policy.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.01)

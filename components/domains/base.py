@@ -163,10 +163,11 @@ class Domain(ABC):
         return self._distinct(rng, n, "train", exclude)
 
     def draw(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
-        """One task whose id is not in ``exclude`` (repeats allowed across calls)."""
+        """One task whose id (or prompt: ``excluded``) is not in ``exclude`` (repeats allowed
+        across calls)."""
         for _ in range(1000):
             task = self.make_task(rng, split)
-            if task.task_id not in exclude:
+            if not excluded(task, exclude):
                 return task
         raise RuntimeError(f"domain {self.name}: could not draw a task outside the eval set in 1000 tries")
 
@@ -175,7 +176,7 @@ class Domain(ABC):
         tasks = []
         for _ in range(n * 50):
             task = self.make_task(rng, split)
-            if task.task_id not in seen:
+            if not excluded(task, seen):
                 seen.add(task.task_id)
                 tasks.append(task)
                 if len(tasks) == n:
@@ -252,6 +253,22 @@ def error_text(exc: BaseException, limit: int = 200) -> str:
 def task_id(domain: str, prompt: str) -> str:
     """Same prompt, same id: lets train sampling exclude the eval set exactly."""
     return f"{domain}-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
+
+
+def prompt_key(prompt: str) -> str:
+    """A prompt's key, whatever its domain: two domains that make the same task (``terminal``
+    and ``terminal-interactive``) give it different ids, and a task file may name its own."""
+    return f"prompt-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
+
+
+def exclusion(tasks) -> set[str]:
+    """What train sampling must not draw: ``tasks``' ids and their prompts' keys."""
+    return {t.task_id for t in tasks} | {prompt_key(t.prompt) for t in tasks}
+
+
+def excluded(task: Task, exclude: set[str]) -> bool:
+    """Whether ``task`` is in ``exclude`` (``exclusion``) by its id or by its prompt."""
+    return task.task_id in exclude or prompt_key(task.prompt) in exclude
 
 
 def first_line(completion: str) -> str:

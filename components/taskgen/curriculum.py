@@ -50,7 +50,7 @@ from components.core.context import StageContext, read_manifests, read_output_js
 from components.core.errors import UserError
 from components.core.manifest import MANIFEST, InputRef, Shard, stage_prefix
 from components.core.records import Reward, Task
-from components.domains.base import Domain
+from components.domains.base import Domain, excluded
 
 OUTPUT = "curriculum"
 PASS = 1.0  # a raw reward at or above this is a pass
@@ -134,7 +134,7 @@ def draw(domain: Domain, rng: random.Random, n: int, exclude: set[str], weights:
     idle = 0
     while len(tasks) < n:
         task = domain.make_task(rng, "train")
-        if need.get(task.difficulty, 0) > 0 and task.task_id not in seen:
+        if need.get(task.difficulty, 0) > 0 and not excluded(task, seen):
             seen.add(task.task_id)
             tasks.append(task)
             need[task.difficulty] -= 1

@@ -49,7 +49,7 @@ from components.core.records import Task
 from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
-from components.domains.base import task_id
+from components.domains.base import excluded, exclusion
 from components.domains.taskfile import check_domains, load_tasks, read_bytes
 from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
@@ -132,7 +132,7 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
     check_domains(loaded, domains, path)
     for t in loaded:
         # never train on an eval-suite task: by id, and by content for a row that names its own id
-        if t.task_id not in exclude and task_id(t.domain, t.prompt) not in exclude:
+        if not excluded(t, exclude):
             pools[t.domain].append(dataclasses.replace(t, split="train"))
     present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
     if not present:
@@ -185,7 +185,7 @@ def curriculum_metrics(tasks: list[Task], state: dict[str, Any] | None) -> dict[
 
 def run(ctx: StageContext) -> dict[str, float]:
     recipe, cfg = ctx.recipe, ctx.recipe.taskgen
-    exclude = {t.task_id for t in eval_tasks(recipe)}
+    exclude = exclusion(eval_tasks(recipe))  # by id and by prompt
     weights = cfg.weights_for(ctx.iteration, list(recipe.domains))
     total = round(cfg.tasks_per_iteration * cfg.oversample)  # the surplus feeds trainer.dynamic_sampling
     r = rng(ctx.seed())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -14,6 +15,7 @@ from components.core.manifest import Shard
 from components.core.recipe import parse_recipe
 from components.core.records import Task, from_table
 from components.core.storage import Store
+from components.domains import registry
 from components.taskgen import stage as taskgen
 from tests.taskgen.helpers import starting_checkpoint
 
@@ -112,3 +114,21 @@ def test_a_task_file_row_that_names_its_own_id_is_still_no_eval_task(tmp_path):
     tasks = run_taskgen(tmp_path, recipe(task_file=str(path), domain_weights={"arithmetic": 0.0, "structured": 0.0}), 1)
     assert {t.prompt for t in tasks} == {"31*2-1="}  # only the row that is no eval task, drawn 20 times
     assert {t.task_id.split("~r")[0] for t in tasks} == {"mine-new"}
+
+
+def test_a_domain_that_makes_another_domains_eval_tasks_never_trains_on_them():
+    """``terminal`` and ``terminal-interactive`` make the same interactive tasks under
+    different ids: with both in a recipe, 13 of 500 train tasks were the other's eval
+    tasks. Train sampling now excludes eval prompts whatever their domain."""
+    from components.domains.base import exclusion, prompt_key
+    from components.evalsuite.suite import eval_tasks
+
+    r = parse_recipe({"pipeline": "both", "seed": 7, "domains": ["terminal", "terminal-interactive"]})
+    evals = eval_tasks(r)
+    keys = {prompt_key(t.prompt) for t in evals}
+    rng = random.Random(7)
+    drawn = [t for name in r.domains for t in registry.get(name).train_tasks(rng, 250, exclusion(evals))]
+    assert len(drawn) == 500 and not any(prompt_key(t.prompt) in keys for t in drawn)
+    old_rule = random.Random(7)  # ids alone: the other domain's copies got through
+    leaked = [t for name in r.domains for t in registry.get(name).train_tasks(old_rule, 250, {e.task_id for e in evals})]
+    assert any(prompt_key(t.prompt) in keys for t in leaked)
