@@ -26,8 +26,8 @@ those values are kept.
 Also resolves, once per iteration, which policy the iteration starts from (see
 ``components.core.lineage``) and the baseline evaluation will compare the candidate
 with (the champion at iteration start, and its pass rates), and opens the iteration's
-MLflow parent run; all are recorded in the manifest for later stages. Train tasks never share an id with the
-fixed eval suite.
+MLflow parent run; all are recorded in the manifest for later stages. Train tasks never share an id or
+a prompt with the fixed eval suite (``domains.base.exclusion``: a prompt whatever its domain).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
     loaded = load_tasks(path, count)
     check_domains(loaded, domains, path)
     for t in loaded:
-        # never train on an eval-suite task: by id, and by content for a row that names its own id
+        # never train on an eval-suite task: by id, and by prompt for a row that names its own id
         if not excluded(t, exclude):
             pools[t.domain].append(dataclasses.replace(t, split="train"))
     present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
