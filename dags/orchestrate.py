@@ -329,6 +329,12 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
     if stage_host and driver.STAGES_IN_PROCESS:
         stagehost.enabled()
     if recipe.rollout.engine == "vllm":
+        if driver is dag_driver and execution.mode() != "inprocess":
+            raise UserError("rollout.engine", "vllm",
+                            f"the stage images hold no vLLM, so the {execution.mode()} mode's rollout, bootstrap and "
+                            "evaluation containers cannot start it",
+                            "run the stages in this process (unset POSTTRAIN_EXECUTION; `make vllm` makes vLLM's venv), "
+                            "or use rollout.engine: hf")
         settings.check_vllm()
         from components.rollout import vllm_engine
 
@@ -341,6 +347,10 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         os.environ["POSTTRAIN_RECIPE"] = conf.recipe
         execution.check_settings()
         execution.check_engine_here()
+        if execution.mode() == "docker":
+            from dags.execution import docker
+
+            docker.check_run_root(conf.run_root)
         if execution.mode() == "inprocess" and recipe.trainer.device == "cuda":
             check_cuda()  # the trainer runs here: no GPU is refused now, not after rollout and reward
     home = settings.made_home()

@@ -42,8 +42,10 @@ FLAGS_VAR = "POSTTRAIN_CONTAINER_FLAGS"
 NETWORK_VAR = "POSTTRAIN_DOCKER_NETWORK"
 DEFAULT_FLAGS = Path(__file__).resolve().parents[2] / "containers" / "podman-run-flags"
 PASSED_PREFIXES = ("POSTTRAIN_", "MLFLOW_", "AWS_")
+IMAGE_UID = 10001  # the user the images run as (containers/base.Dockerfile)
 KEPT_ON_WORKER = ("POSTTRAIN_EXECUTION", "POSTTRAIN_HOME", "POSTTRAIN_RECIPE", "POSTTRAIN_SCHEDULE", "POSTTRAIN_IMAGE_PREFIX",
-                  "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_CONTAINER_FLAGS", "POSTTRAIN_DOCKER_NETWORK", "POSTTRAIN_RETRY_DELAY_S")
+                  "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_CONTAINER_FLAGS", "POSTTRAIN_DOCKER_NETWORK", "POSTTRAIN_RETRY_DELAY_S",
+                  "POSTTRAIN_VLLM_PYTHON")
 SECRET = re.compile(r"SECRET|TOKEN|PASSWORD", re.I)
 _LIMIT = re.compile(r"[0-9]{1,19}")  # a --ulimit number: ASCII digits ("²" is a digit to str.isdigit, not to int)
 
@@ -201,6 +203,22 @@ def local_folder(run_root: str) -> str | None:
     except UserError:
         return None
     return uri.removeprefix("file://") if uri.startswith("file://") else None
+
+
+def check_run_root(run_root: str) -> None:
+    """``posttrain run``'s check, before any work, that the stage containers can write a
+    local run root. They run as the images' uid ``IMAGE_UID``; the folders this process
+    makes in the run root (the writer lease's, the iteration's) belong to its own uid with
+    mode 0755, so under another uid every stage failed to write and the run ended with a
+    misleading exit 2. Not covered: images built with another uid, and a run root on a
+    network file system that maps ownership otherwise."""
+    if local_folder(run_root) is None or os.geteuid() == IMAGE_UID:
+        return
+    raise UserError("--run-root", run_root,
+                    f"docker-mode stage containers run as uid {IMAGE_UID} (the images' user) and cannot write the "
+                    f"folders this process (uid {os.geteuid()}) makes in a local run root",
+                    "give an s3:// run root (POSTTRAIN_RUN_ROOT or --run-root), or run posttrain as uid "
+                    f"{IMAGE_UID}")
 
 
 def run_root_mounts(command: list[str] | str | None, mounts: list) -> list:

@@ -1,6 +1,6 @@
 # Two managed node groups on the existing cluster, created when var.create_node_groups:
 #   cpu - taskgen, sandbox, reward, validation, MLflow and Airflow
-#   gpu - bootstrap, rollout (vLLM), trainer and evaluation (the stages with gpus > 0 in
+#   gpu - bootstrap, rollout, trainer and evaluation (the stages with gpus > 0 in
 #         components/core/stages.py); tainted so only pods that tolerate
 #         nvidia.com/gpu land there, and able to scale to zero between iterations.
 # The sandbox needs unprivileged user namespaces (bubblewrap); AL2023 allows them by default.

@@ -51,7 +51,7 @@ variable "cpu_scaling" {
 }
 
 variable "gpu_instance_types" {
-  description = "Instance types of the GPU pool (bootstrap, rollout with vLLM, trainer, evaluation: the stages with gpus > 0 in the stage registry)."
+  description = "Instance types of the GPU pool (bootstrap, rollout, trainer, evaluation: the stages with gpus > 0 in the stage registry)."
   type        = list(string)
   default     = ["g5.2xlarge"]
 }

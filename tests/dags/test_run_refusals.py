@@ -288,3 +288,41 @@ def test_an_engine_this_machine_cannot_reach_is_refused_before_any_work(tmp_path
                                  "in this process")
     (tmp_path / "docker.sock").touch()  # there: whether it answers is an outage, found (and retried) by the task
     execution.check_engine_here()
+
+
+def test_docker_mode_refuses_a_local_run_root_its_containers_cannot_write(tmp_path: Path) -> None:
+    """The stage containers run as the images' uid 10001; the run root's folders this
+    process makes are its own, mode 0755: every stage failed to write (exit 2 naming no
+    cause). Refused before any work; an ``s3://`` run root passes this check."""
+    import os
+
+    from dags.execution import docker
+
+    if os.geteuid() == docker.IMAGE_UID:
+        pytest.skip("this process runs as the images' uid")
+    (tmp_path / "docker.sock").touch()  # an engine socket is there: the run root is what is refused
+    env = cli_env(tmp_path / "home", POSTTRAIN_EXECUTION="docker", DOCKER_HOST=f"unix://{tmp_path}/docker.sock")
+    proc = run_posttrain(["run", "--recipe", str(TINY), "--run-root", str(tmp_path / "rr"), "--iterations", "1"],
+                         tmp_path, env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"posttrain: error: --run-root='file://{tmp_path}/rr': docker-mode stage containers run as uid 10001 (the images' "
+        f"user) and cannot write the folders this process (uid {os.geteuid()}) makes in a local run root; fix: give "
+        "an s3:// run root (POSTTRAIN_RUN_ROOT or --run-root), or run posttrain as uid 10001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docker.sock"]
+    docker.check_run_root("s3://bucket/runs")
+
+
+@pytest.mark.parametrize("mode", ["docker", "kubernetes"])
+def test_the_vllm_engine_is_refused_where_the_stages_run_in_images(mode: str, tmp_path: Path) -> None:
+    """The stage images hold no vLLM: a container's rollout failed after the host's check of
+    its own vLLM venv passed."""
+    env = cli_env(tmp_path / "home", POSTTRAIN_EXECUTION=mode)
+    proc = run_posttrain(["run", "--recipe", str(REPO / "recipes" / "tiny-vllm.yaml"), "--iterations", "1"],
+                         tmp_path, env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"posttrain: error: rollout.engine='vllm': the stage images hold no vLLM, so the {mode} mode's rollout, "
+        "bootstrap and evaluation containers cannot start it; fix: run the stages in this process (unset "
+        "POSTTRAIN_EXECUTION; `make vllm` makes vLLM's venv), or use rollout.engine: hf"]
+    assert list(tmp_path.iterdir()) == []
