@@ -142,7 +142,9 @@ class Domain(ABC):
 
     def task_problem(self, reference: dict[str, Any], metadata: dict[str, Any]) -> tuple[str, str] | None:
         """``reference_problem`` for a task whose metadata is known too (a task file's
-        row): a domain whose reference shape depends on the task's kind overrides this."""
+        row): a domain whose reference shape depends on the task's kind overrides this. A
+        problem with a metadata value names it ``metadata.<key>`` (otherwise the field is
+        under ``reference``)."""
         return self.reference_problem(reference)
 
     @abstractmethod

@@ -24,6 +24,10 @@ estimate of the asked field first (``"Q1 est rev 300 rev 412 ..."``). The shortc
 "take the number after the first occurrence of the field name" passes ordinary tasks
 and fails these.
 
+A task file's answer (``reference_problem``) is a list of strings, each one a completion
+could match: no ``,`` (a completion is split at commas: write 1,000 as 1000), no control
+characters (one line is read), not empty once normalised.
+
 Not covered: prose statements, units and scales (thousands, millions), negative values,
 tables spanning pages, or contexts longer than the policy's positions (raise
 ``MAX_PROMPT_CHARS`` with ``model.max_positions``).
@@ -35,7 +39,7 @@ import random
 
 from components.core.jobs import Outcome
 from components.core.records import Task
-from components.domains.base import Domain, Verdict, first_line, is_text, make_task, malformed
+from components.domains.base import Domain, Verdict, first_line, has_control_character, is_text, make_task, malformed
 
 FIELDS = ("rev", "cost", "tax", "net", "cash", "debt", "capex", "opex", "div")
 MAX_PROMPT_CHARS = 224  # 256 positions - BOS - EOS - a 24-token completion cap, rounded down
@@ -103,6 +107,16 @@ class Extraction(Domain):
         answer = reference.get("answer")
         if not (isinstance(answer, list) and 1 <= len(answer) <= MAX_FIELDS and all(is_text(v, 256) for v in answer)):
             return "answer", f"must be a list of 1 to {MAX_FIELDS} strings (e.g. ['412', '30'])"
+        for i, value in enumerate(answer):
+            if "," in value:
+                return f"answer[{i}]", (f"is {value!r:.40}, which holds a ',': a completion is split at commas, so it "
+                                        "never matches; write the number without separators (1,000 as 1000)")
+            if has_control_character(value):
+                return f"answer[{i}]", (f"is {value!r:.40}, which holds a control character (newline, tab, ...): a "
+                                        "completion is read from its first line; write the value on one line without them")
+            if normalise(value) == "":
+                return f"answer[{i}]", (f"is {value!r:.40}, which is empty once spaces, a leading '$' and a trailing "
+                                        "'.0' are dropped, so no value matches it; write the value (e.g. '412')")
         fields = reference.get("fields", [])
         if not (isinstance(fields, list) and all(is_text(v, 256) for v in fields)):
             return "fields", "must be a list of field names (e.g. ['rev', 'tax'])"

@@ -7,9 +7,12 @@ subtracts two unit fractions.
 
 Normalisation: the first line of the completion, spaces removed, is read as an integer
 (``"7"``, ``"-3"``), a fraction (``"3/4"``, ``"6/8"``, ``"-1/2"``), or a decimal
-(``"0.75"``, ``".75"``). It counts as correct when it equals the answer exactly, or, for a
-decimal with at least 2 decimal places, when it is within half a unit of its last place
-(``"0.333"`` for 1/3). Components: ``exact`` (correct), ``well_formed`` (it parsed).
+(``"0.75"``, ``".75"``). It counts as correct when it equals the answer exactly, or, when
+the answer has no exact decimal (its reduced denominator has a prime factor other than 2
+or 5, as 1/3 or 1/6), for a decimal with at least 2 decimal places within half a unit of
+its last place (``"0.333"`` for 1/3). An answer with an exact decimal needs its value:
+``"0.125"`` for 1/8, not ``"0.12"`` or ``"0.13"``. Components: ``exact`` (correct),
+``well_formed`` (it parsed).
 
 Trap tasks (``metadata["trap"] = True``): difficulty-2 tasks whose left-to-right
 evaluation differs from the correct one (``"2+3*4="``: 14, not 20). A policy that learnt
@@ -53,10 +56,24 @@ def answer_text(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
+def terminates(value: Fraction) -> bool:
+    """Whether ``value`` has an exact decimal: its reduced denominator has no prime factor but 2 and 5."""
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    return den == 1
+
+
 def matches(completion_value: Fraction, places: int, answer: Fraction) -> bool:
+    """Whether a completion's value (with ``places`` decimal places) is ``answer``: exactly,
+    or, for an answer with no exact decimal (1/3), rounded to at least 2 places (0.333).
+    Such an answer is never exactly half a unit from a decimal (that point has an exact
+    decimal itself), so only its correct rounding lies within the bound."""
     if completion_value == answer:
         return True
-    # A rounded decimal of a non-terminating answer (1/3 -> 0.333) is accepted from 2 places on.
+    if terminates(answer):  # 1/8 is 0.125: "0.12" and "0.13" are both wrong
+        return False
     return places >= 2 and abs(completion_value - answer) <= Fraction(1, 2 * 10**places)
 
 

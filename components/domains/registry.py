@@ -2,12 +2,18 @@
 
 Built-ins are listed in that table; third-party domains plug in through the
 ``posttrain.domains`` entry-point group (``name = "package.module:DomainClass"``).
+A class registered under a name other than its own ``name`` (a plug-in class that leaves
+its name to its entry point, or one class under two entry points) is served as a subclass
+that sets ``name`` to the entry point's, made once per name: the registered class itself is
+never changed, so each name's tasks carry that name.
 """
 
 from __future__ import annotations
 
 from components.core.plugins import DOMAINS
 from components.domains.base import Domain
+
+_NAMED: dict[tuple[type[Domain], str], type[Domain]] = {}
 
 
 def names() -> list[str]:
@@ -17,6 +23,10 @@ def names() -> list[str]:
 def get(name: str) -> Domain:
     """A fresh instance of the domain registered as ``name`` (UserError listing the names if unknown)."""
     cls = DOMAINS.load(name, "domain")
-    if getattr(cls, "name", None) != name:  # a plug-in class may leave its name to its entry point
-        cls.name = name
+    if getattr(cls, "name", None) != name:
+        key = (cls, name)
+        if key not in _NAMED:
+            _NAMED[key] = type(cls.__name__, (cls,), {"name": name, "__module__": cls.__module__,
+                                                      "__qualname__": cls.__qualname__})
+        cls = _NAMED[key]
     return cls()

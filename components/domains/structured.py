@@ -14,6 +14,12 @@ Two task kinds, both with short prompts and completions:
 Score = mean of the geometric checks when the schema passes, else 0 (an answer that is
 not valid JSON of the right shape earns nothing); a pass needs every check.
 
+A task file's reference (``reference_problem``) must be one some answer passes: a part's
+height and ``max_side`` at most ``MAX_SIDE`` (the schema's longest side), the height at
+most ``max_side``, and its volume height * w * d for sides w, d of at most ``max_side``; a
+scene's widths at most ``MAX_EDGE`` each (the schema's farthest left edge) and its length
+at least their sum.
+
 Trap tasks (``metadata["trap"] = True``): parts with a ``max`` side below volume / height,
 so the shortcut ``[v/h,1,h]`` (which satisfies every ordinary part) breaks ``bounds``.
 
@@ -24,6 +30,7 @@ floating-point dimensions (sides are positive integers).
 from __future__ import annotations
 
 import json
+import math
 import random
 from typing import Any
 
@@ -43,7 +50,8 @@ from components.domains.base import (
     malformed,
 )
 
-MAX_SIDE = 1000  # the bound when a prompt names none
+MAX_SIDE = 1000  # the bound when a prompt names none, and the longest side PART_SCHEMA accepts
+MAX_EDGE = 1000  # the farthest left edge SCENE_SCHEMA accepts (either sign)
 _SIDE = {"type": "integer", "minimum": 1, "maximum": MAX_SIDE}
 PART_SCHEMA: dict[str, Any] = {
     "anyOf": [
@@ -53,7 +61,7 @@ PART_SCHEMA: dict[str, Any] = {
     ]
 }
 SCENE_SCHEMA: dict[str, Any] = {
-    "type": "array", "items": {"type": "integer", "minimum": -1000, "maximum": 1000}, "minItems": 2, "maxItems": 2,
+    "type": "array", "items": {"type": "integer", "minimum": -MAX_EDGE, "maximum": MAX_EDGE}, "minItems": 2, "maxItems": 2,
 }
 
 
@@ -99,6 +107,21 @@ def scene_checks(task: Task, value: Any) -> dict[str, float]:
     return {"inside": float(inside), "no_overlap": float(apart)}
 
 
+def part_problem(volume: int, height: int, max_side: int) -> tuple[str, str] | None:
+    """``(field, problem)`` when no sides ``w, d <= max_side`` give ``w * d * height ==
+    volume`` (or the height itself exceeds ``max_side``); None when some do. At most
+    ``max_side`` divisions."""
+    if height > max_side:
+        return "height", f"is {height}, more than max_side {max_side}: the height is a side, so no answer passes the bounds"
+    if volume % height:
+        return "volume", f"is {volume}, not a multiple of height {height}: no whole sides w, d give w*d*{height} = {volume}"
+    area = volume // height
+    if not any(area % w == 0 and area // w <= max_side for w in range(1, min(max_side, math.isqrt(area)) + 1)):
+        return "volume", (f"is {volume}: volume / height = {area} is no product w*d of sides of at most {max_side}, "
+                          "so no answer passes; fix volume, height or max_side")
+    return None
+
+
 class Structured(Domain):
     name = "structured"
     def make_task(self, rng: random.Random, split: str) -> Task:
@@ -124,17 +147,20 @@ class Structured(Domain):
     def reference_problem(self, reference: dict) -> tuple[str, str] | None:
         kind = reference.get("kind")
         if kind == "part":
-            for name in ("volume", "height", "max_side"):
-                if not is_int(reference.get(name), 1, 10**9):
-                    return name, "must be a positive integer"
-        elif kind == "scene":
-            if not int_list(reference.get("widths"), 2, 2, 1, 10**6):
-                return "widths", "must be a list of two positive integers (e.g. [3, 2])"
-            if not is_int(reference.get("length"), 0, 10**6):
-                return "length", "must be an integer >= 0"
-        else:
-            return "kind", "must be 'part' or 'scene'"
-        return None
+            for name, most in (("volume", MAX_SIDE**3), ("height", MAX_SIDE), ("max_side", MAX_SIDE)):
+                if not is_int(reference.get(name), 1, most):
+                    return name, f"must be an integer from 1 to {most:,} (an answer's sides are 1 to {MAX_SIDE:,})"
+            return part_problem(reference["volume"], reference["height"], reference["max_side"])
+        if kind == "scene":
+            widths = reference.get("widths")
+            if not int_list(widths, 2, 2, 1, MAX_EDGE):
+                return "widths", (f"must be a list of two integers from 1 to {MAX_EDGE} (e.g. [3, 2]; an answer's "
+                                  f"left edges are at most {MAX_EDGE})")
+            if not is_int(reference.get("length"), sum(widths), 10**6):
+                return "length", (f"must be an integer from {sum(widths)} (the widths' sum: both boxes must fit) "
+                                  "to 1,000,000")
+            return None
+        return "kind", "must be 'part' or 'scene'"
 
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:
         if (bad := malformed(completion)) is not None:

@@ -9,7 +9,8 @@ prompt, as generated tasks are), ``split`` (``train``/``eval``, default ``train`
 ``difficulty`` (integer >= 1, default 1), ``context_tokens`` (default: the prompt's length
 under the ``count`` given to ``load_tasks``: characters by default, the policy's tokens
 when the taskgen stage loads the file) and
-``metadata`` (an object). Unknown columns are rejected, so a misspelt field is caught.
+``metadata`` (an object; a domain checks the keys it reads, as terminal's boolean
+``multi_step`` and ``interactive``). Unknown columns are rejected, so a misspelt field is caught.
 
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
 the fix. Each domain checks its reference's shape here (``Domain.reference_problem``), so
@@ -419,6 +420,10 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
         name, what = problem
+        if name.startswith("metadata."):  # a metadata value the domain reads (terminal's metadata.multi_step)
+            raise UserError(f"{where}: {name}", short(metadata.get(name.removeprefix("metadata."))),
+                            f"{what} for domain {row['domain']}",
+                            f"see the metadata keys in components/domains/{row['domain']}.py")
         raise UserError(f"{where}: reference.{name}", short(field_value(reference, name)), f"{what} for domain {row['domain']}",
                         f"see the reference shape in components/domains/{row['domain']}.py")
     task_id_value = row.get("task_id")
@@ -442,14 +447,17 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
 
 
 def field_value(reference: dict[str, Any], name: str) -> Any:
-    """The value a domain's ``task_problem`` names in ``reference``: a key (``answer``) or
-    an entry of an object under one, as ``start['a/b']`` (the key's repr, cut after 40
-    characters for a long one: the first key whose repr begins so is taken). None when
-    ``name`` names nothing there."""
+    """The value a domain's ``task_problem`` names in ``reference``: a key (``answer``), an
+    item of a list under one, as ``answer[1]``, or an entry of an object under one, as
+    ``start['a/b']`` (the key's repr, cut after 40 characters for a long one: the first
+    key whose repr begins so is taken). None when ``name`` names nothing there."""
     if name in reference:
         return reference[name]
     head, bracket, rest = name.partition("[")
     container = reference.get(head)
+    if bracket and rest.endswith("]") and isinstance(container, list) and rest[:-1].isdecimal():
+        index = int(rest[:-1])
+        return container[index] if index < len(container) else None
     if not bracket or not rest.endswith("]") or not isinstance(container, dict):
         return None
     shown = rest[:-1]

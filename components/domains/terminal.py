@@ -51,10 +51,15 @@ Start states of interactive tasks hold files only (no empty directories).
 
 A task file's reference is checked as it loads (``task_problem``): every path is relative,
 without ``.``, ``..``, empty parts or control characters, each part a valid file name; a
-start state holds only ``dir`` and ``file:`` entries, none inside a file, and no ``dir`` in
-a multi-step or interactive task (its session lays out files only); an expected file's
-text fits what the listing reads (``LISTED_BYTES``); each entry's text is at most
-``MAX_REFERENCE_CHARS`` characters.
+start or expected state holds at most ``MAX_STATE_PATHS`` paths (the listing stops at
+``MAX_ENTRIES``); a start state holds only ``dir`` and ``file:`` entries, none inside a
+file, and no ``dir`` in a multi-step or interactive task (its session lays out files only;
+a start file's folders need not be listed: they are made for it); every folder above an
+expected path is listed as ``dir`` (the listing reports each one); an expected file's text
+is at most ``LISTED_BYTES`` bytes (the listing reads one byte more, so a file longer than
+the text never matches it); each entry's text is at most ``MAX_REFERENCE_CHARS``
+characters; ``metadata.multi_step`` and ``metadata.interactive``, when present, are JSON
+booleans. ``start`` may be left out (an empty work folder).
 """
 
 from __future__ import annotations
@@ -81,10 +86,11 @@ from components.domains.base import (
 NAMES = "abcdefghjkmnpqrstuvwxyz"
 WORDS = ("hi", "ok", "yes", "no", "up", "go", "on", "red", "sun", "top")
 COMMAND_TIMEOUT_S = 2.0
-MAX_ENTRIES = 64  # a listing longer than this is cut: no expected state is anywhere near it
-LISTED_BYTES = 64  # how much of each file the state listing reads
+MAX_ENTRIES = 64  # a listing longer than this is cut
+MAX_STATE_PATHS = MAX_ENTRIES - 1  # most paths of a start or expected state: a cut listing (64) never equals one
+LISTED_BYTES = 64  # the longest expected file text; the listing reads one byte more, so a longer file differs
 
-# Lists ws/ without following links: {path: "dir" | "file:<first 64 bytes>" | "link" | "other"}.
+# Lists ws/ without following links: {path: "dir" | "file:<first 65 bytes>" | "link" | "other"}.
 _LIST_STATE = r"""
 def list_state():
     state, ok = {}, True
@@ -103,7 +109,7 @@ def list_state():
             else:
                 try:
                     with open(full, "rb") as fh:
-                        state[rel] = "file:" + fh.read(LISTED).decode("utf-8", "replace")
+                        state[rel] = "file:" + fh.read(LISTED + 1).decode("utf-8", "replace")
                 except OSError:
                     state[rel] = "unreadable"
             if len(state) >= MAX:
@@ -279,7 +285,7 @@ class Terminal(Domain):
             return spec.replay(task.task_id, completion)
         if task.metadata.get("multi_step"):
             steps = [line for line in completion.split("\n") if line.strip()][:MAX_STEPS] or [""]
-            start = task.reference["start"]
+            start = task.reference.get("start", {})
             return SessionJob(
                 job_id=task.task_id,
                 files={f"ws/{path}": kind[len("file:"):] for path, kind in start.items() if kind.startswith("file:")},
@@ -291,15 +297,16 @@ class Terminal(Domain):
         command = completion.split("\n", 1)[0]
         return Job(
             job_id=task.task_id,
-            files={"driver.py": DRIVER, "cmd.txt": command, "start.json": json.dumps(task.reference["start"])},
+            files={"driver.py": DRIVER, "cmd.txt": command, "start.json": json.dumps(task.reference.get("start", {}))},
             argv=[PYTHON, "-I", "-S", "driver.py", RESULT_FD, str(COMMAND_TIMEOUT_S)],
         )
 
     def reference_problem(self, reference: dict) -> tuple[str, str] | None:
         for name in ("start", "expected"):
             state = reference.get(name, {} if name == "start" else None)
-            if not isinstance(state, dict) or len(state) > MAX_REFERENCE_ITEMS:
-                return name, f"must be an object of at most {MAX_REFERENCE_ITEMS} paths: {{path: 'dir' | 'file:<text>'}}"
+            if not isinstance(state, dict) or len(state) > MAX_STATE_PATHS:
+                return name, (f"must be an object of at most {MAX_STATE_PATHS} paths: {{path: 'dir' | 'file:<text>'}} "
+                              f"(the state listing stops at {MAX_ENTRIES} entries)")
             for path, kind in state.items():
                 if (why := path_problem(path)) is not None:
                     return f"{name}[{path!r:.40}]", why
@@ -312,10 +319,13 @@ class Terminal(Domain):
                     return f"{name}[{path!r:.40}]", "must be 'dir', 'link' or 'file:<text>'"
                 if name == "expected" and kind.startswith("file:") and len(kind[5:].encode()) > LISTED_BYTES:
                     return (f"{name}[{path!r:.40}]", f"file text must be at most {LISTED_BYTES} bytes (the state "
-                            "listing reads that much of each file, so a longer one never matches)")
+                            f"listing reads {LISTED_BYTES + 1} bytes of each file, so a longer text never matches)")
             for path in state:
                 parent = path.rpartition("/")[0]
                 while parent:
+                    if name == "expected" and parent not in state:
+                        return (f"{name}[{path!r:.40}]", f"lies inside {parent!r:.40}, which is not listed: the state "
+                                f"listing reports every folder, so add {parent!r:.40}: 'dir'")
                     if state.get(parent, "dir") != "dir":
                         return (f"{name}[{path!r:.40}]", f"lies inside {parent!r}, which is {state[parent]!r:.40}, "
                                 "not 'dir'")
@@ -327,6 +337,10 @@ class Terminal(Domain):
         return None
 
     def task_problem(self, reference: dict, metadata: dict) -> tuple[str, str] | None:
+        for key in ("multi_step", "interactive"):  # read as flags: a string "no" would turn the mode on
+            if key in metadata and not isinstance(metadata[key], bool):
+                return f"metadata.{key}", ("must be true or false without quotes (a JSON boolean: the string 'no' "
+                                           "would turn the mode on)")
         if (problem := self.reference_problem(reference)) is not None:
             return problem
         if metadata.get("multi_step") or metadata.get("interactive"):

@@ -69,3 +69,21 @@ def test_generated_traps_defeat_the_first_occurrence_shortcut():
         field = t.reference["fields"][0]
         after = t.prompt.split(f" {field} ", 1)[1].split()[0]  # the number after the first mention
         assert EXTRACTION.verify(t, after, None).score < 1.0
+
+
+@pytest.mark.parametrize(("answer", "problem"), [
+    (["412", "1,000"], ("answer[1]", "is '1,000', which holds a ',': a completion is split at commas, so it never matches; "
+                                     "write the number without separators (1,000 as 1000)")),
+    (["41\n2"], ("answer[0]", "is '41\\n2', which holds a control character (newline, tab, ...): a completion is read "
+                              "from its first line; write the value on one line without them")),
+    (["4\t12"], ("answer[0]", "is '4\\t12', which holds a control character (newline, tab, ...): a completion is read "
+                              "from its first line; write the value on one line without them")),
+    ([" $ "], ("answer[0]", "is ' $ ', which is empty once spaces, a leading '$' and a trailing '.0' are dropped, so no "
+                            "value matches it; write the value (e.g. '412')")),
+    ([""], ("answer[0]", "is '', which is empty once spaces, a leading '$' and a trailing '.0' are dropped, so no value "
+                         "matches it; write the value (e.g. '412')")),
+])
+def test_an_answer_no_completion_can_match_is_refused(answer, problem):
+    """Before, these loaded; "1,000" and "41\\n2" then scored 0 whatever the completion."""
+    assert EXTRACTION.reference_problem({"fields": ["rev"] * len(answer), "answer": answer}) == problem
+    assert EXTRACTION.reference_problem({"fields": ["rev"], "answer": ["$1000.0"]}) is None

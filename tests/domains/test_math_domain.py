@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from fractions import Fraction
 
 import pytest
 
 from components.domains import registry
 from components.domains.base import make_task
+from components.domains.math import terminates
 
 MATH = registry.get("math")
 
@@ -31,6 +33,16 @@ def task(prompt: str, answer: str, trap: bool = False):
     ("1/3+0/1=", "1/3", "0.333", 1.0),  # rounded at >= 2 places
     ("1/3+0/1=", "1/3", "0.3", 0.0),  # one place is too coarse
     ("1/3+0/1=", "1/3", "0.334", 0.0),  # not the rounding of 1/3
+    ("1/2+1/3=", "5/6", "0.83", 1.0),  # a non-terminating answer rounded
+    ("1/2+1/3=", "5/6", "0.84", 0.0),
+    # a terminating answer needs its exact value: "0.12" and "0.13" were both half a unit from 1/8 and passed
+    ("1/4-1/8=", "1/8", "0.125", 1.0),
+    ("1/4-1/8=", "1/8", "0.12", 0.0),
+    ("1/4-1/8=", "1/8", "0.13", 0.0),
+    ("1/5-1/8=", "3/40", "0.075", 1.0),
+    ("1/5-1/8=", "3/40", "0.07", 0.0),
+    ("1/5-1/8=", "3/40", "0.08", 0.0),
+    ("1/2+1/4=", "3/4", "0.7500", 1.0),
     ("2-5*1=", "-3", "-3", 1.0),
     # malformed completions
     ("3*4-5=", "7", "", 0.0),
@@ -79,3 +91,11 @@ def test_generated_tasks_reference_passes_and_traps_are_precedence_tasks():
 @pytest.mark.parametrize("answer", ["\u0667", "7\n", "3/4\n"])
 def test_a_reference_answer_is_ascii_and_whole(answer):
     assert MATH.reference_problem({"answer": answer})[0] == "answer"
+
+
+@pytest.mark.parametrize(("value", "exact"), [
+    (Fraction(1, 8), True), (Fraction(3, 40), True), (Fraction(7), True), (Fraction(-1, 20), True),
+    (Fraction(1, 3), False), (Fraction(5, 6), False), (Fraction(1, 14), False), (Fraction(3, 30), True),
+])
+def test_terminates_says_whether_a_value_has_an_exact_decimal(value, exact):
+    assert terminates(value) is exact

@@ -15,6 +15,8 @@ from components.core.jobs import JobResult
 from components.core.recipe import SandboxConfig
 from components.domains import registry
 from components.domains.base import make_task
+from components.domains.taskfile import parse_task
+from components.domains.terminal import MAX_ENTRIES, MAX_STATE_PATHS
 from components.sandbox.executor import get_executor
 
 TERMINAL = registry.get("terminal")
@@ -158,3 +160,73 @@ def test_multi_step_reference_passes_and_steps_persist_files(executor):
         c = TERMINAL.reference_completion(t)
         assert "\n" in c
         assert TERMINAL.verify(t, c, executor.run(TERMINAL.execution_plan(t, c))).passed, t.prompt
+
+
+# -- task-file references the verifier could never pass, or could not run -----------------------------
+
+
+@pytest.mark.parametrize("metadata", [{}, {"multi_step": True}])
+def test_a_reference_without_start_runs_from_an_empty_folder(executor, metadata):
+    """``start`` is optional in a task file, but the plans read ``reference["start"]``: a
+    KeyError in every rollout's plan, so the task's rollouts never ran (no result: infra_error)."""
+    t = parse_task({"domain": "terminal", "prompt": "new dir a\n$ ", "reference": {"expected": {"a": "dir"}},
+                    "metadata": metadata}, "row 0")
+    for completion, passed in (("mkdir a", True), ("ls", False)):
+        v = TERMINAL.verify(t, completion, executor.run(TERMINAL.execution_plan(t, completion)))
+        assert (v.status, v.passed) == ("ok", passed)
+
+
+@pytest.mark.parametrize(("expected", "problem"), [
+    ({"a/b": "dir"}, ("expected['a/b']", "lies inside 'a', which is not listed: the state listing reports every folder, "
+                      "so add 'a': 'dir'")),
+    ({"a": "dir", "a/b/c": "file:"}, ("expected['a/b/c']", "lies inside 'a/b', which is not listed: the state listing "
+                                      "reports every folder, so add 'a/b': 'dir'")),
+])
+def test_an_expected_path_needs_every_folder_above_it_listed(expected, problem):
+    """Before, these loaded, and no completion could pass: the listing reports ``a`` too."""
+    assert TERMINAL.reference_problem({"start": {}, "expected": expected}) == problem
+    assert TERMINAL.reference_problem({"start": {}, "expected": {"a": "dir", "a/b": "dir", "a/b/c": "file:"}}) is None
+    # A start file's folders are made for it (a multi-step start cannot list a dir): not required there.
+    assert TERMINAL.task_problem({"start": {"a/b": "file:x"}, "expected": {"a": "dir", "a/b": "file:x"}},
+                                 {"multi_step": True}) is None
+
+
+@pytest.mark.parametrize("name", ["start", "expected"])
+def test_a_state_holds_no_more_paths_than_the_listing_reports(executor, name):
+    """References held up to 256 paths, but the listing stops at 64 entries: a larger
+    expected state never matched, and a cut listing could equal a 64-path one."""
+    assert MAX_STATE_PATHS == MAX_ENTRIES - 1 == 63
+    many = {f"f{i:03}": "file:" for i in range(64)}
+    other = "expected" if name == "start" else "start"
+    assert TERMINAL.reference_problem({name: many, other: {}}) == (
+        name, "must be an object of at most 63 paths: {path: 'dir' | 'file:<text>'} (the state listing stops at 64 entries)")
+    del many["f063"]
+    assert TERMINAL.reference_problem({name: many, other: {}}) is None
+    t = task("touch 63", {}, many)  # the largest expected state still passes
+    assert TERMINAL.verify(t, "touch f{000..062}", executor.run(TERMINAL.execution_plan(t, "touch f{000..062}"))).passed
+
+
+def test_a_file_longer_than_the_expected_text_fails(executor):
+    """The listing read 64 bytes, the most an expected text may hold: a file of those 64
+    bytes and then anything passed."""
+    for text in ("x" * 64, "é" * 32):  # 64 bytes each: the longest text allowed
+        t = task("a says it", {}, {"a": f"file:{text}"})
+        assert TERMINAL.reference_problem(t.reference) is None
+        for completion, passed in ((f"printf '%s' '{text}' > a", True), (f"printf '%s' '{text}JUNK' > a", False),
+                                   (f"printf '%s\\n' '{text}' > a", False)):
+            v = TERMINAL.verify(t, completion, executor.run(TERMINAL.execution_plan(t, completion)))
+            assert v.passed is passed, completion
+    assert TERMINAL.reference_problem({"start": {}, "expected": {"a": "file:" + "x" * 65}}) == (
+        "expected['a']", "file text must be at most 64 bytes (the state listing reads 65 bytes of each file, so a longer "
+        "text never matches)")
+
+
+@pytest.mark.parametrize("key", ["multi_step", "interactive"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_a_mode_flag_must_be_a_json_boolean(key, value):
+    """The flags were read for truth: ``"no"`` or ``"false"`` turned the mode on."""
+    reference = {"start": {"a": "file:x"}, "expected": {"a": "file:x"}}
+    assert TERMINAL.task_problem(reference, {key: value}) == (
+        f"metadata.{key}", "must be true or false without quotes (a JSON boolean: the string 'no' would turn the mode on)")
+    assert TERMINAL.task_problem(reference, {key: False}) is None
+    assert TERMINAL.task_problem(reference, {key: True}) is None
