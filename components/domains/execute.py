@@ -31,16 +31,13 @@ log = logging.getLogger(__name__)
 
 
 def job_key(job: Job | SessionJob) -> str:
-    """A digest of what ``job`` runs: every field but the job ids (nested check included)."""
-
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k != "job_id"}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-
-    data = {"kind": type(job).__name__, **strip(dataclasses.asdict(job))}
+    """A digest of what ``job`` runs: every field but the job ids (a session's check's
+    included). Only those dataclass fields are left out: a file or a key of ``files``
+    named ``job_id`` is part of what runs."""
+    data = {"kind": type(job).__name__, **dataclasses.asdict(job)}
+    data.pop("job_id")
+    if isinstance(job, SessionJob):
+        data["check"].pop("job_id")
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()
 
 

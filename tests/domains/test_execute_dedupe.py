@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from components.core.jobs import Job, to_execution
+from components.core.jobs import Job, SessionJob, to_execution
 from components.core.records import Task
 from components.domains import registry
 from components.domains.execute import execute, job_key, runs
@@ -75,6 +75,21 @@ def test_job_key_ignores_only_the_job_id():
                   Job(job_id="a", files={"s.py": "print(1)"}, argv=["{python}", "s.py"], stdin="y"),
                   Job(job_id="a", files={"s.py": "print(1)"}, argv=["{python}", "s.py"], stdin="x", timeout_s=1.0)):
         assert job_key(other) != job_key(job), other
+
+
+def test_a_file_named_job_id_is_part_of_the_key():
+    """Only the dataclass fields named ``job_id`` are left out: two jobs that differ in a
+    file called ``job_id`` ran once and shared one result."""
+    def job(text: str, job_id: str = "a") -> Job:
+        return Job(job_id=job_id, files={"job_id": text, "s.sh": "cat job_id"}, argv=["bash", "s.sh"])
+
+    assert job_key(job("1")) != job_key(job("2"))
+    assert job_key(job("1", "a")) == job_key(job("1", "b"))
+    check = job("1")
+    session = SessionJob(job_id="s", files={"job_id": "1"}, steps=["cat job_id"], check=check)
+    assert job_key(session) == job_key(SessionJob(job_id="t", files={"job_id": "1"}, steps=["cat job_id"],
+                                                  check=job("1", "other")))
+    assert job_key(session) != job_key(SessionJob(job_id="s", files={"job_id": "2"}, steps=["cat job_id"], check=check))
 
 
 @needs_bwrap
