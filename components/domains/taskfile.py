@@ -9,8 +9,8 @@ prompt, as generated tasks are), ``split`` (``train``/``eval``, default ``train`
 ``difficulty`` (integer >= 1, default 1), ``context_tokens`` (default: the prompt's length
 under the ``count`` given to ``load_tasks``: characters by default, the policy's tokens
 when the taskgen stage loads the file) and
-``metadata`` (an object; a domain checks the keys it reads, as terminal's boolean
-``multi_step`` and ``interactive``). Unknown columns are rejected, so a misspelt field is caught.
+``metadata`` (an object; ``trap``, when given, a JSON boolean; a domain checks the keys it
+reads, as terminal's boolean ``multi_step`` and ``interactive``). Unknown columns are rejected, so a misspelt field is caught.
 
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
 the fix. Each domain checks its reference's shape here (``Domain.reference_problem``), so
@@ -417,6 +417,10 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
         name, value = bad
         raise UserError(f"{where}: {name}", short(value), f"is a {type(value).__name__}, which a JSON value cannot be",
                         "store it as text or a number (a date as an ISO 8601 string, bytes as base64 text)")
+    if "trap" in metadata and not isinstance(metadata["trap"], bool):  # every domain's, read by the eval reports
+        raise UserError(f"{where}: metadata.trap", short(metadata["trap"]),
+                        "must be true or false without quotes (a JSON boolean: the eval reports would count the "
+                        "string 'no' as a trap task)", "write true or false, or leave the key out")
     problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
         name, what = problem

@@ -314,6 +314,23 @@ def test_a_terminal_mode_flag_that_is_not_a_boolean_is_named_with_its_value(tmp_
     assert load_tasks(str(path))[0].metadata == {"interactive": False, "multi_step": True}
 
 
+@pytest.mark.parametrize("domain", ["math", "terminal"])
+def test_a_trap_flag_that_is_not_a_boolean_is_named_with_its_value(domain, tmp_path):
+    """Before, ``"trap": "no"`` loaded and the eval reports counted the task as a trap."""
+    reference = {"answer": "7"} if domain == "math" else {"start": {"a": "file:x"}, "expected": {"a": "file:x"}}
+    row = {"domain": domain, "prompt": "p", "metadata": {"trap": "no"}, "reference": reference}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.line() == (
+        f"{path} row 0: metadata.trap='no': must be true or false without quotes (a JSON boolean: the eval reports "
+        "would count the string 'no' as a trap task); fix: write true or false, or leave the key out")
+    row["metadata"] = {"trap": False}
+    path.write_text(json.dumps(row) + "\n")
+    assert load_tasks(str(path))[0].metadata == {"trap": False}
+
+
 def test_an_extraction_answer_no_completion_matches_is_named_with_its_value(tmp_path):
     """Before, ``"1,000"`` loaded, and every completion scored 0 (a completion is split at commas)."""
     row = {"domain": "extraction", "prompt": "Q1 rev 1000\nrev?\n", "reference": {"fields": ["rev"], "answer": ["1,000"]}}
