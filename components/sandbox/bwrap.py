@@ -10,7 +10,9 @@ record the isolation string from detect.py in every ``JobResult.isolation``.
 On start the executor, like a session, probes the host (``host_support``). If a required
 layer is missing it raises a ``UserError`` naming ``sandbox.allow_weak_isolation``; with
 that flag set it runs with what there is (no seccomp, or the subprocess backend when
-there are no namespaces) and says "WEAK" in the isolation string.
+there are no namespaces) and says "WEAK" in the isolation string. A probe that could not
+be set up for a reason of the moment (no free uid, no cgroup, no memory or fds) raises
+``InfraError`` instead (detect.py), neither refused nor run weak.
 
 Not covered: jobs that need the network, host folders, GPUs or a different root image;
 interpreters outside /usr (the sandbox sees only /usr and a few /etc files).

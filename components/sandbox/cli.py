@@ -13,7 +13,8 @@ Bad input is a ``UserError`` (one line, exit 2) naming the flag, the value and t
 a limit outside SandboxConfig's range (the range is read from its field constraints),
 and a program or --stdin-file that is missing, unreadable, not a regular file (a FIFO or
 a device such as /dev/zero is refused before it is read, never waited on), larger than
-``MAX_INPUT_BYTES`` or not UTF-8 (rejected, not re-encoded). Not covered: stdin from the
+``MAX_INPUT_BYTES`` or not UTF-8 (rejected, not re-encoded); an empty ``--stdin-file ""``
+(not "no input"); a stdout that cannot take the result (``> /dev/full``). Not covered: stdin from the
 terminal (use --stdin-file) and extra files beside FILE. A value argparse itself rejects
 (``--timeout abc``) is one line and exit 2 too (``components/cli.py``).
 """
@@ -143,14 +144,40 @@ def handle_run(args: argparse.Namespace) -> int:
     name = "main.py" if lang == "python" else "main.sh"
     argv = [PYTHON, "-I", "-S", name] if lang == "python" else ["bash", name]
     config = _config(args)
-    stdin = _read_text("--stdin-file", args.stdin_file, "pass a readable text file") if args.stdin_file else ""
+    if args.stdin_file == "":  # an unset variable in a script: not "no input"
+        raise UserError("--stdin-file", "", "is empty", "pass a readable text file, or leave --stdin-file out for no input")
+    stdin = _read_text("--stdin-file", args.stdin_file, "pass a readable text file") if args.stdin_file is not None else ""
     job = Job(job_id=path.name, files={name: source}, argv=argv, stdin=stdin, timeout_s=args.timeout)
     with weak_isolation_flag(), get_executor(config) as executor:
         result = executor.run(job)
     out = dataclasses.asdict(result)
     out.pop("result", None)
-    print(json.dumps({"file": str(path), "lang": lang, **out}, indent=2))
+    _write_stdout(json.dumps({"file": str(path), "lang": lang, **out}, indent=2) + "\n")
     return 0 if result.status == "ok" else 1
+
+
+def _write_stdout(text: str) -> None:
+    """``text`` on stdout, flushed; a stdout that cannot take it (``> /dev/full``, a closed
+    pipe) is a UserError naming where stdout goes, and what is left unwritten is dropped
+    (no second failure, and traceback, when the interpreter flushes at exit)."""
+    import os
+    import sys
+
+    from components.core.errors import UserError
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        try:
+            where = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")
+        except (OSError, ValueError):
+            where = "fd 1"
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the buffered rest goes nowhere at exit
+        os.close(devnull)
+        raise UserError("stdout", where, f"cannot take the result ({exc.strerror or exc})",
+                        "redirect stdout to a writable file or pipe") from None
 
 
 def handle_doctor(args: argparse.Namespace) -> int:

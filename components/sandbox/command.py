@@ -122,8 +122,12 @@ def host_argv(spec: SandboxSpec, bwrap: str, setpriv: str | None,
 
 
 def bwrap_options(spec: SandboxSpec) -> bytes:
-    """The options of ``bwrap_args`` (no program, no command), NUL-separated for ``--args``."""
+    """The options of ``bwrap_args`` (no program, no command), NUL-separated for ``--args``.
+    An option holding a NUL byte (a job file name: ``detect.check_paths`` refuses those
+    first) raises ``ValueError``: it would split into options of the job's choosing."""
     options = bwrap_args(spec, "bwrap")[1:-(len(spec.cmd) + 1)]
+    if any("\0" in arg for arg in options):
+        raise ValueError("a bwrap option holds a NUL byte: it would split into several options")
     return b"".join(arg.encode() + b"\0" for arg in options)
 
 

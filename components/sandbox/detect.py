@@ -14,8 +14,8 @@ rlimits. Reported but optional: cgroup limits (rlimits, the pid namespace and si
 tmpfs still bound the job), Landlock (not used; mounts hide the host tree).
 
 ``resolve_python`` picks the job interpreter (it must live under /usr, the only host
-tree a sandbox sees) and ``check_paths`` refuses job files that would land outside the
-work folder.
+tree a sandbox sees) and ``check_paths`` refuses job file paths that would land outside
+the work folder or hold a NUL byte.
 
 Not covered: AppArmor/SELinux profiles, gVisor detection (a gVisor sandbox shows up as
 its own kernel and passes the probe as usual).
@@ -24,11 +24,11 @@ its own kernel and passes the probe as usual).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from components.core.jobs import Job
 from components.sandbox import cgroups, seccomp
@@ -99,20 +99,36 @@ def _bwrap_version(bwrap: str) -> str:
         return f"unusable: {exc}"
 
 
+TRANSIENT = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+"""errnos that say the host is short of something now (processes, memory, fds), not that it lacks a layer."""
+
+
 def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool, cgroup_v1: list[str],
                  cgroup_v2: bool) -> str:
-    """'' when a real sandbox ran ``python -I -S`` as an unprivileged uid, else what failed."""
+    """'' when a real sandbox ran ``python -I -S`` as an unprivileged uid, else what failed.
+
+    ``InfraError`` (never an answer ``probe`` would keep) when the probe could not be set
+    up or started for a reason of the moment: no free uid, a cgroup that cannot be made
+    (``Lease``), no memory, fds or processes left (``TRANSIENT``)."""
+    from components.core.errors import InfraError
+
     limits = Limits(timeout_s=PROBE_TIMEOUT_S, memory_mb=512, output_cap=4096, cpu_s=int(PROBE_TIMEOUT_S) + 1)
-    lease = None
+    lease = Lease(cgroup_v1, cgroup_v2, 512 << 20, 64, 1.0)
     try:
-        lease = Lease(cgroup_v1, cgroup_v2, 512 << 20, 64, 1.0)
-        seccomp_fd = lease.keep(seccomp.memfd("job")) if use_seccomp else None
         code = "import os,socket; print(os.getuid(), os.getpid()); socket.socket(socket.AF_INET)"
-        spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[python, "-I", "-S", "-c", code],
-                           cgroup_procs=lease.procs_files(), seccomp_fd=seccomp_fd)
-        argv, env = host_argv(spec, bwrap, setpriv)
-        proc = subprocess.run(argv, env=env, pass_fds=lease.ours, capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, start_new_session=True)
+        try:
+            seccomp_fd = lease.keep(seccomp.memfd("job")) if use_seccomp else None
+            spec = SandboxSpec(uid=lease.uid, limits=limits, cmd=[python, "-I", "-S", "-c", code],
+                               cgroup_procs=lease.procs_files(), seccomp_fd=seccomp_fd)
+            argv, env = host_argv(spec, bwrap, setpriv)
+            proc = subprocess.run(argv, env=env, pass_fds=lease.ours, capture_output=True, text=True,
+                                  timeout=PROBE_TIMEOUT_S, start_new_session=True)
+        except OSError as exc:
+            if exc.errno in TRANSIENT:
+                raise InfraError("the sandbox probe", bwrap, str(exc)) from exc
+            return f"probe sandbox could not start: {exc}"
+        except subprocess.SubprocessError as exc:
+            return f"probe sandbox could not start: {exc}"
         first = proc.stdout.split()
         if len(first) < 2 or first[1] != "2":
             return f"probe sandbox failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}"
@@ -121,16 +137,15 @@ def _try_sandbox(bwrap: str, setpriv: str | None, python: str, use_seccomp: bool
         if use_seccomp and "PermissionError" not in proc.stderr and "Address family" not in proc.stderr:
             return f"seccomp filter did not block AF_INET sockets: {proc.stderr.strip()[-200:]}"
         return ""
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"probe sandbox could not start: {exc}"
     finally:
-        if lease is not None:
-            lease.release(wait=True)
+        lease.release(wait=True)
 
 
 @functools.cache
 def probe(python: str = DEFAULT_PYTHON) -> Support:
-    """What this host supports, once per process and interpreter."""
+    """What this host supports, once per process and interpreter. ``InfraError`` (not
+    kept: the next call probes again) when the probe sandbox could not be set up for a
+    reason of the moment (``_try_sandbox``): that says nothing about the host's layers."""
     bwrap, setpriv = tool("bwrap"), tool("setpriv")
     why_not_seccomp = seccomp.available()
     controllers = cgroups.v1_writable()
@@ -157,7 +172,12 @@ def resolve_python(config) -> str:
 
 
 def check_paths(job: Job) -> None:
+    """``ValueError`` for a job file path that is not a plain relative path in the work
+    folder: empty, absolute, with an empty, ``.`` or ``..`` part (so no ``a//b`` and no
+    trailing ``/``), or holding a NUL byte (bwrap reads its options NUL-separated, so a
+    NUL in a name would be options of the job's choosing). Not covered: other control
+    characters (a file name may hold them) and name lengths (the write fails in the job)."""
     for rel in job.files:
-        parts = Path(rel).parts
-        if not rel or Path(rel).is_absolute() or ".." in parts:
-            raise ValueError(f"job {job.job_id}: file path {rel!r} must be relative and stay inside the work folder")
+        if not rel or "\x00" in rel or any(part in ("", ".", "..") for part in rel.split("/")):
+            raise ValueError(f"job {job.job_id}: file path {rel!r} must be relative and stay inside the work folder "
+                             "(no leading or trailing '/', no '.', '..' or '//' parts, no NUL byte)")

@@ -10,7 +10,12 @@ holds on the host (its uid, its cgroup, the host's ends of its fds): taken toget
 given back together in ``release``.
 
 Not covered: per-recipe tuning of the derived values (they are constants here); disk
-I/O bandwidth and network limits (there is no network).
+I/O bandwidth and network limits (there is no network). Without a memory cgroup
+(``no-cgroup``) memory is bounded per process and per mapping only (``RLIMIT_AS``): what a
+job holds outside its mappings, a memfd (``memfd_create``) filled with ``write`` or a SysV
+shared memory segment after ``shmdt``, is not capped at all, so a job can hold far more
+than ``memory_mb`` that way, and the
+tmpfs folders add up to ``work_mb`` + 2 x ``tmp_mb`` beyond it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from components.core.errors import InfraError
 from components.sandbox import cgroups
 
 UID_BASE = 1_500_000  # far above login users, below the 2^31 kernel edge; no passwd entry needed
@@ -99,6 +105,9 @@ class UidPool:
         return fd
 
     def lease(self) -> int:
+        """A uid of this pool's own; ``InfraError`` while every one is held (by this process
+        or others) or its lock cannot be taken: the host's state, not the job's fault, so
+        the job is an ``infra_error``."""
         if not self.drops:
             return os.geteuid()
         with self._lock:
@@ -106,7 +115,11 @@ class UidPool:
             try:
                 while self._free:
                     uid = self._free.pop()
-                    fd = self.try_lock(uid)
+                    try:
+                        fd = self.try_lock(uid)
+                    except OSError as exc:  # the lock folder (full, read-only, gone): the host's state now
+                        skipped.append(uid)
+                        raise InfraError("a sandbox uid lock", self._lock_dir, exc.strerror or str(exc)) from exc
                     if fd is not None:
                         self._held[uid] = fd
                         self.history.add(uid)
@@ -114,7 +127,8 @@ class UidPool:
                     skipped.append(uid)  # another process holds it
             finally:
                 self._free.extend(reversed(skipped))
-            raise RuntimeError(f"all {UID_SLOTS} sandbox uids are in use on this host; lower sandbox.concurrency")
+            raise InfraError("a free sandbox uid", self._lock_dir,
+                             f"all {UID_SLOTS} sandbox uids are in use on this host (lower sandbox.concurrency)")
 
     def held(self) -> set[int]:
         """The uids this process holds now."""
@@ -176,7 +190,8 @@ class Fds:
 
 class Lease(Fds):
     """One sandbox's host resources: a uid from ``UIDS``, a cgroup (``cgroups.create_group``;
-    None where there is no writable cgroup) and its fds. ``release`` gives everything
+    None where there is no writable cgroup) and its fds; ``InfraError`` when no uid is
+    free or the cgroup cannot be made (nothing is held then). ``release`` gives everything
     back, once; by default the group is removed (and only then the uid freed) on the
     cgroup reaper's thread, off the job's critical path: the result is returned while the
     kernel is still tearing down the job's namespaces."""
@@ -187,6 +202,9 @@ class Lease(Fds):
         self.released = False
         try:
             self.group = cgroups.create_group(cgroup_v1, cgroup_v2, memory_bytes, pids_max, cpus)
+        except OSError as exc:  # cgroupfs full, busy or gone: the host's state now, not the job's doing
+            UIDS.release(self.uid)
+            raise InfraError("a job cgroup", exc.filename or "cgroupfs", exc.strerror or str(exc)) from exc
         except BaseException:
             UIDS.release(self.uid)
             raise

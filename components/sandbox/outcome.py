@@ -31,6 +31,7 @@ class Observed:
     timed_out: bool = False  # the job's own clock ran out (the warm worker's), besides the host's
     extra: dict[str, Any] = field(default_factory=dict)
     cgroup_peak_mb: float | None = None  # the job's cgroup memory peak, where one was measured
+    cpu_limit_s: float = 0.0  # the job's RLIMIT_CPU (0: unknown), which a real SIGXCPU means it used up
 
     def text(self, name: str) -> str:
         """The stream as text, saying how many bytes the cap cut."""
@@ -61,17 +62,37 @@ def parse_result(raw: bytes, total: int, cap: int) -> tuple[Any, str]:
 
 
 def status_of(obs: Observed) -> tuple[str, int]:
-    """(status, signal)."""
+    """(status, signal).
+
+    What the host knows for certain decides first: its wall clock, the cgroup's OOM
+    kills, an output flood. Past that a job's own exit code can pass for a signal: bwrap
+    (strict mode) reports a job killed by signal N as exit 128+N, its ``--json-status-fd``
+    too, so an exit code 128+N reads as signal N in every mode (warm mode, which sees the
+    real wait status, reads it the same way, so the modes agree). Two cheap checks narrow
+    what a program can pick: 152 is ``SIGXCPU`` (``timeout``) only when the job's CPU time
+    reached its ``RLIMIT_CPU`` (``cpu_limit_s``), else it is an exit code (``failed``, signal
+    0), whether the job exited 152 or sent itself ``SIGXCPU``; and a ``MemoryError`` is an
+    ``oom`` only as the last line of the kept stderr (a traceback's end), not anywhere in it.
+    Not covered: ``exit 137`` reads as ``killed`` by ``SIGKILL`` (as ``kill -9 $$`` does),
+    and a program can still print ``MemoryError`` as its last line and exit 1 (``oom``);
+    no status is a verdict (the domain's verifier decides that)."""
     sig = obs.signaled or (obs.exit_code - 128 if 128 < obs.exit_code < 128 + 65 else 0)
+    if sig == signal.SIGXCPU and obs.cpu_limit_s and obs.cpu_time_s < obs.cpu_limit_s - 0.5:
+        sig = 0  # the job never used its CPU limit: an exit code, not the kernel's SIGXCPU
     if obs.timed_out or obs.seen.timed_out or sig == signal.SIGXCPU:
         return "timeout", sig
     if obs.oom_kills > 0:
         return "oom", sig
     if obs.seen.flooded or sig:
         return "killed", sig
-    if obs.exit_code != 0 and b"MemoryError" in obs.seen.data["stderr"]:
+    if obs.exit_code != 0 and last_line(obs.seen.data["stderr"]).startswith(b"MemoryError"):
         return "oom", 0
     return ("ok" if obs.exit_code == 0 else "failed"), 0
+
+
+def last_line(data: bytes | bytearray) -> bytes:
+    """The last line of ``data`` that is not blank, stripped (b"" when there is none)."""
+    return bytes(data).rstrip().rsplit(b"\n", 1)[-1].strip()
 
 
 def to_result(obs: Observed, backend: str, isolation: str, result_cap: int) -> JobResult:
@@ -128,3 +149,13 @@ def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
                      stderr=f"cannot run {program}: argument {index} holds a NUL byte, which no program can be given\n",
                      duration_s=0.0, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation,
                      extra={"reason": "NUL byte in an argument"})
+
+
+def cannot_exec(program: str, why: str, backend: str, isolation: str) -> JobResult:
+    """The result of a job whose program ``execve`` refused before it ran for a reason of
+    the job's own (E2BIG: an argument past 128 KiB, or argv past ``ARG_MAX``): status
+    ``failed``, exit 127, ``cannot run PROGRAM: WHY`` on stderr, as the warm worker says
+    when its exec fails (zygote.py's ``job_main``), so every mode gives the same result."""
+    return JobResult(status="failed", exit_code=127, signal=0, stdout="",
+                     stderr=f"cannot run {program[:200]}: {why}\n", duration_s=0.0,
+                     cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)

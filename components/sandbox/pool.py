@@ -34,6 +34,7 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
+from components.core.errors import InfraError
 from components.core.jobs import Job, JobResult
 from components.sandbox import seccomp
 from components.sandbox.background import SPAWNER
@@ -80,7 +81,6 @@ class Worker:
         self.alive = False
         self.jobs = 0
         self.session_jobs = 0  # jobs since the session's fresh /work (a session worker's reset)
-        self._oom_seen = 0
         try:
             self._start()
         except BaseException:
@@ -157,7 +157,7 @@ class Worker:
             header = {"op": "run", "id": job_key, "limits": wire_limits}
             if self.group:
                 self.group.reset_peak()
-            oom_before = self._oom_seen
+            oom_before = self.group.oom_kills() if self.group else 0
             cpu_before = self.group.cpu_time_s() if self.group else None
             start = time.monotonic()
             try:
@@ -197,7 +197,12 @@ class Worker:
             status = report.get("status")
             timed_out = bool(report.get("timed_out")) or seen.timed_out
             code, sig = (137, signal.SIGKILL) if status is None else exit_of(os.waitstatus_to_exitcode(status))
-            if report.get("setup_failed") and not timed_out:  # the worker's word (J's "ready" byte), not the job's
+            # read after every job, as strict mode does: an OOM kill of a job's child (the job itself
+            # exiting 0) is this job's, never the next one's
+            oom_kills = self.group.oom_kills() - oom_before if self.group else 0
+            # A setup the memory limit stopped (the job's files did not fit memory_mb) is an oom, as in strict
+            # mode, where the same files fill the job's own cgroup: not an infra_error (retried, then left out).
+            if report.get("setup_failed") and not timed_out and not oom_kills:  # the worker's word, not the job's
                 stderr = bytes(seen.data["stderr"]).decode(errors="replace")
                 if self.session and earlier:  # /work is what the session's own commands left (chmod, full)
                     return session_setup_failed(stderr, duration, backend, self.isolation)
@@ -211,9 +216,9 @@ class Worker:
             if died and not seen.timed_out:
                 extra["worker_died"] = True
             obs = Observed(seen=seen, exit_code=code, signaled=sig, timed_out=timed_out,
-                           oom_kills=self._oom_delta(oom_before, code), duration_s=duration, cpu_time_s=cpu,
+                           oom_kills=oom_kills, duration_s=duration, cpu_time_s=cpu,
                            peak_memory_mb=float(report.get("maxrss_kb", 0.0)) / 1024, extra=extra,
-                           cgroup_peak_mb=self.group.peak_memory_mb() if self.group else None)
+                           cgroup_peak_mb=self.group.peak_memory_mb() if self.group else None, cpu_limit_s=limits.cpu_s)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             fds.close_all()
@@ -238,13 +243,6 @@ class Worker:
             return False
         self.session_jobs = 0
         return True
-
-    def _oom_delta(self, before: int, code: int) -> int:
-        """OOM kills during this job; only read when the job died by a signal (saves a sysfs read)."""
-        if not self.group or code <= 128:
-            return 0
-        self._oom_seen = self.group.oom_kills()
-        return self._oom_seen - before
 
     def _die(self) -> None:
         """Kill the whole worker sandbox (timeout backstop, flood, lost worker)."""
@@ -296,7 +294,12 @@ class WarmPool:
             return None
 
     def _new(self) -> Worker:
-        worker = Worker(self.support, self.python, self.limits, self.isolation)
+        """A started worker; ``WorkerDied`` when it could not start, also for want of a uid,
+        a cgroup, memory or fds (``InfraError``, ``OSError``): the job is an ``infra_error``."""
+        try:
+            worker = Worker(self.support, self.python, self.limits, self.isolation)
+        except (OSError, InfraError) as exc:
+            raise WorkerDied(f"warm sandbox worker could not start: {exc}") from exc
         with self._lock:
             self._live.add(worker)
         return worker

@@ -8,7 +8,11 @@ under a job's rlimits, seccomp filter and wall clock, in the session worker's cg
 + ``tmp_mb`` + 128 MiB; a warm job's group is fitted to ``memory_mb``); processes it
 starts die when it returns. The session is closed by ``close()``, by leaving its
 ``with`` block, or when ``session_timeout_s`` runs out (later ``exec`` calls then
-return a ``timeout`` result without running anything).
+return a ``timeout`` result without running anything). A command that takes the
+session's sandbox down with it (an output flood, a wall-clock backstop kill) closes it
+too: later ``exec`` calls return ``killed`` (``infra_error`` when that command's was one),
+with ``extra.reason`` what killed it and ``extra.killed_with_command`` that command's
+number, without running anything.
 
 ``run_session_job(config, job)`` runs a ``SessionJob`` (core/jobs.py) in one session:
 the setup files, each step as its own ``exec``, then the check (backends without
@@ -124,6 +128,7 @@ class SandboxSession(Closing):
         self._timer.daemon = True
         self._timer.start()
         self.commands = 0
+        self._killed: dict | None = None  # command, reason, status: why the sandbox died under a command
 
     @property
     def closed(self) -> bool:
@@ -134,6 +139,11 @@ class SandboxSession(Closing):
         """Run ``cmd`` (a bash command line, or an argv list) in the session's /work."""
         left = self._expires - time.monotonic()
         with self._lock:
+            if self._killed is not None:  # what killed it, not a timeout the session never reached
+                command, reason, status = self._killed["command"], self._killed["reason"], self._killed["status"]
+                closed = infra_error(f"sandbox session is closed: its sandbox was killed with command {command} "
+                                     f"({reason})", self.name, self.isolation)
+                return replace(closed, status=status, extra={"reason": reason, "killed_with_command": command})
             if self._worker is None or left <= 0:
                 self._close_locked()
                 closed = infra_error("sandbox session is closed (ended or ran out of time)", self.name, self.isolation)
@@ -145,6 +155,10 @@ class SandboxSession(Closing):
                       timeout_s=timeout)
             result = self._worker.run(job, self.name)
             if not self._worker.alive:
+                reason = result.extra.get("reason") or result.status  # "output flood", "timeout", "killed"...
+                # the host's failure stays one for later commands (retried); anything else was the policy's doing
+                status = "infra_error" if result.status == "infra_error" else "killed"
+                self._killed = {"command": self.commands, "reason": reason, "status": status}
                 self._close_locked()
             return result
 

@@ -17,19 +17,21 @@ than the last one seen are not parked (a new shape discards the old ones).
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, replace
 
+from components.core.errors import InfraError
 from components.core.jobs import PYTHON, RESULT_FD, Job, JobResult
 from components.sandbox import seccomp
 from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with, write_all
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Lease, Limits
-from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, to_result
+from components.sandbox.outcome import Observed, cannot_exec, exit_of, infra_error, nul_argument, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -164,6 +166,11 @@ class StrictRunner:
         try:
             launch = self._launch(key)
         except OSError as exc:
+            if exc.errno == errno.E2BIG:  # the job's argv, not the host: the program's failure, as in warm mode
+                program = self.python if job.argv[0] == PYTHON else job.argv[0]
+                return cannot_exec(program, os.strerror(errno.E2BIG), backend, self.isolation)
+            return infra_error(f"could not start bwrap: {exc}", backend, self.isolation)
+        except InfraError as exc:  # no uid free, no cgroup: the host's state, retried
             return infra_error(f"could not start bwrap: {exc}", backend, self.isolation)
         return self._run(job, limits, launch, backend, start) or infra_error(
             "sandbox did not start: bwrap closed its options pipe", backend, self.isolation)
@@ -215,7 +222,7 @@ class StrictRunner:
             # the chain, whatever the job used; the job's cgroup peak is the job's where there is one.
             obs = Observed(seen=seen, exit_code=code, signaled=sig, duration_s=duration, cpu_time_s=cpu,
                            peak_memory_mb=usage.ru_maxrss / 1024 if peak is None else peak, oom_kills=oom,
-                           extra=extra, cgroup_peak_mb=peak)
+                           extra=extra, cgroup_peak_mb=peak, cpu_limit_s=limits.cpu_s)
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             lease.release()  # kill stragglers, remove the group, then free the uid: off the critical path

@@ -14,6 +14,7 @@ Not covered: cgroups, namespaces, seccomp (that is the bwrap backend).
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import shutil
@@ -27,7 +28,7 @@ from components.sandbox.command import memfd_with
 from components.sandbox.detect import DEFAULT_PYTHON, check_paths
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, to_result
+from components.sandbox.outcome import Observed, cannot_exec, exit_of, infra_error, nul_argument, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -81,6 +82,8 @@ class SubprocessExecutor(Closing):
             except OSError as exc:
                 if result_r is not None:
                     os.close(result_r)
+                if exc.errno == errno.E2BIG:  # the job's argv: the program's failure, as in the bwrap backend
+                    return cannot_exec(argv[0], os.strerror(errno.E2BIG), self.name, self.isolation)
                 return infra_error(f"could not start {argv[0]}: {exc}", self.name, self.isolation)
             finally:
                 for fd in (stdin, result_w):
@@ -98,5 +101,5 @@ class SubprocessExecutor(Closing):
             code, sig = exit_of(proc.returncode)
             obs = Observed(seen=seen, exit_code=code, signaled=sig,
                            duration_s=time.monotonic() - start, cpu_time_s=usage.ru_utime + usage.ru_stime,
-                           peak_memory_mb=usage.ru_maxrss / 1024)
+                           peak_memory_mb=usage.ru_maxrss / 1024, cpu_limit_s=limits.cpu_s)
             return to_result(obs, self.name, self.isolation, limits.result_cap)

@@ -35,9 +35,10 @@ inherit); it forks:
             the job seccomp filter (seccomp.py's ``job-on-zygote``: the namespace calls;
             the rest of the job policy is the worker's own filter, which J inherits),
             then runs the program. ``{python} -I -S script`` runs in this
-            already-started interpreter (the warm path: no exec, no interpreter
+            already-started interpreter when ``script`` is a regular file and
+            ``execve`` would take the argv (the warm path: no exec, no interpreter
             start-up; ``run_inline`` does what the interpreter does at start and at
-            exit); anything else is exec'd. The worker reads the exit status and
+            exit); anything else is exec'd, with SIGPIPE and SIGXFSZ at their defaults. The worker reads the exit status and
             resource use with wait4 on I, after I has exited: while I and J live, each
             page the worker writes is a copy-on-write copy, so the worker blocks on I
             first and tidies up after.
@@ -292,10 +293,35 @@ def write_files(files, fresh):
             os.close(fd)
 
 
+MAX_ARG_STRLEN = 32 * os.sysconf("SC_PAGE_SIZE")  # the kernel's longest argument, its NUL included (E2BIG past it)
+ARG_MAX = max(os.sysconf("SC_ARG_MAX"), MAX_ARG_STRLEN)  # argv + environment, strings and pointers (E2BIG past it)
+
+
+def execve_takes(argv):
+    """Whether ``execve`` would take ``argv`` with the job's environment (no E2BIG): a job
+    whose exec would fail must not run inline instead."""
+    total = sum(len(k) + len(v) + 2 + 8 for k, v in JOB_ENV.items())
+    for arg in argv:
+        size = len(os.fsencode(arg)) + 1
+        if size > MAX_ARG_STRLEN:
+            return False
+        total += size + 8
+    return total <= ARG_MAX
+
+
 def inline_python(argv):
-    """argv[1:] when the job is '{python} -I -S script ...' (the warm path), else None."""
+    """argv[1:] when the job is '{python} -I -S script ...' (the warm path) and the real
+    interpreter would run ``script`` as a file: a regular file (not a folder with a
+    ``__main__.py``, not a missing one) and an argv ``execve`` takes. Else None: the real
+    interpreter is exec'd and says what it says (exit 2 "can't open file", a folder's
+    ``__main__``, E2BIG as exit 127)."""
     if len(argv) >= 4 and argv[0] == "{python}" and sorted(argv[1:3]) == ["-I", "-S"] and not argv[3].startswith("-"):
-        return argv[3:]
+        try:
+            regular = (os.stat(argv[3]).st_mode & 0o170000) == 0o100000
+        except (OSError, ValueError):
+            return None
+        if regular and execve_takes(argv):
+            return argv[3:]
     return None
 
 
@@ -469,9 +495,14 @@ def job_main(spec_fd, out_fd, err_fd, result_fd, drop, python, fresh):
         run_inline(inline)
     argv = [python if a == "{python}" else a for a in argv]
     try:
+        # as a fresh process gets them (bwrap's init and subprocess's restore_signals): the worker's
+        # interpreter ignores SIGPIPE and SIGXFSZ, and an exec keeps what is ignored
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
         os.execvpe(argv[0], argv, JOB_ENV)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in an argument (the host refuses those first)
-        os.write(2, f"cannot run {argv[0]}: {exc}\n".encode(errors="replace"))
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        os.write(2, f"cannot run {argv[0]}: {why}\n".encode(errors="replace"))
         os._exit(127)
 
 

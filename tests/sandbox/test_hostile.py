@@ -293,6 +293,27 @@ def test_subprocess_backend_accounts_cpu_per_job():
     assert results[1].cpu_time_s < 0.3 and results[2].cpu_time_s < 0.3
 
 
+@pytest.mark.parametrize(("exit_code", "cpu_s", "stderr", "status", "sig"), [
+    (152, 3.9, b"", "timeout", 24),  # the CPU limit (4 s) reached: the kernel's SIGXCPU
+    (152, 0.1, b"", "failed", 0),  # far from it: the program's own exit code (or a SIGXCPU it sent itself)
+    (1, 0.1, b"Traceback (most recent call last):\n  ...\nMemoryError\n\n", "oom", 0),
+    (1, 0.1, b"Traceback (most recent call last):\n  ...\nMemoryError: cannot allocate\n", "oom", 0),
+    (1, 0.1, b"MemoryError\nbut carried on\n", "failed", 0),
+    (1, 0.1, b"no MemoryError here\n", "failed", 0),
+])
+def test_a_status_is_what_the_host_saw_not_a_programs_pick(exit_code, cpu_s, stderr, status, sig):
+    """``exit 152`` read as SIGXCPU (``timeout``) and a ``MemoryError`` anywhere in stderr as
+    ``oom``: a program picked its own status. Exit codes 128+N still read as signal N
+    (bwrap reports a signal that way), but SIGXCPU needs the CPU time behind it."""
+    from components.sandbox.outcome import Observed, status_of
+    from components.sandbox.supervise import Watched
+
+    seen = Watched({"stdout": bytearray(), "stderr": bytearray(stderr)}, {"stdout": 0, "stderr": len(stderr)})
+    obs = Observed(seen=seen, exit_code=exit_code, duration_s=0.1, cpu_time_s=cpu_s, peak_memory_mb=1.0,
+                   cpu_limit_s=4)
+    assert status_of(obs) == (status, sig)
+
+
 def test_warm_job_signal_dispositions_are_the_interpreters(executor):
     """A job in the already-started interpreter sees the same signal handlers as a fresh
     ``python3 -I -S`` (the warm worker installs none of its own)."""

@@ -72,6 +72,13 @@ CASES = [
        "import atexit\natexit.register(print, 'atexit')\nclass A:\n    def __del__(self):\n        print('del ran')\n"
        "a = A()", "ok", 0, 0, "atexit\ndel ran\n"),
     py("the script's path is absolute", "print(__file__)\n1/0", "failed", 1, 0, "/work/main.py\n"),
+    # a program's exit code does not pick its status: 152 is SIGXCPU's 128+N, but no CPU limit was reached
+    sh("an exit code of 152 is not a CPU timeout", "exit 152", "failed", 152),
+    sh("a self-sent SIGXCPU is not a CPU timeout", "kill -XCPU $$", "failed", 152),
+    sh("MemoryError before the last line of stderr", "echo MemoryError >&2\necho done >&2\nexit 1", "failed", 1),
+    # a warm worker's interpreter ignores SIGPIPE and SIGXFSZ, and a job it exec'd kept that
+    sh("a pipe's writer dies of SIGPIPE", "yes | head -1\necho ${PIPESTATUS[0]}", "ok", 0, 0, "y\n141\n"),
+    sh("a file past RLIMIT_FSIZE is SIGXFSZ", "head -c 20000000 /dev/zero > f\necho $?", "ok", 0, 0, "153\n"),
 ]
 
 
@@ -223,3 +230,70 @@ def test_a_nul_byte_in_an_argument_is_the_same_failure_in_every_mode(runners) ->
     for mode, result in results.items():
         assert (result.status, result.exit_code, result.stdout) == ("failed", 127, ""), mode
         assert result.stderr == "cannot run bash: argument 2 holds a NUL byte, which no program can be given\n", mode
+
+
+def test_python_runs_a_folder_and_refuses_a_missing_script_in_every_mode(runners) -> None:
+    """Warm mode ran every ``{python} -I -S target`` in its own interpreter: a folder with a
+    ``__main__.py`` failed with an IsADirectoryError traceback from the worker, and a
+    missing script was exit 1 with a traceback instead of the interpreter's exit 2. Only
+    a regular file runs inline now; anything else is exec'd."""
+    folder = Job("pkg", {"app/__main__.py": "print('ran main')"}, ["{python}", "-I", "-S", "app"])
+    missing = Job("missing", {}, ["{python}", "-I", "-S", "missing.py"])
+    for mode, runner in runners.items():
+        ran = runner.run(folder)
+        assert (ran.status, ran.exit_code, ran.stdout, ran.stderr) == ("ok", 0, "ran main\n", ""), mode
+        gone = runner.run(missing)
+        assert (gone.status, gone.exit_code, gone.stdout, gone.stderr) == (
+            "failed", 2, "", "/usr/bin/python3: can't open file '/work/missing.py': [Errno 2] No such file or directory\n"
+        ), mode
+
+
+@pytest.mark.parametrize("argv", [["bash", "-c", "echo ${#1}", "bash"], ["{python}", "-I", "-S", "main.py"]],
+                         ids=["exec'd", "warm path"])
+def test_an_argument_past_128_kib_is_the_programs_failure_in_every_mode(runners, argv) -> None:
+    """``execve`` refuses an argument past 128 KiB (E2BIG). Strict mode made that an
+    infra_error (retried, then the rollout left out of training), warm mode exit 127, and
+    a warm-path Python job ran it."""
+    job = Job("big", {"main.py": "import sys\nprint(len(sys.argv[1]))"}, [*argv, "a" * 200_000])
+    program = "bash" if argv[0] == "bash" else "/usr/bin/python3"
+    for mode, runner in runners.items():
+        result = runner.run(job)
+        got = (result.status, result.exit_code, result.signal, result.stdout, result.stderr)
+        assert got == ("failed", 127, 0, "", f"cannot run {program}: Argument list too long\n"), mode
+
+
+def has_memory_cgroup(executor) -> bool:
+    return "cgroup" in executor.isolation and "no-cgroup" not in executor.isolation and "memory" in executor.isolation
+
+
+def test_an_oom_kill_is_the_jobs_that_had_it_in_every_mode() -> None:
+    """A job whose child was OOM-killed and which itself exited 0 is ``oom`` in strict mode
+    (the job's own cgroup). A warm worker read its group's OOM count only after a job that
+    died by a signal: the kill was missed, then blamed on the worker's next such job
+    (``kill -9 $$`` read as ``oom``)."""
+    from components.sandbox.executor import get_executor
+
+    child = ("for d in /tmp /work; do for i in 1 2 3; do head -c 15000000 /dev/zero > $d/f$i; done; done\n"
+             "python3 -c 'b = bytearray(90 << 20); b[::4096] = b\"x\" * len(b[::4096])'\necho child $?\nexit 0\n")
+    jobs = [Job("child-oom", {"main.sh": child}, ["bash", "main.sh"]), Job("self-kill", {}, ["bash", "-c", "kill -9 $$"])]
+    for mode in ("strict", "warm"):
+        with get_executor(sandbox_config(mode=mode, concurrency=1, memory_mb=128)) as executor:
+            if not has_memory_cgroup(executor):
+                pytest.skip("no memory cgroup here: no OOM kills to count")
+            got = [(r.status, r.exit_code, r.signal, r.stdout) for r in map(executor.run, jobs)]
+        assert got == [("oom", 0, 0, "child 137\n"), ("killed", 137, 9, "")], mode
+
+
+def test_files_past_the_memory_limit_are_oom_in_every_mode() -> None:
+    """A 12 MB file under a 16 MiB memory limit: strict mode's job cgroup OOM-kills the
+    sandbox as it copies the file in (``oom``); warm mode's job set-up failed the same way
+    and called it an ``infra_error`` (retried, then left out of training)."""
+    from components.sandbox.executor import get_executor
+
+    job = Job("big-file", {"main.py": "x = 1\n#" + "a" * (12 << 20)}, ["{python}", "-I", "-S", "main.py"])
+    for mode in ("strict", "warm"):
+        with get_executor(sandbox_config(mode=mode, concurrency=1, memory_mb=16)) as executor:
+            if not has_memory_cgroup(executor):
+                pytest.skip("no memory cgroup here: the file fits the tmpfs")
+            result = executor.run(job)
+        assert (result.status, result.exit_code, result.signal, result.stdout) == ("oom", 137, 9, ""), mode

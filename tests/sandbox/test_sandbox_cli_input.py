@@ -47,6 +47,7 @@ def files(tmp_path: Path) -> Path:
     (["--stdin-file", "missing.txt", "ok.py"], "--stdin-file", "'missing.txt'", "no such file"),
     (["--stdin-file", "folder", "ok.py"], "--stdin-file", "'folder'", "is a directory"),
     (["--stdin-file", "latin1.txt", "ok.py"], "--stdin-file", "'latin1.txt'", "not UTF-8"),
+    (["--stdin-file", "", "ok.py"], "--stdin-file", "''", "leave --stdin-file out for no input"),  # was no input
     (["latin1.py"], "file", "'latin1.py'", "not UTF-8"),
     (["prog.rb"], "--lang", "'not given'", "pass --lang python or --lang bash"),  # was "--lang=None"
 ])
@@ -105,3 +106,15 @@ def test_an_input_over_the_limit_is_refused(files):
     proc = sandbox_run("--stdin-file", "big.txt", "ok.py", cwd=files)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == ["posttrain: error: --stdin-file='big.txt': larger than 16 MiB; fix: pass a smaller file"]
+
+
+@pytest.mark.skipif(bool(bwrap_unavailable()), reason=f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+def test_a_stdout_that_cannot_take_the_result_is_one_line(files):
+    """``> /dev/full`` ended in an OSError traceback from the final print."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "components.cli", "sandbox", "run", "ok.py"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=files,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == ["posttrain: error: stdout='/dev/full': cannot take the result (No space left "
+                                        "on device); fix: redirect stdout to a writable file or pipe"]

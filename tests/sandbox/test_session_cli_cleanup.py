@@ -54,6 +54,21 @@ def test_session_expires():
     assert result.status == "timeout" and session.closed
 
 
+def test_commands_after_one_that_killed_the_session_say_what_killed_it():
+    """An output flood kills the session's worker with the command. Every later command
+    said ``timeout`` "session is closed (ended or ran out of time)", as if the session had
+    run out of time."""
+    with SandboxSession(sandbox_config(mode="warm")) as session:
+        assert session.exec("echo one > f").status == "ok"
+        flood = session.exec("head -c 40000000 /dev/zero")
+        assert (flood.status, flood.extra["reason"]) == ("killed", "output flood")
+        after = [session.exec("cat f"), session.exec("echo two")]
+    for result in after:
+        assert (result.status, result.exit_code, result.stdout) == ("killed", -1, "")
+        assert result.extra == {"reason": "output flood", "killed_with_command": 2}
+        assert result.stderr == "sandbox session is closed: its sandbox was killed with command 2 (output flood)"
+
+
 CHECK = ("import json, os, sys\n"
          "os.write(int(sys.argv[1]), json.dumps({'files': sorted(os.listdir('.')), 'steps': 'forged'}).encode())\n")
 
