@@ -12,6 +12,8 @@ default it repeats each prompt G times and calls ``generate`` (``openai`` and ``
 do this), while ``hf`` prefills each prompt once and shares that KV cache among its G
 samples.
 
+Every engine refuses a prompt that encodes to no tokens (``check_encoded``).
+
 Not covered here: stop strings other than the EOS token.
 """
 
@@ -21,6 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from components.core.errors import UserError
 from components.core.plugins import ENGINES
 from components.core.policy import Policy
 
@@ -49,6 +52,17 @@ class TokenPromptPolicy:
 
     def encode_prompt(self, ids: list[int]) -> list[int]:
         return list(ids)
+
+
+def check_encoded(prompts: list, encoded: list[list[int]]) -> None:
+    """A UserError naming the first prompt that is no tokens (``""`` under a tokenizer
+    without a BOS token, e.g. Qwen2's, in the ``raw`` format): a model cannot continue
+    nothing (``hf`` failed with a reshape error alone, and sampled from padding in a batch)."""
+    for prompt, ids in zip(prompts, encoded):
+        if not ids:
+            raise UserError("prompt", prompt, "a task's prompt has no tokens in the policy's prompt format (the "
+                            "tokenizer adds no BOS token)", "give every task a non-empty prompt, or use "
+                            "rollout.prompt_format: chat")
 
 
 def get_engine(name: str) -> Engine:

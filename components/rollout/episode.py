@@ -21,7 +21,11 @@ function ``context text -> action text`` (a scripted policy: no model, no tokens
    followed by the generation prompt (``components.core.prompts.observation_ids``).
 
 The episode ends on ``DONE``, after its ``max_steps`` actions (one limit for all, or one
-per prompt), or when the context would exceed ``max_context_tokens``. Each episode
+per prompt), or when the context would exceed ``max_context_tokens`` (by default the
+model's positions) with another ``max_action_tokens``. An observation's tokens are cut
+to the positions left below that limit, so prompt plus completion never exceeds it (the
+``Turn`` keeps the whole observation text; the episode's ``text`` is decoded from the
+tokens kept). Each episode
 becomes one ``Episode``: the completion is every token after the prompt (actions and
 observations), ``logprobs`` are the sampling logprobs of action tokens (0.0 for
 observation tokens) and ``completion_mask`` is 1 on the policy's tokens and 0 on
@@ -227,6 +231,9 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                     if not scripted:
                         stopped = bool(samples_by[k].completion_ids) and samples_by[k].completion_ids[-1] == policy.eos_id
                         obs_ids = observation_ids(policy.tokenizer, observation, policy.prompt_format, stopped)
+                        # cut to the positions left: the stored episode never exceeds the limit (the next
+                        # turn's check then ends an episode that has no room for another action)
+                        obs_ids = obs_ids[:max(0, limit - len(ep.prompt_ids) - len(ep.completion_ids))]
                         ep.completion_ids += obs_ids
                         ep.logprobs += [0.0] * len(obs_ids)
                         ep.completion_mask += [0] * len(obs_ids)

@@ -52,7 +52,7 @@ data-quality gate then stops the iteration.)
 from __future__ import annotations
 
 from components.core.progress import say
-from components.rollout.engines import Engine, Generation
+from components.rollout.engines import Engine, Generation, check_encoded
 from components.rollout.forked import forked_map
 
 
@@ -77,6 +77,7 @@ class HFEngine(Engine):
         import torch
 
         encoded = [policy.encode_prompt(p) for p in prompts]
+        check_encoded(prompts, encoded)
         order = sorted(range(len(prompts)), key=lambda i: (len(encoded[i]), i)) if self.bucket else list(range(len(prompts)))
         per_batch = max(1, batch_size // group_size)  # prompts per batch; a group is never split
         limit = getattr(policy.model.config, "max_position_embeddings", 10**9)
@@ -159,6 +160,7 @@ class HFEngine(Engine):
         import torch
 
         encoded = [policy.encode_prompt(p) for p in prompts]
+        check_encoded(prompts, encoded)
         order = list(range(len(prompts)))
         if self.bucket:
             order.sort(key=lambda i: (len(encoded[i]), i))

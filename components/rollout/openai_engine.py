@@ -6,33 +6,48 @@ Where the server is comes from the deployment environment, never from the recipe
 - ``POSTTRAIN_OPENAI_MODEL``: the ``model`` field sent with each request;
 - ``OPENAI_API_KEY`` (optional): sent as a bearer token.
 
-Each batch of ``batch_size`` prompts is one request with ``prompt`` as a list of token-id
-lists (the policy's own tokenisation, so ``prompt_ids`` are exact), ``logprobs: 0``
-(the sampled token's logprob only), ``seed`` and ``return_tokens_as_token_ids: true``
-(a vLLM extension that ``posttrain serve`` also honours; without it the returned token
-strings are mapped back through the policy's tokenizer). ``greedy`` is sent as
-``temperature: 0``. The server must use the same checkpoint as ``policy``: the trainer
-treats the returned logprobs as the sampling policy's.
-
-``OpenAIEngine(seed_per_prompt=True)`` (what the ``vllm`` engine uses for its own server)
-sends each prompt as its own request seeded ``seed + i``, up to ``concurrency`` at a time
-so the server still batches them: vLLM seeds every prompt of one request alike, so G
-copies of one prompt in a request would be G identical samples. Those are the seeds the
-in-process ``vllm`` engine gives its prompts.
+Each prompt (each of the G copies of a task's prompt, too) is its own request seeded
+``seed + i`` (``i``: its place in the call), up to ``concurrency`` (64) at a time so the
+server still batches them: vLLM seeds every prompt of one request alike, so G copies of
+one prompt in one request would be G identical samples and GRPO would learn nothing.
+These are the seeds the in-process ``vllm`` engine gives its prompts, the ``vllm``
+engine's own server is driven the same way, and ``posttrain serve`` samples a one-prompt
+request seeded ``s`` as ``HFEngine`` samples that prompt with seed ``s``: the same call
+gives the same samples on either server. ``batch_size`` is not used on this path.
+A request has ``prompt`` as a list of token-id lists (the policy's own tokenisation, so
+``prompt_ids`` are exact), ``logprobs: 0`` (the sampled token's logprob only), ``seed``
+and ``return_tokens_as_token_ids: true`` (a vLLM extension that ``posttrain serve`` also
+honours; without it the returned token strings are mapped back through the policy's
+tokenizer). ``greedy`` is sent as ``temperature: 0``. The server must use the same
+checkpoint as ``policy``: the trainer treats the returned logprobs as the sampling
+policy's. ``OpenAIEngine(seed_per_prompt=False)`` sends ``batch_size`` prompts per
+request seeded ``seed + b`` (``b``: the batch), for a server that seeds each prompt of a
+request apart (``posttrain serve`` does; vLLM does not). A call that ends early (Ctrl-C,
+SIGTERM, a request that failed) shuts the sockets of its requests still in flight and
+starts no more: it does not wait for their replies.
 
 A request the server answers 5xx or 408/425/429 ("not now"), or whose connection is
 refused, reset or cut off, is tried again, up to 4 tries in about 3.5 s
 (``REQUEST_DELAYS_S``), waiting longer where the answer's ``Retry-After`` asks for up to
-``MAX_RETRY_AFTER_S``; one line is logged per wait. What is still failing after that, a
-``Retry-After`` longer than that, and a reply (status line, headers and body) that does
-not end within the request's time limit are an ``InfraError`` (the orchestrator retries
-the stage); another 4xx answer is a
-``UserError`` naming the URL (a wrong model name or an unsupported option will not fix
+``MAX_RETRY_AFTER_S``; one line is logged per wait (the server's text escaped to one line).
+What is still failing after that, a ``Retry-After`` longer than that, and a reply (status
+line, headers and body) that does not end within the request's time limit are an
+``InfraError`` (the orchestrator retries the stage). A URL that cannot be right is a
+``UserError`` naming ``POSTTRAIN_OPENAI_BASE_URL`` at once, not retried: a host name
+that does not resolve (``EAI_NONAME``, ``EAI_NODATA``; even one DNS has not published
+yet), a TLS handshake that fails (``https://`` to a plain HTTP port, a certificate this
+machine does not trust; a TLS connection cut off is an outage), a port that answers
+something other than HTTP/1.x. HTTP 401 and 403 are a ``UserError`` naming
+``OPENAI_API_KEY`` (never its value; the key is also cut from the server's text); a 404
+whose text says the model (``model 'NAME'``) is not there names ``POSTTRAIN_OPENAI_MODEL``;
+another 4xx answer is a ``UserError`` naming the URL (an unsupported option will not fix
 itself), and so is a 200 reply of another shape (not a JSON object, another number of
 choices, tokens outside the model's vocabulary, logprobs that are not JSON numbers at
 most 0, a choice of more tokens than ``max_tokens``) or of more bytes than the request can
 need (``reply_limit``); a reply cut off midway is an ``InfraError``. A completion that
-ends in EOS is a stop whatever ``finish_reason`` says. Not covered: chat completions, streaming,
+ends in EOS is a stop whatever ``finish_reason`` says. Informational replies (``102``,
+``103 Early Hints``) before the answer are skipped, as http.client skips ``100
+Continue``; a ``101`` is no answer (a ``UserError``). Not covered: chat completions, streaming,
 ``n > 1`` per request, and servers that drop the EOS token
 from ``logprobs.tokens`` (then ``completion_ids`` ends without EOS and EOS is not trained).
 """
@@ -46,7 +61,9 @@ import json
 import logging
 import math
 import os
+import re
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -56,7 +73,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from components.core.errors import InfraError, UserError, one_line, value_text
-from components.rollout.engines import Engine, Generation
+from components.rollout.engines import Engine, Generation, check_encoded
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
 ENV_MODEL = "POSTTRAIN_OPENAI_MODEL"
@@ -87,6 +104,10 @@ MAX_RETRY_AFTER_S = 30.0
 """The longest ``Retry-After`` a request waits for; a server that asks for more is an
 outage now (the orchestrator's backoff is the place for long waits)."""
 
+NO_SUCH_HOST = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name)}
+"""``getaddrinfo`` errors that say the name has no address (a typo, not DNS being down:
+that is ``EAI_AGAIN``, an outage)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -95,6 +116,59 @@ class _TryAgain(InfraError):
     reply's ``Retry-After`` asked for (None: nothing)."""
 
     wait_s: float | None = None
+
+
+class _Abandoned(Exception):
+    """A request given up because the call that made it ended (``InFlight.abandon``);
+    raised in a worker thread whose result nobody reads."""
+
+
+class InFlight:
+    """The open connections of one call's requests. ``abandon()`` stops them: each socket
+    is shut (the request's thread gets an error at once, not after ``timeout_s``), a
+    request between tries or not yet connected gives up, and none is tried again."""
+
+    def __init__(self) -> None:
+        self.abandoned = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+
+    def add(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._open.add(conn)
+
+    def discard(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._open.discard(conn)
+
+    def abandon(self) -> None:
+        self.abandoned.set()  # first: a request that connects after the loop below sees it
+        with self._lock:
+            conns = list(self._open)
+        for conn in conns:
+            _shut(conn)
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    """Shut ``conn``'s socket both ways, if it has one (a blocked read or write in another
+    thread then fails at once)."""
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _FinalResponse(http.client.HTTPResponse):
+    """A response that skips the informational replies (``102``, ``103 Early Hints``)
+    before the final one: http.client skips only ``100 Continue`` and took a ``103`` for
+    the answer (an empty body). ``100`` is left to http.client, ``101`` is returned."""
+
+    def _read_status(self):  # http.client's own hook: begin() reads each status line through it
+        while True:
+            version, status, reason = super()._read_status()
+            if not 102 <= status < 200:
+                return version, status, reason
+            http.client.parse_headers(self.fp)  # its headers, dropped (bounded as the final reply's are)
 
 
 def retry_after_s(value: str | None, now: datetime | None = None) -> float | None:
@@ -151,16 +225,20 @@ def _read(response, url: str, limit: int, deadline: float) -> bytes:
 
 
 def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: float = 600.0,
-              limit: int = MAX_REPLY_BYTES, delays_s: Sequence[float] | None = None) -> dict[str, Any]:
+              limit: int = MAX_REPLY_BYTES, delays_s: Sequence[float] | None = None,
+              inflight: InFlight | None = None) -> dict[str, Any]:
     """POST ``body`` as JSON, tried again after each of ``delays_s`` (``REQUEST_DELAYS_S``)
     while the server is unreachable or answers 5xx, 408, 425 or 429, each wait at least
     what its ``Retry-After`` asks for. An InfraError when that does not clear it, when
     ``Retry-After`` asks for more than ``MAX_RETRY_AFTER_S``, or when a try's reply does
-    not end in ``timeout_s`` (never tried again: each try could take that long)."""
+    not end in ``timeout_s`` (never tried again: each try could take that long).
+    ``inflight``: where the connection is kept while open, so that the caller can stop
+    the request (``InFlight.abandon``; then ``_Abandoned``)."""
     delays = REQUEST_DELAYS_S if delays_s is None else tuple(delays_s)
+    stop = inflight.abandoned if inflight is not None else None
     for attempt, delay in enumerate((*delays, None), start=1):
         try:
-            return _post_once(url, body, api_key, timeout_s, limit)
+            return _post_once(url, body, api_key, timeout_s, limit, inflight)
         except _TryAgain as exc:
             asked = exc.wait_s or 0.0
             if asked > MAX_RETRY_AFTER_S:
@@ -170,25 +248,88 @@ def post_json(url: str, body: dict[str, Any], api_key: str = "", timeout_s: floa
                 tries = f" ({attempt} tries)" if attempt > 1 else ""
                 raise InfraError(exc.what, exc.where, exc.reason + tries) from None
             wait = max(delay, asked)
-            log.warning("posttrain: %s (try %d of %d; again in %g s)", exc.reason, attempt, len(delays) + 1, wait)
-            _wait(wait)
+            log.warning("posttrain: %s (try %d of %d; again in %g s)", one_line(exc.reason), attempt, len(delays) + 1,
+                        wait)
+            _wait(wait, stop)
+            if stop is not None and stop.is_set():
+                raise _Abandoned(url) from None
     raise AssertionError("unreachable: the last try returns or raises")
 
 
-def _wait(seconds: float) -> None:
-    time.sleep(seconds)
+def _wait(seconds: float, stop: threading.Event | None = None) -> None:
+    """Sleep ``seconds``, or until ``stop`` is set."""
+    if stop is None:
+        time.sleep(seconds)
+    else:
+        stop.wait(seconds)
 
 
-def _post_once(url: str, body: dict[str, Any], api_key: str, timeout_s: float, limit: int) -> dict[str, Any]:
+def _mistaken_url(exc: BaseException, url: str) -> UserError | None:
+    """The UserError for a connection failure that says the URL is wrong, not that the
+    server is down: a host name with no address, a failed TLS handshake (``https://`` to a
+    plain HTTP port, an untrusted certificate), a reply that is not HTTP/1.x. None for an
+    outage (refused, reset, DNS not answering, a TLS connection or status line cut off)."""
+    fix = f"set {ENV_BASE_URL} to the completions server's base URL, e.g. http://127.0.0.1:8000"
+    if isinstance(exc, socket.gaierror) and exc.errno in NO_SUCH_HOST:
+        host = urllib.parse.urlsplit(url).hostname
+        return UserError(ENV_BASE_URL, url, f"the host {host!r} has no address ({exc.strerror})",
+                         f"fix the host name in {ENV_BASE_URL}, or use the server's IP address")
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return UserError(ENV_BASE_URL, url, f"the server's TLS certificate is not trusted here "
+                         f"({value_text(exc.verify_message or exc, 120)})",
+                         "give the server a certificate this machine trusts (or point SSL_CERT_FILE at its CA's "
+                         f"certificate), or use its http:// URL in {ENV_BASE_URL} where the network is trusted")
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, ssl.SSLEOFError | ssl.SSLZeroReturnError
+                                                        | ssl.SSLSyscallError):
+        return UserError(ENV_BASE_URL, url, f"the TLS handshake failed ({value_text(exc.reason or exc, 120)}): the "
+                         "port does not speak TLS", f"use http:// in {ENV_BASE_URL} for a server without TLS")
+    if isinstance(exc, http.client.BadStatusLine) and not isinstance(exc, http.client.RemoteDisconnected):
+        line = str(exc.line)
+        if line.startswith("HTTP/") and not line.endswith("\n"):  # a status line cut off: the server went away
+            return None
+        return UserError(ENV_BASE_URL, url, f"the reply is not HTTP (it begins {value_text(line, 60)!r})",
+                         f"{fix}; this port speaks another protocol")
+    if isinstance(exc, http.client.UnknownProtocol):
+        return UserError(ENV_BASE_URL, url, f"the reply is {value_text(exc.version, 40)!r}, not HTTP/1.x",
+                         f"{fix}; this port speaks another protocol")
+    return None
+
+
+MODEL_NAMED = re.compile(r"\bmodel\s+[`'\"](?P<name>[^`'\"]{1,200})[`'\"]", re.IGNORECASE)
+"""How servers name a model in a 404 (vLLM's "The model `m` does not exist", OpenAI's,
+``posttrain serve``'s "model 'm' is not served here")."""
+
+
+def _refusal(status: int, detail: str, url: str, api_key: str, model: object) -> UserError:
+    """The UserError for an HTTP 4xx answer that no retry fixes (``detail``: the body's
+    first line, with the key already cut out): a key the server refuses names
+    ``OPENAI_API_KEY``, a model it does not have ``POSTTRAIN_OPENAI_MODEL``, anything else
+    the URL."""
+    said = f"the server answered HTTP {status}: {detail}"
+    if status in (401, 403):
+        return UserError(ENV_API_KEY, "(not shown)" if api_key else "", said,
+                         f"set {ENV_API_KEY} to a key this server accepts")
+    named = MODEL_NAMED.search(detail)
+    if status == 404 and isinstance(model, str) and model and named and named.group("name") == model:
+        return UserError(ENV_MODEL, model, said, f"set {ENV_MODEL} to a model this server serves (GET /v1/models "
+                         "lists them)")
+    return UserError(ENV_BASE_URL, url, said,
+                     f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs")
+
+
+def _post_once(url: str, body: dict[str, Any], api_key: str, timeout_s: float, limit: int,
+               inflight: InFlight | None = None) -> dict[str, Any]:
     """One POST of ``body`` as JSON: an unreachable server or a 5xx (or 408, 425, 429) is
     a ``_TryAgain``, a reply that does not end in ``timeout_s`` an InfraError; another 4xx,
-    a redirect or a reply over ``limit`` bytes a UserError. ``timeout_s`` bounds the whole
+    a redirect, a reply over ``limit`` bytes or a URL that cannot be right
+    (``_mistaken_url``) a UserError. ``timeout_s`` bounds the whole
     exchange, the status line and headers too: at the deadline a watchdog shuts the socket,
     so neither a server that trickles its headers nor one that sends ``100 Continue`` for
-    ever holds a stage."""
+    ever holds a stage. The connection is in ``inflight`` while it is open."""
     parts = urllib.parse.urlsplit(url)
     connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = connection(parts.hostname, parts.port, timeout=timeout_s)
+    conn.response_class = _FinalResponse
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
     if api_key:
@@ -197,24 +338,32 @@ def _post_once(url: str, body: dict[str, Any], api_key: str, timeout_s: float, l
 
     def cut() -> None:
         expired.set()
-        sock = conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        _shut(conn)
 
     watchdog = threading.Timer(timeout_s, cut)
     watchdog.daemon = True
     deadline = time.monotonic() + timeout_s
+    if inflight is not None:
+        inflight.add(conn)
     watchdog.start()
     try:
+        conn.connect()  # here, not in request(): abandon() either finds the socket or is seen just below
+        if inflight is not None and inflight.abandoned.is_set():
+            raise _Abandoned(url)
         conn.request("POST", target, body=json.dumps(body).encode(), headers=headers)
         response = conn.getresponse()
         status = response.status
+        if status < 200:  # 1xx were skipped (_FinalResponse); 101 Switching Protocols is left
+            raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {status} and no final reply",
+                            "point it at an OpenAI-compatible server's /v1 (vLLM, posttrain serve)")
         if status >= 300:
             try:  # only as much as the message shows; a body cut off short is no reason to fail differently
-                detail = one_line(response.read(4096).decode(errors="replace")[:200])
+                text = response.read(4096).decode(errors="replace")
             except (OSError, http.client.HTTPException):
-                detail = "(no readable body)"
+                text = "(no readable body)"
+            if api_key:  # a server may echo the key it refused
+                text = text.replace(api_key, "(the key)")
+            detail = one_line(text[:200])
             if 300 <= status < 400:
                 where = response.getheader("Location")
                 if where:
@@ -227,18 +376,24 @@ def _post_once(url: str, body: dict[str, Any], api_key: str, timeout_s: float, l
                 again = _TryAgain("inference endpoint", url, f"HTTP {status}: {detail}")
                 again.wait_s = retry_after_s(response.getheader("Retry-After"))
                 raise again
-            raise UserError(ENV_BASE_URL, url, f"the server answered HTTP {status}: {detail}",
-                            f"check that the server serves {ENV_MODEL} and supports /v1/completions with logprobs")
+            raise _refusal(status, detail, url, api_key, body.get("model"))
         raw = _read(response, url, limit, deadline)
         framed = response.getheader("Content-Length") is not None or response.chunked
     except (OSError, http.client.HTTPException) as exc:  # refused, reset, cut off mid-reply, or shut by the watchdog
         if expired.is_set():
             raise InfraError("inference endpoint", url, f"the reply did not end within the request's time limit "
                              f"({timeout_s:g} s)") from None
+        if inflight is not None and inflight.abandoned.is_set():
+            raise _Abandoned(url) from None
+        mistake = _mistaken_url(exc, url)
+        if mistake is not None:
+            raise mistake from None
         raise _TryAgain("inference endpoint", url, f"cannot reach the completions server ({exc}); start it "
                          "(e.g. 'posttrain serve --checkpoint URI --port P') or fix the URL") from None
     finally:
         watchdog.cancel()
+        if inflight is not None:
+            inflight.discard(conn)
         conn.close()
     try:
         reply = json.loads(raw)
@@ -351,9 +506,10 @@ def check_base_url(url: str) -> None:
 
 class OpenAIEngine(Engine):
     name = "openai"
+    timeout_s: float = 600.0  # the most one request (its whole reply included) may take
 
     def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
-                 seed_per_prompt: bool = False, concurrency: int = 64) -> None:
+                 seed_per_prompt: bool = True, concurrency: int = 64) -> None:
         self.base_url = base_url if base_url is not None else os.environ.get(ENV_BASE_URL, "")
         self.model = model if model is not None else os.environ.get(ENV_MODEL, "")
         self.api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY, "")
@@ -373,7 +529,7 @@ class OpenAIEngine(Engine):
                             f"export {ENV_MODEL}=<name the server serves>")
 
     def _request(self, url: str, chunk: list[list[int]], max_new_tokens: int, temperature: float, seed: int,
-                 greedy: bool, policy) -> list[Generation]:
+                 greedy: bool, policy, inflight: InFlight | None = None) -> list[Generation]:
         """One completions request for the token-id prompts ``chunk``, parsed in their order."""
         eos = policy.eos_id
         body = {
@@ -382,7 +538,8 @@ class OpenAIEngine(Engine):
             # 0 .. 2**63 - 1, what a server may take (posttrain serve's range): seed + index can pass the top
             "seed": seed % 2**63, "return_tokens_as_token_ids": True, "skip_special_tokens": True,
         }
-        reply = post_json(url, body, self.api_key, limit=reply_limit(len(chunk), max_new_tokens))
+        reply = post_json(url, body, self.api_key, self.timeout_s, reply_limit(len(chunk), max_new_tokens),
+                          inflight=inflight)
         results = []
         for ids, (comp, logprobs, stopped) in zip(chunk, _parse_choices(reply, len(chunk), url, policy, max_new_tokens)):
             stop = comp.index(eos) + 1 if eos in comp else len(comp)
@@ -401,16 +558,25 @@ class OpenAIEngine(Engine):
         self._check()
         url = completions_url(self.base_url)
         encoded = [policy.encode_prompt(p) for p in prompts]
+        check_encoded(prompts, encoded)
         if self.seed_per_prompt:
+            inflight = InFlight()
+
             def one(i: int) -> list[Generation]:
-                return self._request(url, [encoded[i]], max_new_tokens, temperature, seed + i, greedy, policy)
+                return self._request(url, [encoded[i]], max_new_tokens, temperature, seed + i, greedy, policy, inflight)
 
             results = []
-            with ThreadPoolExecutor(max_workers=max(1, self.concurrency)) as pool:
+            pool = ThreadPoolExecutor(max_workers=max(1, self.concurrency))
+            try:
                 for gens in pool.map(one, range(len(encoded))):  # in order; progress from this thread only
                     results.extend(gens)
                     if progress:
                         progress(len(gens))
+            except BaseException:  # Ctrl-C, SIGTERM, a failed request: stop the rest, wait for no reply
+                inflight.abandon()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
             return results
         results = []
         for b, start in enumerate(range(0, len(encoded), batch_size)):

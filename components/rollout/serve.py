@@ -32,7 +32,8 @@ OpenAI's) in ``1 .. max_positions - 1``; ``temperature`` is 0 or in ``0.01 .. 10
 implement (``top_k``, ``best_of``, penalties, ``logit_bias``, ``suffix``, ``min_p``:
 ``NEUTRAL``) only at the value that changes nothing; a request holds at most ``MAX_PROMPTS`` (256)
 prompts; a text prompt is UTF-8 text (no lone surrogate) of at most ``max_positions``
-times the longest token's characters (checked before it is tokenised); and every
+times the longest token's characters (checked before it is tokenised) that is at least
+one token (``""`` is none under a tokenizer without a BOS token); and every
 prompt's tokens plus ``max_tokens`` must fit the model's ``max_position_embeddings`` (as
 vLLM refuses a request over its context length, where ``HFEngine`` itself would shorten
 the completion). Other paths and methods get OpenAI's error body too (404, 405); there
@@ -166,9 +167,13 @@ def _text(policy: Policy, field: str, text: str, positions: int) -> list[int]:
         raise RequestError("prompt", f"{field} holds U+{ord(text[exc.start]):04X} at character {exc.start}, a lone "
                            "surrogate, which is not text; send UTF-8 text") from None
     try:
-        return policy.encode_prompt(text)
+        ids = policy.encode_prompt(text)
     except UserError as exc:  # a chat template that refuses this prompt (its raise_exception)
         raise RequestError("prompt", f"{field}: {exc.problem}") from None
+    if not ids:  # "" under a tokenizer with no BOS token: nothing for the model to continue
+        raise RequestError("prompt", f"{field}={_short(text)} has no tokens in this server's prompt format (the "
+                           "tokenizer adds no BOS token); send a non-empty prompt")
+    return ids
 
 
 def _prompts(policy: Policy, prompt: Any, positions: int) -> list[list[int]]:

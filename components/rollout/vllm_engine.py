@@ -56,7 +56,7 @@ from typing import Any
 from components.core import settings
 from components.core.checkpoint import LOADED_FOLDERS
 from components.core.errors import UserError
-from components.rollout.engines import Engine, Generation
+from components.rollout.engines import Engine, Generation, check_encoded
 from components.rollout.openai_engine import OpenAIEngine
 from components.rollout.vllm_server import VLLMServer, check_head_size, cpu_head_sizes
 
@@ -236,6 +236,7 @@ class VLLMEngine(Engine):
 
         llm = self._llm(policy)
         encoded = [policy.encode_prompt(p) for p in prompts]
+        check_encoded(prompts, encoded)
         params = [vllm.SamplingParams(
             n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=-1,
             logprobs=0, seed=seed + i, stop_token_ids=[policy.eos_id], skip_special_tokens=True,

@@ -164,6 +164,16 @@ def download_checkpoint(uri: str, folder: Path) -> None:
     Store(uri, "policy").download_dir("", folder, expected=expected, skip=(TRAINER_STATE,), folders=LOADED_FOLDERS)
 
 
+def served_models(reply: object) -> list[str]:
+    """The model ids a ``/v1/models`` reply lists (``{"data": [{"id": ...}, ...]}``); none
+    for a reply of another shape (not yet vLLM's, or another server on the port), which
+    ``_wait_ready`` then treats as not ready."""
+    data = reply.get("data") if isinstance(reply, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
 class VLLMServer:
     """One running vLLM server for the checkpoint at ``uri``; ``base_url`` is where it answers."""
 
@@ -210,10 +220,9 @@ class VLLMServer:
                                 "or set rollout.engine: hf")
             try:
                 with urllib.request.urlopen(url, timeout=5) as reply:
-                    served = [m.get("id") for m in json.loads(reply.read()).get("data", [])]
-                if SERVED_NAME in served:
-                    return
-            except (urllib.error.URLError, OSError, ValueError):
+                    if SERVED_NAME in served_models(json.loads(reply.read())):
+                        return
+            except (urllib.error.URLError, OSError, ValueError, RecursionError):
                 pass
             if time.monotonic() > deadline:
                 raise InfraError("vLLM server", self.base_url, f"no answer on /v1/models within {timeout_s:g}s "

@@ -3,9 +3,13 @@ turns, only the policy's tokens are masked in, and their logprobs match the trai
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
+
 import pytest
 
 from components.core.policy import pad_batch
+from components.core.prompts import observation_ids
 from components.core.records import Rollout, Turn, from_table, to_table
 from components.rollout.episode import format_observation, parse_action, run_episodes
 from components.trainer.grpo import Sample, apply_sample_masks, token_weights
@@ -115,3 +119,38 @@ def test_scripted_action_with_a_lone_surrogate_is_recorded() -> None:
 def test_scripted_actor_that_returns_no_text_is_named() -> None:
     with pytest.raises(TypeError, match="scripted actor must return the action as str, got bytes"):
         run_episodes(lambda _context: b"ls", ["task:"], lambda _: None, max_steps=1)
+
+
+class _Chatty:
+    """A session whose every command prints 500 characters."""
+
+    def exec(self, cmd: str, timeout_s: float | None = None) -> SimpleNamespace:
+        return SimpleNamespace(exit_code=0, status="ok", stdout="y" * 500, stderr="")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("max_context_tokens", [None, 40])
+def test_an_observation_is_cut_to_the_positions_left(max_context_tokens: int | None) -> None:
+    """The limit check reserved room for the next action only: the observation after it
+    took the episode to 170 tokens on a 96-position model (and 88 against a limit of 40).
+    Now it is cut to what fits; the next turn's check then ends the episode."""
+    policy = tiny_policy()
+    limit = max_context_tokens or policy.model.config.max_position_embeddings  # 96
+    episodes = run_episodes(policy, ["task:"], lambda _: _Chatty(), max_steps=20, max_action_tokens=8, seed=0,
+                            observation_chars=60, max_context_tokens=max_context_tokens, group_size=2,
+                            parse=lambda _text: ("bash", "echo y", False))
+    for ep in episodes:
+        assert len(ep.prompt_ids) + len(ep.completion_ids) == limit and ep.finish_reason == "length"
+        assert len(ep.completion_ids) == len(ep.logprobs) == len(ep.completion_mask)
+        full = observation_ids(policy.tokenizer, ep.turns[0].observation, policy.prompt_format, False)
+        assert len(full) == 74  # "\n[exit 0 ok]\n" and 60 characters of output, more than 40 positions hold
+        observed = [len(list(run)) for masked, run in itertools.groupby(ep.completion_mask) if not masked]
+        assert observed[:-1] == [len(full)] * (len(observed) - 1)  # whole, but the last, cut to what fits
+        if ep.completion_mask[-1] == 0:
+            assert ep.completion_ids[-observed[-1]:] == full[:observed[-1]]
+    if max_context_tokens == 40:  # 6 prompt tokens, an 8-token action, then 26 of the observation's 74
+        assert [[(m, len(list(r))) for m, r in itertools.groupby(ep.completion_mask)] for ep in episodes] == \
+               [[(1, 8), (0, 26)]] * 2
+        assert [len(ep.turns) for ep in episodes] == [1, 1]

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from components.core.errors import UserError
 from components.core.policy import pad_batch, token_logprobs
 from components.rollout.engines import get_engine
 from components.rollout.hf_engine import HFEngine
-from tests.rollout.helpers import PROMPTS
+from components.rollout.openai_engine import OpenAIEngine
+from tests.rollout.helpers import PROMPTS, tiny_policy
 
 TOLERANCE = 1e-4  # max abs difference of float32 logprobs (observed: < 1e-6)
 
@@ -69,3 +71,18 @@ def test_unknown_engine_lists_registered() -> None:
 
     with pytest.raises(UserError, match=r"rollout.engine='nope'.*\['hf', 'openai', 'vllm'\]"):
         get_engine("nope")
+
+
+@pytest.mark.parametrize("engine", [HFEngine(), HFEngine(prefix_sharing=False),
+                                    OpenAIEngine(base_url="http://127.0.0.1:9", model="m")],
+                         ids=["hf", "hf-copies", "openai"])
+def test_a_prompt_of_no_tokens_is_refused_by_name(engine) -> None:
+    """Under a tokenizer without a BOS token (Qwen2's), "" encodes to nothing: alone it was
+    a RuntimeError from a reshape, in a batch a sample continuing padding."""
+    policy = tiny_policy()
+    policy.tokenizer.bos_token = None
+    with pytest.raises(UserError) as caught:
+        engine.generate_groups(policy, ["abc", ""], 2, 3, 1.0, 0, 8)
+    assert (caught.value.field, caught.value.value, caught.value.problem, caught.value.fix) == (
+        "prompt", "", "a task's prompt has no tokens in the policy's prompt format (the tokenizer adds no BOS token)",
+        "give every task a non-empty prompt, or use rollout.prompt_format: chat")

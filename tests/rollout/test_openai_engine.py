@@ -253,8 +253,9 @@ def test_a_well_formed_reply_is_parsed_in_prompt_order() -> None:
     body = _reply(_choice(index=1, tokens=("token_id:15", "token_id:2", "token_id:16"), logprobs=(-0.25, -0.75, -1.0),
                           finish_reason="stop"),
                   _choice(index=0, tokens=("token_id:14",), logprobs=(-0.5,)))
-    with _Canned(body) as server:
-        gens = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1", "2"], 3, 1.0, 0, 2)
+    with _Canned(body) as server:  # both prompts in one request (batch_size 2)
+        gens = OpenAIEngine(base_url=server.url, model=MODEL, seed_per_prompt=False).generate(
+            tiny_policy(), ["1", "2"], 3, 1.0, 0, 2)
     assert [(g.completion_ids, g.logprobs, g.finish_reason) for g in gens] == [([14], [-0.5], "length"),
                                                                               ([15, 2], [-0.25, -0.75], "stop")]
 
@@ -327,19 +328,23 @@ def test_a_base_url_that_is_no_server_url_is_one_user_error(url: str, problem: s
 class _Raw:
     """A loopback server that reads one request and then plays ``script``: a list of bytes
     to send and seconds to wait, in order (``None`` as the last item: send nothing more and
-    keep the connection open until the client goes)."""
+    keep the connection open until the client goes); ``times`` connections, one after
+    another, each the same way."""
 
-    def __init__(self, script: list) -> None:
+    def __init__(self, script: list, times: int = 1) -> None:
         import socket
         import threading
 
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.script = script
-        threading.Thread(target=self._serve, daemon=True).start()
+        threading.Thread(target=lambda: [self._serve() for _ in range(times)], daemon=True).start()
 
     def _serve(self) -> None:
-        conn, _ = self.listener.accept()
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:  # closed by __exit__
+            return
         with conn:
             conn.settimeout(30)
             data = b""
@@ -392,7 +397,7 @@ def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     from components.rollout import openai_engine
 
     said: list[float] = []
-    monkeypatch.setattr(openai_engine, "_wait", said.append)
+    monkeypatch.setattr(openai_engine, "_wait", lambda seconds, stop=None: said.append(seconds))
     return said
 
 
@@ -485,3 +490,318 @@ def test_an_api_key_no_header_can_carry_is_one_line_that_does_not_show_it(key: s
         OpenAIEngine(base_url="http://127.0.0.1:9", model=MODEL, api_key=key).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
     assert caught.value.field == "OPENAI_API_KEY" and caught.value.value == "(not shown)"
     assert key.strip() not in caught.value.line()
+
+
+class _SeededLikeVLLM:
+    """A loopback completions server that samples as vLLM does under a request's one
+    ``seed``: every prompt of a request with the same seed gets the same completion (its
+    one token is ``token_id:`` 10 + (sum of the prompt's ids + seed) mod 50). ``requests``
+    records each request's (seed, prompts)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append((body["seed"], body["prompt"]))
+                out = _reply(*[_choice(index=i, tokens=(f"token_id:{stub.token(p, body['seed'])}",))
+                               for i, p in enumerate(body["prompt"])])
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.requests: list[tuple[int, list[list[int]]]] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @staticmethod
+    def token(prompt: list[int], seed: int) -> int:
+        return 10 + (sum(prompt) + seed) % 50
+
+    def __enter__(self) -> _SeededLikeVLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_g_samples_of_a_prompt_go_out_with_g_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollout.engine: openai`` sent the G copies of a prompt in one request with one
+    seed: vLLM samples them alike, G identical completions and no GRPO signal. Each copy
+    is now its own request seeded ``seed + i``, and the same seed gives the same samples."""
+    policy = tiny_policy()
+    with _SeededLikeVLLM() as server:
+        monkeypatch.setenv(ENV_BASE_URL, server.url)
+        monkeypatch.setenv(ENV_MODEL, MODEL)
+        gens = get_engine("openai").generate_groups(policy, ["1+2=", "x"], 4, 1, 1.0, 7, 8)
+        again = get_engine("openai").generate_groups(policy, ["1+2=", "x"], 4, 1, 1.0, 7, 8)
+    a, x = policy.encode_prompt("1+2="), policy.encode_prompt("x")
+    assert sorted(server.requests[:8]) == [(7, [a]), (8, [a]), (9, [a]), (10, [a]),
+                                           (11, [x]), (12, [x]), (13, [x]), (14, [x])]
+    expected = [[server.token(a, s)] for s in (7, 8, 9, 10)] + [[server.token(x, s)] for s in (11, 12, 13, 14)]
+    assert [g.completion_ids for g in gens] == expected
+    assert len({tuple(c) for c in expected[:4]}) == 4  # four different samples of one prompt
+    assert [g.completion_ids for g in again] == expected
+
+
+@pytest.mark.parametrize(("script", "problem"), [
+    ([b"SSH-2.0-OpenSSH_9.6\r\n"], "the reply is not HTTP (it begins 'SSH-2.0-OpenSSH_9.6\\r\\n')"),
+    ([b"HTTP/2 200\r\n\r\n"], "the reply is 'HTTP/2', not HTTP/1.x"),
+], ids=["ssh-banner", "http2"])
+def test_a_port_that_does_not_speak_http_is_a_user_error_at_once(script: list, problem: str,
+                                                                  waits: list[float]) -> None:
+    """Another protocol on the port was an outage: tried 4 times, exit 1."""
+    with _Raw(script, times=4) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert (caught.value.field, caught.value.value, caught.value.problem) == (
+        ENV_BASE_URL, f"{server.url}/v1/completions", problem)
+    assert caught.value.fix.endswith("; this port speaks another protocol") and waits == []
+
+
+def test_https_to_a_plain_http_port_is_a_user_error_at_once(waits: list[float]) -> None:
+    with _Canned(_reply(_choice())) as server, pytest.raises(UserError) as caught:
+        url = server.url.replace("http://", "https://")
+        OpenAIEngine(base_url=url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert (caught.value.field, caught.value.value) == (ENV_BASE_URL, f"{url}/v1/completions")
+    assert caught.value.problem.startswith("the TLS handshake failed (")
+    assert caught.value.problem.endswith("): the port does not speak TLS")
+    assert caught.value.fix == f"use http:// in {ENV_BASE_URL} for a server without TLS"
+    assert (server.posts, waits) == ([], [])
+
+
+def test_a_certificate_this_machine_does_not_trust_is_a_user_error(tmp_path: Path, waits: list[float]) -> None:
+    cryptography = pytest.importorskip("cryptography")
+    import datetime
+    import http.server
+    import ssl
+    import threading
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    assert cryptography
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"https://localhost:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(UserError) as caught:
+            OpenAIEngine(base_url=url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (caught.value.field, caught.value.value) == (ENV_BASE_URL, f"{url}/v1/completions")
+    assert caught.value.problem == "the server's TLS certificate is not trusted here (self-signed certificate)"
+    assert "SSL_CERT_FILE" in caught.value.fix and waits == []
+
+
+@pytest.mark.parametrize(("code", "outage"), [("EAI_NONAME", False), ("EAI_AGAIN", True)])
+def test_a_host_without_an_address_is_a_user_error_and_dns_down_an_outage(code: str, outage: bool,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            waits: list[float]) -> None:
+    def getaddrinfo(*args, **kwargs):
+        raise socket.gaierror(getattr(socket, code), "Name or service not known" if not outage else
+                              "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    url = "http://models.internal:8000"
+    with pytest.raises(InfraError if outage else UserError) as caught:
+        OpenAIEngine(base_url=url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    if outage:
+        assert caught.value.reason.endswith("(4 tries)") and waits == [0.5, 1.0, 2.0]
+    else:
+        assert (caught.value.field, caught.value.value, caught.value.problem, caught.value.fix) == (
+            ENV_BASE_URL, f"{url}/v1/completions", "the host 'models.internal' has no address (Name or service not "
+            "known)", f"fix the host name in {ENV_BASE_URL}, or use the server's IP address")
+        assert waits == []
+
+
+@pytest.mark.parametrize(("status", "key", "value"), [(401, "sk-SECRET", "(not shown)"), (403, "sk-SECRET", "(not shown)"),
+                                                       (401, "", "")])
+def test_a_refused_key_names_openai_api_key_and_never_shows_it(status: int, key: str, value: str,
+                                                               waits: list[float]) -> None:
+    body = b'{"error": {"message": "Incorrect API key provided: sk-SECRET", "code": "invalid_api_key"}}'
+    with _Canned(body, status=status) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL, api_key=key).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert (caught.value.field, caught.value.value, caught.value.fix) == (
+        "OPENAI_API_KEY", value, "set OPENAI_API_KEY to a key this server accepts")
+    assert caught.value.problem.startswith(f"the server answered HTTP {status}: ")
+    assert ("sk-SECRET" in caught.value.line()) == (not key)  # the server's echo of the key sent is cut out
+    assert waits == []
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    (b'{"object":"error","message":"The model `tiny-policy` does not exist.","type":"NotFoundError","code":404}',
+     ENV_MODEL),  # vLLM's
+    (b'{"error": {"message": "model \'tiny-policy\' is not served here; use \'x\'"}}', ENV_MODEL),  # posttrain serve's
+    (b'{"detail": "Not Found"}', ENV_BASE_URL),  # a wrong path: the URL's mistake
+    (b'{"error": {"message": "The model `other` does not exist."}}', ENV_BASE_URL),  # not the model sent
+])
+def test_a_404_for_the_model_names_posttrain_openai_model(body: bytes, field: str) -> None:
+    with _Canned(body, status=404) as server, pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.field == field
+    assert caught.value.value == (MODEL if field == ENV_MODEL else f"{server.url}/v1/completions")
+    assert caught.value.problem == f"the server answered HTTP 404: {body.decode()}"
+    if field == ENV_MODEL:
+        assert caught.value.fix == f"set {ENV_MODEL} to a model this server serves (GET /v1/models lists them)"
+
+
+def test_the_retry_warning_is_one_line_whatever_the_server_sent(waits: list[float],
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A status line cut off (an outage) showed the server's raw bytes in the log: a
+    carriage return and a terminal escape."""
+    with _Raw([b"HTTP/1.1 5\x1b[2J\r"], times=4) as server, pytest.raises(InfraError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.reason.endswith("(4 tries)") and waits == [0.5, 1.0, 2.0]
+    said = [r.getMessage() for r in caplog.records if r.name == "components.rollout.openai_engine"]
+    assert len(said) == 3
+    for line in said:
+        assert line.startswith("posttrain: cannot reach the completions server (HTTP/1.1 5\\x1b[2J\\r); ")
+        assert line.isprintable()
+
+
+@pytest.mark.parametrize("script", [
+    [b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"],
+    [b"HTTP/1.1 102 Processing\r\n\r\n", 0.05, b"HTTP/1.1 100 Continue\r\n\r\n",
+     b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"],
+], ids=["103", "102-100-103"])
+def test_informational_replies_before_the_answer_are_skipped(script: list) -> None:
+    """A ``103 Early Hints`` was taken for the answer: "not a JSON object: b''"."""
+    body = _reply(_choice())
+    final = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with _Raw([*script, final]) as server:
+        out = OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert [(g.completion_ids, g.logprobs) for g in out] == [([14], [-0.5])]
+
+
+def test_switching_protocols_is_no_answer() -> None:
+    with _Raw([b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n"]) as server, \
+            pytest.raises(UserError) as caught:
+        OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert caught.value.problem == "the server answered HTTP 101 and no final reply"
+
+
+class _Held:
+    """A loopback server that answers the request seeded 0 once ``started`` requests have
+    come, and holds every other one unanswered until its client closes the connection
+    (``gone`` gets an event set then) or ``release`` is set (then it answers, recorded in
+    ``answered``)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.release = threading.Event()
+        self.started = 4
+        self.all_started = threading.Event()
+        self.seeds: list[int] = []
+        self.answered: list[int] = []
+        self.gone: list[threading.Event] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            gone = threading.Event()
+            self.gone.append(gone)
+            threading.Thread(target=self._serve, args=(conn, gone), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, gone) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:  # a client that gave up before it sent its request
+                    gone.set()
+                    return
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            while len(body) < length:
+                body += conn.recv(65536)
+            seed = json.loads(body)["seed"]
+            self.seeds.append(seed)
+            if len(self.seeds) >= self.started:
+                self.all_started.set()
+            if seed == 0:
+                self.all_started.wait(10)
+            else:
+                conn.settimeout(0.05)
+                while not self.release.is_set():
+                    try:
+                        if not conn.recv(1):  # the client shut the connection
+                            gone.set()
+                            return
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        gone.set()
+                        return
+            out = _reply(_choice())
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(out), out))
+            self.answered.append(seed)
+            gone.set()
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        self.listener.close()
+
+
+def test_ctrl_c_during_the_requests_waits_for_no_reply() -> None:
+    """A Ctrl-C or SIGTERM (here: raised from the progress callback, in the caller's
+    thread) waited for every request in flight to be answered, up to 600 s each: the
+    thread pool's exit joined its threads. Now their sockets are shut and no other request
+    starts; the held requests are never answered (the server would answer them only once
+    ``release`` is set, by a timer that keeps this test from hanging without the fix)."""
+    import threading
+
+    def interrupt(done: int) -> None:
+        raise KeyboardInterrupt
+
+    with _Held() as server:
+        safety = threading.Timer(20.0, server.release.set)
+        safety.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                OpenAIEngine(base_url=server.url, model=MODEL, seed_per_prompt=True, concurrency=4).generate(
+                    tiny_policy(), ["1"] * 8, 2, 1.0, 0, 8, progress=interrupt)
+            released_before_return = server.release.is_set()
+            closed = [gone.wait(10) for gone in list(server.gone)]
+        finally:
+            safety.cancel()
+    assert not released_before_return and server.answered == [0]
+    assert all(closed) and 4 <= len(closed) <= 5  # the first 4 started, and one more at most: no new request

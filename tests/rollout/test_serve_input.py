@@ -503,3 +503,21 @@ def test_a_checkpoint_store_without_credentials_is_one_line_exit_2(tmp_path) -> 
         "posttrain: error: --checkpoint='s3://bucket/ckpt': the store refused the checkpoint's files "
         "(NoCredentialsError: Unable to locate credentials); fix: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
         "(or AWS_PROFILE) for the S3 server"]
+
+
+def test_an_empty_text_prompt_under_a_tokenizer_without_bos_is_a_400() -> None:
+    """A tokenizer without a BOS token (Qwen2's) encodes "" to no tokens: the server
+    answered 500 with a traceback from inside generation."""
+    from starlette.testclient import TestClient
+
+    from components.rollout.serve import make_app
+
+    policy = tiny_policy()
+    policy.tokenizer.bos_token = None
+    client = TestClient(make_app(policy, MODEL), raise_server_exceptions=False)
+    for prompt, field in (("", "prompt"), (["1+2=", ""], "prompt[1]")):
+        reply = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert (reply.status_code, reply.json()) == (400, {"error": {
+            "message": f"{field}='' has no tokens in this server's prompt format (the tokenizer adds no BOS token); "
+                       "send a non-empty prompt", "type": "invalid_request_error", "param": "prompt"}})
+    assert client.post("/v1/completions", json={"prompt": "1+2=", "max_tokens": 2}).status_code == 200

@@ -287,3 +287,54 @@ def test_posttrain_run_checks_the_vllm_settings_before_any_work(env: dict[str, s
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"posttrain: error: {line}"]
     assert not home.exists()
+
+
+@pytest.mark.parametrize(("reply", "models"), [
+    ({"object": "list", "data": [{"id": "policy"}]}, ["policy"]),
+    ({"data": [1, None, ["policy"], {"id": 3}, {"id": "policy"}]}, ["policy"]),
+    ([], []), ([{"id": "policy"}], []), ({"data": "policy"}, []), ({"data": {"id": "policy"}}, []), ("policy", []),
+    (None, []),
+])
+def test_served_models_reads_only_a_models_reply(reply, models) -> None:
+    from components.rollout.vllm_server import served_models
+
+    assert served_models(reply) == models
+
+
+def test_a_models_reply_that_is_no_json_object_is_not_ready(tmp_path) -> None:
+    """A port that answers ``/v1/models`` with a JSON list (another server, or vLLM not
+    ours) crashed the wait with AttributeError; it is not ready, until the time limit."""
+    import http.server
+    import threading
+    from pathlib import Path
+
+    from components.core.errors import InfraError
+    from components.rollout.vllm_server import VLLMServer
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"[]")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Running:
+        def poll(self) -> None:
+            return None
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = object.__new__(VLLMServer)  # the wait alone: no vLLM started
+    server._proc, server.uri, server.log_path = Running(), "file:///ckpt", Path(tmp_path / "server.log")
+    server.base_url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(InfraError) as caught:
+            server._wait_ready(0.5)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert (caught.value.what, caught.value.where) == ("vLLM server", server.base_url)
+    assert caught.value.reason.startswith("no answer on /v1/models within 0.5s (checkpoint file:///ckpt)")
