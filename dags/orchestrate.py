@@ -339,6 +339,10 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         from components.rollout import vllm_engine
 
         vllm_engine.check_before_run()
+    elif recipe.rollout.engine == "openai":
+        from components.rollout import openai_engine
+
+        openai_engine.check_before_run()  # the settings only: the server is the first request's
     preflight.tracking_uri()
     if driver is dag_driver:  # the Kubeflow driver reads none of the DAG's settings
         # The DAG's tasks take their time limits and cluster resources from POSTTRAIN_RECIPE

@@ -73,6 +73,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from components.core.errors import InfraError, UserError, one_line, value_text
+from components.core.settings import env_text
 from components.rollout.engines import Engine, Generation, check_encoded
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
@@ -504,14 +505,21 @@ def check_base_url(url: str) -> None:
         raise UserError(ENV_BASE_URL, url, "names port 0", fix)
 
 
+def check_before_run() -> None:
+    """``posttrain run``'s check, before any work, of this engine's settings: the base URL,
+    the model name and the key's characters. Whether the server answers, and takes the key
+    and the model, is found by the first request (bootstrap's check, or rollout)."""
+    OpenAIEngine()._check()
+
+
 class OpenAIEngine(Engine):
     name = "openai"
     timeout_s: float = 600.0  # the most one request (its whole reply included) may take
 
     def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
                  seed_per_prompt: bool = True, concurrency: int = 64) -> None:
-        self.base_url = base_url if base_url is not None else os.environ.get(ENV_BASE_URL, "")
-        self.model = model if model is not None else os.environ.get(ENV_MODEL, "")
+        self.base_url = base_url if base_url is not None else env_text(ENV_BASE_URL)  # white space: exit 2
+        self.model = model if model is not None else env_text(ENV_MODEL)
         self.api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY, "")
         self.seed_per_prompt = seed_per_prompt
         self.concurrency = concurrency

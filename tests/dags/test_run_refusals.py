@@ -326,3 +326,26 @@ def test_the_vllm_engine_is_refused_where_the_stages_run_in_images(mode: str, tm
         "bootstrap and evaluation containers cannot start it; fix: run the stages in this process (unset "
         "POSTTRAIN_EXECUTION; `make vllm` makes vLLM's venv), or use rollout.engine: hf"]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({}, "POSTTRAIN_OPENAI_BASE_URL='': rollout.engine 'openai' needs the server's base URL; fix: export "
+         "POSTTRAIN_OPENAI_BASE_URL=http://host:port (deployment settings come from the environment)"),
+    ({"POSTTRAIN_OPENAI_BASE_URL": "http://127.0.0.1:9", "POSTTRAIN_OPENAI_MODEL": " m "},
+     "POSTTRAIN_OPENAI_MODEL=' m ': has white space around it; fix: remove the spaces around it"),
+])
+def test_the_openai_engines_settings_are_checked_before_any_work(env: dict[str, str], line: str,
+                                                                 tmp_path: Path) -> None:
+    """Before, the run planned and leased iteration 1 and wrote its recipe, then failed in
+    the bootstrap task; a padded model name was sent to the server as it was."""
+    import yaml
+
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["rollout"] = {**recipe.get("rollout", {}), "engine": "openai"}
+    path = tmp_path / "openai.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = run_posttrain(["run", "--recipe", str(path), "--run-root", str(tmp_path / "rr"), "--iterations", "1"],
+                         tmp_path, cli_env(tmp_path / "home", **env), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [f"posttrain: error: {line}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["openai.yaml"]
