@@ -166,16 +166,22 @@ def _copied_expectations(found: Manifest, uri: str, manifest_url: str) -> dict[s
     """What the checkpoint folder ``uri`` must hold by the manifest beside it, when that
     manifest is of another place (a trainer's folder copied out of its run root, or a
     manifest whose stage or iteration was edited): its files are still checked, by their
-    names within the manifest's folder, so a changed byte cannot load unseen."""
+    names within the manifest's folder, so a changed byte cannot load unseen. Each is
+    registered (``storage.expect``) as ``read_manifest`` registers a run root's outputs,
+    so a later read of one through a Store in this process (the trainer's read of
+    ``trainer_state.pt``) is checked too."""
     from components.core.manifest import MANIFEST
+    from components.core.storage import expect, join
 
     folder, name = found.prefix + "/", uri.rsplit("/", 1)[1] + "/"
     remedy = f"copy the checkpoint again with its {MANIFEST}, or delete {manifest_url} if the files are what you want"
     expected = {}
     for out in found.outputs.values():
         inner = out.digested[len(folder):] if out.digested.startswith(folder) else ""
-        if inner.startswith(name):
-            expected[inner[len(name):]] = Expected(sha256=out.sha256, size=out.size, stage=found.stage, remedy=remedy)
+        if inner.startswith(name) and inner != name:
+            rel = inner[len(name):]
+            expected[rel] = Expected(sha256=out.sha256, size=out.size, stage=found.stage, remedy=remedy)
+            expect(join(uri, rel), expected[rel])
     return expected
 
 
@@ -221,8 +227,10 @@ def load_policy(uri: str, version: str = "", field: str = "policy", prompt_forma
         try:
             # trust_remote_code=False: a checkpoint's own Python (auto_map) is refused, never run or asked about
             tokenizer = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
+            # ignore_mismatched_sizes: a tensor of another shape is reported (after_load names it and both
+            # shapes), not raised as "look at the above report" with the report hidden
             model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True,
-                                                               trust_remote_code=False)
+                                                               trust_remote_code=False, ignore_mismatched_sizes=True)
         except Exception as exc:
             raise UserError(field, uri, f"checkpoint is unreadable ({exc_line(exc)[:200]})",
                             "re-run the stage that wrote it, or point at another checkpoint") from None
@@ -257,7 +265,8 @@ def token_logprobs(model, ids: Tensor, attn: Tensor, temperature: float = 1.0) -
     """(logprob of each next token, entropy) for positions 0..L-2, under softmax(logits/T)."""
     import torch
 
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    # use_cache=False: scoring needs no KV cache (nor does training, whose saved config keeps its own setting)
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)

@@ -7,8 +7,9 @@ and ``trainer.gradient_checkpointing``.
   ``torch.autocast`` (on CPU too): matrix products in bfloat16, weights, gradients and
   AdamW state stay float32, and the loss is computed from float32 logits.
 - ``prepare_model``: moves the model to the device and, with gradient checkpointing,
-  turns it on (non-reentrant, so frozen embeddings under LoRA still pass gradients on)
-  and the KV cache off.
+  turns it on (non-reentrant, so frozen embeddings under LoRA still pass gradients on).
+  The KV cache is off in every scoring forward pass (``use_cache=False`` per call), not
+  in the model's config, which the trainer saves with the checkpoint.
 
 Not covered: pure bfloat16 weights or optimizer state (master weights stay float32),
 float16 with loss scaling, and choosing one of several GPUs (a process uses
@@ -49,6 +50,7 @@ def prepare_model(model, device: torch.device, gradient_checkpointing: bool):
     """The model on ``device``, with activation checkpointing when asked; returns it."""
     model.to(device)
     if gradient_checkpointing:
+        # the KV cache is off per call (token_logprobs, packed_token_logprobs: use_cache=False), not in
+        # model.config: the trainer saves this model, and its config.json kept use_cache: false
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     return model

@@ -13,7 +13,10 @@ trainer writes has the base model's keys and nothing else: every engine (``hf``,
 iteration starts fresh adapters on the merged weights.
 
 A target module name that matches no linear layer of the model is a UserError naming
-``trainer.lora.target_modules``, the value, and the linear layer names the model has.
+``trainer.lora.target_modules``, the value, and the linear layer names the model has; so
+is a name that matches the output embeddings (``lm_head``) of a model that ties them to
+its input embeddings (``tie_word_embeddings``), where the merge would change the shared
+matrix for both.
 Names match as ``peft`` matches them: a module's full dotted name, or its last parts
 (``q_proj`` matches ``model.layers.0.self_attn.q_proj``).
 
@@ -55,17 +58,34 @@ def _matches(module_name: str, target: str) -> bool:
     return module_name == target or module_name.endswith("." + target)
 
 
+def tied_output(model: Any) -> str | None:
+    """The name of the model's output embeddings (``lm_head``) when they share their weight
+    with the input embeddings (``tie_word_embeddings``), else None."""
+    output, input_ = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or input_ is None or getattr(output, "weight", None) is not getattr(input_, "weight", 0):
+        return None
+    return next((name for name, mod in model.named_modules() if mod is output), None)
+
+
 def check_targets(model: Any, targets: list[str]) -> None:
-    """A UserError for the first target name that matches no linear layer of ``model``."""
+    """A UserError for the first target name that matches no linear layer of ``model``, or
+    that matches its output embeddings when they are tied to the input embeddings: merging
+    an adapter there adds its update to the one matrix both share, so the saved model's
+    input embeddings change too and it is not the model that was trained."""
     import torch
 
+    tied = tied_output(model)
     linear = [name for name, mod in model.named_modules() if name and isinstance(mod, torch.nn.Linear)]
+    usable = [name for name in linear_module_names(model) if tied is None or name != tied.rsplit(".", 1)[-1]]
     for target in targets:
-        if not any(_matches(name, target) for name in linear):
-            raise UserError(
-                FIELD, target, "matches no linear layer of the model",
-                f"use names of the model's linear layers: {', '.join(linear_module_names(model))}",
-            )
+        matched = [name for name in linear if _matches(name, target)]
+        if not matched:
+            raise UserError(FIELD, target, "matches no linear layer of the model",
+                            f"use names of the model's linear layers: {', '.join(usable)}")
+        if tied is not None and tied in matched:
+            raise UserError(FIELD, target, f"targets the output embeddings ({tied}), whose weight this model ties "
+                            "to its input embeddings: the merged adapter would change both",
+                            f"remove {target} from {FIELD} (use e.g. {', '.join(usable)})")
 
 
 def apply_lora(model: Any, cfg: LoraConfig) -> Any:

@@ -29,10 +29,17 @@ The file always holds the full, unsharded AdamW state keyed by parameter index, 
 wrote it: one process, DDP ranks (replicas) or FSDP2 ranks (gathered by
 ``components/trainer/distributed.py``), so any later run, 1 or N processes, can carry it.
 
+What is loaded is checked first, whoever loads it (one process, DDP, FSDP): each saved
+AdamW moment has its parameter's shape and dtype and is finite, the step counts are whole,
+the scheduler's keys are a fresh scheduler's and its ``last_epoch`` is the position's
+``global_step``; only the moments, step counts and that position are taken (the groups'
+settings and the rates are the optimizer's own and the recipe's). Anything else is a
+UserError naming the file, never a negative rate or a traceback at the first step.
+
 Not covered: sharded optimizer state files (an FSDP run gathers the full state to rank 0
-to save it), other optimizers than AdamW, and
-state files written by a model with a different parameter layout (loading one is a
-UserError naming the file).
+to save it), other optimizers than AdamW, and state files written by a model with the
+same parameter shapes but other weights (they load; the manifest's digest of the file is
+what ties it to its checkpoint).
 """
 
 from __future__ import annotations
@@ -140,33 +147,118 @@ def read_trainer_state(data: bytes, where: str) -> dict:
     return state
 
 
+LOAD_FIX = "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false"
+ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+"""What AdamW (amsgrad off, as ``build_optimizer`` makes it) keeps per parameter."""
+
+
+def _params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _scheduler_state(saved: object, scheduler, global_step: int, where: str) -> dict:
+    """The state to load into ``scheduler``: a fresh one's, at the saved position. The
+    saved dict must have a fresh scheduler's keys and ``last_epoch`` equal to the
+    position's ``global_step`` (the trainer steps the schedule once per optimizer step,
+    a skipped update included); nothing else of it is taken."""
+    fresh = scheduler.state_dict()
+    if not isinstance(saved, dict):
+        raise UserError("trainer_state", where, f"is not a trainer state file (its scheduler state is a "
+                        f"{type(saved).__name__}, not a dict)", STATE_FIX)
+    extra, lacking = sorted(map(str, set(saved) - set(fresh)))[:5], sorted(set(fresh) - set(saved))[:5]
+    if extra or lacking:
+        what = f"holds {', '.join(map(repr, extra))}, which the trainer never writes" if extra else \
+            f"lacks {', '.join(map(repr, lacking))}"
+        raise UserError("trainer_state", where, f"is not a trainer state file (its scheduler state {what})", STATE_FIX)
+    last = saved["last_epoch"]
+    if isinstance(last, bool) or not isinstance(last, int) or last != global_step:
+        raise UserError("trainer_state", where, f"is not a trainer state file (its scheduler's last_epoch is "
+                        f"{value_text(last, 40)!r}, not its position's global_step {global_step})", STATE_FIX)
+    return fresh | {"last_epoch": last, "_step_count": last + 1}
+
+
+def _optimizer_state(saved: object, optimizer, where: str) -> dict:
+    """The state to load into ``optimizer``: the saved AdamW moments and step counts, each
+    checked against its parameter (shape, dtype, finite, ``exp_avg_sq`` >= 0, ``step`` a
+    whole number >= 0), under the optimizer's own parameter groups (so a saved ``eps``,
+    ``weight_decay`` or ``maximize`` is not taken). Not covered: moments of a model of the
+    same parameter shapes but other weights (they load)."""
+    params = _params(optimizer)
+
+    def refuse(problem: str) -> UserError:
+        return UserError("trainer_state", where, f"cannot load it into this model's optimizer ({problem})", LOAD_FIX)
+
+    if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
+        got = sorted(map(str, saved))[:10] if isinstance(saved, dict) else type(saved).__name__
+        raise refuse(f"its optimizer state holds {got}, not ['param_groups', 'state']")
+    groups, state = saved["param_groups"], saved["state"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise refuse("its param_groups are not a list of groups with params")
+    indices = [i for g in groups for i in g["params"]]
+    if indices != list(range(len(params))):
+        raise refuse(f"it holds the state of {len(indices)} parameters in {len(groups)} groups, this model trains "
+                     f"{len(params)} in {len(optimizer.param_groups)}")
+    if not isinstance(state, dict):
+        raise refuse(f"its optimizer state is a {type(state).__name__}, not a dict")
+    for index, moments in state.items():
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params):
+            raise refuse(f"its state names parameter {value_text(index, 40)!r}, not one of 0 .. {len(params) - 1}")
+        if not isinstance(moments, dict) or set(moments) != ADAM_KEYS:
+            got = sorted(map(str, moments))[:10] if isinstance(moments, dict) else type(moments).__name__
+            raise refuse(f"parameter {index}'s state holds {got}, not {sorted(ADAM_KEYS)}")
+        param = params[index]
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = moments[key]
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape or value.dtype != param.dtype:
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise refuse(f"parameter {index}'s {key} is {got}, the parameter is {tuple(param.shape)} {param.dtype}")
+            if not torch.isfinite(value).all() or (key == "exp_avg_sq" and bool((value < 0).any())):
+                raise refuse(f"parameter {index}'s {key} holds values that are not finite"
+                             f"{' or are negative' if key == 'exp_avg_sq' else ''}")
+        step = moments["step"]
+        count = float(step) if isinstance(step, torch.Tensor) and step.numel() == 1 else \
+            step if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+        if count is None or not math.isfinite(count) or count < 0 or count != int(count):
+            raise refuse(f"parameter {index}'s step is {value_text(step, 40)!r}, not a whole number >= 0")
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
 def restore_trainer_state(state: dict, optimizer, scheduler, cfg, restore_rng: bool, where: str,
                           load_optimizer: Callable[[dict], None] | None = None) -> DataPosition:
     """Load a saved state into ``optimizer``/``scheduler``; ``load_optimizer`` replaces
     ``optimizer.load_state_dict`` (a sharded optimizer loads the full state its own way).
     Under LoRA (``cfg.lora.rank > 0``) only the schedule's position is loaded: each
-    iteration trains fresh adapters, which the saved Adam moments do not belong to."""
+    iteration trains fresh adapters, which the saved Adam moments do not belong to.
+
+    What is loaded is checked first (``_optimizer_state``, ``_scheduler_state``): a state
+    of another model's shapes, a schedule position other than the saved global step, or
+    keys the trainer never writes are a UserError naming the file, on every path (one
+    process, DDP, FSDP), never a traceback at the first step or a negative rate."""
+    p = state["position"]
+    position = DataPosition(iteration=int(p["iteration"]), steps_done=int(p["steps_done"]),
+                            global_step=int(p["global_step"]))
+    schedule = _scheduler_state(state["scheduler"], scheduler, position.global_step, where)
     try:
         if cfg.lora.rank == 0:
-            (load_optimizer or optimizer.load_state_dict)(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-    except (KeyError, ValueError, RuntimeError) as exc:
-        raise UserError("trainer_state", where, f"cannot load it into this model's optimizer ({exc})",
-                        "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false") from None
+            (load_optimizer or optimizer.load_state_dict)(_optimizer_state(state["optimizer"], optimizer, where))
+        scheduler.load_state_dict(schedule)
+    except (KeyError, ValueError, RuntimeError, IndexError, TypeError) as exc:
+        raise UserError("trainer_state", where, f"cannot load it into this model's optimizer ({exc_line(exc)[:200]})",
+                        LOAD_FIX) from None
     # The recipe's hyperparameters win over the saved ones (identical when unchanged).
     scheduler.base_lrs = [cfg.learning_rate for _ in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["initial_lr"] = cfg.learning_rate
         group["betas"] = BETAS
         group["lr"] = cfg.learning_rate * lr_factor(scheduler.last_epoch, cfg)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     if restore_rng:
         try:
             _set_rng_state(state["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise UserError("trainer_state", where, f"holds random-number states this trainer cannot set "
                             f"({exc_line(exc)[:200]})", STATE_FIX) from None
-    p = state["position"]
-    return DataPosition(iteration=int(p["iteration"]), steps_done=int(p["steps_done"]), global_step=int(p["global_step"]))
+    return position
 
 
 def load_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, cfg, restore_rng: bool) -> DataPosition | None:

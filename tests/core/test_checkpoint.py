@@ -87,7 +87,28 @@ def refused(folder: Path) -> str:
      "the tokenizer's vocabulary has 151 tokens, more than the model's 101 embeddings"),
     (json_edit("tokenizer_config.json", lambda c: c.update(eos_token="<nosuch>")),
      "the tokenizer's eos_token_id 101 is outside the model's 101 embeddings"),
-])
+    (json_edit("tokenizer.json", lambda t: t["added_tokens"].append(
+        {"id": 101, "content": "<tool>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True})),
+     "the tokenizer's token '<tool>' has id 101, outside the model's 101 embeddings"),
+    (json_edit("config.json", lambda c: (c.clear(), c.update(model_type="gpt2", n_layer=10**9, vocab_size=101))),
+     "config.json's 'n_layer' (num_hidden_layers) is 1000000000, not a whole number from 1 to 1024"),
+    (json_edit("config.json", lambda c: c.update(text_config={"num_hidden_layers": 10**9})),
+     "config.json's 'text_config.num_hidden_layers' is 1000000000, not a whole number from 1 to 1024"),
+    (json_edit("config.json", lambda c: c.update(hidden_size=65536, vocab_size=4194304)),
+     "config.json's sizes (vocab_size 4194304, hidden_size 65536, intermediate_size 64, num_hidden_layers 2, "
+     "num_attention_heads 2, num_key_value_heads 2, head_dim 16, max_position_embeddings 96) make 274,920,177,664 "
+     "parameters, more than the "),
+    (json_edit("config.json", lambda c: c["rope_parameters"].update(rope_theta=float("nan"))),
+     "config.json's 'rope_parameters.rope_theta' is nan, not a finite number"),
+    (json_edit("config.json", lambda c: c["rope_parameters"].update(rope_theta=0.0)),
+     "config.json's 'rope_parameters.rope_theta' is 0.0, not a number above 0 (the rotary embedding's base)"),
+    (weights_edit(lambda t: t | {"model.layers.0.mlp.up_proj.weight": torch.zeros(65, 32)}),
+     "the checkpoint's 'model.layers.0.mlp.up_proj.weight' has shape (65, 32), its config gives (64, 32)"),
+], ids=["layers", "no-layers", "vocab", "positions", "nan-eps", "missing-weight", "nan-weights", "int-weights", "no-eos",
+        "long-template", "many-specials", "token-id", "vocab-past-embeddings", "eos-past-embeddings",
+        "added-token-past-embeddings", "gpt2-layers", "nested-layers", "sizes-together", "nan-rope-theta",
+        "zero-rope-theta", "other-shape"])
 def test_a_hostile_checkpoint_is_one_line(edit, problem: str, good: Path, tmp_path: Path) -> None:
     assert problem in refused(edited(good, tmp_path, edit))
 
@@ -154,3 +175,91 @@ def test_a_checkpoint_that_is_no_folder_says_so(make, problem: str, tmp_path: Pa
             load(f"file://{path}")
         assert err.value.problem == problem
         assert err.value.fix == "point at a folder written by save_pretrained, or re-run the stage that writes it"
+
+
+def _as_bin(tensors: dict, convert=lambda v: v):
+    def edit(folder: Path) -> None:
+        (folder / "model.safetensors").unlink()
+        torch.save({k: convert(v) for k, v in tensors.items()}, folder / "pytorch_model.bin")
+    return edit
+
+
+def test_bin_weights_load_when_they_are_floats_and_are_refused_otherwise(good: Path, tmp_path: Path) -> None:
+    """int32 weights in pytorch_model.bin loaded in silence (the safetensors check only)."""
+    tensors = load_file(good / "model.safetensors")
+    loaded = load_policy(f"file://{edited(good, tmp_path / 'float', _as_bin(tensors))}")
+    assert torch.equal(loaded.model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    problem = refused(edited(good, tmp_path / "int", _as_bin(tensors, lambda v: (v * 1000).to(torch.int32))))
+    assert problem.startswith("pytorch_model.bin's tensor 'model.") and problem.endswith("' is int32, not a float")
+
+
+def test_a_bin_file_that_runs_code_is_refused_unrun(good: Path, tmp_path: Path) -> None:
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    def edit(folder: Path) -> None:
+        (folder / "model.safetensors").unlink()
+        torch.save({"x": torch.zeros(1)}, folder / "pytorch_model.bin")  # a zip file, as torch writes it
+        (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"x": Evil()}))
+
+    with pytest.raises(UserError) as err:
+        load_policy(f"file://{edited(good, tmp_path, edit)}", field="--checkpoint")
+    assert err.value.problem.startswith("pytorch_model.bin is not a weights file torch reads safely (")
+    assert err.value.fix == "save the model with safetensors (save_pretrained's default), or point at another checkpoint"
+    assert not marker.exists()
+
+
+def _sharded(shard_name: str | None):
+    """The weights as two shards and their index; ``shard_name`` replaces the first shard's name in it."""
+    def edit(folder: Path) -> None:
+        tensors = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        names = sorted(tensors)
+        half = len(names) // 2
+        parts = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+        weight_map = {}
+        for file, keys in parts.items():
+            save_file({k: tensors[k] for k in keys}, folder / file, metadata={"format": "pt"})
+            weight_map |= {k: shard_name if shard_name and file.startswith("model-00001") else file for k in keys}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return edit
+
+
+@pytest.mark.parametrize(("shard", "problem"), [
+    ("/elsewhere/model.safetensors", "model.safetensors.index.json names the shard '/elsewhere/model.safetensors', not "
+     "a .safetensors file of the folder by its plain name"),
+    ("../model-00001-of-00002.safetensors", "model.safetensors.index.json names the shard "
+     "'../model-00001-of-00002.safetensors', not a .safetensors file of the folder by its plain name"),
+    ("model-00003-of-00002.safetensors", "model.safetensors.index.json names the shard "
+     "'model-00003-of-00002.safetensors', which is not in the folder"),
+])
+def test_an_index_naming_shards_outside_the_folder_is_refused(shard: str, problem: str, good: Path,
+                                                              tmp_path: Path) -> None:
+    """An absolute shard path in the weight map loaded weights from outside the folder (and
+    unchecked: only the folder's own *.safetensors were type-checked)."""
+    assert refused(edited(good, tmp_path, _sharded(shard))) == problem
+
+
+def test_a_sharded_checkpoint_loads(good: Path, tmp_path: Path) -> None:
+    loaded = load_policy(f"file://{edited(good, tmp_path, _sharded(None))}")
+    assert torch.equal(loaded.model.model.norm.weight, load_file(good / "model.safetensors")["model.norm.weight"])
+
+
+@pytest.mark.parametrize(("name", "limit"), [("config.json", 16), ("tokenizer.json", 128)])
+def test_a_config_or_tokenizer_file_past_its_size_is_refused_unread(name: str, limit: int, good: Path,
+                                                                   tmp_path: Path) -> None:
+    """serve and stage loads read config.json and the tokenizer files whole, of any size."""
+    from components.core.checkpoint import before_load
+
+    folder = edited(good, tmp_path, lambda f: None)
+    size = (limit << 20) + 1
+    with open(folder / name, "r+b") as fh:
+        fh.truncate(size)  # sparse, and no JSON past its first bytes: refused by size, before any read
+    with pytest.raises(UserError) as err:
+        before_load(folder, "--checkpoint", "file:///c")
+    assert err.value.problem == f"{name} is larger than {limit} MiB ({size} bytes; a model's is far smaller)"

