@@ -8,7 +8,8 @@ What a stage container gets:
   arguments the seam hands it (``command``);
 - the worker's store, tracking and cloud settings: every ``POSTTRAIN_*`` (but the
   DAG-side ones), ``MLFLOW_*`` and ``AWS_*`` variable; secrets (``*SECRET*``,
-  ``*TOKEN*``, ``*PASSWORD*``) go as private environment, never rendered in the UI;
+  ``*TOKEN*``, ``*PASSWORD*``, and a URI with a password) go as private environment,
+  never rendered in the UI;
 - the network ``POSTTRAIN_DOCKER_NETWORK`` (default ``host``: the store and tracking
   server the worker reaches on loopback are reachable the same way);
 - a local run root (``file://``) bind-mounted at the same path: ``POSTTRAIN_RUN_ROOT``'s,
@@ -47,6 +48,7 @@ KEPT_ON_WORKER = ("POSTTRAIN_EXECUTION", "POSTTRAIN_HOME", "POSTTRAIN_RECIPE", "
                   "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_CONTAINER_FLAGS", "POSTTRAIN_DOCKER_NETWORK", "POSTTRAIN_RETRY_DELAY_S",
                   "POSTTRAIN_VLLM_PYTHON")
 SECRET = re.compile(r"SECRET|TOKEN|PASSWORD", re.I)
+CREDENTIALS_IN_URI = re.compile(r"://[^/@\s]*:[^/@\s]*@")  # user:password@ (MLflow's basic auth, a database URI)
 _LIMIT = re.compile(r"[0-9]{1,19}")  # a --ulimit number: ASCII digits ("²" is a digit to str.isdigit, not to int)
 
 
@@ -126,11 +128,13 @@ def container_flags() -> ContainerFlags:
 
 
 def passed_environment() -> tuple[dict[str, str], dict[str, str]]:
-    """(environment, private environment) handed from the worker to a stage container."""
+    """(environment, private environment) handed from the worker to a stage container: a
+    variable whose name says it is a secret, or whose value is a URI with a password in it
+    (``MLFLOW_TRACKING_URI=https://user:pw@host``), goes private, never rendered in the UI."""
     env, private = {}, {}
     for name, value in os.environ.items():
         if name.startswith(PASSED_PREFIXES) and name not in KEPT_ON_WORKER:
-            (private if SECRET.search(name) else env)[name] = value
+            (private if SECRET.search(name) or CREDENTIALS_IN_URI.search(value) else env)[name] = value
     return env, private
 
 

@@ -131,6 +131,16 @@ def test_the_dag_in_docker_mode_runs_every_stage_in_its_image(docker_env):
     assert "evaluation" in dag.get_task("announce_champion").upstream_task_ids
 
 
+def test_a_uri_with_a_password_goes_as_private_environment(docker_env):
+    """A tracking URI holding basic-auth credentials was rendered in the Airflow UI."""
+    docker_env.setenv("MLFLOW_TRACKING_URI", "https://alice:pw0rd@mlflow.example:443")
+    docker_env.setenv("POSTTRAIN_RUN_ROOT", "s3://bucket/runs")
+    env, private = docker_mode.passed_environment()
+    assert private["MLFLOW_TRACKING_URI"] == "https://alice:pw0rd@mlflow.example:443"
+    assert private["AWS_SECRET_ACCESS_KEY"] == "s3cr3t" and "MLFLOW_TRACKING_URI" not in env
+    assert env["AWS_ACCESS_KEY_ID"] == "AKIDEXAMPLE" and env["POSTTRAIN_RUN_ROOT"] == "s3://bucket/runs"
+
+
 def test_a_local_run_root_is_mounted_at_the_same_path(docker_env, tmp_path):
     docker_env.setenv("POSTTRAIN_RUN_ROOT", str(tmp_path / "store"))
     _, kwargs = docker_mode.operator(registered()[1], resources(registered()[1].id))
