@@ -65,7 +65,7 @@ def no_checkpoint(field: str, uri: str) -> UserError:
                      "point at a folder written by save_pretrained, or re-run the stage that writes it")
 
 
-MAX_CONFIG_BYTES = 16 << 20  # as preflight's: a model's config.json is a few kilobytes
+MAX_CONFIG_BYTES = 16 << 20  # a model's config.json is a few kilobytes (the preflight reads no more either)
 MAX_TOKENIZER_BYTES = 128 << 20  # the largest tokenizer.json files (260k-token vocabularies) are ~35 MB
 READ_LIMITS = {"config.json": MAX_CONFIG_BYTES, "generation_config.json": MAX_CONFIG_BYTES,
                "model.safetensors.index.json": MAX_CONFIG_BYTES, "pytorch_model.bin.index.json": MAX_CONFIG_BYTES,

@@ -46,6 +46,7 @@ import os
 from collections.abc import Iterator
 
 from components.core import models, tracking
+from components.core.checkpoint import MAX_CONFIG_BYTES
 from components.core.errors import InfraError, UserError, outage
 from components.core.recipe import Recipe
 from components.core.storage import Store, filesystem, normalize_uri, s3_fix_or, scheme
@@ -71,7 +72,6 @@ def tracking_vs_run_root(run_root: str, tracking_uri: str | None = None) -> None
                         "can read, or a local tracking URI (unset MLFLOW_TRACKING_URI for the embedded SQLite)")
 
 
-MAX_CONFIG_BYTES = 16 << 20  # a model's config.json is a few kilobytes
 
 
 def _readable(what: str, uri: str, fix: str) -> None:

@@ -232,6 +232,10 @@ def load_tokenizer(uri: str, field: str = "policy") -> Any:
     with tempfile.TemporaryDirectory(prefix="posttrain-tokenizer-") as tmp:
         for name in names:
             if name not in MODEL_FILES:
+                limit = checkpoint.READ_LIMITS.get(name, checkpoint.MAX_TOKENIZER_BYTES)
+                if (size := store.size(name)) > limit:  # read whole below: a 400 MB file took gigabytes
+                    raise UserError(field, uri, f"{name} is larger than {limit >> 20} MiB ({size} bytes; a model's "
+                                    "is far smaller)", checkpoint.FIX)
                 (Path(tmp) / name).write_bytes(store.read_bytes(name))
         if not _names_class(Path(tmp) / "tokenizer_config.json"):
             (Path(tmp) / "config.json").write_bytes(store.read_bytes("config.json"))

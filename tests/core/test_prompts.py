@@ -155,6 +155,19 @@ def test_load_tokenizer_reads_no_weights(tmp_path) -> None:
     assert (err.value.field, err.value.problem) == ("model.source", "no such folder")
 
 
+def test_load_tokenizer_refuses_a_file_past_its_size_unread(tmp_path) -> None:
+    """It read every tokenizer file whole, of any size (a 400 MB one took gigabytes)."""
+    store = Store(str(tmp_path), "test")
+    save_policy(tiny_policy().model, templated(), store, "ckpt")
+    size = (128 << 20) + 1
+    with open(tmp_path / "ckpt" / "tokenizer.json", "r+b") as fh:
+        fh.truncate(size)  # sparse: refused by its size, never read
+    with pytest.raises(UserError) as err:
+        prompts.load_tokenizer(store.url("ckpt"), "rollout.policy")
+    assert (err.value.field, err.value.problem) == (
+        "rollout.policy", f"tokenizer.json is larger than 128 MiB ({size} bytes; a model's is far smaller)")
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     if SMOLLM2 is None:
