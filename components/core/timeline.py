@@ -23,6 +23,8 @@ per domain (its ``eval_results`` rows over the domains).
 Idempotent: a run that already has the iteration's step is not logged again (a rerun
 that hits the cache ends the iteration a second time); the plot is overwritten with the
 same picture. A metric whose stage did not record it (an older manifest) is left out.
+An error while drawing or uploading the plot (an artifact store that refuses writes)
+prints one line and is not raised: the metrics are logged before it.
 
     from components.core import timeline
     timeline.headline(store, "tiny", 2)  # {"pass_at_1/code": 0.25, "reward/code": 0.4, ...}
@@ -37,9 +39,11 @@ from dataclasses import dataclass
 
 from components.core import tracking
 from components.core.context import read_manifest, read_manifests, read_output_json
+from components.core.errors import exc_line
 from components.core.facts import Decision, Scored, StatsFile
 from components.core.intervals import wilson
 from components.core.manifest import Manifest, stage_prefix
+from components.core.progress import say
 from components.core.storage import Store
 
 PLOT = "timeline/pass_rates.png"
@@ -181,12 +185,16 @@ def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> d
         rates = {f"pass_at_1/{d}": v for d, v in start.pass_rates.items()}
         rates["pass_at_1/mean"] = sum(start.pass_rates.values()) / len(start.pass_rates)
         tracking.log_metrics(summary, rates, step=0)
-    fig = plot(points, pipeline)
+    for run_id in runs:
+        if metrics and not _logged(run_id, next(iter(metrics)), iteration):
+            tracking.log_metrics(run_id, metrics, step=iteration)
     try:
-        for run_id in runs:
-            if metrics and not _logged(run_id, next(iter(metrics)), iteration):
-                tracking.log_metrics(run_id, metrics, step=iteration)
-            tracking.client().log_figure(run_id, fig, PLOT)
-    finally:
-        plt.close(fig)
+        fig = plot(points, pipeline)
+        try:
+            for run_id in runs:
+                tracking.client().log_figure(run_id, fig, PLOT)
+        finally:
+            plt.close(fig)
+    except Exception as exc:  # noqa: BLE001 - a lasting artifact-store error must not fail every rerun
+        say(f"iter {iteration} | timeline | plot {PLOT} not logged ({exc_line(exc)[:200]}); its metrics are")
     return metrics

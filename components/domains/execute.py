@@ -1,7 +1,9 @@
 """Run the execution plans of many (task, completion) pairs through one executor.
 
 Domains decide what runs (``Domain.execution_plan``); this module runs it with the
-recipe's concurrency and shows progress. Pairs whose domain runs nothing get no result.
+recipe's concurrency and shows progress. Pairs whose domain runs nothing get no result,
+nor do pairs whose plan raised: the first ``LOGGED_ERRORS`` of those are logged one by
+one, the rest as one line ``N more execution plans failed``.
 
 With ``dedupe`` (``sandbox.dedupe``, on by default) jobs that would run the same thing
 (equal ``job_key``: the same files, command line, stdin, timeout and steps) run once
@@ -29,6 +31,10 @@ from components.sandbox.executor import Executor, run_many
 
 log = logging.getLogger(__name__)
 
+LOGGED_ERRORS = 20
+"""Failed execution plans logged one by one per ``execute`` call; the rest as one count line
+(the reward stage's cap on verifier errors, kept here as domains may import only core)."""
+
 
 def job_key(job: Job | SessionJob) -> str:
     """A digest of what ``job`` runs: every field but the job ids (a session's check's
@@ -50,16 +56,21 @@ def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency:
             dedupe: bool = True) -> dict[str, JobResult]:
     """Run plans for ``(key, task, completion)`` triples; returns {key: JobResult}."""
     keyed = []
+    failed = 0
     for key, task, completion in pairs:
         if malformed(completion) is not None:  # scored 0 by the verifier without running anything
             continue
         try:
             job = registry.get(task.domain).execution_plan(task, completion)
         except Exception as exc:  # noqa: BLE001 - a plan's bug loses this pair's run, never the stage
-            log.error("execution plan of %s (%s) failed: %s", key, task.domain, error_text(exc))
+            failed += 1
+            if failed <= LOGGED_ERRORS:
+                log.error("execution plan of %s (%s) failed: %s", key, task.domain, error_text(exc))
             continue
         if job is not None:
             keyed.append((key, job_key(job) if dedupe else key, job))
+    if failed > LOGGED_ERRORS:
+        log.error("%d more execution plans failed (not logged one by one)", failed - LOGGED_ERRORS)
     if not keyed:
         return {}
     unique: dict[str, Job | SessionJob] = {}

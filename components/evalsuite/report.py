@@ -17,7 +17,12 @@ Every row carries ``ci_low``/``ci_high``: the Wilson score interval of its pass 
 ``evaluation.confidence`` (0.95 where no recipe is at hand), so a 3-task slice at 0.0 reads
 as the wide interval it is; the plot draws them as error bars.
 
-Not covered: slices along other axes, or intervals for mean scores.
+An MLflow error while logging the table or the plot (an artifact store that refuses
+writes, a full disk, a figure that cannot be drawn) prints one line and the stage goes
+on: the table is in the store either way, and the stage's metrics are logged apart.
+
+Not covered: slices along other axes, intervals for mean scores, or retrying a failed
+upload.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from components.core.errors import exc_line
 from components.core.facts import Slice
+from components.core.progress import say
 from components.core.records import EvalResult
 from components.evalsuite.stats import wilson
 
@@ -111,16 +118,20 @@ def log_layered(ctx, results: list[EvalResult]) -> Slice | None:
     worst = weakest(rows)
     run_id = ctx.mlflow_run_id
     if run_id:
-        client = tracking.client()
-        client.log_table(run_id, pd.DataFrame(rows), f"{ctx.stage}/layered.json")
-        if rows:
-            import matplotlib.pyplot as plt
+        try:
+            client = tracking.client()
+            client.log_table(run_id, pd.DataFrame(rows), f"{ctx.stage}/layered.json")
+            if rows:
+                import matplotlib.pyplot as plt
 
-            fig = plot(rows)
-            try:
-                client.log_figure(run_id, fig, f"{ctx.stage}/pass_rates.png")
-            finally:
-                plt.close(fig)
+                fig = plot(rows)
+                try:
+                    client.log_figure(run_id, fig, f"{ctx.stage}/pass_rates.png")
+                finally:
+                    plt.close(fig)
+        except Exception as exc:  # noqa: BLE001 - a lasting artifact-store error must not fail the stage on every rerun
+            say(f"iter {ctx.iteration} | {ctx.stage} | layered table or plot not logged to MLflow ({exc_line(exc)[:200]}); "
+                f"the table is in the store ({ctx.outputs['layered'].path})")
     if worst is None:
         return None
     return Slice(name=slice_name(worst), **{k: v for k, v in worst.items() if k in Slice.__dataclass_fields__})

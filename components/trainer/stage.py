@@ -18,6 +18,10 @@ informative); a seeded shuffle picks them, and the informative groups beyond the
 (``taskgen.oversample``'s surplus) are left unused. Either way the stage returns
 ``groups_kept``, ``groups_dropped``, ``groups_unused`` and per domain
 ``<domain>/groups_kept`` and ``<domain>/groups_dropped``, logged as ``trainer/...``.
+When no step runs (no group had a learning signal, or too few for one whole step) the
+stage prints a WARNING line with the reason and the fix (``no_steps_warning``) and
+registers the parent's weights as the new version; its step means (``trainer/loss``,
+``kl``, ``lr``, ...) read 0.
 Dynamic sampling with ``prompts_per_step`` above ``tasks_per_iteration`` is a
 ``UserError`` (no step could ever be filled).
 
@@ -217,6 +221,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     tracking.client().set_tag(run_id, "mlflow.note.content", f"Checkpoint: `{uri}`\n\nRegistered as "
                               f"`{models.model_name(ctx.pipeline)}` version {version}, trained from version {start.policy_version}.")
     ctx.facts = Checkpoint(checkpoint_uri=uri, version=version, parent_version=start.policy_version)
+    if not batches:
+        say(no_steps_warning(ctx.iteration, selection, cfg.prompts_per_step, start.policy_version))
     skipped = sum(s.skipped for s in trained.stats)
     if skipped:
         say(f"iter {ctx.iteration} | trainer | WARNING: {skipped} of {len(batches)} steps had a gradient that is not "
@@ -233,6 +239,24 @@ def run(ctx: StageContext) -> dict[str, float]:
         "torch_threads": float(trained.threads),
         **selection.metrics(),
     }
+
+
+def no_steps_warning(iteration: int, selection: Selection, prompts_per_step: int, parent_version: str) -> str:
+    """The line printed when no optimizer step ran: why, what the checkpoint is, and the fix.
+    Its metrics (``trainer/loss``, ``kl``, ``lr``, ...) still read 0 (``step_means``).
+    Not covered: which groups came close (every group's rewards are in the reward stage's
+    output)."""
+    dropped = sum(selection.dropped.values())
+    if selection.unused:
+        why = (f"only {selection.unused} informative groups, fewer than trainer.prompts_per_step ({prompts_per_step}), "
+               f"and dynamic sampling trains whole steps only ({dropped} groups had no learning signal)")
+        fix = "raise taskgen.oversample or lower trainer.prompts_per_step"
+    else:
+        why = (f"none of the {dropped} groups had a learning signal (all rewards in each group equal, "
+               "or its domain's reward.domain_weights is 0)")
+        fix = "raise rollout.group_size or rollout.temperature, or bootstrap further / check the verifier"
+    return (f"iter {iteration} | trainer | WARNING: 0 steps: {why}; the new checkpoint holds the parent's weights "
+            f"(version {parent_version}); fix: {fix}")
 
 
 STEP_METRICS = ("loss", "clip_frac", "kl", "entropy", "grad_norm", "lr")
