@@ -735,7 +735,8 @@ class Store:
         ``replace`` (the default) whatever was under ``rel`` is removed first, so a re-run
         leaves no file of an earlier one beside its own (a stale ``chat_template.jinja``
         that a load would read although no manifest lists it)."""
-        assert rel.strip("/"), "upload_dir replaces a folder, never the store's root"
+        if not rel.strip("/"):  # an assert would vanish under ``python -O`` and the delete below take the whole store
+            raise ValueError(f"upload_dir replaces a folder, never the store's root (got {rel!r})")
         if replace:
             self.delete(rel, recursive=True)
         digests: dict[str, str] = {}

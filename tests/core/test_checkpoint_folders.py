@@ -44,8 +44,15 @@ def test_a_re_upload_leaves_nothing_of_the_earlier_one(store_uri: str, tmp_path:
     assert not store.exists("run/checkpoint/additional_chat_templates/x.jinja")
     assert store.listdir("run") == ["checkpoint", "other.json"]
     assert store.read_bytes("run/checkpoint/model.safetensors") == WEIGHTS
-    with pytest.raises(AssertionError):  # never the whole store
-        store.upload_dir(second, "")
+    before = {"": store.listdir(), "run": store.listdir("run"), "run/checkpoint": store.listdir("run/checkpoint")}
+    for root in ("", "/"):  # never the whole store, under ``python -O`` too
+        with pytest.raises(ValueError, match=r"^upload_dir replaces a folder, never the store's root \(got '/?'\)$"):
+            store.upload_dir(second, root)
+    assert {rel: store.listdir(rel) for rel in before} == before
+    assert (before[""], before["run"]) == (["run"], ["checkpoint", "other.json"])
+    assert set(store.download_dir("run/checkpoint", tmp_path / "after")) == {"config.json", "model.safetensors"}
+    assert store.read_bytes("run/other.json") == b"{}"
+    assert store.read_bytes("run/checkpoint/model.safetensors") == WEIGHTS
 
 
 def test_a_file_the_manifest_does_not_list_is_refused_before_it_is_copied(store_uri: str, tmp_path: Path) -> None:

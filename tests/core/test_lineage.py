@@ -123,10 +123,13 @@ def test_every_stage_run_hangs_under_the_iteration_run(iteration: Iteration, cli
     assert len({m.mlflow_run_id for m in iteration.manifests.values()}) == len(iteration.manifests)
 
 
-def test_artifacts_live_beside_the_embedded_database(iteration: Iteration) -> None:
+def test_artifacts_live_beside_the_embedded_database(iteration: Iteration, client) -> None:
     home = settings.home()
     assert tracking.tracking_uri() == f"sqlite:///{home / 'mlflow.db'}"
     assert (home / "mlflow.db").is_file()
+    exp = client.get_experiment_by_name("tiny")
+    assert exp.artifact_location == (home / "mlartifacts" / "tiny").as_uri() == f"file://{home}/mlartifacts/tiny"
+    assert client.get_run(iteration.manifests["trainer"].mlflow_run_id).info.experiment_id == exp.experiment_id
 
 
 # Kept last: it re-runs taskgen of a finished iteration (which must be a cache hit).

@@ -20,18 +20,21 @@ def test_an_http_tracking_server_with_a_local_run_root_is_refused(tracking: str,
         preflight.tracking_vs_run_root(f"file://{tmp_path}/store", tracking)
     line = info.value.line()
     assert "\n" not in line and "s3://" in line and "local tracking URI" in line and tracking in line
-    with pytest.raises(UserError):
+    with pytest.raises(UserError) as bare:
         preflight.tracking_vs_run_root(str(tmp_path / "store"), tracking)  # a bare path is file:// too
+    assert (bare.value.field, bare.value.value) == ("run_root", str(tmp_path / "store"))
+    assert bare.value.problem == info.value.problem
 
 
 @pytest.mark.parametrize(("run_root", "tracking"), [
     ("s3://bucket/prefix", "http://127.0.0.1:5000"),
-    ("file:///tmp/store", "sqlite:////tmp/mlflow.db"),
-    ("file:///tmp/store", "/tmp/mlruns"),
-    ("file:///tmp/store", "file:///tmp/mlruns"),
+    ("file://{tmp}/store", "sqlite:///{tmp}/mlflow.db"),
+    ("file://{tmp}/store", "{tmp}/mlruns"),
+    ("file://{tmp}/store", "file://{tmp}/mlruns"),
 ])
-def test_other_combinations_pass(run_root: str, tracking: str) -> None:
-    preflight.tracking_vs_run_root(run_root, tracking)
+def test_other_combinations_pass(run_root: str, tracking: str, tmp_path: Path) -> None:
+    assert preflight.tracking_vs_run_root(run_root.format(tmp=tmp_path), tracking.format(tmp=tmp_path)) is None
+    assert list(tmp_path.iterdir()) == []  # a check only: no store, database or mlruns folder made
 
 
 def _recipe(tmp_path: Path, extra: str) -> object:

@@ -63,8 +63,10 @@ def test_policy_resolves_its_format_and_encodes_with_it() -> None:
     assert tiny.prompt_format == "raw" and tiny.encode_prompt("hi") == [1, 21, 22]
     chat = Policy(model=tiny.model, tokenizer=templated(), uri="", prompt_format="auto")
     assert chat.prompt_format == "chat" and chat.encode_prompt("hi") == [1, 34, 81, 21, 22, 2, 1, 14, 81]
-    with pytest.raises(UserError):
+    with pytest.raises(UserError) as err:
         Policy(model=tiny.model, tokenizer=build_tokenizer(), uri="", prompt_format="chat")
+    assert (err.value.field, err.value.value, err.value.problem) == (
+        "rollout.prompt_format", "chat", "the policy's tokenizer has no chat template")
 
 
 def test_observation_is_the_next_user_turn_under_chat_and_plain_text_under_raw() -> None:
@@ -146,8 +148,11 @@ def test_load_tokenizer_reads_no_weights(tmp_path) -> None:
     store = Store(str(tmp_path), "test")
     save_policy(tiny.model, tok, store, "ckpt")
     (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"not weights")  # a weights read would fail
-    with pytest.raises(UserError):
+    with pytest.raises(UserError) as bad:
         load_policy(store.url("ckpt"))
+    assert (bad.value.field, bad.value.value, bad.value.problem) == (
+        "policy", store.url("ckpt"),
+        "model.safetensors is not a safetensors file (SafetensorError: Error while deserializing header: header too large)")
     loaded = prompts.load_tokenizer(store.url("ckpt"))
     assert prompts.encode(loaded, "hi", "auto") == [1, 34, 81, 21, 22, 2, 1, 14, 81]
     with pytest.raises(UserError) as err:

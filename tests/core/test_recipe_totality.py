@@ -52,6 +52,53 @@ CASES = {
 }
 
 
+LIMIT = "write the values out plainly, without deep nesting or alias chains"
+NOT_UTF8 = "save the recipe as UTF-8 text (see recipes/demo.yaml)"
+EXPECTED = {  # name: (field, with {path} for the recipe file's path; problem)
+    "alias-bomb": ("--recipe", "expands to more than 100000 values (YAML aliases count in full) at line 6"),
+    "alias-bomb-used": ("--recipe", "expands to more than 100000 values (YAML aliases count in full) at line 6"),
+    "deep-flow": ("--recipe", "nested deeper than 32 levels at line 2"),
+    "deep-block": ("--recipe", "nested deeper than 32 levels at line 33"),
+    "utf16": ("--recipe", "UTF-16 text, not UTF-8"),
+    "utf16-be-no-bom": ("--recipe", "binary data (NUL bytes), not YAML text"),
+    "binary": ("--recipe", "binary data (NUL bytes), not YAML text"),
+    "latin1": ("--recipe", "not UTF-8 text (byte 11)"),
+    "lone-surrogate-bytes": ("--recipe", "not UTF-8 text (byte 10)"),
+    "huge-int": ("--recipe", "a value YAML cannot convert (ValueError)"),
+    "huge-float": ("{path}: rollout.temperature", "Input should be a finite number"),
+    "nan": ("{path}: rollout.temperature", "Input should be a finite number"),
+    "not-a-mapping": ("recipe", "the recipe must be a YAML mapping"),
+    "empty": ("recipe", "the recipe must be a YAML mapping"),
+    "huge-file": ("--recipe", "larger than 1024 KiB"),
+    "huge-key": ("--recipe", "not valid YAML at line 2, column 200001"),  # PyYAML: a simple key is at most 1024 characters
+    "huge-value": ("{path}: pipeline", "String should match pattern '^[a-z][a-z0-9-]{0,62}$'"),
+    "list-value": ("{path}: domains", "List should have at most 256 items after validation, not 5000"),
+    "python-tag": ("--recipe", "not valid YAML at line 1, column 11"),  # the safe loader constructs no object
+    "concurrency": ("{path}: sandbox.concurrency", "Input should be less than or equal to 4096"),
+    "tasks": ("{path}: taskgen.tasks_per_iteration", "Input should be less than or equal to 1000000"),
+    "shards": ("{path}: rollout.shards", "Input should be less than or equal to 1024"),
+    "sandbox-shards": ("{path}: sandbox.shards", "Input should be less than or equal to 1024"),
+    "memory": ("{path}: sandbox.memory_mb", "Input should be less than or equal to 1048576"),
+    "negative-weight": ("{path}: taskgen.domain_weights.arithmetic", "negative or not a finite weight"),
+    "inf-weight": ("{path}: taskgen.domain_weights.arithmetic", "Input should be a finite number"),
+    "zero-weights": ("{path}: taskgen.domain_weights", "no domain has a positive weight"),
+    "curriculum-negative": ("{path}: taskgen.curriculum[0].weights.arithmetic", "negative weight"),
+    "engine": ("{path}: rollout.engine", "unknown rollout engine"),
+    "backend": ("{path}: sandbox.backend", "unknown sandbox backend"),
+    "domain": ("{path}: domains[0]", "unknown domain"),
+    "domain-not-str": ("{path}: domains.0", "Input should be a valid string"),
+    "timeouts": ("{path}: timeouts.trainer", "not a number of seconds from 1 to a week"),
+}
+FIXES = {"alias-bomb": LIMIT, "alias-bomb-used": LIMIT, "deep-flow": LIMIT, "deep-block": LIMIT, "utf16": NOT_UTF8,
+         "utf16-be-no-bom": NOT_UTF8, "binary": NOT_UTF8, "latin1": NOT_UTF8, "lone-surrogate-bytes": NOT_UTF8,
+         "huge-int": "fix the value (numbers of at most a few digits)", "huge-file": "a recipe holds only overrides; shorten it",
+         "huge-key": "fix the YAML syntax there", "python-tag": "fix the YAML syntax there"}
+
+
+def test_every_case_has_its_expected_error():
+    assert sorted(EXPECTED) == sorted(CASES) and len(CASES) == 33
+
+
 @pytest.mark.timeout(60)  # a recipe that takes the loader this long is a hang
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_hostile_recipe_is_one_user_error(tmp_path, name):
@@ -59,9 +106,21 @@ def test_every_hostile_recipe_is_one_user_error(tmp_path, name):
     path.write_bytes(CASES[name])
     with pytest.raises(UserError) as err:
         load_recipe(path)
+    field, problem = EXPECTED[name]
+    assert (err.value.field, err.value.problem) == (field.format(path=path), problem)
+    if name in FIXES:
+        assert err.value.fix == FIXES[name]
     line = err.value.line()
     assert "\n" not in line and len(line) < 1200, line
     assert err.value.fix
+
+
+def test_a_huge_value_is_shortened_in_the_error(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(CASES["huge-value"])
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    assert err.value.value == "v" * 77 + "..."
 
 
 def test_error_values_are_shortened_before_formatting(tmp_path):

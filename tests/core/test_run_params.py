@@ -40,7 +40,9 @@ def test_the_params_posttrain_run_and_a_user_pass_are_taken() -> None:
     for params in ({}, {"recipe": "", "run_root": "", "holder": ""}, {"recipe": "/abs/r.yaml", "run_root": "s3://b/p"},
                    {"recipe": "file:///r.yaml", "run_root": "file:/x", "holder": "local:/home/u/.posttrain"},
                    {"recipe": "s3://b/recipes/0a.yaml"}):
-        settings.check_run_params(params, params.keys())
+        kept = dict(params)
+        assert settings.check_run_params(params, params.keys()) is None
+        assert params == kept  # taken as they are, nothing filled in or changed
 
 
 def test_ending_a_failed_run_never_raises(tmp_path) -> None:

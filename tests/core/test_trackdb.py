@@ -144,6 +144,10 @@ def test_a_damaged_database_is_one_line_naming_it(damage, problem: str, made: Pa
 
 
 def test_a_whole_database_and_other_uris_pass(made: Path) -> None:
-    trackdb.check_existing(f"sqlite:///{made}")
-    trackdb.check_existing(f"sqlite:///{made.parent / 'absent.db'}")
-    trackdb.check_existing("http://127.0.0.1:9/")
+    before, folder = made.read_bytes(), sorted(p.name for p in made.parent.iterdir())
+    assert trackdb.check_existing(f"sqlite:///{made}") is None
+    assert trackdb.check_existing(f"sqlite:///{made.parent / 'absent.db'}") is None
+    assert trackdb.check_existing("http://127.0.0.1:9/") is None
+    assert made.read_bytes() == before  # only read: nothing written into it
+    assert not (made.parent / "absent.db").exists()  # a missing database is not created by the check
+    assert sorted(p.name for p in made.parent.iterdir()) == folder == ["mlflow.db"]

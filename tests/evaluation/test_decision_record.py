@@ -130,14 +130,25 @@ def test_the_report_carries_rule_intervals_and_the_baseline_input(iteration: Ite
     boot = iteration.manifests["bootstrap"]
     assert evaluation.inputs["baseline_eval"].digest == boot.content_digest
     layered = iteration.store.read_json("tiny/iter-000001/evaluation/layered.json")
-    assert all(0 <= r["ci_low"] <= r["pass_rate"] <= r["ci_high"] <= 1 for r in layered)
+    # this seeded iteration: 8 slices (domain, difficulty, trap), the 8 tasks of each domain, none passed; the
+    # interval of 0 passed of n is Wilson's [0, z^2 / (n + z^2)]
+    assert [(r["domain"], r["difficulty"], r["trap"], r["context_bucket"], r["tasks"], r["passed"]) for r in layered] == [
+        ("arithmetic", 1, False, "<=32", 1, 0), ("arithmetic", 2, False, "<=32", 2, 0),
+        ("arithmetic", 2, True, "<=32", 3, 0), ("arithmetic", 3, False, "<=32", 2, 0),
+        ("code", 1, False, "<=32", 3, 0), ("code", 1, True, "<=32", 1, 0),
+        ("code", 2, False, "<=32", 3, 0), ("code", 3, False, "<=32", 1, 0)]
+    assert [(r["pass_rate"], r["mean_score"], r["ci_low"]) for r in layered] == [(0.0, 0.0, 0.0)] * 8
+    wilson = {1: 0.7934506856227626, 2: 0.6576197724933468, 3: 0.5614970317550454}
+    assert [r["ci_high"] for r in layered] == [pytest.approx(wilson[r["tasks"]]) for r in layered]
 
 
 def test_pass_at_k_is_logged_beside_pass_at_1_and_only_when_asked(iteration: Iteration) -> None:
     evaluation = iteration.manifests["evaluation"]
     with_k = {k: v for k, v in evaluation.metrics.items() if "pass_at" in k}
     assert set(with_k) == {f"evaluation/{d}/pass_at_{n}" for d in ("arithmetic", "code", "mean") for n in ("1", "k")}
-    assert all(0.0 <= v <= 1.0 for v in with_k.values())
+    assert with_k == {k: 0.0 for k in with_k}  # this seeded iteration: no task solved, greedy or in 4 samples
+    for d in ("arithmetic", "code", "mean"):
+        assert with_k[f"evaluation/{d}/pass_at_k"] >= with_k[f"evaluation/{d}/pass_at_1"]
     stored = iteration.store.read_json(evaluation.outputs["pass_at_k"].path)
     assert stored["k"] == 4 and stored["pass_at_k"] == {d: with_k[f"evaluation/{d}/pass_at_k"] for d in ("arithmetic", "code")}
     report = json.loads(iteration.store.read_bytes("tiny/iter-000001/evaluation/report.json"))

@@ -69,15 +69,22 @@ def test_shuffled_permutes_within_each_domain_and_keeps_the_true_raw_reward():
     assert Counter(r.normalized_reward for r in on.values() if r.domain == "arithmetic") == {1.0: 6, 0.0: 2}
     # raw_reward stays the verifier's score; the trained-on score is another assignment
     assert all(on[i].raw_reward == off[i].raw_reward for i in off)
-    moved = [i for i in on if on[i].normalized_reward != on[i].raw_reward]
-    assert len(moved) >= 2
+    moved = sorted(i for i in on if on[i].normalized_reward != on[i].raw_reward)
+    # seed 11's permutation (the same in every process): 6 math and 2 arithmetic samples get another's score
+    assert moved == sorted(f"{t.task_id}-{k}" for t, k in ((M1, 0), (M1, 2), (M1, 3), (M2, 1), (M3, 0), (M3, 2),
+                                                             (A1, 3), (A2, 0)))
+    assert {task_id: [r.normalized_reward for r in group] for task_id, group in by_task(on).items()} == {
+        M1.task_id: [0.0, 0.0, 1.0, 1.0], M2.task_id: [0.0, 0.0, 0.0, 0.0], M3.task_id: [0.0, 0.0, 1.0, 0.0],
+        BROKEN.task_id: [0.0, 0.0, 0.0, 0.0], A1.task_id: [1.0, 1.0, 1.0, 1.0], A2.task_id: [0.0, 1.0, 0.0, 1.0]}
     # advantages come from the shuffled scores, group by group
     for task_id, group in by_task(on).items():
         if task_id == BROKEN.task_id:
             continue
         assert [r.advantage for r in group] == pytest.approx(
             group_advantages([r.normalized_reward for r in group], 1e-6, True))
-    assert any(on[i].advantage != pytest.approx(off[i].advantage) for i in on)
+    # every advantage moved but M3's two losers (still losers of one winner) and the excluded group's
+    unchanged = {f"{M3.task_id}-1", f"{M3.task_id}-3"} | {f"{BROKEN.task_id}-{k}" for k in range(4)}
+    assert sorted(i for i in on if on[i].advantage != pytest.approx(off[i].advantage)) == sorted(set(on) - unchanged)
 
 
 def test_shuffled_keeps_excluded_samples_excluded_and_is_seeded():
@@ -111,7 +118,9 @@ def test_stage_reports_the_control_and_replay_reproduces_the_permutation(tmp_pat
     assert [m["control_shuffled"] for m in metrics] == [1.0, 1.0]
     assert metrics[1]["arithmetic/pass_rate"] == 0.75  # the verifier's pass rate, not the shuffled one
     stored = [r for c in contexts for r in from_table(Reward, store.read_table(c.outputs["rewards"].path))]
-    assert any(r.normalized_reward != r.raw_reward for r in stored)
+    # each shard has its own control_seed: another permutation than score(seed=11)'s
+    assert sorted(r.rollout_id for r in stored if r.normalized_reward != r.raw_reward) == sorted(
+        f"{t.task_id}-{k}" for t, k in ((M1, 0), (M2, 0), (M2, 1), (M3, 0), (M3, 1), (M3, 3)))
     report = replay(recipe, store, 1)  # same config: the same seeds, the same permutation
     assert report["changed"] == [] and report["advantage_changed"] == 0
     off = replay(parse_recipe({"pipeline": "ctl", "domains": ["math", "arithmetic"], "rollout": {"shards": 2}}), store, 1)

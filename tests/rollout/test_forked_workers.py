@@ -37,11 +37,19 @@ def test_two_workers_sample_what_one_does(policy, one_thread, greedy: bool) -> N
         assert len({tuple(g.completion_ids) for g in one}) > len(PROMPTS)
 
 
-def test_more_torch_threads_keep_the_batches_in_this_process(policy, monkeypatch, capsys) -> None:
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # more than the one thread the pipeline runs with
+    yield
+    torch.set_num_threads(before)
+
+
+def test_more_torch_threads_keep_the_batches_in_this_process(policy, two_threads, monkeypatch, capsys) -> None:
     calls: list[int] = []
     monkeypatch.setattr(hf_engine, "forked_map", lambda fn, n, workers, done=None: calls.append(workers) or
                         [fn(k) for k in range(n)])
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert torch.get_num_threads() == 2
     HFEngine(workers=2).generate_groups(policy, PROMPTS, 2, max_new_tokens=4, temperature=1.0, seed=1, batch_size=8)
     assert calls == [1]
     assert "rollout.workers=2 ignored: torch runs 2 threads" in capsys.readouterr().out

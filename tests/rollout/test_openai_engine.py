@@ -439,8 +439,10 @@ def test_a_long_retry_after_is_an_outage_at_once(waits: list[float]) -> None:
 
 
 def test_a_mistake_is_not_tried_again(waits: list[float]) -> None:
-    with _Canned(b'{"error": "no such model"}', status=404) as server, pytest.raises(UserError):
+    with _Canned(b'{"error": "no such model"}', status=404) as server, pytest.raises(UserError) as caught:
         OpenAIEngine(base_url=server.url, model=MODEL).generate(tiny_policy(), ["1"], 2, 1.0, 0, 1)
+    assert (caught.value.field, caught.value.value, caught.value.problem) == (
+        "POSTTRAIN_OPENAI_BASE_URL", f"{server.url}/v1/completions", 'the server answered HTTP 404: {"error": "no such model"}')
     assert (len(server.posts), waits) == (1, [])
 
 
