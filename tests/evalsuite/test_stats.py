@@ -74,7 +74,9 @@ def test_the_multinomial_draw_is_the_bootstrap_over_task_indices():
 
 def test_the_same_seed_gives_the_same_interval_and_another_may_not():
     c, b = paired(200, 80, 12, 20)
-    assert paired_bootstrap(c, b, 0.95, 500, 3) == paired_bootstrap(c, b, 0.95, 500, 3)
+    # numpy's default_rng(3) draws the same on every machine: the interval is pinned, so a
+    # change to how the resamples are drawn shows here (a baseline comparison moves with it)
+    assert paired_bootstrap(c, b, 0.95, 500, 3) == pytest.approx((-0.04, -0.092625, 0.015), abs=1e-12)
     assert paired_bootstrap(c, b, 0.95, 500, 3) != paired_bootstrap(c, b, 0.95, 500, 4)
 
 
