@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 from components.core import models, tracking
 from components.core.context import StageContext, read_manifest, read_output_records
+from components.core.errors import exc_line
 from components.core.facts import Slice
 from components.core.manifest import Manifest, stage_prefix
+from components.core.progress import say
 from components.core.records import EvalResult
 from components.core.storage import Store
 from components.evalsuite.report import log_layered
@@ -50,13 +52,24 @@ def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[
         results = run_suite(policy, eval_tasks(ctx.recipe), ctx.recipe, executor, label=f"{ctx.stage} eval")
     ctx.write_records("eval_results", results, EvalResult)
     worst = log_layered(ctx, results)  # domain x difficulty x context bucket: store, MLflow table + plot
+    log_samples(ctx, results)
+    return results, pass_rates(results), worst
+
+
+def log_samples(ctx: StageContext, results: list[EvalResult]) -> None:
+    """The first completions of each domain as the MLflow artifact ``<stage>/samples.json``.
+    A failed upload prints one line and the stage goes on (a lasting artifact-store error
+    failed every rerun); the eval results themselves are in the store."""
     samples: dict[str, list[dict]] = {}
     for r in results:
         mine = samples.setdefault(r.domain, [])
         if len(mine) < SAMPLES_PER_DOMAIN:
             mine.append({"task_id": r.task_id, "completion": r.completion, "passed": r.passed})
-    tracking.log_artifact_text(ctx.mlflow_run_id, json.dumps(samples, indent=2), f"{ctx.stage}/samples.json")
-    return results, pass_rates(results), worst
+    try:
+        tracking.log_artifact_text(ctx.mlflow_run_id, json.dumps(samples, indent=2), f"{ctx.stage}/samples.json")
+    except Exception as exc:  # noqa: BLE001 - as the layered table's upload (report.log_layered)
+        say(f"iter {ctx.iteration} | {ctx.stage} | {ctx.stage}/samples.json not logged to MLflow "
+            f"({exc_line(exc)[:200]}); the eval results are in the store")
 
 
 def log_pass_at_k(ctx: StageContext, policy, k: int) -> dict[str, float]:

@@ -52,3 +52,19 @@ def test_an_interrupt_during_the_upload_propagates(tmp_path, posttrain_home, mon
     with pytest.raises(KeyboardInterrupt), tracking.stage_run("lay", "evaluation", "evaluation", None, {}) as run_id:
         ctx.mlflow_run_id = run_id
         log_layered(ctx, results())
+
+
+def test_a_failed_samples_upload_prints_one_line(tmp_path, posttrain_home, monkeypatch, capsys):
+    """``evaluate_and_log``'s last upload, ``samples.json``, failed the stage the same way."""
+    from components.evalsuite import score
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("403 Forbidden: s3://bucket/artifacts")
+
+    monkeypatch.setattr(tracking, "log_artifact_text", refuse)
+    ctx = context(tmp_path)
+    ctx.mlflow_run_id = "r1"
+    score.log_samples(ctx, results())
+    lines = [line for line in capsys.readouterr().out.splitlines() if "not logged" in line]
+    assert lines == ["iter 3 | evaluation | evaluation/samples.json not logged to MLflow (PermissionError: 403 "
+                     "Forbidden: s3://bucket/artifacts); the eval results are in the store"]
