@@ -298,20 +298,29 @@ def test_an_expected_file_text_longer_than_the_listing_reads_is_refused(tmp_path
     assert load_tasks(str(path))[0].reference["expected"]["a"] == "file:" + "x" * 64
 
 
+def written(tmp_path, row: dict) -> str:
+    """``row`` as the one line of a JSON Lines task file; returns its path."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    return str(path)
+
+
+def refused_line(tmp_path, row: dict) -> str:
+    """The one line ``load_tasks`` refuses a task file of ``row`` with."""
+    with pytest.raises(UserError) as err:
+        load_tasks(written(tmp_path, row))
+    return err.value.line()
+
+
 def test_a_terminal_mode_flag_that_is_not_a_boolean_is_named_with_its_value(tmp_path):
     """Before, ``"interactive": "no"`` loaded and turned the interactive mode on."""
     row = {"domain": "terminal", "prompt": "p", "metadata": {"interactive": "no"},
            "reference": {"start": {"a": "file:x"}, "expected": {"a": "file:x"}}}
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(row) + "\n")
-    with pytest.raises(UserError) as err:
-        load_tasks(str(path))
-    assert err.value.line() == (
-        f"{path} row 0: metadata.interactive='no': must be true or false without quotes (a JSON boolean: the string "
+    assert refused_line(tmp_path, row) == (
+        f"{tmp_path}/t.jsonl row 0: metadata.interactive='no': must be true or false without quotes (a JSON boolean: the string "
         "'no' would turn the mode on) for domain terminal; fix: see the metadata keys in components/domains/terminal.py")
     row["metadata"] = {"interactive": False, "multi_step": True}
-    path.write_text(json.dumps(row) + "\n")
-    assert load_tasks(str(path))[0].metadata == {"interactive": False, "multi_step": True}
+    assert load_tasks(written(tmp_path, row))[0].metadata == {"interactive": False, "multi_step": True}
 
 
 @pytest.mark.parametrize("domain", ["math", "terminal"])
@@ -319,27 +328,18 @@ def test_a_trap_flag_that_is_not_a_boolean_is_named_with_its_value(domain, tmp_p
     """Before, ``"trap": "no"`` loaded and the eval reports counted the task as a trap."""
     reference = {"answer": "7"} if domain == "math" else {"start": {"a": "file:x"}, "expected": {"a": "file:x"}}
     row = {"domain": domain, "prompt": "p", "metadata": {"trap": "no"}, "reference": reference}
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(row) + "\n")
-    with pytest.raises(UserError) as err:
-        load_tasks(str(path))
-    assert err.value.line() == (
-        f"{path} row 0: metadata.trap='no': must be true or false without quotes (a JSON boolean: the eval reports "
+    assert refused_line(tmp_path, row) == (
+        f"{tmp_path}/t.jsonl row 0: metadata.trap='no': must be true or false without quotes (a JSON boolean: the eval reports "
         "would count the string 'no' as a trap task); fix: write true or false, or leave the key out")
     row["metadata"] = {"trap": False}
-    path.write_text(json.dumps(row) + "\n")
-    assert load_tasks(str(path))[0].metadata == {"trap": False}
+    assert load_tasks(written(tmp_path, row))[0].metadata == {"trap": False}
 
 
 def test_an_extraction_answer_no_completion_matches_is_named_with_its_value(tmp_path):
     """Before, ``"1,000"`` loaded, and every completion scored 0 (a completion is split at commas)."""
     row = {"domain": "extraction", "prompt": "Q1 rev 1000\nrev?\n", "reference": {"fields": ["rev"], "answer": ["1,000"]}}
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(row) + "\n")
-    with pytest.raises(UserError) as err:
-        load_tasks(str(path))
-    assert err.value.line() == (
-        f"{path} row 0: reference.answer[0]='1,000': is '1,000', which holds a ',': a completion is split at commas, so "
+    assert refused_line(tmp_path, row) == (
+        f"{tmp_path}/t.jsonl row 0: reference.answer[0]='1,000': is '1,000', which holds a ',': a completion is split at commas, so "
         "it never matches; write the number without separators (1,000 as 1000) for domain extraction; fix: see the "
         "reference shape in components/domains/extraction.py")
 
