@@ -13,6 +13,12 @@ function of what it runs, which the sandbox makes so for the domains here (no ne
 a fresh work folder, no clock or randomness a verdict depends on); a program whose
 verdict is not should set ``sandbox.dedupe: false``. ``runs(results)`` counts the jobs
 that really ran.
+
+``refuse_outages(results, executor, label)`` is for scores that decide something (the
+eval suite): a job still ``infra_error`` after ``run_many``'s retries says nothing about
+the policy, and scored as a failure it would hold a good candidate back, so it raises
+``InfraError`` (the orchestrator retries the stage) instead. Training needs no such
+check: the reward stage leaves those samples out.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import hashlib
 import json
 import logging
 
+from components.core.errors import InfraError
 from components.core.jobs import Job, JobResult, SessionJob
 from components.core.progress import bar
 from components.core.records import Task
@@ -50,6 +57,18 @@ def job_key(job: Job | SessionJob) -> str:
 def runs(results: dict[str, JobResult]) -> int:
     """How many jobs really ran for ``results``: deduplicated pairs share one result object."""
     return len({id(r) for r in results.values()})
+
+
+def refuse_outages(results: dict[str, JobResult], executor: Executor, label: str) -> None:
+    """Raise ``InfraError`` naming how many of ``results`` (and the first) ended in
+    ``infra_error``; nothing when none did."""
+    broken = [(key, r) for key, r in results.items() if r.status == "infra_error"]
+    if broken:
+        key, first = broken[0]
+        raise InfraError("the sandbox", f"{executor.name} ({executor.isolation})",
+                         f"{label}: {len(broken)} of {len(results)} jobs ended in infra_error after retries "
+                         f"(first, {key}: {first.stderr[-200:]!r}); scored as failures they would misjudge the "
+                         "policy")
 
 
 def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency: int, label: str = "sandbox",

@@ -26,7 +26,7 @@ from components.core.recipe import Recipe
 from components.core.records import EvalResult, Task
 from components.domains import registry
 from components.domains.base import DONE, judge
-from components.domains.execute import execute
+from components.domains.execute import execute, refuse_outages
 from components.rollout.episode import Actor
 from components.rollout.interactive import interactive_specs, play
 from components.sandbox.executor import Executor
@@ -63,6 +63,7 @@ def score_episodes(actor: Policy | Actor, tasks: list[Task], recipe: Recipe, exe
                     max_action_tokens=recipe.evaluation.max_new_tokens)
     results = execute([(t.task_id, t, r.completion) for t, r in zip(tasks, rollouts)], executor,
                       recipe.sandbox.concurrency, label, recipe.sandbox.dedupe)
+    refuse_outages(results, executor, label)
     out = []
     for task, ro in zip(tasks, rollouts):
         verdict = judge(registry.get(task.domain), task, ro.completion, results.get(task.task_id))

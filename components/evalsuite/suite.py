@@ -12,6 +12,10 @@ one-shot task (``EvalResult.context_bucket``) by the length of its prompt as the
 sees it (``Policy.encode_prompt``, in ``rollout.prompt_format``), not by the character
 count a domain generator leaves in ``Task.context_tokens``.
 
+A job the sandbox could not run even after retries (``infra_error``) is never scored as
+a failure: the suite raises ``InfraError`` and the stage is retried
+(``execute.refuse_outages``).
+
 Interactive tasks (``Domain.interactive``) are scored as greedy episodes
 (``components/evalsuite/episodes.py``), never as one-shot completions, and report as
 their own ``multi_turn`` slices; ``sampled_pass_at_k`` leaves them out.
@@ -31,7 +35,7 @@ from components.core.records import EvalResult, Task
 from components.core.seeds import derive_seed
 from components.domains import registry
 from components.domains.base import judge
-from components.domains.execute import execute
+from components.domains.execute import execute, refuse_outages
 from components.evalsuite.episodes import score_episodes
 from components.evalsuite.stats import pass_at_k
 from components.rollout.engines import Engine, get_engine
@@ -81,6 +85,7 @@ def _one_shot(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Execu
     )
     results = execute([(t.task_id, t, s.text) for t, s in zip(tasks, samples)], executor, recipe.sandbox.concurrency, label,
                       recipe.sandbox.dedupe)
+    refuse_outages(results, executor, label)
     out = []
     for task, sample in zip(tasks, samples):
         verdict = judge(registry.get(task.domain), task, sample.text, results.get(task.task_id))  # total: never raises
@@ -114,6 +119,7 @@ def sampled_pass_at_k(policy: Policy, tasks: list[Task], recipe: Recipe, executo
     )
     jobs = [(f"{t.task_id}#{j}", t, samples[i * k + j].text) for i, t in enumerate(tasks) for j in range(k)]
     results = execute(jobs, executor, recipe.sandbox.concurrency, label, recipe.sandbox.dedupe)
+    refuse_outages(results, executor, label)
     passed = np.array([judge(registry.get(t.domain), t, text, results.get(key)).passed for key, t, text in jobs], dtype=int)
     correct = passed.reshape(len(tasks), k).sum(axis=1)
     per_task = pass_at_k(k, correct, k)
