@@ -86,10 +86,12 @@ def finish(proc: subprocess.Popen, log: Path) -> str:
     return text
 
 
-def assert_only_retried(home: Path, task: str) -> None:
+def assert_only_retried(home: Path, task: str, why: str = "") -> None:
+    """``task`` succeeded at its second try, every other task at its first; ``why`` is added
+    to a failure's message (what the outage took, for a retry that came too early)."""
     (tis,) = task_instances(home).values()  # one DAG run
     assert len(tis) == 1 + 3 + 1 + 1 + TINY_STAGES_PER_ITERATION  # plan, shard lists, announce_champion, bootstrap
-    assert tis.pop(task) == ("success", 2)
+    assert tis.pop(task) == ("success", 2), why
     assert {name: ti for name, ti in tis.items() if ti != ("success", 1)} == {}
 
 
@@ -119,10 +121,9 @@ def test_store_outage_mid_stage_is_retried_and_the_run_succeeds(restartable_s3: 
         if proc.poll() is None:
             proc.kill()
 
-    assert 1.0 < outage_s < 60.0, f"the store was down {outage_s:.1f} s"
-    assert back_after < STORE_RETRY_DELAY_S, f"SeaweedFS took {back_after:.1f} s to start: the retry may have come first"
     assert f"InfraError: store unreachable at '{root}'" in text
-    assert_only_retried(home, "trainer")
+    assert_only_retried(home, "trainer", f"the store was down {outage_s:.1f} s; SeaweedFS took {back_after:.1f} s "
+                                         f"to start again, against a {STORE_RETRY_DELAY_S} s retry delay")
     trainer = json.loads(store.read_bytes("tiny/iter-000001/trainer/_MANIFEST.json"))
     assert {k: v["sha256"] for k, v in trainer["outputs"].items()} == first  # the retry wrote the same bytes
     assert len(manifests(store)) == 1 + TINY_STAGES_PER_ITERATION
@@ -182,9 +183,8 @@ def test_tracking_server_outage_mid_stage_is_retried_and_the_run_succeeds(mlflow
     """MLflow's client would retry a refused connection for minutes on its own; with its
     retries off and a 5 s timeout, a hung server fails the trainer, and Airflow retries it."""
     run = tracking_outage_during("trainer", mlflow_server, s3_env, tmp_path)
-    assert 5.0 < run.outage_s < 90.0, f"the tracking server was stopped {run.outage_s:.1f} s"
     assert f"InfraError: tracking server unreachable at '{mlflow_server.uri}'" in run.log_text
-    assert_only_retried(run.home, "trainer")
+    assert_only_retried(run.home, "trainer", f"the tracking server was stopped {run.outage_s:.1f} s")
     it = f"{run.pipeline}/iter-000001"
     trainer = json.loads(run.store.read_bytes(f"{it}/trainer/_MANIFEST.json"))
     assert {k: v["sha256"] for k, v in trainer["outputs"].items()} == run.first["outputs"]  # the same bytes
@@ -253,16 +253,13 @@ def test_stopped_store_at_stage_start_exits_1_naming_the_store(restartable_s3: R
     env = {k: v for k, v in cli_env(home).items() if not k.startswith("AWS_")} | server.env()
     args = posttrain("stage", "bootstrap", "--recipe", str(TINY), "--run-root", root)
     restartable_s3.kill()
-    started = time.monotonic()
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    took = time.monotonic() - started
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # gives up, no hang
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"posttrain: unreachable: store unreachable at '{root}': "
                                "EndpointConnectionError: Could not connect to the endpoint URL")
     assert server.endpoint.removeprefix("http://") in lines[0] and lines[0].endswith("; retry once it is back")
-    assert took < 60, f"giving up took {took:.0f} s"
 
     restartable_s3.start()
     again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
