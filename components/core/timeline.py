@@ -18,13 +18,15 @@ the summary run also gets bootstrap's ``pass_at_1/*`` as step 0):
 and the plot ``timeline/pass_rates.png`` on both runs: eval pass@1 per domain over
 iterations 0..k (0 is bootstrap's score of the base policy; earlier iterations are read
 from their evaluation manifests) with 95% Wilson score bands, n being the suite's tasks
-per domain (its ``eval_results`` rows over the domains).
+per domain (its ``eval_results`` rows over the domains); and ``timeline/rewards.png``:
+the mean raw training reward per domain over iterations 1..k (``reward/<domain>``, the
+reward curve), left out while no iteration has rewards.
 
 Idempotent: a run that already has the iteration's step is not logged again (a rerun
 that hits the cache ends the iteration a second time); the plot is overwritten with the
 same picture. A metric whose stage did not record it (an older manifest) is left out.
-An error while drawing or uploading the plot (an artifact store that refuses writes)
-prints one line and is not raised: the metrics are logged before it.
+An error while drawing or uploading a plot (an artifact store that refuses writes)
+prints one line per plot and is not raised: the metrics are logged before them.
 
     from components.core import timeline
     timeline.headline(store, "tiny", 2)  # {"pass_at_1/code": 0.25, "reward/code": 0.4, ...}
@@ -47,6 +49,7 @@ from components.core.progress import say
 from components.core.storage import Store
 
 PLOT = "timeline/pass_rates.png"
+REWARD_PLOT = "timeline/rewards.png"
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,37 @@ def history(store: Store, pipeline: str, upto: int) -> list[Scores]:
     return out
 
 
+def reward_history(store: Store, pipeline: str, upto: int) -> list[tuple[int, dict[str, float]]]:
+    """``(iteration, mean raw reward per domain)`` of iterations 1 .. ``upto`` that have rewards."""
+    out = []
+    for k in range(1, upto + 1):
+        if store.exists(stage_prefix(pipeline, k, "reward")):
+            means = _reward_means(store, read_manifests(store, pipeline, k, "reward"))
+            if means:
+                out.append((k, means))
+    return out
+
+
+def plot_rewards(points: list[tuple[int, dict[str, float]]], pipeline: str):
+    """A matplotlib figure: the mean raw training reward per domain over iterations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for domain in sorted({d for _, means in points for d in means}):
+        mine = [(k, means[domain]) for k, means in points if domain in means]
+        ax.plot([k for k, _ in mine], [v for _, v in mine], marker="o", label=domain)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean training reward")
+    ax.set_xticks([k for k, _ in points])
+    ax.set_title(f"{pipeline}: mean reward of the trained samples by domain")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def plot(points: list[Scores], pipeline: str):
     """A matplotlib figure: pass@1 per domain over iterations, with 95% Wilson bands."""
     import matplotlib
@@ -170,11 +204,27 @@ def _logged(run_id: str, key: str, step: int) -> bool:
     return any(m.step == step for m in tracking.client().get_metric_history(run_id, key))
 
 
-def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> dict[str, float]:
-    """Log iteration ``iteration``'s headline metrics and the pass-rate plot on its parent
-    run (when given) and on the pipeline's summary run; returns the metrics."""
+def _log_plot(runs: list[str], path: str, iteration: int, draw) -> None:
+    """``draw()``'s figure as the artifact ``path`` of every run (nothing when it returns
+    None); an error prints one line and is not raised."""
     import matplotlib.pyplot as plt
 
+    try:
+        fig = draw()
+        if fig is None:
+            return
+        try:
+            for run_id in runs:
+                tracking.client().log_figure(run_id, fig, path)
+        finally:
+            plt.close(fig)
+    except Exception as exc:  # noqa: BLE001 - a lasting artifact-store error must not fail every rerun
+        say(f"iter {iteration} | timeline | plot {path} not logged ({exc_line(exc)[:200]}); its metrics are")
+
+
+def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> dict[str, float]:
+    """Log iteration ``iteration``'s headline metrics and the plots on its parent
+    run (when given) and on the pipeline's summary run; returns the metrics."""
     metrics = headline(store, pipeline, iteration)
     summary = tracking.pipeline_run(pipeline, store.uri)
     runs = [r for r in (parent_run_id, summary) if r]
@@ -188,13 +238,11 @@ def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> d
     for run_id in runs:
         if metrics and not _logged(run_id, next(iter(metrics)), iteration):
             tracking.log_metrics(run_id, metrics, step=iteration)
-    try:
-        fig = plot(points, pipeline)
-        try:
-            for run_id in runs:
-                tracking.client().log_figure(run_id, fig, PLOT)
-        finally:
-            plt.close(fig)
-    except Exception as exc:  # noqa: BLE001 - a lasting artifact-store error must not fail every rerun
-        say(f"iter {iteration} | timeline | plot {PLOT} not logged ({exc_line(exc)[:200]}); its metrics are")
+    _log_plot(runs, PLOT, iteration, lambda: plot(points, pipeline))
+
+    def rewards():
+        points = reward_history(store, pipeline, iteration)
+        return plot_rewards(points, pipeline) if points else None
+
+    _log_plot(runs, REWARD_PLOT, iteration, rewards)
     return metrics

@@ -124,11 +124,22 @@ def test_the_headline_metrics_equal_the_manifests(ran: Ran, run_name: str) -> No
 
 
 @pytest.mark.parametrize("run_name", ["iter-000001", "iter-000002", "tiny · timeline"])
-def test_the_pass_rate_plot_is_on_the_run(ran: Ran, run_name: str, tmp_path: Path) -> None:
+def test_the_pass_rate_and_reward_plots_are_on_the_run(ran: Ran, run_name: str, tmp_path: Path) -> None:
     run = by_name(ran)[run_name]
-    assert [a.path for a in ran.client.list_artifacts(run.info.run_id, "timeline")] == ["timeline/pass_rates.png"]
-    local = Path(ran.client.download_artifacts(run.info.run_id, "timeline/pass_rates.png", str(tmp_path)))
-    assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 10_000
+    assert [a.path for a in ran.client.list_artifacts(run.info.run_id, "timeline")] == ["timeline/pass_rates.png",
+                                                                                         "timeline/rewards.png"]
+    for name in ("pass_rates.png", "rewards.png"):
+        local = Path(ran.client.download_artifacts(run.info.run_id, f"timeline/{name}", str(tmp_path)))
+        assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 10_000
+
+
+def test_the_reward_curve_holds_every_iterations_reward_metrics(ran: Ran) -> None:
+    want = [(k, {key.split("/", 1)[1]: v for key, v in expected(ran.store, k).items() if key.startswith("reward/")})
+            for k in (1, 2)]
+    got = timeline.reward_history(ran.store, "tiny", 2)
+    assert [k for k, _ in got] == [1, 2] and sorted(got[0][1]) == ["arithmetic", "code"]
+    assert got == [(k, pytest.approx(means)) for k, means in want]
+    assert timeline.reward_history(ran.store, "tiny", 0) == []  # bootstrap trains on no rewards
 
 
 def test_the_history_starts_at_bootstrap_with_the_suites_size(ran: Ran) -> None:

@@ -32,6 +32,24 @@ def test_a_failed_plot_upload_prints_one_line_and_the_metrics_are_logged(tmp_pat
                      "(OSError: [Errno 28] No space left on device); its metrics are"]
 
 
+def test_each_plot_that_fails_prints_its_own_line(tmp_path, posttrain_home, monkeypatch, capsys):
+    from mlflow.tracking import MlflowClient
+
+    def refuse(client, run_id, figure, path):
+        raise OSError(f"refused {path}")
+
+    monkeypatch.setattr(MlflowClient, "log_figure", refuse)
+    monkeypatch.setattr(timeline, "headline", lambda store, pipeline, k: {})
+    monkeypatch.setattr(timeline, "history", lambda store, pipeline, k: [timeline.Scores(1, {"math": 0.5}, 10)])
+    monkeypatch.setattr(timeline, "reward_history", lambda store, pipeline, k: [(1, {"math": 0.25})])
+    timeline.record(Store(f"file://{tmp_path / 'store'}"), "tl", 1, "")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "not logged" in line]
+    assert lines == ["iter 1 | timeline | plot timeline/pass_rates.png not logged (OSError: refused "
+                     "timeline/pass_rates.png); its metrics are",
+                     "iter 1 | timeline | plot timeline/rewards.png not logged (OSError: refused "
+                     "timeline/rewards.png); its metrics are"]
+
+
 def test_an_interrupt_during_the_plot_upload_propagates(tmp_path, posttrain_home, monkeypatch):
     from mlflow.tracking import MlflowClient
 
