@@ -13,7 +13,12 @@ target_high]``, or above it: then the overshoot rule below picks the snapshot)
 accuracy jumps suddenly, so it checks often and keeps the previous snapshot when a jump
 overshoots, whichever lies closer to the band. The result is saved in Hugging Face
 format, scored on the fixed eval suite, registered as a version of
-``<pipeline>-policy`` and aliased ``champion`` and ``candidate``.
+``<pipeline>-policy`` and aliased ``champion`` and ``candidate``. A re-run (after its
+``model``, ``bootstrap``, ``evaluation``, ``rollout`` or ``sandbox`` section or the code
+version changed) moves no alias when its weights are those of the version the champion
+was trained from (``models.lineage_root``): the nightly line goes on from the champion.
+Other weights start a new line: both aliases move to the new version, and its line says
+which version was champion.
 
 With any other ``model.source`` (a Hugging Face folder, a store URI, or a registry URI
 ``models:/<name>@<alias>`` / ``models:/<name>/<version>``) it skips SFT and
@@ -199,9 +204,17 @@ def run(ctx: StageContext) -> dict[str, float]:
     record_decision(ctx.pipeline, version, promoted=True, reason="bootstrap: the first policy",
                     rows=unpaired(rates, {}, Counter(r.domain for r in results)), run_id=ctx.mlflow_run_id,
                     checkpoint_uri=uri)
-    models.set_alias(ctx.pipeline, "champion", version, run_root=ctx.store.uri)
-    models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
+    scores = "bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
+    champion = models.resolve_alias(ctx.pipeline, "champion")
+    if champion is not None and champion[0] != version and models.lineage_root(ctx.pipeline, champion[0]) == version:
+        # A re-run (a changed rollout, evaluation or sandbox section; a new code version) that
+        # made the same weights: the champion trained from them stays, and so does its line.
+        say(f"{scores} | registered version {version}; champion stays version {champion[0]}, trained from it")
+    else:
+        models.set_alias(ctx.pipeline, "champion", version, run_root=ctx.store.uri)
+        models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
+        moved = f" (was version {champion[0]}, trained from other weights)" if champion and champion[0] != version else ""
+        say(f"{scores} | registered version {version} as champion{moved}")
     ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)
-    say("bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items()) + f" | registered version {version} as champion")
     metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})
     return metrics

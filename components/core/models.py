@@ -8,7 +8,9 @@ checkpoint URI is the version tag ``posttrain.checkpoint_uri`` (also a tag of th
 that registered it); everything that needs a version's checkpoint reads that tag
 (``checkpoint_of``), falling back to the version's source for versions registered as a
 bare checkpoint folder. Aliases: ``candidate`` (latest trained) and ``champion``
-(set by bootstrap, then moved by evaluation's promotions).
+(set by bootstrap, then moved by evaluation's promotions). ``lineage_root`` follows a
+version's ``posttrain.parent_version`` tags back to the version it was first trained from:
+a re-run bootstrap whose version is the champion's root leaves the champion where it is.
 
 A registered model belongs to one run root (model tag ``posttrain.run_root``, set when it
 is created; a model without it is claimed by its next registration). Registering a
@@ -40,6 +42,7 @@ from components.core.errors import InfraError, UserError, outage
 POLICY_SUFFIX = "-policy"
 TAG_CHECKPOINT = "posttrain.checkpoint_uri"
 TAG_RUN_ROOT = tracking.TAG_RUN_ROOT
+TAG_PARENT = "posttrain.parent_version"
 TAG_WEIGHTS = "posttrain.weights_sha256"
 """The sha256 of the version's weights file when it was registered: a checkpoint URI
 re-written with other weights is another version."""
@@ -242,6 +245,29 @@ def registry_version(uri: str, field: str):
         raise UserError(field, uri, f"no such registered model version at {tracking.tracking_uri()}",
                         "use models:/<name>@<alias> or models:/<name>/<version> of an existing version") from None
     return mv
+
+
+def lineage_root(pipeline: str, version: str) -> str:
+    """The version ``version`` descends from through ``posttrain.parent_version`` tags (itself
+    when it has none): the bootstrap version a trained line started from. A parent that is
+    not a version of the model (an external ``rollout.policy``), or a loop in hand-edited
+    tags, ends the walk at the last version found."""
+    from mlflow.exceptions import MlflowException
+
+    name, seen = model_name(pipeline), {str(version)}
+    current = str(version)
+    while True:
+        parent = dict(tracking.client().get_model_version(name, current).tags).get(TAG_PARENT, "")
+        if not parent or parent in seen:
+            return current
+        try:
+            tracking.client().get_model_version(name, parent)
+        except MlflowException as exc:
+            if (down := outage(exc)) is not None:
+                raise InfraError("tracking server", tracking.tracking_uri(), down) from None
+            return current
+        seen.add(parent)
+        current = parent
 
 
 def set_version_tags(pipeline: str, version: str, tags: dict[str, str]) -> None:
