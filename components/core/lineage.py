@@ -7,7 +7,8 @@ checkpoint URI or folder, or a registry URI (``models:/<name>@<alias>``,
 any other is ``external``); a registry version's checkpoint is its
 ``posttrain.checkpoint_uri`` tag (``models.checkpoint_of``). taskgen resolves it once per iteration and records it in
 its manifest (``facts.StartingPolicy``), so every later stage of the iteration uses the
-same policy.
+same policy. A registry version whose checkpoint now holds other weights than it was
+registered with is refused (``models.check_weights``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ def resolve_policy(recipe: Recipe, run_root: str = "") -> tuple[str, str]:
             where = f" --run-root {shlex.quote(run_root)}', with this run's --recipe," if run_root else "'"
             raise UserError("rollout.policy", ref, f"registered model '{models.model_name(recipe.pipeline)}' has no {ref} yet",
                             f"run 'posttrain stage bootstrap{where} first ('posttrain run' does it for you)")
-        version, uri, _ = found
+        version, uri, tags = found
+        models.check_weights(version, uri, tags, "rollout.policy")
         return version, uri
     if ref.startswith("models:/"):
         mv = models.registry_version(ref, "rollout.policy")
+        models.check_weights(str(mv.version), models.checkpoint_of(mv), dict(mv.tags), "rollout.policy")
         uri = normalize_uri(models.checkpoint_of(mv), "rollout.policy")
         # A version of this pipeline's own model keeps its number: the trainer's parent_version
         # and taskgen's paired baseline follow it as they do an alias.

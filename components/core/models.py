@@ -11,6 +11,10 @@ bare checkpoint folder. Aliases: ``candidate`` (latest trained) and ``champion``
 (set by bootstrap, then moved by evaluation's promotions). ``lineage_root`` follows a
 version's ``posttrain.parent_version`` tags back to the version it was first trained from:
 a re-run bootstrap whose version is the champion's root leaves the champion where it is.
+``check_weights`` refuses a version whose checkpoint place no longer holds the weights it
+was registered (and judged) with (``posttrain.weights_sha256`` against the manifest of the
+stage that last wrote that place): a re-run that wrote other weights there, or one cut
+short, never serves or trains from unjudged weights under the old version's name.
 
 A registered model belongs to one run root (model tag ``posttrain.run_root``, set when it
 is created; a model without it is claimed by its next registration). Registering a
@@ -123,8 +127,8 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
     retried stage does not register twice), unless ``weights_sha256`` is given and that
     version was registered with other weights (``TAG_WEIGHTS``): a stage re-run that wrote
     other weights to the same place is a new version, so the old one's eval tags and
-    aliases never describe weights they were not judged on. Not covered: the old version
-    still points at the re-written place. ``max_new_tokens`` and ``batch_size`` are the
+    aliases never describe weights they were not judged on. The old version still names
+    the re-written place, and ``check_weights`` refuses it from then on. ``max_new_tokens`` and ``batch_size`` are the
     served model's defaults (a request may pass ``max_new_tokens``); ``prompt_format`` is how it
     encodes prompts (the recipe's ``rollout.prompt_format``, as the policy was trained)."""
     global last_registration_s
@@ -159,7 +163,7 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
     model = c.create_logged_model(run.info.experiment_id, name=MODEL_ARTIFACT, source_run_id=run_id,
                                   tags={TAG_CHECKPOINT: checkpoint_uri})
     with tempfile.TemporaryDirectory(prefix="posttrain-model-") as tmp:
-        build(checkpoint_uri, f"{tmp}/model", max_new_tokens, batch_size, prompt_format)
+        build(checkpoint_uri, f"{tmp}/model", max_new_tokens, batch_size, prompt_format, weights_sha256)
         c.log_model_artifacts(model.model_id, f"{tmp}/model")
     c.finalize_logged_model(model.model_id, "READY")
     last_registration_s = time.perf_counter() - started
@@ -212,14 +216,17 @@ def resolve_model_uri(uri: str, field: str) -> str:
     of that registry version; ``gguf:<package>/<file>.gguf`` -> the local Hugging Face folder
     converted from that GGUF file of an installed package (once per file digest, see
     :mod:`components.core.gguf`); any other URI is returned unchanged. A version or alias
-    that does not exist is a UserError; an unreachable tracking server an InfraError."""
+    that does not exist, or whose checkpoint holds other weights now (``check_weights``),
+    is a UserError; an unreachable tracking server an InfraError."""
     from components.core import gguf
 
     if gguf.is_gguf(uri):
         return gguf.checkpoint(uri, field)
     if not uri.startswith("models:/"):
         return uri
-    return checkpoint_of(registry_version(uri, field))
+    mv = registry_version(uri, field)
+    check_weights(str(mv.version), checkpoint_of(mv), dict(mv.tags), field)
+    return checkpoint_of(mv)
 
 
 def registry_version(uri: str, field: str):
@@ -245,6 +252,31 @@ def registry_version(uri: str, field: str):
         raise UserError(field, uri, f"no such registered model version at {tracking.tracking_uri()}",
                         "use models:/<name>@<alias> or models:/<name>/<version> of an existing version") from None
     return mv
+
+
+def check_weights(version: str, uri: str, tags: dict[str, str], field: str) -> None:
+    """UserError naming ``field`` when registry version ``version`` (its ``tags``) was
+    registered with other weights than the checkpoint at ``uri`` holds now by its stage's
+    manifest, or when no manifest describes that checkpoint any more; nothing for a version
+    registered without a weights digest. Not covered: a manifest and weights both replaced
+    by hand (their digests checked against each other when the files are read)."""
+    want = tags.get(TAG_WEIGHTS, "")
+    if not want:
+        return
+    from components.core.manifest import WEIGHTS
+    from components.core.policy import checkpoint_expectations
+
+    found = checkpoint_expectations(uri).get(WEIGHTS)
+    if found is None:
+        raise UserError(field, f"version {version}", f"its checkpoint {uri} is described by no stage manifest: the "
+                        "stage that wrote it was cut short or is running again",
+                        "let that stage finish (or re-run it), then use the version it registers")
+    if found.sha256 != want:
+        raise UserError(field, f"version {version}", f"its checkpoint {uri} now holds other weights (sha256 "
+                        f"{found.sha256[:12]}) than the version was registered and judged with ({want[:12]}): a "
+                        "stage re-run wrote over it",
+                        "use the version registered with the weights there now (the latest for that checkpoint), "
+                        "or point the alias at it")
 
 
 def lineage_root(pipeline: str, version: str) -> str:

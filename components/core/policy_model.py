@@ -89,10 +89,14 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
     """Greedy completions of the checkpoint named by ``model_config["checkpoint_uri"]``."""
 
     def load_context(self, context) -> None:
+        from components.core.models import TAG_WEIGHTS, check_weights
         from components.core.policy import load_policy
 
         config = context.model_config or {}
         self.config = dict(config)
+        if config.get("weights_sha256"):  # the checkpoint's place re-written since: refused, never served unjudged
+            check_weights("of this model", config["checkpoint_uri"], {TAG_WEIGHTS: config["weights_sha256"]},
+                          "checkpoint_uri")
         self.policy = load_policy(config["checkpoint_uri"], field="checkpoint_uri",
                                   prompt_format=str(config.get("prompt_format", "raw")))
 
@@ -119,10 +123,13 @@ def signature(max_new_tokens: int):
                           params=ParamSchema([ParamSpec("max_new_tokens", "long", int(max_new_tokens))]))
 
 
-def build(checkpoint_uri: str, folder: str, max_new_tokens: int, batch_size: int = 64, prompt_format: str = "auto") -> None:
-    """Write the MLflow model of ``checkpoint_uri`` into the empty or absent ``folder``."""
+def build(checkpoint_uri: str, folder: str, max_new_tokens: int, batch_size: int = 64, prompt_format: str = "auto",
+          weights_sha256: str = "") -> None:
+    """Write the MLflow model of ``checkpoint_uri`` into the empty or absent ``folder``;
+    with ``weights_sha256`` its load refuses a checkpoint that holds other weights by then
+    (``models.check_weights``)."""
     config = {"checkpoint_uri": checkpoint_uri, "max_new_tokens": int(max_new_tokens), "batch_size": int(batch_size),
-              "prompt_format": prompt_format}
+              "prompt_format": prompt_format, **({"weights_sha256": weights_sha256} if weights_sha256 else {})}
     # MLflow's advice (type hints, an input example, models-from-code) does not apply to a
     # model whose input is read by prompts_of and whose code is the posttrain package:
     # keep it out of every stage's log.
