@@ -129,6 +129,13 @@ def _stage(args: argparse.Namespace) -> int:
                                "pass the holder the orchestrator's plan leased the iteration to, or leave the flag out")
     settings.torch_threads()  # a bad POSTTRAIN_TORCH_THREADS stops here, before the stage writes anything
     settings.gc_policy()  # and a bad POSTTRAIN_GC
+    if args.lease_holder and args.stage_id != "bootstrap":  # a DAG's stage container: still its run's iteration
+        from components.core import planner
+        from components.core.recipe import load_recipe
+        from components.core.storage import Store
+
+        planner.check_current(Store(conf.run_root, "--run-root"), load_recipe(conf.recipe).pipeline, args.iteration,
+                              args.lease_holder)
     with _lease_renewed(args, conf):
         run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
                   orchestrator_run_id=args.orchestrator_run_id, in_order=True)

@@ -182,6 +182,7 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     try:
         # The plan's lease on the iteration lasts 6 hours; a stage may run longer (the
         # trainer's limit is 6 hours by itself): it is renewed while the stage runs.
+        _check_current(plan)
         with stop_signals_raised(), _lease_renewed(plan):
             if stopping():  # told to stop before this task started (`posttrain run` got SIGTERM)
                 raise AirflowTaskTerminated(f"{stage}: not started, the process was told to stop")
@@ -193,6 +194,18 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     except Exception as exc:
         raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     return stagehost.task_result(stage, m)
+
+
+def _check_current(plan: dict[str, Any]) -> None:
+    """``planner.check_current`` for the plan's iteration and holder (a plan from before
+    holders were handed on checks nothing): a cleared task of an old run, whose plan task
+    did not run again, is refused at once."""
+    from components.core import planner
+    from components.core.storage import Store
+
+    if plan.get("holder") and plan.get("pipeline"):
+        planner.check_current(Store(plan["run_root"], "run_root"), plan["pipeline"], int(plan["iteration"]),
+                              plan["holder"])
 
 
 def _lease_renewed(plan: dict[str, Any]):

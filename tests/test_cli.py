@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from components import __version__
+from components.core import lease
 from components.core.facts import Scored
 from components.core.runner import run_stage
 from components.core.storage import Store
@@ -355,6 +356,22 @@ def test_a_lease_holder_no_lease_can_hold_is_exit_2(tmp_path: Path, capsys) -> N
                                  "U+000A; fix: pass the holder the orchestrator's plan leased the iteration to, or leave "
                                  "the flag out\n")
     assert not (tmp_path / "rr").exists()
+
+
+def test_a_stage_container_whose_run_holds_no_lease_is_exit_2_before_any_work(tmp_path: Path, capsys) -> None:
+    """A cleared task of an old DAG run (its plan task did not run again) starts a stage
+    container with the old holder: refused before the stage reads or writes anything."""
+    from components.cli import main
+
+    root = tmp_path / "rr"
+    lease.acquire(Store(str(root)), "tiny", 1, "airflow:scheduled__2")
+    code = main(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", "1",
+                 "--lease-holder", "airflow:scheduled__1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("posttrain: error: iteration=1: the lease of 'airflow:scheduled__1' on iteration 1 "
+                                 "of pipeline 'tiny' is gone (held by 'airflow:scheduled__2'); fix: trigger a new run "
+                                 "(its plan picks the iteration to work on) instead of clearing this one's tasks\n")
+    assert sorted(p.name for p in (root / "tiny").iterdir()) == ["_leases"]  # no stage folder, no manifest
 
 
 @pytest.mark.timeout(60)

@@ -7,7 +7,9 @@ lease on it (``components.core.lease``), so two runs never work on the same k:
    ``posttrain run`` started again, a retried plan task);
 2. with ``replay=True`` (one DAG run = one iteration), the newest iteration ``holder``
    holds is returned even when finished, so clearing a finished DAG run replays the same
-   k, and every stage is a cache hit;
+   k, and every stage is a cache hit; but once a later iteration has started, that k is
+   over: a UserError (``check_current``), since a stage re-run on a changed recipe or code
+   would train and judge again from today's champion and could move it back;
 3. otherwise k = the last iteration with an evaluation manifest + 1 (a half-done k
    resumes: its finished stages are cache hits), claimed for ``holder``. A live lease of
    another holder on k raises ``LeaseHeld``, unless ``stale(lease)`` says its holder is
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from components.core import lease
+from components.core.errors import UserError
 from components.core.manifest import MANIFEST, iteration_prefix, stage_prefix
 from components.core.recipe import Recipe
 from components.core.storage import Store
@@ -50,12 +53,38 @@ def finished(store: Store, pipeline: str) -> list[int]:
     return sorted(done)
 
 
+def started_after(store: Store, pipeline: str, iteration: int) -> int | None:
+    """The newest iteration after ``iteration`` that has been planned (its folder exists), or None."""
+    later = [int(n[5:]) for n in store.listdir(pipeline) if n.startswith("iter-") and n[5:].isdigit()]
+    return max((k for k in later if k > iteration), default=None)
+
+
+def check_current(store: Store, pipeline: str, iteration: int, holder: str) -> None:
+    """UserError unless ``iteration`` is still ``holder``'s to work on: no later iteration
+    has started, and its lease is ``holder``'s (live or expired, not released or taken).
+    What a stage of a DAG run checks before it runs: clearing an old run's tasks skips its
+    plan task, and would otherwise re-run an iteration that is over."""
+    fix = "trigger a new run (its plan picks the iteration to work on) instead of clearing this one's tasks"
+    later = started_after(store, pipeline, iteration)
+    if later is not None:
+        raise UserError("iteration", iteration, f"iteration {iteration} of pipeline {pipeline!r} is over: iteration "
+                        f"{later} has started since, and re-running its stages on today's recipe and code could "
+                        "move the champion back", fix)
+    cur = lease.current(store, pipeline, iteration)
+    if cur is None or cur.holder != holder:
+        whose = "none was taken" if cur is None else f"held by {cur.holder!r}" if cur.holder else "released"
+        raise UserError("iteration", iteration, f"the lease of {holder!r} on iteration {iteration} of pipeline "
+                        f"{pipeline!r} is gone ({whose})", fix)
+
+
 def plan(store: Store, recipe: Recipe, holder: str, replay: bool = False, ttl_s: float = lease.DEFAULT_TTL_S,
          stale: Callable[[lease.Lease], bool] | None = None) -> int:
     pipeline = recipe.pipeline
     done = set(finished(store, pipeline))
     k = next((k for k in lease.held_by(store, pipeline, holder) if replay or k not in done), None)
-    if k is None:
+    if k is not None:
+        check_current(store, pipeline, k, holder)
+    else:
         k = max(done, default=0) + 1
     lease.acquire(store, pipeline, k, holder, ttl_s, stale)
     store.write_json(f"{iteration_prefix(pipeline, k)}/{RECIPE_SNAPSHOT}", recipe.model_dump(mode="json"))

@@ -97,6 +97,40 @@ def test_replay_returns_the_same_finished_iteration(store_uri: str, recipe) -> N
         planner.plan(store, recipe, "airflow:run-b", replay=True)  # another run neither replays 1 nor takes 2
 
 
+def test_a_cleared_old_run_does_not_replay_an_iteration_that_is_over(store_uri: str, recipe) -> None:
+    """Clearing run-a's finished DAG run once run-b's iteration 2 has started would re-run
+    iteration 1 on today's recipe and code, from today's champion."""
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 1
+    finish(store, 1)
+    assert planner.plan(store, recipe, "airflow:run-b", replay=True) == 2
+    with pytest.raises(UserError) as err:
+        planner.plan(store, recipe, "airflow:run-a", replay=True)
+    assert err.value.line() == (
+        "iteration=1: iteration 1 of pipeline 'tiny' is over: iteration 2 has started since, and re-running its "
+        "stages on today's recipe and code could move the champion back; fix: trigger a new run (its plan picks "
+        "the iteration to work on) instead of clearing this one's tasks")
+    assert lease.current(store, "tiny", 1).holder == "airflow:run-a"  # nothing was taken or released
+
+
+def test_a_stage_of_a_run_whose_iteration_is_over_or_whose_lease_is_gone_is_refused(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 1
+    planner.check_current(store, "tiny", 1, "airflow:run-a")  # its own, current: nothing raised
+    with pytest.raises(UserError, match=r"^iteration=1: the lease of 'airflow:run-z' on iteration 1 of pipeline "
+                                        r"'tiny' is gone \(held by 'airflow:run-a'\); fix: trigger a new run"):
+        planner.check_current(store, "tiny", 1, "airflow:run-z")
+    assert lease.release(store, "tiny", 1, "airflow:run-a")
+    with pytest.raises(UserError, match=r"is gone \(released\)"):
+        planner.check_current(store, "tiny", 1, "airflow:run-a")
+    assert planner.plan(store, recipe, "airflow:run-b", replay=True) == 1
+    finish(store, 1)
+    assert planner.plan(store, recipe, "airflow:run-c", replay=True) == 2
+    with pytest.raises(UserError, match=r"^iteration=1: iteration 1 of pipeline 'tiny' is over: iteration 2 has "
+                                        r"started since"):
+        planner.check_current(store, "tiny", 1, "airflow:run-b")  # a cleared task of run-b: its plan did not run
+
+
 def test_expired_lease_is_taken_over_on_the_same_iteration(store_uri: str, recipe) -> None:
     store = Store(store_uri)
     assert planner.plan(store, recipe, "dead-worker", ttl_s=1.0) == 1
