@@ -10,7 +10,9 @@ bomb) gives one ``UserError``. The loader (``BoundedLoader``) caps nesting at
 ``MAX_YAML_NODES``; values are shortened with ``reprlib`` before they enter a message.
 Sizes and fan-outs have upper bounds (``sandbox.concurrency`` at most the sandbox's uid
 pool, ``SANDBOX_UID_SLOTS``), weights must be finite and >= 0 and add up to at most
-``MAX_WEIGHT_SUM``, an integer field takes no text (``shards: "2"``), ``model.source`` and
+``MAX_WEIGHT_SUM`` (loss weights, ``reward.domain_weights``, each at most
+``MAX_REWARD_WEIGHT``, some domain's above 0), dynamic sampling's
+``trainer.prompts_per_step`` at most ``taskgen.tasks_per_iteration``, an integer field takes no text (``shards: "2"``), ``model.source`` and
 ``rollout.policy`` must be able to name a checkpoint (not blank, no NUL, a valid store URI
 or path: ``storage.normalize_uri``'s rules), and registered names (``domains``,
 ``rollout.engine``, ``sandbox.backend``) are checked at load.
@@ -392,6 +394,35 @@ def _weights(weights: dict[str, float], where: str, unlisted: float = 0.0) -> No
                         "use smaller weights: only their ratios matter (e.g. 1 and 3)")
 
 
+MAX_REWARD_WEIGHT = 1e6
+"""Largest loss weight in ``reward.domain_weights``. Unlike sampling weights these are not
+ratios: a weight multiplies the domain's advantages directly, so it sets the size of that
+domain's policy-gradient term against the KL term and gradient clipping. 1e6 leaves
+float32 room (a step's loss is a sum of advantage x weight x ratio over its tokens; 1e300
+overflowed to inf and every step was skipped with a NaN gradient) and is far above any
+useful emphasis."""
+
+
+def _reward_weights(recipe: Recipe, source: str) -> None:
+    """``reward.domain_weights``: each finite, from 0 to ``MAX_REWARD_WEIGHT``, for a domain
+    of the recipe, and some domain (unlisted ones weigh 1) above 0, else no group could
+    ever train. Not covered: whether a weight is useful (0.001 trains next to nothing)."""
+    where = f"{source}: reward.domain_weights"
+    fix = (f"use a loss weight from 0 to {MAX_REWARD_WEIGHT:g}: it multiplies that domain's advantages as it is "
+           "(2 doubles the domain's policy-gradient term against the KL term; 1, the default, leaves it as scored)")
+    for name, w in recipe.reward.domain_weights.items():
+        if not math.isfinite(w) or w < 0:
+            raise UserError(f"{where}.{one_line(short(name))}", w, "negative or not a finite weight", fix)
+        if w > MAX_REWARD_WEIGHT:
+            raise UserError(f"{where}.{one_line(short(name))}", w, f"more than {MAX_REWARD_WEIGHT:g}", fix)
+    for name in recipe.reward.domain_weights:
+        if name not in recipe.domains:
+            raise UserError(where, name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
+    if all(recipe.reward.domain_weights.get(d, 1.0) == 0 for d in recipe.domains):
+        raise UserError(where, "{...}", "no domain has a positive loss weight, so no group would ever train",
+                        "give at least one domain a weight > 0 (a domain left out of reward.domain_weights weighs 1)")
+
+
 def _location(value: str, where: str, fix: str, what: str = "checkpoint") -> None:
     """A recipe's location of a checkpoint (``model.source``, ``rollout.policy``) or of a
     task file (``taskgen.task_file``, ``what="task file"``) can name one: not blank, no
@@ -454,10 +485,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
                             "list each domain once; weigh it with taskgen.domain_weights")
     ENGINES.check(recipe.rollout.engine, f"{source}: rollout.engine")
     BACKENDS.check(recipe.sandbox.backend, f"{source}: sandbox.backend")
-    _weights(recipe.reward.domain_weights, f"{source}: reward.domain_weights")
-    for name in recipe.reward.domain_weights:
-        if name not in recipe.domains:
-            raise UserError(f"{source}: reward.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
+    _reward_weights(recipe, source)
     for name in recipe.taskgen.domain_weights:
         if name not in recipe.domains:
             raise UserError(f"{source}: taskgen.domain_weights", name, "weight for a domain not in 'domains'", "add it to 'domains' or drop the weight")
@@ -482,6 +510,12 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
     for name in recipe.resources:
         if name not in stage_ids():
             raise UserError(f"{source}: resources", name, "not a stage", f"use one of {list(stage_ids())}")
+    tasks = recipe.taskgen.tasks_per_iteration
+    if recipe.trainer.dynamic_sampling and recipe.trainer.prompts_per_step > tasks:
+        # Dynamic sampling trains whole steps only, tasks_per_iteration // prompts_per_step of them.
+        raise UserError(f"{source}: trainer.prompts_per_step", recipe.trainer.prompts_per_step,
+                        f"is more than taskgen.tasks_per_iteration ({tasks}), so dynamic sampling would never fill a step",
+                        f"set trainer.prompts_per_step to at most {tasks}, or trainer.dynamic_sampling to false")
     if recipe.bootstrap.target_low > recipe.bootstrap.target_high:
         raise UserError(f"{source}: bootstrap.target_low", recipe.bootstrap.target_low, "above bootstrap.target_high", "make target_low <= target_high")
     return recipe

@@ -12,13 +12,19 @@ at least one trained token), with the sample's advantage times its domain weight
   rewards its advantages were computed from are all equal (``normalized_reward`` of the
   non-excluded samples: the raw score, or its per-domain z-score, or under
   ``reward.control: shuffled`` the shuffled score, so the control's groups are chosen by
-  the rewards it trains on, not the true ones; judged on rewards, not on the advantage, so a
-  domain whose loss weight is 0 is not mistaken for a group without signal). Of the informative groups, a seeded shuffle (so task order
+  the rewards it trains on, not the true ones). Of the informative groups whose domain's
+  loss weight (``reward.domain_weights``) is above 0, a seeded shuffle (so task order
   favours no domain) picks ``prompts_per_step`` per step for ``target_steps`` steps, or
-  as many whole steps as there are informative groups for; the informative groups left
-  over (taskgen's oversampled surplus, or too few to fill a step) are unused.
+  as many whole steps as there are such groups for; the ones left over (taskgen's
+  oversampled surplus, or too few to fill a step) are unused.
 
-Every task with a rollout is counted once: kept, dropped or unused (``Selection``).
+In both modes an informative group of a domain whose loss weight is 0 is counted as
+``zero_weight``, not as dropped: its rewards differ, but the recipe asked not to train on
+its domain. It never trains (as if the domain were left out: it takes no step slot and
+no share of the loss denominators), and a weight-0 group whose rewards are all equal is
+dropped like any other.
+
+Every task with a rollout is counted once: kept, dropped, zero_weight or unused (``Selection``).
 
 Not covered: drawing more rollouts when too few groups are informative (the surplus is
 what ``taskgen.oversample`` drew up front), and per-sample filtering inside a group
@@ -44,6 +50,7 @@ class Group:
     samples: list[Sample]
     raw_rewards: list[float]  # the rewards behind the advantages (``normalized_reward``) of the samples
     # not excluded (status ``ok``), trainable or not
+    weight: float = 1.0  # its domain's loss weight (``Reward.weight`` of its non-excluded samples)
 
     @property
     def has_signal(self) -> bool:
@@ -55,26 +62,34 @@ class Group:
         """Trainable, and its non-excluded samples' rewards are not all equal (DAPO's filter)."""
         return bool(self.samples) and len(set(self.raw_rewards)) > 1
 
+    @property
+    def zero_weight(self) -> bool:
+        """Informative, but its domain's loss weight is 0: never trained, counted apart."""
+        return self.informative and self.weight <= 0
+
 
 @dataclass(frozen=True)
 class Selection:
-    """The groups to train on (task order), and per domain how many groups were kept and
-    dropped (every domain with a group, 0 included); ``unused`` counts the informative
-    groups dynamic sampling left out."""
+    """The groups to train on (task order), and per domain how many groups were kept,
+    dropped (no signal) and set aside for a loss weight of 0 (every domain with a group, 0
+    included); ``unused`` counts the informative groups dynamic sampling left out."""
 
     groups: list[list[Sample]]
     kept: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     unused: int = 0
+    zero_weight: dict[str, int] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        """``groups_kept``, ``groups_dropped``, ``groups_unused`` and ``<domain>/groups_kept``,
-        ``<domain>/groups_dropped`` (the stage logs them under ``trainer/``)."""
+        """``groups_kept``, ``groups_dropped``, ``groups_zero_weight``, ``groups_unused`` and
+        ``<domain>/groups_kept``, ``<domain>/groups_dropped``, ``<domain>/groups_zero_weight``
+        (the stage logs them under ``trainer/``)."""
         out = {"groups_kept": float(sum(self.kept.values())), "groups_dropped": float(sum(self.dropped.values())),
-               "groups_unused": float(self.unused)}
+               "groups_zero_weight": float(sum(self.zero_weight.values())), "groups_unused": float(self.unused)}
         for domain in sorted(self.kept):
             out[f"{domain}/groups_kept"] = float(self.kept[domain])
             out[f"{domain}/groups_dropped"] = float(self.dropped.get(domain, 0))
+            out[f"{domain}/groups_zero_weight"] = float(self.zero_weight.get(domain, 0))
         return out
 
 
@@ -84,36 +99,40 @@ def collect_groups(rollouts: list[Rollout], rewards: list[Reward]) -> list[Group
     samples: dict[str, list[Sample]] = defaultdict(list)
     raw: dict[str, list[float]] = defaultdict(list)
     domain: dict[str, str] = {}
+    weight: dict[str, float] = {}
     for ro in rollouts:
         rw = by_id[ro.rollout_id]
         domain[ro.task_id] = rw.domain
         samples.setdefault(ro.task_id, [])
         if rw.status != "ok":
-            continue
+            continue  # an excluded sample's weight is 0 whatever its domain's
         raw[ro.task_id].append(rw.normalized_reward)
+        weight[ro.task_id] = rw.weight
         if not ro.completion_token_ids or (ro.completion_mask and not any(ro.completion_mask)):
             continue
         samples[ro.task_id].append(Sample(ro.prompt_token_ids, ro.completion_token_ids, ro.logprobs,
                                           rw.advantage * rw.weight, list(ro.completion_mask)))
-    return [Group(t, domain[t], samples[t], raw[t]) for t in sorted(samples)]
+    return [Group(t, domain[t], samples[t], raw[t], weight.get(t, 1.0)) for t in sorted(samples)]
 
 
 def select_groups(groups: list[Group], *, dynamic: bool, prompts_per_step: int, target_steps: int,
                   seed: int) -> Selection:
     """The groups to train on; see the module docstring for the two rules."""
+    zero = [g for g in groups if g.zero_weight]
     if not dynamic:
         chosen = [g for g in groups if g.has_signal]
-        return Selection([g.samples for g in chosen], _per_domain(groups, chosen),
-                         _per_domain(groups, [g for g in groups if not g.has_signal]))
-    informative = [g for g in groups if g.informative]
-    steps = min(target_steps, len(informative) // prompts_per_step)
-    order = list(range(len(informative)))
+        dropped = [g for g in groups if not g.has_signal and not g.zero_weight]
+        return Selection([g.samples for g in chosen], _per_domain(groups, chosen), _per_domain(groups, dropped),
+                         zero_weight=_per_domain(groups, zero))
+    trainable = [g for g in groups if g.informative and not g.zero_weight]
+    steps = min(target_steps, len(trainable) // prompts_per_step)
+    order = list(range(len(trainable)))
     random.Random(seed).shuffle(order)
     picked = sorted(order[: steps * prompts_per_step])
-    chosen = [informative[i] for i in picked]
+    chosen = [trainable[i] for i in picked]
     return Selection([g.samples for g in chosen], _per_domain(groups, chosen),
                      _per_domain(groups, [g for g in groups if not g.informative]),
-                     unused=len(informative) - len(chosen))
+                     unused=len(trainable) - len(chosen), zero_weight=_per_domain(groups, zero))
 
 
 def _per_domain(every: list[Group], some: list[Group]) -> dict[str, int]:

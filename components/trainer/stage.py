@@ -12,18 +12,21 @@ Which groups train: by default every group with learning signal (some weighted
 advantage not 0), the last step partial. With ``trainer.dynamic_sampling`` (DAPO),
 groups whose rewards behind the advantages (``normalized_reward``: the raw score, its
 per-domain z-score, or the shuffled control's permuted score) are all equal are dropped and every step holds exactly
-``prompts_per_step`` informative groups, for ``taskgen.tasks_per_iteration //
+``prompts_per_step`` informative groups of domains whose loss weight
+(``reward.domain_weights``) is above 0, for ``taskgen.tasks_per_iteration //
 prompts_per_step`` steps per epoch (fewer, whole ones, when too few groups are
 informative); a seeded shuffle picks them, and the informative groups beyond the target
-(``taskgen.oversample``'s surplus) are left unused. Either way the stage returns
-``groups_kept``, ``groups_dropped``, ``groups_unused`` and per domain
-``<domain>/groups_kept`` and ``<domain>/groups_dropped``, logged as ``trainer/...``.
+(``taskgen.oversample``'s surplus) are left unused. Either way informative groups of a
+weight-0 domain never train (as if the domain were left out) and are counted apart, and
+the stage returns ``groups_kept``, ``groups_dropped``, ``groups_zero_weight``,
+``groups_unused`` and per domain ``<domain>/groups_kept``, ``<domain>/groups_dropped`` and
+``<domain>/groups_zero_weight``, logged as ``trainer/...``.
 When no step runs (no group had a learning signal, or too few for one whole step) the
 stage prints a WARNING line with the reason and the fix (``no_steps_warning``) and
 registers the parent's weights as the new version; its step means (``trainer/loss``,
 ``kl``, ``lr``, ...) read 0.
-Dynamic sampling with ``prompts_per_step`` above ``tasks_per_iteration`` is a
-``UserError`` (no step could ever be filled).
+Dynamic sampling with ``prompts_per_step`` above ``tasks_per_iteration`` (no step could
+ever be filled) is a ``UserError`` when the recipe is parsed (``recipe.parse_recipe``).
 
 Optimizer state is carried across iterations: ``trainer_state.pt`` (AdamW moments, LR
 schedule position, RNG states, data position; see ``state.py``) is saved beside the
@@ -82,7 +85,6 @@ from pathlib import Path
 
 from components.core import models, stages, tracking
 from components.core.context import StageContext
-from components.core.errors import UserError
 from components.core.facts import Checkpoint, StartingPolicy
 from components.core.manifest import WEIGHTS, InputRef
 from components.core.nodes import Node, this_node
@@ -112,12 +114,6 @@ and taskgen's tasks per iteration (the steps dynamic sampling aims at)."""
 
 
 def inputs(ctx: StageContext) -> None:
-    cfg, tasks = ctx.recipe.trainer, ctx.recipe.taskgen.tasks_per_iteration
-    if cfg.dynamic_sampling and cfg.prompts_per_step > tasks:
-        # Dynamic sampling trains whole steps only, tasks_per_iteration // prompts_per_step of them.
-        raise UserError("trainer.prompts_per_step", cfg.prompts_per_step,
-                        f"is more than taskgen.tasks_per_iteration ({tasks}), so dynamic sampling would never fill a step",
-                        f"set trainer.prompts_per_step to at most {tasks}, or trainer.dynamic_sampling to false")
     ctx.depend_on("validation")
     ctx.depend_on("rollout")
     ctx.depend_on("reward")
@@ -228,7 +224,8 @@ def run(ctx: StageContext) -> dict[str, float]:
         say(f"iter {ctx.iteration} | trainer | WARNING: {skipped} of {len(batches)} steps had a gradient that is not "
             "finite and updated nothing (trainer/skipped_steps); check the rollout's logprobs")
     say(f"iter {ctx.iteration} | trainer | {len(batches)} steps on {len(groups)} groups "
-        f"({sum(selection.dropped.values())} dropped, {selection.unused} unused) | {cfg.processes} process(es)"
+        f"({sum(selection.dropped.values())} dropped, {sum(selection.zero_weight.values())} of loss weight 0, "
+        f"{selection.unused} unused) | {cfg.processes} process(es)"
         f"{f' x {node.count} nodes' if node.multi else ''} | "
         f"registered version {version}")
     return {
@@ -246,15 +243,17 @@ def no_steps_warning(iteration: int, selection: Selection, prompts_per_step: int
     Its metrics (``trainer/loss``, ``kl``, ``lr``, ...) still read 0 (``step_means``).
     Not covered: which groups came close (every group's rewards are in the reward stage's
     output)."""
-    dropped = sum(selection.dropped.values())
+    dropped, zero = sum(selection.dropped.values()), sum(selection.zero_weight.values())
+    zero_text = f", {zero} informative groups in domains whose reward.domain_weights is 0" if zero else ""
     if selection.unused:
         why = (f"only {selection.unused} informative groups, fewer than trainer.prompts_per_step ({prompts_per_step}), "
-               f"and dynamic sampling trains whole steps only ({dropped} groups had no learning signal)")
+               f"and dynamic sampling trains whole steps only ({dropped} groups had no learning signal{zero_text})")
         fix = "raise taskgen.oversample or lower trainer.prompts_per_step"
     else:
-        why = (f"none of the {dropped} groups had a learning signal (all rewards in each group equal, "
-               "or its domain's reward.domain_weights is 0)")
+        why = f"none of the {dropped} groups had a learning signal (all rewards in each group equal){zero_text}"
         fix = "raise rollout.group_size or rollout.temperature, or bootstrap further / check the verifier"
+        if zero:
+            fix = f"give {', '.join(d for d, n in selection.zero_weight.items() if n)} a reward.domain_weights > 0, or {fix}"
     return (f"iter {iteration} | trainer | WARNING: 0 steps: {why}; the new checkpoint holds the parent's weights "
             f"(version {parent_version}); fix: {fix}")
 

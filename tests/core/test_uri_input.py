@@ -239,7 +239,6 @@ def test_the_home_of_no_user_inside_an_image(monkeypatch: pytest.MonkeyPatch) ->
     ("taskgen: {domain_weights: {arithmetic: 1.0e308}}", "taskgen.domain_weights", "1e+308"),  # code counts 1
     ("taskgen: {curriculum: [{until: 1, weights: {arithmetic: 1.0e308, code: 1.0e308}}]}",
      "taskgen.curriculum[0].weights", "inf"),
-    ("reward: {domain_weights: {arithmetic: 1.0e308, code: 1.0e308}}", "reward.domain_weights", "inf"),
 ])
 def test_weights_that_overflow_are_refused_at_load(section: str, field: str, total: str) -> None:
     with pytest.raises(UserError) as info:

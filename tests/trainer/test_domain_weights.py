@@ -1,7 +1,9 @@
 """``reward.domain_weights`` reaches the update: rewards scored by the reward stage's
-``score``, groups the trainer selects without dynamic sampling, one ``grpo_step`` from the same
-init. A changed weight changes the parameters; weight 0 equals leaving the domain out;
-under ``domain_zscore`` (which group-std scaling cancels) the weight still acts."""
+``score``, groups the trainer selects (without dynamic sampling unless a test says so), one
+``grpo_step`` from the same init. A changed weight changes the parameters; weight 0 equals
+leaving the domain out, with or without dynamic sampling (the same gradient and update);
+under ``domain_zscore`` (which group-std scaling cancels) the weight still acts. Not
+covered: several steps (weight 0 is checked on one step from a fresh optimizer)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ GROUPS = [
 TASKS: dict[str, Task] = {t.task_id: t for t, _ in GROUPS}
 
 
-def build_groups(rollouts, rewards):
-    """The groups the trainer stage trains on without dynamic sampling (those with signal)."""
-    return select_groups(collect_groups(rollouts, rewards), dynamic=False, prompts_per_step=1, target_steps=0,
-                         seed=0).groups
+def build_groups(rollouts, rewards, dynamic: bool = False):
+    """The groups the trainer stage trains on: without dynamic sampling those with signal;
+    with it, every informative group of a domain weighted above 0 (one per step, as many
+    steps as there are groups), in task order."""
+    return select_groups(collect_groups(rollouts, rewards), dynamic=dynamic, prompts_per_step=1,
+                         target_steps=len(GROUPS) if dynamic else 0, seed=0).groups
 
 
 def rollouts() -> list[Rollout]:
@@ -72,6 +76,15 @@ def trained(groups) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in policy.model.named_parameters()}
 
 
+def gradient(groups) -> torch.Tensor:
+    """The gradient of one GRPO step's loss on ``groups`` at the init (all parameters, flat)."""
+    policy = tiny_policy()
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    grpo_step(policy.model, optimizer, [s for g in groups for s in g], pad_id=policy.pad_id, clip_eps=0.2, kl_coef=0.0,
+              temperature=1.0, micro_batch_size=4, max_grad_norm=1e6)
+    return torch.cat([p.grad.flatten() for p in policy.model.parameters()])
+
+
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[n], b[n]) for n in a)
 
@@ -94,12 +107,16 @@ def test_a_domain_weight_changes_the_update():
     assert same(trained(plain), trained(build_groups(ROLLOUTS, rewards())))  # the step itself is deterministic
 
 
-def test_weight_zero_equals_training_without_the_domain():
-    zero = build_groups(ROLLOUTS, rewards(domain_weights={"arithmetic": 0.0}))
-    without = build_groups([r for r in ROLLOUTS if r.domain != "arithmetic"], rewards())
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_weight_zero_equals_training_without_the_domain(dynamic: bool):
+    """Under dynamic sampling the arithmetic groups (rewards differ, weight 0) were kept as
+    informative: their tokens entered the loss denominators and shrank math's gradient."""
+    zero = build_groups(ROLLOUTS, rewards(domain_weights={"arithmetic": 0.0}), dynamic)
+    without = build_groups([r for r in ROLLOUTS if r.domain != "arithmetic"], rewards(), dynamic)
     assert len(zero) == 2 and advantages(zero) == advantages(without)
+    assert torch.equal(gradient(zero), gradient(without))
     assert same(trained(zero), trained(without))
-    assert not same(trained(zero), trained(build_groups(ROLLOUTS, rewards())))
+    assert not same(trained(zero), trained(build_groups(ROLLOUTS, rewards(), dynamic)))
 
 
 def test_the_weight_survives_domain_zscore():

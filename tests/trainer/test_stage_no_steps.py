@@ -17,8 +17,20 @@ def test_the_line_names_the_missing_signal_and_the_fix() -> None:
     selection = Selection([], kept={"code": 0, "math": 0}, dropped={"code": 3, "math": 5})
     assert stage.no_steps_warning(4, selection, 16, "3") == (
         "iter 4 | trainer | WARNING: 0 steps: none of the 8 groups had a learning signal (all rewards in each group "
-        "equal, or its domain's reward.domain_weights is 0); the new checkpoint holds the parent's weights (version 3); "
+        "equal); the new checkpoint holds the parent's weights (version 3); "
         "fix: raise rollout.group_size or rollout.temperature, or bootstrap further / check the verifier")
+
+
+def test_groups_of_a_weight_zero_domain_are_named_apart_with_their_fix() -> None:
+    """Informative groups of a domain whose loss weight is 0 (``zero_weight``) are not
+    groups without signal: the line counts them apart and names the domain in the fix."""
+    selection = Selection([], kept={"code": 0, "math": 0}, dropped={"code": 3, "math": 5}, zero_weight={"code": 2, "math": 0})
+    assert stage.no_steps_warning(4, selection, 16, "3") == (
+        "iter 4 | trainer | WARNING: 0 steps: none of the 8 groups had a learning signal (all rewards in each group "
+        "equal), 2 informative groups in domains whose reward.domain_weights is 0; the new checkpoint holds the "
+        "parent's weights (version 3); fix: give code a reward.domain_weights > 0, or raise rollout.group_size or "
+        "rollout.temperature, or bootstrap further / check the verifier")
+    assert selection.metrics()["groups_zero_weight"] == 2.0 and selection.metrics()["code/groups_zero_weight"] == 2.0
 
 
 def test_too_few_informative_groups_for_a_whole_step_name_prompts_per_step() -> None:
