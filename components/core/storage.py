@@ -6,8 +6,9 @@ the usual AWS environment (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``), never from recipes.
 
 Writes are whole-object: on ``file://`` a file is written beside its target
-(``<path>.tmp-<8 hex>``) and renamed into place, so a reader never sees half a file; a
-write that fails (disk full) removes its temporary file, and the runner sweeps those a
+(``<path>.tmp-<8 hex>``), flushed to disk (``fsync``), renamed into place and the rename
+made durable (``fsync`` of the folder), so a reader never sees half a file, after a kill
+or a power loss alike; a write that fails (disk full) removes its temporary file, and the runner sweeps those a
 killed process left under a stage's prefix when the stage starts. On S3 a PUT is atomic
 per object.
 
@@ -426,8 +427,21 @@ TMP_MARK = ".tmp-"  # file:// writes go to <path>.tmp-<8 hex> and are renamed in
 
 
 def _write_local(path: str, data: bytes) -> None:
+    """``data`` at ``path``, on disk before this returns (a power loss after a rename of an
+    unsynced file can leave the new name holding no bytes)."""
     with open(path, "wb") as fh:
         fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sync_folder(path: str) -> None:
+    """Make a rename or link into ``path``'s folder durable."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _in_the_way(path: str, root: str) -> UserError:
@@ -548,6 +562,7 @@ class Store:
             try:
                 _write_local(tmp, data)
                 os.replace(tmp, path)
+                _sync_folder(path)
             except IsADirectoryError:
                 _unlink_quietly(tmp)
                 raise _in_the_way(path, self.root) from None
@@ -594,6 +609,7 @@ class Store:
                 return False
             finally:
                 _unlink_quietly(tmp)
+            _sync_folder(path)
             forget(self.url(rel))
             return True
         for _ in range(CONDITIONAL_CONFLICT_TRIES):

@@ -175,3 +175,30 @@ def test_normalize_uri_errors(uri: str, needles: list[str]) -> None:
     line = info.value.line()
     for needle in needles:
         assert needle in line
+
+
+def test_local_writes_reach_the_disk_before_and_after_their_rename(tmp_path, monkeypatch) -> None:
+    """A power loss after an unsynced rename can leave a manifest's name holding no bytes:
+    the file is synced before its rename or link, and its folder after."""
+    import os
+    import stat
+
+    from components.core import storage
+
+    synced: list[tuple[str, str]] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        mode = os.fstat(fd).st_mode
+        synced.append(("folder" if stat.S_ISDIR(mode) else "file", os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(storage.os, "fsync", record)
+    store = Store(f"file://{tmp_path}/root")
+    store.write_bytes("a/_MANIFEST.json", b"{}")
+    folder = f"{tmp_path}/root/a"
+    assert [kind for kind, _ in synced] == ["file", "folder"]
+    assert synced[0][1].startswith(f"{folder}/_MANIFEST.json.tmp-") and synced[1] == ("folder", folder)
+    synced.clear()
+    assert store.create("b/lease.json", b"{}")
+    assert [kind for kind, _ in synced] == ["file", "folder"] and synced[1] == ("folder", f"{tmp_path}/root/b")
