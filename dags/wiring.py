@@ -19,9 +19,14 @@ are ``dags/execution``'s, which ``posttrain run`` makes before any work).
 
 Each run's first task plans the iteration (``components.core.planner``): k is the last
 finished iteration + 1 (or the half-done one), leased to the run (``airflow:<run_id>``),
-and handed to every task through XCom. Clearing a run replays its k. An outage
-(``InfraError``, or another run holding the lease) is retried with backoff; a user's
-mistake and a failed data-quality gate fail at once (``AirflowFailException``).
+and handed to every task through XCom. Clearing a run replays its k while no later
+iteration has started; a stage task checks that its run still holds k
+(``planner.check_current``) and fails at once when not. An outage (``InfraError``, or
+another run holding the lease) is retried with backoff; a user's mistake, a failed
+data-quality gate and an in-process stage past its time limit (a ``UserError`` naming
+``timeouts.<stage>``) fail at once (``AirflowFailException``). A DAG paused after
+``MAX_FAILED_RUNS`` failed runs in a row stops ``@continuous`` (or a tight cron) from
+failing the same iteration forever.
 
 MLflow: a task that fails for good (``stage_failed``, its ``on_failure_callback``, which
 Airflow calls once no retry is left) tags the iteration's parent run with the reason,
@@ -30,7 +35,8 @@ ends it FAILED and ends that task's stage runs still RUNNING as KILLED; a failed
 takes the iteration sets the same parent run RUNNING again. An in-process stage task
 turns SIGTERM into ``tracking.Terminated`` (its stage run ends KILLED) and then into
 Airflow's ``AirflowTaskTerminated`` (the task fails without a retry: it was stopped).
-Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k);
+Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k); a
+container or pod stage past its time limit is retried like an outage;
 a container or pod stage run that Airflow SIGKILLs stays RUNNING until the failure
 callback or the stage's next attempt ends it.
 """
@@ -57,6 +63,8 @@ CHAMPION = Asset(name="posttrain-policy-champion", uri="posttrain://policy/champ
 TASK_FILE = Asset(name="posttrain-task-file", uri="posttrain://tasks/new")
 ASSETS = {"asset:champion": CHAMPION, "asset:candidate": CANDIDATE, "asset:task-file": TASK_FILE}  # SCHEDULE_ASSETS
 # The first retry's delay: POSTTRAIN_RETRY_DELAY_S (default 10 s; tests shorten it); a bad value is a UserError.
+MAX_FAILED_RUNS = 3
+"""Failed DAG runs in a row after which Airflow pauses the DAG (``max_consecutive_failed_dag_runs``)."""
 RETRY = {"retries": 3, "retry_delay": timedelta(seconds=retry_delay_s()),
          "retry_exponential_backoff": 2.0, "max_retry_delay": timedelta(seconds=MAX_RETRY_DELAY_S)}  # 10 s, 20 s, 40 s
 
@@ -170,7 +178,7 @@ def plan() -> dict[str, Any]:
 
 def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[str, Any]:
     from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowTaskTerminated
+    from airflow.sdk.exceptions import AirflowTaskTerminated, AirflowTaskTimeout
 
     from components.core import tracking
     from components.core.runner import run_stage, stop_signals_raised, stopping
@@ -191,9 +199,21 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
             m = run_stage(*args[:5], orchestrator_run_id=args[5])
     except tracking.Terminated as exc:
         raise AirflowTaskTerminated(f"{stage}: {exc}") from None  # a signal: where it landed is noise
+    except AirflowTaskTimeout:  # the same work would run as long again: three retries cost four limits
+        raise _fail_now(_timed_out(stage, get_current_context()["task"].execution_timeout)) from None
     except Exception as exc:
         raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     return stagehost.task_result(stage, m)
+
+
+def _timed_out(stage: str, limit: timedelta | None):
+    """The UserError of a stage task that ran past its ``execution_timeout``: it names the
+    recipe's ``timeouts.<stage>``, and the task fails without a retry."""
+    from components.core.errors import UserError
+
+    seconds = int(limit.total_seconds()) if limit is not None else 0
+    return UserError(f"timeouts.{stage}", seconds, "the stage ran past its time limit, and a retry would run as long "
+                     "again", f"raise timeouts.{stage} in the recipe (seconds), or give the stage less work")
 
 
 def _check_current(plan: dict[str, Any]) -> None:

@@ -242,7 +242,8 @@ def test_a_conf_recipe_whose_timeouts_the_dag_does_not_apply_is_warned_of(tmp_pa
 def test_posttrain_runs_recipe_sets_the_tasks_time_limits(tmp_path: Path) -> None:
     """``posttrain run --recipe X`` applies X's ``timeouts`` (before, the DAG's tasks took
     theirs from POSTTRAIN_RECIPE or the demo recipe, and X's did nothing): a bootstrap that
-    cannot reach its band within 1 s times out on every attempt, and the run fails."""
+    cannot reach its band within 1 s times out, and the run fails at once, naming the limit
+    (before, each of three retries ran as long again)."""
     from tests.fixtures.runs import cli_env, run_posttrain
 
     parsed = yaml.safe_load(TINY.read_text())
@@ -253,6 +254,9 @@ def test_posttrain_runs_recipe_sets_the_tasks_time_limits(tmp_path: Path) -> Non
     env = cli_env(tmp_path / "home", POSTTRAIN_RETRY_DELAY_S="1")
     proc = run_posttrain(["run", "--recipe", str(recipe), "--iterations", "1"], tmp_path, env, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-3000:]
-    assert out.count("AirflowTaskTimeout: Timeout") >= 2, out[-3000:]  # the first attempt and a retry
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("Process timed out") == 1, out[-3000:]  # one attempt, no retry
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "posttrain: error: timeouts.bootstrap=1: the stage ran past its time limit, and a retry would run as long "
+        "again; fix: raise timeouts.bootstrap in the recipe (seconds), or give the stage less work"), proc.stderr[-3000:]
     assert "iter 0 | bootstrap |" not in out  # no attempt finished

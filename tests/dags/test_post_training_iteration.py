@@ -42,6 +42,7 @@ print(json.dumps({
     "kubernetes_provider": "airflow.providers.cncf.kubernetes.operators.pod" in sys.modules,
     "tasks": sorted(dag.task_ids),
     "max_active_runs": dag.max_active_runs,
+    "max_consecutive_failed_dag_runs": dag.max_consecutive_failed_dag_runs,
     "sandbox_pool": dag.get_task("sandbox").pool,
     "trainer_retries": dag.get_task("trainer").retries,
     "trainer_outlets": [o.name for o in dag.get_task("trainer").outlets],
@@ -67,6 +68,7 @@ def test_dagbag_imports_without_errors(tmp_path):
     assert shape["tasks"] == sorted([*STAGES, "plan", "rollout_shards", "sandbox_shards", "reward_shards",
                                      "announce_champion"])
     assert shape["max_active_runs"] == 1
+    assert shape["max_consecutive_failed_dag_runs"] == 3  # then paused: @continuous cannot fail the same iteration forever
     assert shape["sandbox_pool"] == "posttrain_sandbox"
     assert shape["trainer_retries"] == 3
     assert shape["trainer_outlets"] == ["posttrain-policy-candidate"]
