@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kfp import compiler
 
+from components.core.errors import UserError
 from pipelines.post_training_iteration import CONFIG_MAP, GPU_NODE_SELECTOR, S3_SECRET, make_pipeline
 
 COMPILED = Path(__file__).resolve().parent / "post_training_iteration.yaml"
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--output={args.output!r}: its folder does not exist; create it or write elsewhere")
     try:
         path = compile_pipeline(args.output, args.image_prefix, args.config_map, args.s3_secret, args.gpu_node_selector)
+    except UserError as exc:  # a plug-in stage the pipeline cannot run
+        parser.error(exc.line())
     except ValueError as exc:
         parser.error(str(exc))
     print(path)

@@ -14,6 +14,9 @@ between components but shard strings and manifest digests (kfp.local replaces a 
 task's task-output inputs with the loop item, so the iteration cannot be an input there);
 the data is in the store under the run root. The stage order is checked against the
 stage registry (``components/core/stages.py``) by ``tests/pipelines/test_kfp_pipeline.py``.
+Not covered: plug-in stages (entry points ``posttrain.stages``), which the Airflow DAG
+runs; with one registered, ``make_pipeline`` refuses to build (a ``UserError`` naming
+them) rather than compile a pipeline that silently skips them.
 
 Settings come from ``components.core.settings``: empty ``recipe`` / ``run_root``
 parameters mean ``POSTTRAIN_RECIPE`` / ``POSTTRAIN_RUN_ROOT`` in the task's environment
@@ -91,6 +94,8 @@ Choices, and what this does not do:
 from kfp import dsl, kubernetes
 
 from components import STAGES, __version__
+from components.core.errors import UserError
+from components.core.stages import registered
 from components.core.stages import spec as stage_spec
 
 RETRIES = 2
@@ -297,6 +302,12 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
     """Build the pipeline with stage images under ``image_prefix`` (e.g. ``registry.example.com/ml/``),
     the stages' environment from the config map ``config_map``, S3 keys from the optional
     secret ``s3_secret`` ("" for none) and GPU stages on nodes matching ``gpu_node_selector``."""
+    plugins = [s.id for s in registered() if s.id not in STAGES]
+    if plugins:
+        raise UserError("entry point posttrain.stages", ", ".join(plugins), "the Kubeflow pipeline runs only the "
+                        f"built-in stages {list(STAGES)}, so it would skip these plug-in stages",
+                        "run this pipeline with the Airflow DAG (which runs plug-in stages), or uninstall the plug-in "
+                        "before compiling")
     selector = parse_node_selector(gpu_node_selector)
     cluster = dict(config_map=config_map, s3_secret=s3_secret, gpu_node_selector=selector)
     bodies = {f.__name__: f for f in (bootstrap, taskgen, rollout, sandbox, reward, validation, trainer, evaluation)}

@@ -223,6 +223,25 @@ def test_a_bad_node_selector_is_one_line(capsys):
     assert "'gpu' is not 'key=value'; e.g. 'posttrain.io/pool=gpu'" in capsys.readouterr().err
 
 
+def test_a_plug_in_stage_is_refused_rather_than_skipped(tmp_path, monkeypatch, capsys):
+    """The DAG runs a plug-in stage (entry point ``posttrain.stages``); the pipeline's
+    components are the built-in stages only, and compiled it silently left the plug-in out."""
+    from components.core import stages
+    from components.core.stages import BUILTIN, StageSpec, _splice
+    from pipelines import post_training_iteration as pti
+
+    dedup = StageSpec("dedup", "components.validation.stage", upstream=("reward",), before=("validation",))
+    monkeypatch.setattr(pti, "registered", lambda: tuple(_splice(list(BUILTIN), dedup)))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--output", str(tmp_path / "p.yaml")])
+    assert exit_.value.code == 2
+    assert ("error: entry point posttrain.stages='dedup': the Kubeflow pipeline runs only the built-in stages "
+            "['bootstrap', 'taskgen', 'rollout', 'sandbox', 'reward', 'validation', 'trainer', 'evaluation'], so it "
+            "would skip these plug-in stages; fix: run this pipeline with the Airflow DAG") in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()
+    assert stages.registered() == BUILTIN  # the real registry: nothing plugged in here
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--image-prefix", "registry.example.com/ml"], "--image-prefix='registry.example.com/ml': not a registry path ending in '/'"),
     (["--image-prefix", "UPPER CASE/"], "--image-prefix='UPPER CASE/': not a registry path"),
