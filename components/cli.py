@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 from typing import NoReturn
@@ -84,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     for add in (add_sandbox, add_serve, add_verify, add_replay):  # sandbox, serve, verify, replay
         add(sub)
+
+    free = sub.add_parser("release", help="hand back the lease of a run that is gone (killed, or marked failed in the "
+                                          "orchestrator's UI), so the next run can take its iteration at once")
+    _common(free)
+    free.add_argument("--iteration", type=int, required=True, help="the iteration whose lease to hand back")
+    free.add_argument("--holder", required=True,
+                      help="the holder the lease names (as the 'busy' line prints it): nothing else is released")
+    free.set_defaults(handler=_release)
 
     render = sub.add_parser("render", help="print a cluster spec for a stage, without a cluster")
     kinds = render.add_subparsers(dest="kind", required=True)
@@ -169,6 +178,38 @@ def _kfp_local(args: argparse.Namespace) -> int:
     from pipelines import local
 
     return run_local(args.recipe, args.run_root, args.iterations, driver=local)
+
+
+def _release(args: argparse.Namespace) -> int:
+    """Release ``--holder``'s lease on ``--iteration``: for a run that is gone without
+    handing it back (a DAG run marked failed in the UI skips its failure callback, a pod
+    killed with its node). Only the named holder's lease goes, so a run that took the
+    iteration since is never cut off; its run must really be stopped (this does not stop it)."""
+    import time
+
+    from components.core import lease
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+
+    conf = settings.resolve(args.recipe, args.run_root)
+    pipeline = load_recipe(conf.recipe).pipeline
+    store = Store(conf.run_root, "--run-root")
+    cur = lease.current(store, pipeline, args.iteration)
+    if cur is None or not cur.holder:
+        raise UserError("--iteration", args.iteration, f"iteration {args.iteration} of pipeline {pipeline!r} under "
+                        f"{store.uri} has no lease to release ({'none was taken' if cur is None else 'released already'})",
+                        "nothing to do: the next run can take it")
+    if cur.holder != args.holder:
+        raise UserError("--holder", args.holder, f"iteration {args.iteration} of pipeline {pipeline!r} is held by "
+                        f"{cur.holder!r}, not by this holder", f"pass --holder {shlex.quote(cur.holder)} if that run "
+                        "is gone, or leave it to finish")
+    if not lease.release(store, pipeline, args.iteration, args.holder):  # taken over between the read and the write
+        raise UserError("--holder", args.holder, f"the lease on iteration {args.iteration} changed hands while being "
+                        "released", "run the command again to see who holds it now")
+    left = max(0.0, cur.expires_at - time.time())
+    print(f"released iteration {args.iteration} of {pipeline!r} (held by {args.holder!r}, {left:.0f} s before it "
+          "would have expired)")
+    return 0
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:

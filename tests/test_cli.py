@@ -374,6 +374,30 @@ def test_a_stage_container_whose_run_holds_no_lease_is_exit_2_before_any_work(tm
     assert sorted(p.name for p in (root / "tiny").iterdir()) == ["_leases"]  # no stage folder, no manifest
 
 
+def test_release_hands_back_only_the_named_holders_lease(tmp_path: Path, capsys) -> None:
+    """A DAG run marked failed in Airflow's UI skips its failure callback and keeps its
+    lease for 6 hours; ``posttrain release`` hands it back, and only for the holder named."""
+    from components.cli import main
+
+    root = str(tmp_path / "rr")
+    holder = "airflow:scheduled__2026-12-07T02:00:00+00:00"
+    lease.acquire(Store(root), "tiny", 2, holder)
+    args = ["release", "--recipe", str(TINY_RECIPE), "--run-root", root, "--iteration", "2"]
+    assert main([*args, "--holder", "airflow:manual__1"]) == 2
+    assert capsys.readouterr().err == (
+        "posttrain: error: --holder='airflow:manual__1': iteration 2 of pipeline 'tiny' is held by "
+        f"'{holder}', not by this holder; fix: pass --holder {holder} if that run is gone, or leave it to finish\n")
+    assert lease.current(Store(root), "tiny", 2).holder == holder  # untouched
+    assert main([*args, "--holder", holder]) == 0
+    assert capsys.readouterr().out.startswith(f"released iteration 2 of 'tiny' (held by '{holder}', ")
+    assert lease.current(Store(root), "tiny", 2).holder == ""
+    assert lease.acquire(Store(root), "tiny", 2, "airflow:manual__2").generation == 2  # the next run takes it at once
+    assert main([*args[:-1], "9", "--holder", holder]) == 2
+    assert capsys.readouterr().err == (
+        f"posttrain: error: --iteration=9: iteration 9 of pipeline 'tiny' under {Store(root).uri} has no lease to "
+        "release (none was taken); fix: nothing to do: the next run can take it\n")
+
+
 @pytest.mark.timeout(60)
 def test_a_stage_given_its_lease_holder_renews_the_lease(tmp_path: Path, monkeypatch) -> None:
     """A stage container or pod (``--lease-holder``, passed by the DAG) keeps the plan's

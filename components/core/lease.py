@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,7 +69,8 @@ class LeaseHeld(Exception):
         left = max(0.0, lease.expires_at - time.time())
         super().__init__(f"iteration {lease.iteration} of pipeline {pipeline!r} is held by {lease.holder!r} "
                          f"(lease expires in {left:.0f} s); wait for that run to finish, or stop it and release "
-                         f"its lease")
+                         f"its lease: posttrain release --iteration {lease.iteration} --holder {shlex.quote(lease.holder)} "
+                         "(with that run's --recipe and --run-root)")
 
 
 def _folder(pipeline: str, iteration: int) -> str:

@@ -67,7 +67,8 @@ def test_acquire_is_exclusive_and_names_the_holder(store_uri: str) -> None:
     assert info.value.lease == mine
     text = str(info.value)
     assert text.startswith("iteration 3 of pipeline 'p' is held by 'alice' (lease expires in ")
-    assert text.endswith("wait for that run to finish, or stop it and release its lease")
+    assert text.endswith("wait for that run to finish, or stop it and release its lease: posttrain release "
+                         "--iteration 3 --holder alice (with that run's --recipe and --run-root)")
     assert 590 <= float(text.split("expires in ")[1].split(" s)")[0]) <= 600
     assert lease.current(store, PIPE, 3) == mine  # bob's attempt wrote nothing
     assert store.listdir(f"{PIPE}/_leases/iter-000003") == ["000000.json"]
