@@ -14,11 +14,11 @@ accuracy jumps suddenly, so it checks often and keeps the previous snapshot when
 overshoots, whichever lies closer to the band. The result is saved in Hugging Face
 format, scored on the fixed eval suite, registered as a version of
 ``<pipeline>-policy`` and aliased ``champion`` and ``candidate``. A re-run (after its
-``model``, ``bootstrap``, ``evaluation``, ``rollout`` or ``sandbox`` section or the code
-version changed) moves no alias when its weights are those of the version the champion
-was trained from (``models.lineage_root``): the nightly line goes on from the champion.
-Other weights start a new line: both aliases move to the new version, and its line says
-which version was champion.
+``bootstrap``, ``evaluation``, ``rollout`` or ``sandbox`` section, the domains or the code
+version changed) moves no alias while the champion's line (``models.lineage_root``)
+started from a bootstrap of the same ``model`` section (tag ``posttrain.model_digest``):
+the nightly line goes on from the champion. Another ``model`` section starts a new line:
+both aliases move to the new version, and its line says which version was champion.
 
 With any other ``model.source`` (a Hugging Face folder, a store URI, or a registry URI
 ``models:/<name>@<alias>`` / ``models:/<name>/<version>``) it skips SFT and
@@ -175,6 +175,24 @@ def sft(ctx: StageContext, policy: Policy, executor) -> dict[str, float]:
     return {"sft_steps": float(step), "sft_check_mean": mean}
 
 
+MODEL_TAG = "posttrain.model_digest"
+"""Tag of a bootstrap's registry version: the digest of the recipe's ``model`` section it was made from."""
+
+
+def _same_model(ctx: StageContext, champion: str, version: str) -> bool:
+    """Whether the champion is a trained policy (not a bootstrap itself, whose checkpoint this
+    run may just have re-written) whose line started from this bootstrap's version, or from
+    a bootstrap of the same ``model`` section (its ``MODEL_TAG``); a version registered
+    before the tag existed counts only by the first rule."""
+    root = models.lineage_root(ctx.pipeline, champion)
+    if root == champion:
+        return False
+    if root == version:
+        return True
+    tags = models.version_tags(ctx.pipeline, root)
+    return tags.get(MODEL_TAG, "") == ctx.recipe.whole.digest(("model",))
+
+
 def run(ctx: StageContext) -> dict[str, float]:
     recipe = ctx.recipe
     seed_everything(ctx.seed())
@@ -194,7 +212,8 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.add_checkpoint(rel, rows=int(metrics["parameters"]), digests=digests)
     uri = ctx.store.url(rel)
     version = models.register_checkpoint(ctx.pipeline, uri, ctx.mlflow_run_id,
-                                           {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri},
+                                           {"posttrain.iteration": "0", "posttrain.run_root": ctx.store.uri,
+                                            MODEL_TAG: ctx.recipe.whole.digest(("model",))},
                                            run_root=ctx.store.uri, max_new_tokens=recipe.evaluation.max_new_tokens,
                                            prompt_format=recipe.rollout.prompt_format,
                                            weights_sha256=digests.get(WEIGHTS, ""))
@@ -206,14 +225,15 @@ def run(ctx: StageContext) -> dict[str, float]:
                     checkpoint_uri=uri)
     scores = "bootstrap | eval suite | " + " ".join(f"{d} {v:.3f}" for d, v in rates.items())
     champion = models.resolve_alias(ctx.pipeline, "champion")
-    if champion is not None and champion[0] != version and models.lineage_root(ctx.pipeline, champion[0]) == version:
-        # A re-run (a changed rollout, evaluation or sandbox section; a new code version) that
-        # made the same weights: the champion trained from them stays, and so does its line.
-        say(f"{scores} | registered version {version}; champion stays version {champion[0]}, trained from it")
+    if champion is not None and champion[0] != version and _same_model(ctx, champion[0], version):
+        # A re-run (another SFT, domain, rollout, evaluation or sandbox setting; a new code
+        # version) of the same model: the champion trained from it stays, and so does its line.
+        say(f"{scores} | registered version {version}; champion stays version {champion[0]}, trained from the "
+            "same model")
     else:
         models.set_alias(ctx.pipeline, "champion", version, run_root=ctx.store.uri)
         models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
-        moved = f" (was version {champion[0]}, trained from other weights)" if champion and champion[0] != version else ""
+        moved = f" (was version {champion[0]}, trained from another model)" if champion and champion[0] != version else ""
         say(f"{scores} | registered version {version} as champion{moved}")
     ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)
     metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})

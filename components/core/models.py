@@ -289,7 +289,7 @@ def lineage_root(pipeline: str, version: str) -> str:
     name, seen = model_name(pipeline), {str(version)}
     current = str(version)
     while True:
-        parent = dict(tracking.client().get_model_version(name, current).tags).get(TAG_PARENT, "")
+        parent = version_tags(pipeline, current).get(TAG_PARENT, "")
         if not parent or parent in seen:
             return current
         try:
@@ -300,6 +300,10 @@ def lineage_root(pipeline: str, version: str) -> str:
             return current
         seen.add(parent)
         current = parent
+
+
+def version_tags(pipeline: str, version: str) -> dict[str, str]:
+    return dict(tracking.client().get_model_version(model_name(pipeline), str(version)).tags)
 
 
 def set_version_tags(pipeline: str, version: str, tags: dict[str, str]) -> None:
