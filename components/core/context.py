@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from components.core.manifest import MANIFEST, WEIGHTS, InputRef, Manifest, Outp
 from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
-from components.core.stages import spec
+from components.core.stages import shard_count, spec
 from components.core.storage import Expected, Store, expect, parquet_table
 
 R = TypeVar("R")
@@ -133,8 +134,14 @@ class StageContext:
 
     # -- reading -------------------------------------------------------------------------
     def upstream(self, stage: str, iteration: int | None = None) -> list[Manifest]:
-        """Manifests of an earlier stage (all shards), or a UserError saying what to run first."""
-        return read_manifests(self.store, self.pipeline, self.iteration if iteration is None else iteration, stage)
+        """Manifests of an earlier stage (all shards), or a UserError saying what to run first.
+        In this stage's own iteration a sharded stage's are those of the shard count this
+        recipe gives it: a shard of another count (the recipe's ``shards`` changed on a
+        half-done iteration) is ignored. In another iteration the recipe's count then is not
+        known, so every shard's is read (the runner keeps one count per stage and iteration)."""
+        k = self.iteration if iteration is None else iteration
+        count = shard_count(self.recipe.whole, stage) if k == self.iteration and spec(stage).sharded else None
+        return read_manifests(self.store, self.pipeline, k, stage, count)
 
     def aligned(self, stage: str) -> bool:
         """True when ``stage`` is sharded exactly like this stage, so this shard needs only
@@ -289,14 +296,64 @@ def read_manifest(store: Store, rel_prefix: str) -> Manifest | None:
     return manifest
 
 
-def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> list[Manifest]:
-    """Every manifest of a stage; for sharded stages all n shards must be present."""
+SHARD_FOLDER = re.compile(r"shard-(\d+)-of-(\d+)", re.ASCII)
+"""A shard's folder (``Shard.folder``): index and count."""
+
+
+def _folder_count(name: str) -> int | None:
+    """The shard count a ``shard-*`` folder's name says (None for a name not of that form)."""
+    match = SHARD_FOLDER.fullmatch(name)
+    return int(match[2]) if match else None
+
+
+def _of_count(name: str, count: int) -> bool:
+    """Whether ``name`` is the folder of one of the ``count`` shards ``0/count`` .. ``count-1/count``."""
+    match = SHARD_FOLDER.fullmatch(name)
+    return match is not None and int(match[2]) == count and int(match[1]) < count
+
+
+def other_count_shards(store: Store, pipeline: str, iteration: int, stage: str, count: int) -> list[str]:
+    """The shard folders (relative paths) of ``stage`` in ``iteration`` that hold a manifest
+    of another shard count than ``count``: left by a run under an earlier recipe."""
+    base = stage_prefix(pipeline, iteration, stage)
+    return [f"{base}/{d}" for d in store.listdir(base)
+            if (n := _folder_count(d)) is not None and n != count and store.exists(f"{base}/{d}/{MANIFEST}")]
+
+
+def drop_other_counts(store: Store, pipeline: str, iteration: int, stage: str, count: int) -> list[str]:
+    """Delete the manifests (only: their files stay, unread) of ``stage``'s
+    shards of another count than ``count`` in ``iteration``, so every reader, with or
+    without the recipe, sees one shard count there: the one it last ran under. Returns
+    the folders whose manifest it deleted. What reads them next sees other inputs (a
+    downstream stage's inputs name each upstream shard, ``sandbox[0/4]``, with its digest),
+    so no stage's cached output made from them is reused."""
+    folders = other_count_shards(store, pipeline, iteration, stage, count)
+    for rel in folders:
+        try:
+            store.delete(f"{rel}/{MANIFEST}")
+        except FileNotFoundError:  # another shard of this stage, starting beside this one, deleted it first
+            pass
+    return folders
+
+
+def _shard_order(m: Manifest) -> tuple[int, int]:
+    shard = Shard.parse(m.shard)
+    return shard.count, shard.index
+
+
+def read_manifests(store: Store, pipeline: str, iteration: int, stage: str, count: int | None = None) -> list[Manifest]:
+    """Every manifest of a stage; for sharded stages all n shards must be present. With
+    ``count`` (the shard count the recipe gives a sharded stage), only the shards of that
+    count are read, those of another count ignored; without it every shard is read, and
+    shards of more than one count are a UserError (which shards to run). Not covered: a
+    ``shard-*`` folder whose name is not ``Shard.folder``'s form is read only without
+    ``count``."""
     base = stage_prefix(pipeline, iteration, stage)
     single = read_manifest(store, base)
     if single is not None:
         return [single]
-    shard_dirs = [d for d in store.listdir(base) if d.startswith("shard-")]
-    manifests = [m for d in shard_dirs if (m := read_manifest(store, f"{base}/{d}")) is not None]
+    shard_dirs = [d for d in store.listdir(base) if d.startswith("shard-") and (count is None or _of_count(d, count))]
+    manifests = sorted((m for d in shard_dirs if (m := read_manifest(store, f"{base}/{d}")) is not None), key=_shard_order)
     where = "" if stage == "bootstrap" else f" --iteration {iteration}"
     if not manifests and stage != "bootstrap":
         from components.core.planner import finished
@@ -315,9 +372,16 @@ def read_manifests(store: Store, pipeline: str, iteration: int, stage: str) -> l
             f"run 'posttrain stage {stage}{where}{shard} --run-root {shlex.quote(store.uri)}'{each}, with this run's "
             "--recipe, first (or the whole iteration: 'posttrain run')",
         )
-    count = Shard.parse(manifests[0].shard).count
+    counts = sorted({Shard.parse(m.shard).count for m in manifests})
+    done = [m.shard or "" for m in manifests]
+    if len(counts) > 1:  # only without ``count``: a store written before the runner kept one count per stage
+        raise UserError(
+            f"stage {stage}", store.url(base), f"shards of {len(counts)} shard counts {counts} are manifested ({done})",
+            f"run 'posttrain stage {stage}{where} --shard S --run-root {shlex.quote(store.uri)}', with this run's "
+            f"--recipe, for each of its shards S (a shard run removes the manifests of another count) first",
+        )
+    count = counts[0]
     if len(manifests) != count:
-        done = sorted(m.shard or "" for m in manifests)
         missing = [f"{i}/{count}" for i in range(count) if f"{i}/{count}" not in done]
         raise UserError(
             f"stage {stage}", store.url(base), f"only shards {done} of {count} are manifested",

@@ -23,6 +23,12 @@ Otherwise the old manifest is deleted *first*, ``.tmp-`` files that killed write
 under the stage's prefix are swept, the stage runs, and the new manifest is written
 *last*; a run killed half-way leaves no manifest and is simply run again.
 
+A shard of a sharded stage first deletes the manifests of that stage's shards of another
+count in its iteration (the recipe's ``shards`` changed on a half-done iteration), hit or
+not, so every reader sees the one count the stage last ran under; their files stay, unread.
+Not covered: two runs of different shard counts on one iteration at once
+(the iteration's lease keeps a second run off it).
+
 The stage's MLflow run (``trainer · iter-000002``, ``rollout[1/2] · iter-000002``) ends
 FINISHED only once the manifest is written, so a FINISHED stage run always has its
 manifest. A stage told to stop (``stop_on_sigterm``: SIGTERM raises
@@ -49,7 +55,7 @@ from typing import Any
 
 from components import __version__
 from components.core import gcpolicy, planner, preflight, timeline, tracking
-from components.core.context import RecipeView, StageContext, read_manifest, verify_outputs
+from components.core.context import RecipeView, StageContext, drop_other_counts, read_manifest, verify_outputs
 from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.facts import StartingPolicy, to_json
 from components.core.manifest import MANIFEST, Manifest, Shard, check_not_past_max, stage_prefix
@@ -343,10 +349,13 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     ctx = make_context(stage, recipe, run_root, iteration, shard)
     if in_order and stage == "taskgen":
         _check_in_order(ctx)
+    label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
+    if ctx.sharded and (dropped := drop_other_counts(ctx.store, ctx.pipeline, ctx.iteration, stage, ctx.shard.count)):
+        say(f"iter {ctx.iteration} | {label} | the recipe now shards {stage} {ctx.shard.count} ways: removed the "
+            f"manifests of {len(dropped)} shard(s) of another count ({', '.join(p.rsplit('/', 1)[1] for p in dropped)})")
     module = stage_module(stage)
     module.inputs(ctx)
     digest = config_digest(ctx.recipe.whole, stage)
-    label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
     existing = read_manifest(ctx.store, ctx.prefix)
     hit = existing is not None and existing.matches(ctx.inputs, digest, version)
     # only a stage that can follow reads the PET_* placement (a bad value there is its error alone)
