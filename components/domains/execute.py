@@ -2,7 +2,9 @@
 
 Domains decide what runs (``Domain.execution_plan``); this module runs it with the
 recipe's concurrency and shows progress. Pairs whose domain runs nothing get no result,
-nor do pairs whose plan raised: the first ``LOGGED_ERRORS`` of those are logged one by
+nor do pairs whose plan raised or made a job with a file path no sandbox takes
+(``sandbox.detect.check_paths``: before, the sandbox's ValueError was an ``infra_error``,
+retried twice and then left out as an outage): the first ``LOGGED_ERRORS`` of those are logged one by
 one, the rest as one line ``N more execution plans failed``.
 
 With ``dedupe`` (``sandbox.dedupe``, on by default) jobs that would run the same thing
@@ -34,6 +36,7 @@ from components.core.progress import bar
 from components.core.records import Task
 from components.domains import registry
 from components.domains.base import error_text, malformed
+from components.sandbox.detect import check_paths
 from components.sandbox.executor import Executor, run_many
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,8 @@ def execute(pairs: list[tuple[str, Task, str]], executor: Executor, concurrency:
             continue
         try:
             job = registry.get(task.domain).execution_plan(task, completion)
+            if isinstance(job, Job):
+                check_paths(job)  # a file path no sandbox takes is the plan's bug, not an outage to retry
         except Exception as exc:  # noqa: BLE001 - a plan's bug loses this pair's run, never the stage
             failed += 1
             if failed <= LOGGED_ERRORS:
