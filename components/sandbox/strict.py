@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import re
 import subprocess
 import threading
 import time
@@ -210,6 +211,9 @@ class StrictRunner:
             if b"child-pid" not in seen.data["status"] and not seen.timed_out and not seen.flooded:
                 why = bytes(seen.data["stderr"]).decode(errors="replace").strip()[-2000:]
                 return infra_error(f"sandbox did not start (exit {code}): {why}", backend, self.isolation)
+            if (refused := _exec_refused(seen, code, sig)) is not None:  # as warm mode's worker says it
+                program = self.python if job.argv[0] == PYTHON else job.argv[0]
+                return cannot_exec(program, refused, backend, self.isolation)
             extra = {"mode": "strict", "uid": lease.uid}
             cpu, oom, peak = usage.ru_utime + usage.ru_stime, 0, None
             if group:
@@ -226,3 +230,19 @@ class StrictRunner:
             return to_result(obs, backend, self.isolation, limits.result_cap)
         finally:
             lease.release()  # kill stragglers, remove the group, then free the uid: off the critical path
+
+
+BWRAP_EXEC_FAILED = re.compile(rb"bwrap: execvp [^\n]*?: ([^\n:]+)\n?", re.ASCII)
+"""What bwrap writes, alone, when it cannot exec the job's program (exit 1)."""
+
+
+def _exec_refused(seen, code: int, sig: int) -> str | None:
+    """Why bwrap could not exec the job's program (a missing program, no execute bit), when
+    that is all the job did: exit 1 with only bwrap's ``execvp`` line on stderr; else None.
+    Warm mode's worker says ``cannot run PROGRAM: WHY`` and exits 127, and so does every
+    mode now. A program that writes that very line and exits 1 gets the same status
+    (``failed``), only exit 127 instead of 1."""
+    if code != 1 or sig or seen.data["stdout"]:
+        return None
+    match = BWRAP_EXEC_FAILED.fullmatch(bytes(seen.data["stderr"]))
+    return match[1].decode() if match else None

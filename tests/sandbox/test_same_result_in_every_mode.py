@@ -248,6 +248,17 @@ def test_python_runs_a_folder_and_refuses_a_missing_script_in_every_mode(runners
         ), mode
 
 
+def test_a_program_that_cannot_be_run_is_the_same_failure_in_every_mode(runners) -> None:
+    """Strict mode said bwrap's ``execvp`` line and exit 1, warm mode ``cannot run`` and 127."""
+    cases = {"missing": (Job("gone", {}, ["no-such-program"]), "no-such-program", "No such file or directory"),
+             "not executable": (Job("plain", {"tool": "echo hi"}, ["./tool"]), "./tool", "Permission denied")}
+    for name, (job, program, why) in cases.items():
+        for mode, runner in runners.items():
+            result = runner.run(job)
+            got = (result.status, result.exit_code, result.stdout, result.stderr)
+            assert got == ("failed", 127, "", f"cannot run {program}: {why}\n"), (name, mode)
+
+
 @pytest.mark.parametrize("argv", [["bash", "-c", "echo ${#1}", "bash"], ["{python}", "-I", "-S", "main.py"]],
                          ids=["exec'd", "warm path"])
 def test_an_argument_past_128_kib_is_the_programs_failure_in_every_mode(runners, argv) -> None:
