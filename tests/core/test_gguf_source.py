@@ -47,13 +47,19 @@ def test_a_gguf_source_resolves_to_a_float32_checkpoint_keyed_by_the_files_diges
     assert [p.name for p in gguf.cache_root().iterdir() if p.name.startswith(".tmp-")] == []
 
 
-def test_the_second_resolution_reuses_the_conversion_and_a_changed_file_is_converted_again(package, tmp_path):
+def test_the_second_resolution_reuses_the_conversion_and_a_changed_file_is_converted_again(package, tmp_path, capfd):
     folder, _ = package
     first = models.resolve_model_uri(SOURCE, "model.source")
+    out, err = capfd.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == f"model.source | converting {SOURCE} to a Hugging Face folder (once per file) in {first}"
+    assert lines[1].startswith(f"model.source | converted {SOURCE} in ") and len(lines) == 2, out
+    assert "Writing model shards" not in err  # transformers' bar, not in a stage's log
     weights = f"{first}/model.safetensors"
     stamp = os.stat(weights).st_mtime_ns
     assert models.resolve_model_uri(SOURCE, "model.source") == first
     assert os.stat(weights).st_mtime_ns == stamp  # not rewritten
+    assert capfd.readouterr().out == ""  # nothing converted, nothing said
     changed = tiny_gguf.write(folder / tiny_gguf.FILE, seed=1)
     second = models.resolve_model_uri(SOURCE, "model.source")
     assert second != first
