@@ -177,7 +177,8 @@ def eval_due(step: int, steps: int, every: int) -> bool:
 
 
 def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500, check_every: int = 25) -> tuple[Path, dict]:
-    """SFT on arithmetic reference completions until the check accuracy is in [0.2, 0.5]; cached."""
+    """SFT on arithmetic reference completions until the check accuracy is in [0.2, 0.5];
+    cached. Returns (the policy's folder, the SFT's facts)."""
     import torch
 
     from components.core.policy import EOS, Policy, build_model, build_tokenizer, pad_batch, save_policy, token_logprobs
@@ -185,12 +186,13 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
     from components.domains import registry
 
     cfg = model_config()
-    folder = cache / f"sft-h{cfg.hidden_size}-l{cfg.num_layers}-i{cfg.intermediate_size}-s{seed}-e{len(eval_ids)}"
+    # v2: the policy in a "policy" folder beside bench_sft.json (a store's root cannot hold a checkpoint)
+    folder = cache / f"sft2-h{cfg.hidden_size}-l{cfg.num_layers}-i{cfg.intermediate_size}-s{seed}-e{len(eval_ids)}"
     if max_steps != 1500:  # a shortened warm start is cached apart from the full one
         folder = folder.with_name(f"{folder.name}-m{max_steps}")
     info_file = folder / "bench_sft.json"
     if info_file.exists():
-        return folder, json.loads(info_file.read_text())
+        return folder / "policy", json.loads(info_file.read_text())
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     policy = Policy(model=build_model(cfg, len(tokenizer)), tokenizer=tokenizer, uri="memory://sft")
@@ -220,9 +222,9 @@ def warm_start(cache: Path, seed: int, eval_ids: set[str], max_steps: int = 1500
                 break
     info = {"sft_steps": step, "sft_check_accuracy": acc, "sft_seconds": round(time.perf_counter() - started, 1)}
     folder.mkdir(parents=True, exist_ok=True)
-    save_policy(policy.model.eval(), tokenizer, Store(str(folder), "cache"), "")
+    save_policy(policy.model.eval(), tokenizer, Store(str(folder), "cache"), "policy")
     info_file.write_text(json.dumps(info))
-    return folder, info
+    return folder / "policy", info
 
 
 def train_tasks(seed: int, steps: int, eval_ids: set[str]):

@@ -25,7 +25,9 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 def run_quick(script: str, tmp_path: Path, python: str = sys.executable, timeout: int = 280) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
-    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    (tmp_path / "tmp").mkdir(exist_ok=True)  # a cache a script keeps under $TMPDIR (the trainer's warm start) is this
+    # run's own: one left by an earlier run, of earlier code, let a broken script pass
+    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path / "tmp"))
     proc = subprocess.run([python, f"benchmarks/{script}", "--quick"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
@@ -104,7 +106,9 @@ def test_iteration_baseline(tmp_path):
 
     before = worktrees()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_", "POSTTRAIN_"))}
-    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    (tmp_path / "tmp").mkdir(exist_ok=True)  # a cache a script keeps under $TMPDIR (the trainer's warm start) is this
+    # run's own: one left by an earlier run, of earlier code, let a broken script pass
+    env.update(POSTTRAIN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path / "tmp"))
     proc = subprocess.run([sys.executable, "benchmarks/iteration.py", "--baseline", baseline, "--quick"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=580)
     output = proc.stdout + proc.stderr
