@@ -221,7 +221,7 @@ class RewardConfig(_Section):
 
 
 class ValidationConfig(_Section):
-    min_ok_fraction: float = Field(0.5, ge=0, le=1, description="least share of rewards not excluded as infra errors")
+    min_ok_fraction: float = Field(0.5, ge=0, le=1, description="least share of rewards with status ok (neither excluded as an infra error nor verifier_error)")
 
 
 class LoraConfig(_Section):

@@ -10,6 +10,10 @@ Before it passes or raises, the stage logs the expectation rows on its MLflow ru
 reviewer sees which expectations failed on the FAILED run itself:
 ``validation/expectations.html`` (a self-contained, escaped page) and
 ``validation/expectations.json`` (an MLflow table, shown in the UI's table viewer).
+A failed upload (an artifact-store error) prints one line naming the artifacts not
+logged and the error, and the stage goes on: a failed gate still raises
+``DataQualityError`` with its failed expectations, a passing one still passes (the
+report is in the store either way), as ``evalsuite.report.log_layered`` does.
 Not covered: artifacts for a stage run without an MLflow run id (nothing is logged).
 """
 
@@ -17,7 +21,8 @@ from __future__ import annotations
 
 from components.core import tracking
 from components.core.context import StageContext
-from components.core.errors import DataQualityError
+from components.core.errors import DataQualityError, exc_line
+from components.core.progress import say
 from components.core.records import Reward, Rollout
 from components.validation.suite import COLUMNS, Report, check, render_html
 
@@ -34,22 +39,31 @@ def inputs(ctx: StageContext) -> None:
     ctx.depend_on("reward")
 
 
-def log_report(ctx: StageContext, report: Report) -> None:
-    """The report's expectation rows as artifacts of the stage's MLflow run."""
+def log_report(ctx: StageContext, report: Report, where: str = "") -> None:
+    """The report's expectation rows as artifacts of the stage's MLflow run. A failed
+    upload prints one line (the artifacts not logged, the error, ``where`` the report is)
+    and returns: an artifact-store error must neither hide the gate's verdict nor fail a
+    good batch."""
     import warnings
 
     import pandas as pd
 
     if not ctx.mlflow_run_id:
         return
-    c = tracking.client()
-    title = f"{ctx.pipeline} iteration {ctx.iteration}: validation"
-    c.log_text(ctx.mlflow_run_id, render_html(report, title), HTML_ARTIFACT)
-    with warnings.catch_warnings():  # MLflow's image-column probe trips a pandas 3 deprecation on str columns
-        warnings.filterwarnings("ignore", message=r"For backward compatibility, 'str' dtypes")
-        table = pd.DataFrame(report.expectations, columns=list(COLUMNS))
-        table = table.astype({"element_count": "Int64", "unexpected_count": "Int64"})  # counts stay integers beside nulls
-        c.log_table(ctx.mlflow_run_id, table, TABLE_ARTIFACT)
+    pending = [HTML_ARTIFACT, TABLE_ARTIFACT]
+    try:
+        c = tracking.client()
+        title = f"{ctx.pipeline} iteration {ctx.iteration}: validation"
+        c.log_text(ctx.mlflow_run_id, render_html(report, title), HTML_ARTIFACT)
+        pending.remove(HTML_ARTIFACT)
+        with warnings.catch_warnings():  # MLflow's image-column probe trips a pandas 3 deprecation on str columns
+            warnings.filterwarnings("ignore", message=r"For backward compatibility, 'str' dtypes")
+            table = pd.DataFrame(report.expectations, columns=list(COLUMNS))
+            table = table.astype({"element_count": "Int64", "unexpected_count": "Int64"})  # counts stay integers beside nulls
+            c.log_table(ctx.mlflow_run_id, table, TABLE_ARTIFACT)
+    except Exception as exc:  # noqa: BLE001 - as evalsuite.report.log_layered: the verdict goes on without the artifacts
+        say(f"iter {ctx.iteration} | validation | {' and '.join(pending)} not logged to MLflow "
+            f"({exc_line(exc)[:200]}); the report is in the store" + (f" ({where})" if where else ""))
 
 
 def run(ctx: StageContext) -> dict[str, float]:
@@ -57,7 +71,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     rewards = ctx.read_records("reward", "rewards", Reward)
     report = check(rollouts, rewards, ctx.recipe)
     uri = ctx.write_json("report", report.to_json())
-    log_report(ctx, report)
+    log_report(ctx, report, uri)
     if not report.success:
         raise DataQualityError(f"validation failed for iteration {ctx.iteration} ({uri}): " + "; ".join(report.failures))
     return {"expectations": float(report.checked), "rows": float(len(rewards))}

@@ -2,10 +2,12 @@
 
 ``check(rollouts, rewards, recipe)`` builds one table per record type, validates each
 against its expectation suite in an ephemeral GX context (no files, no progress bars)
-and returns a ``Report``. Expectations cover ranges (rewards in [0, 1], logprobs finite and <= 0,
-finite advantages), shapes (one logprob per completion token), allowed values
-(statuses, domains), uniqueness of ids, and that enough rewards survived infrastructure
-failures to train on.
+and returns a ``Report``. Expectations cover ranges (raw rewards in [0, 1], logprobs finite and <= 0;
+raw rewards, normalized rewards and advantages finite: GX's range checks skip NaN, so
+each finiteness is a column of its own), shapes (one logprob per completion token), allowed values
+(statuses, domains), uniqueness of ids, and that enough rewards are usable to train on:
+the share with status ``ok`` (neither ``excluded``, an infrastructure error, nor
+``verifier_error``) is at least ``validation.min_ok_fraction``.
 
 Multi-turn episodes carry a ``completion_mask`` (1 = the policy's token, 0 = an
 observation the sandbox returned). The token checks count only the policy's tokens:
@@ -21,7 +23,10 @@ The report keeps one row per expectation (``Report.expectations``, columns
 observed value, unexpected count and percent, and the first few unexpected values (a
 JSON list). Two checks of the
 gate itself are rows too (expectation names starting ``posttrain.``): every rollout has
-a reward, and each table has rows (an empty table's GX suite is not run). Every cell is
+exactly one reward and every reward a rollout (the sets of ``rollout_id`` are equal, as
+are the counts), each reward carrying its rollout's ``task_id`` and ``domain``
+(``CHECK_ROWS_MATCH``; its unexpected values name the offending ids); and each table
+has rows (an empty table's GX suite is not run). Every cell is
 JSON-safe and bounded (``CELL_CHARS``; at most ``SAMPLE_VALUES`` unexpected values of
 ``VALUE_CHARS`` each), because values come from model output; a long kwargs text is cut,
 so it is then no longer valid JSON. ``render_html`` turns a report into a
@@ -184,6 +189,9 @@ def _frames(rollouts: list[Rollout], rewards: list[Reward],
         "weight": [r.weight for r in rewards],
         # 0 (excluded) or the domain's loss weight (reward.domain_weights, unlisted 1)
         "weight_is_domain_weight": [r.weight in (0.0, float(loss_weights.get(r.domain, 1.0))) for r in rewards],
+        # GX's range checks skip NaN (read as missing): finiteness is checked apart
+        "raw_reward_finite": [math.isfinite(r.raw_reward) for r in rewards],
+        "normalized_reward_finite": [math.isfinite(r.normalized_reward) for r in rewards],
         "advantage_finite": [math.isfinite(r.advantage) for r in rewards],
         "is_ok": [1.0 if r.status == "ok" else 0.0 for r in rewards],
     })
@@ -210,12 +218,56 @@ def _suites(gx, recipe, max_new_tokens: int, max_turns: int):
         E.ExpectColumnValuesToBeInSet(column="status", value_set=list(REWARD_STATUSES)),
         E.ExpectColumnValuesToBeInSet(column="domain", value_set=domains),
         E.ExpectColumnValuesToBeBetween(column="raw_reward", min_value=0.0, max_value=1.0),
+        E.ExpectColumnValuesToBeInSet(column="raw_reward_finite", value_set=[True]),
+        E.ExpectColumnValuesToBeInSet(column="normalized_reward_finite", value_set=[True]),
         E.ExpectColumnValuesToBeBetween(column="weight", min_value=0.0),
         E.ExpectColumnValuesToBeInSet(column="weight_is_domain_weight", value_set=[True]),
         E.ExpectColumnValuesToBeInSet(column="advantage_finite", value_set=[True]),
         E.ExpectColumnMeanToBeBetween(column="is_ok", min_value=recipe.validation.min_ok_fraction, max_value=1.0),
     ]
     return {"rollouts": rollouts, "rewards": rewards}
+
+
+def _check_rows_match(rollouts: list[Rollout], rewards: list[Reward], report: Report) -> None:
+    """``CHECK_ROWS_MATCH``: one reward per rollout, matched by ``rollout_id`` (equal id
+    sets and equal counts; a count alone passed rewards that belong to other rollouts),
+    each carrying its rollout's ``task_id`` and ``domain``."""
+    by_id = {r.rollout_id: r for r in rollouts}
+    reward_ids = {r.rollout_id for r in rewards}
+    missing = sorted(set(by_id) - reward_ids)
+    unknown = sorted(reward_ids - set(by_id))
+    mismatched = [r for r in rewards if r.rollout_id in by_id
+                  and (r.task_id, r.domain) != (by_id[r.rollout_id].task_id, by_id[r.rollout_id].domain)]
+    matched = len(rewards) == len(rollouts) and not missing and not unknown and not mismatched
+    observed = {"rewards": len(rewards), "rollouts_without_reward": len(missing),
+                "rewards_without_rollout": len(unknown), "task_or_domain_differs": len(mismatched)}
+    offending = missing + unknown + [r.rollout_id for r in mismatched]
+    kwargs = {"rollouts": len(rollouts), "match": ["rollout_id", "task_id", "domain"]}
+    report.expectations.append(_row("rewards", CHECK_ROWS_MATCH, None, kwargs, matched, {
+        "observed_value": observed, "element_count": len(rewards), "unexpected_count": len(offending),
+        "partial_unexpected_list": offending[:SAMPLE_VALUES]}))
+    if matched:
+        return
+    report.success = False
+
+    def ids(values: list[str]) -> str:
+        shown = ", ".join(bounded(v, 3 * VALUE_CHARS) for v in values[:3])
+        return shown + (f", ... {len(values) - 3} more" if len(values) > 3 else "")
+
+    parts = [f"{len(rewards)} rewards for {len(rollouts)} rollouts"]
+    if missing:
+        parts.append(f"rollouts without a reward: {ids(missing)}")
+    if unknown:
+        parts.append(f"rewards for no rollout: {ids(unknown)}")
+    if mismatched:
+        def differs(r: Reward) -> str:
+            ro = by_id[r.rollout_id]
+            return r.rollout_id + "".join(f" {k} {bounded(str(got), VALUE_CHARS)!r} != {bounded(str(want), VALUE_CHARS)!r}"
+                                          for k, got, want in (("task_id", r.task_id, ro.task_id),
+                                                               ("domain", r.domain, ro.domain)) if got != want)
+        parts.append(f"rewards whose task_id or domain differs from their rollout's: {ids([differs(r) for r in mismatched])}")
+    report.failures.append(f"rewards: {CHECK_ROWS_MATCH} failed: every rollout needs exactly one reward with its "
+                           f"task_id and domain ({'; '.join(parts)})")
 
 
 def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
@@ -230,12 +282,7 @@ def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
     source = context.data_sources.add_pandas("posttrain")
     frames = dict(zip(("rollouts", "rewards"), _frames(rollouts, rewards, dict(recipe.reward.domain_weights))))
     report = Report(success=True)
-    matched = len(rewards) == len(rollouts)
-    report.expectations.append(_row("rewards", CHECK_ROWS_MATCH, None, {"rollouts": len(rollouts)}, matched,
-                                    {"observed_value": len(rewards)}))
-    if not matched:
-        report.success = False
-        report.failures.append(f"rewards has {len(rewards)} rows but rollouts has {len(rollouts)}: every rollout needs a reward")
+    _check_rows_match(rollouts, rewards, report)
     for name, expectations in _suites(gx, recipe, recipe.rollout.max_new_tokens, recipe.rollout.max_turns).items():
         empty = frames[name].empty
         report.expectations.append(_row(name, CHECK_NOT_EMPTY, None, {"min_rows": 1}, not empty,

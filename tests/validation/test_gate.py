@@ -35,7 +35,7 @@ def clean() -> tuple[list[Rollout], list[Reward]]:
 
 def test_clean_batch_passes_every_expectation() -> None:
     report = check(*clean(), RECIPE)
-    assert (report.success, report.failures, report.checked) == (True, [], 18)
+    assert (report.success, report.failures, report.checked) == (True, [], 20)
 
 
 def test_rewards_carry_the_recipes_loss_weight() -> None:
@@ -103,16 +103,25 @@ def _bad_reward(i: int, **changes):
     (_bad_rollout(2, logprobs=[-0.1, -0.2]), "rollouts: expect_column_values_to_be_in_set {'column': 'logprobs_match_tokens'"),
     (_bad_rollout(0, completion_tokens=0, completion_token_ids=[], logprobs=[]),
      "rollouts: expect_column_values_to_be_between {'column': 'completion_tokens'"),
-    (_bad_rollout(3, domain="poetry"), "rollouts: expect_column_values_to_be_in_set {'column': 'domain'"),
+    (_bad_rollout(3, domain="poetry"), ["rewards: posttrain.every_rollout_has_a_reward failed",  # its reward's domain differs
+                                        "rollouts: expect_column_values_to_be_in_set {'column': 'domain'"]),
     (_bad_reward(0, raw_reward=1.5), "rewards: expect_column_values_to_be_between {'column': 'raw_reward'"),
+    # GX's range check skips NaN (read as missing): one NaN raw reward passed it, and nothing checked normalized_reward
+    (_bad_reward(1, raw_reward=float("nan")), "rewards: expect_column_values_to_be_in_set {'column': 'raw_reward_finite'"),
+    (_bad_reward(1, normalized_reward=float("nan")),
+     "rewards: expect_column_values_to_be_in_set {'column': 'normalized_reward_finite'"),
+    (_bad_reward(3, normalized_reward=float("-inf")),
+     "rewards: expect_column_values_to_be_in_set {'column': 'normalized_reward_finite'"),
     (_bad_reward(1, advantage=float("nan")), "rewards: expect_column_values_to_be_in_set {'column': 'advantage_finite'"),
-    (_bad_reward(2, rollout_id=clean()[0][0].rollout_id), "rewards: expect_column_values_to_be_unique {'column': 'rollout_id'"),
+    (_bad_reward(2, rollout_id=clean()[0][0].rollout_id),
+     ["rewards: posttrain.every_rollout_has_a_reward failed", "rewards: expect_column_values_to_be_unique {'column': 'rollout_id'"]),
     (_bad_reward(2, weight=0.5), "rewards: expect_column_values_to_be_in_set {'column': 'weight_is_domain_weight'"),
 ])
-def test_each_expectation_catches_its_broken_row(breakage, expected: str) -> None:
+def test_each_expectation_catches_its_broken_row(breakage, expected: str | list[str]) -> None:
     report = check(*breakage(*clean()), RECIPE)
+    expected = [expected] if isinstance(expected, str) else expected
     assert report.success is False
-    assert [f[: len(expected)] for f in report.failures] == [expected]
+    assert [f[: len(e)] for f, e in zip(report.failures, expected)] == expected and len(report.failures) == len(expected)
 
 
 def test_too_many_infra_failures_and_missing_rewards_fail() -> None:
@@ -122,7 +131,9 @@ def test_too_many_infra_failures_and_missing_rewards_fail() -> None:
     assert report.failures == ["rewards: expect_column_mean_to_be_between {'column': 'is_ok', 'min_value': 0.5, "
                                "'max_value': 1.0} failed (observed 0.25)"]
     report = check(rollouts, rewards[:3], RECIPE)
-    assert report.failures == ["rewards has 3 rows but rollouts has 4: every rollout needs a reward"]
+    assert report.failures == ["rewards: posttrain.every_rollout_has_a_reward failed: every rollout needs exactly one "
+                               f"reward with its task_id and domain (3 rewards for 4 rollouts; rollouts without a reward: "
+                               f"{rollouts[3].rollout_id})"]
     assert check([], [], RECIPE).failures == ["rollouts: no rows to train on", "rewards: no rows to train on"]
 
 
@@ -146,4 +157,4 @@ def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_h
                                                "expect_column_values_to_be_between {'column': 'raw_reward'")
     assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     report = store.read_json("gate/iter-000001/validation/report.json")
-    assert report["success"] is False and report["checked"] == 18 and len(report["failures"]) == 1
+    assert report["success"] is False and report["checked"] == 20 and len(report["failures"]) == 1

@@ -20,7 +20,7 @@ from components.validation.suite import CELL_CHARS, COLUMNS, SAMPLE_VALUES, VALU
 from tests.reward.builders import write_stage
 from tests.validation.test_gate import RECIPE, TASK, clean
 
-ROWS = 21  # 18 GX expectations + rewards-match-rollouts + two non-empty-table checks
+ROWS = 23  # 20 GX expectations + rewards-match-rollouts + two non-empty-table checks
 RAW_REWARD_KWARGS = '{"column": "raw_reward", "max_value": 1.0, "min_value": 0.0}'
 
 
@@ -64,7 +64,7 @@ def test_passing_gate_logs_every_expectation_as_a_success(tmp_path, posttrain_ho
     [mean] = [r for r in rows if r["column"] == "is_ok"]
     assert (mean["observed"], mean["kwargs"]) == ("1.0", '{"column": "is_ok", "max_value": 1.0, "min_value": 0.5}')
     assert page.split("<tbody>")[1].count("<tr>") == ROWS and 'class="fail"' not in page
-    assert "Data-quality gate <span class=\"ok\">passed</span>: 21 checks, 0 failed" in page
+    assert "Data-quality gate <span class=\"ok\">passed</span>: 23 checks, 0 failed" in page
     report = store.read_json("gate/iter-000001/validation/report.json")
     assert report["success"] is True and report["expectations"] == rows
 
@@ -100,13 +100,16 @@ def test_hostile_values_are_escaped_and_bounded() -> None:
     script = "<script>alert('x')</script>"
     hostile = [script, '"><img src=x onerror=alert(1)>', "&amp;" + "A" * 100_000] + [f"<b>{i}</b>" for i in range(10)]
     rollouts = [dataclasses.replace(rollouts[i % 4], rollout_id=f"r{i}", domain=d) for i, d in enumerate(hostile)]
-    rewards = [dataclasses.replace(rewards[i % 4], rollout_id=f"r{i}") for i in range(len(hostile))]
+    rewards = [dataclasses.replace(rewards[i % 4], rollout_id=f"r{i}", domain=d) for i, d in enumerate(hostile)]
 
     report = check(rollouts, rewards, RECIPE)
     page = render_html(report, title=script)
 
-    [row] = [r for r in report.expectations if not r["success"]]
-    assert (row["table"], row["expectation"], row["column"]) == ("rollouts", "expect_column_values_to_be_in_set", "domain")
+    # the rewards carry their rollouts' domains: the same values fail the rewards' domain check too
+    assert [(r["table"], r["expectation"], r["column"]) for r in report.expectations if not r["success"]] == [
+        ("rollouts", "expect_column_values_to_be_in_set", "domain"),
+        ("rewards", "expect_column_values_to_be_in_set", "domain")]
+    row = next(r for r in report.expectations if not r["success"])
     assert row["unexpected_count"] == len(hostile)
     values = json.loads(row["unexpected_values"])  # the long value is cut, so is the list
     assert values[:2] == hostile[:2] and len(values[2]) == VALUE_CHARS and values[2].endswith("\u2026")
