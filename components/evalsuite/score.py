@@ -20,11 +20,12 @@ Not covered: results of versions scored under another run root or by other tools
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from components.core import models, tracking
 from components.core.context import StageContext, read_manifest, read_output_records
-from components.core.errors import exc_line
+from components.core.errors import UserError, exc_line
 from components.core.facts import Slice
 from components.core.manifest import Manifest, stage_prefix
 from components.core.progress import say
@@ -42,9 +43,26 @@ def eval_tags(rates: dict[str, float]) -> dict[str, str]:
     return {f"{EVAL_TAG}{d}": f"{v:.6f}" for d, v in rates.items()}
 
 
-def tagged_rates(tags: dict[str, str]) -> dict[str, float]:
-    """The per-domain pass rates ``eval_tags`` wrote on a registry version."""
-    return {k[len(EVAL_TAG):]: float(v) for k, v in tags.items() if k.startswith(EVAL_TAG)}
+def tagged_rates(tags: dict[str, str], version: str = "", pipeline: str = "") -> dict[str, float]:
+    """The per-domain pass rates ``eval_tags`` wrote on a registry version. A tag whose
+    value is not a finite number in [0, 1] (``nan``, ``n/a``, an edited tag) is a
+    ``UserError`` naming the tag and, where the caller gives them, the version and pipeline."""
+    rates = {}
+    for k, v in tags.items():
+        if not k.startswith(EVAL_TAG):
+            continue
+        try:
+            rate = float(v)
+        except (TypeError, ValueError):
+            rate = math.nan
+        if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
+            where = f" of version {version}" if version else ""
+            where += f" of {models.model_name(pipeline)}" if pipeline else ""
+            raise UserError(f"registry tag {k}", v, f"the tag{where} is not a pass rate (a finite number in [0, 1])",
+                            "set it to the version's pass rate on that domain, as the manifest facts (pass_rates) of "
+                            "the stage that scored it record it")
+        rates[k[len(EVAL_TAG):]] = rate
+    return rates
 
 
 def evaluate_and_log(ctx: StageContext, policy) -> tuple[list[EvalResult], dict[str, float], Slice | None]:

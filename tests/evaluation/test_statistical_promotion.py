@@ -48,20 +48,28 @@ def register(source: str, run_root: str) -> None:
         models.register_checkpoint("promo", source, run_id, {"posttrain.iteration": "0", "posttrain.run_root": run_root})
 
 
-def context(store: Store, stage: str, iteration: int, promotion: str = "statistical") -> StageContext:
-    recipe = parse_recipe({"pipeline": "promo", "domains": ["code", "math"], "evaluation": {"promotion": promotion}})
+def context(store: Store, stage: str, iteration: int, promotion: str = "statistical",
+            domains: tuple[str, ...] = ("code", "math")) -> StageContext:
+    recipe = parse_recipe({"pipeline": "promo", "domains": list(domains), "evaluation": {"promotion": promotion}})
     return StageContext(stage=stage, recipe=RecipeView(recipe, stage, SECTIONS), store=store, iteration=iteration,
                         shard=Shard(0, 1))
 
 
 def decision(tmp_path, cases: dict[str, tuple[int, int, int]], promotion: str, baseline_stored: bool = True):
     """(rule, why, promoted, reason, rows) for the evaluation of candidate version 2."""
-    store = Store(f"file://{tmp_path / 'store'}")
     cand, base = [], []
     for domain, counts in sorted(cases.items()):
         c, b = outcomes(domain, *counts)
         cand += c
         base += b
+    return decide_on(tmp_path, cand, base, promotion, baseline_stored=baseline_stored)
+
+
+def decide_on(tmp_path, cand: list[EvalResult], base: list[EvalResult], promotion: str,
+              domains: tuple[str, ...] = ("code", "math"), baseline_stored: bool = True):
+    """(rule, why, promoted, reason, rows): candidate version 2 (results ``cand``, of a
+    recipe of ``domains``) against version 1 (bootstrap's results ``base``)."""
+    store = Store(f"file://{tmp_path / 'store'}")
     register(store.url("promo/bootstrap/checkpoint"), store.uri)
     if baseline_stored:
         boot = context(store, "bootstrap", 0)
@@ -69,7 +77,7 @@ def decision(tmp_path, cases: dict[str, tuple[int, int, int]], promotion: str, b
         write_manifest(store, boot)
     write_manifest(store, context(store, "taskgen", 1),
                    StartingPolicy("1", "", baseline_version="1", baseline_pass_rates=pass_rates(base)))
-    ctx = context(store, "evaluation", 1, promotion)
+    ctx = context(store, "evaluation", 1, promotion, domains)
     rates = pass_rates(cand)
     rows, missing = comparisons(ctx, cand, rates, pass_rates(base))
     return (*decide(ctx, rows, missing, rates, pass_rates(base)), rows)
@@ -134,3 +142,67 @@ def test_the_baselines_results_are_an_input_of_the_stage(tmp_path, posttrain_hom
     boot = stage_prefix("promo", 0, "bootstrap")
     assert ctx.inputs["baseline_eval"].uri == store.url(f"{boot}/{MANIFEST}")
     assert ctx.inputs["baseline_eval"].digest == Manifest.from_json(store.read_json(f"{boot}/{MANIFEST}")).content_digest
+
+
+CODE_UP = outcomes("code", 60, 40, 0)  # code 0.30 -> 0.50: 40 tasks gained, none lost
+MATH = outcomes("math", 100, 0, 0)  # the baseline's math 0.50 (the candidate's only where the recipe has math)
+
+
+@pytest.mark.parametrize(("promotion", "why", "reason"), [
+    ("statistical", f"paired bootstrap over {N} eval tasks both versions answered",
+     "no domain regressed significantly at 95%; mean pass rate 0.300->0.500; left out (not in the recipe): math"),
+    ("strict", "evaluation.promotion is strict",
+     "no domain regressed beyond tolerance; left out (not in the recipe): math"),
+    ("no-results", "fallback: no eval_results of version 1 under {where}",
+     "strict rule (no eval_results of version 1 under {where}): no domain regressed beyond tolerance; "
+     "left out (not in the recipe): math"),
+])
+def test_a_domain_the_recipe_dropped_is_left_out_not_counted_as_zero(tmp_path, posttrain_home, promotion, why, reason):
+    """The champion was scored on code and math; the recipe now has code only (bootstrap
+    keeps a trained champion when only the domains change). Math counted as 0 held every
+    candidate from then on."""
+    where = f"file://{tmp_path / 'store'}/promo/bootstrap"
+    rule, got_why, promoted, got_reason, rows = decide_on(
+        tmp_path, CODE_UP[0], CODE_UP[1] + MATH[1], "strict" if promotion == "strict" else "statistical",
+        domains=("code",), baseline_stored=promotion != "no-results")
+    assert (rule, got_why, promoted, got_reason) == ("statistical" if promotion == "statistical" else "strict",
+                                                     why.format(where=where), True, reason.format(where=where))
+    assert [(r.domain, r.candidate, r.baseline) for r in rows] == [("code", 0.5, 0.3)]
+
+
+def test_a_dropped_domain_does_not_hide_a_regression_in_the_recipes_domains(tmp_path, posttrain_home):
+    cand, base = outcomes("code", 60, 0, 60)  # code 0.60 -> 0.30
+    rule, _, promoted, reason, _ = decide_on(tmp_path, cand, base + MATH[1], "statistical", domains=("code",))
+    assert (rule, promoted) == ("statistical", False)
+    assert reason == ("significant regression at 95%: code 0.600->0.300 (diff -0.300, CI [-0.365, -0.235]); "
+                      "left out (not in the recipe): math")
+
+
+@pytest.mark.parametrize(("promotion", "why", "reason"), [
+    ("statistical", f"paired bootstrap over {N} eval tasks both versions answered",
+     "no domain regressed significantly at 95%; mean pass rate 0.300->0.500; new (no baseline): arithmetic"),
+    ("strict", "evaluation.promotion is strict", "no domain regressed beyond tolerance; new (no baseline): arithmetic"),
+])
+def test_a_domain_only_the_candidate_has_is_new_and_the_others_stay_paired(tmp_path, posttrain_home, promotion, why,
+                                                                          reason):
+    """One new domain turned the statistical rule into the strict fallback for every domain."""
+    arithmetic, _ = outcomes("arithmetic", 100, 0, 0)  # 0.50, never scored on the baseline
+    rule, got_why, promoted, got_reason, rows = decide_on(
+        tmp_path, CODE_UP[0] + arithmetic, CODE_UP[1], promotion, domains=("arithmetic", "code"))
+    assert (rule, got_why, promoted, got_reason) == (promotion, why, True, reason)
+    assert [(r.domain, r.tasks, r.candidate, r.baseline, r.difference) for r in rows][0] == \
+        ("arithmetic", N, 0.5, None, None)
+    if promotion == "statistical":
+        code = rows[1]
+        assert (code.domain, code.tasks, code.baseline, code.difference) == ("code", N, 0.3, pytest.approx(0.2))
+        assert code.ci_low > 0
+
+
+def test_a_new_domain_does_not_hide_a_regression_of_a_paired_one(tmp_path, posttrain_home):
+    arithmetic, _ = outcomes("arithmetic", 200, 0, 0)  # 1.00, new: it does not lift the mean
+    cand, base = outcomes("code", 60, 0, 60)
+    rule, _, promoted, reason, _ = decide_on(tmp_path, cand + arithmetic, base, "statistical",
+                                             domains=("arithmetic", "code"))
+    assert (rule, promoted) == ("statistical", False)
+    assert reason == ("significant regression at 95%: code 0.600->0.300 (diff -0.300, CI [-0.365, -0.235]); "
+                      "new (no baseline): arithmetic")
