@@ -63,13 +63,14 @@ def test_the_overwritten_version_is_refused_everywhere_and_the_new_one_loads(rew
     assert resolve_policy(parse_recipe(recipe)) == ("2", place)  # champion: the new version
 
 
-def test_the_registered_mlflow_model_refuses_to_load_other_weights(rewritten) -> None:
+def test_the_registered_mlflow_model_refuses_to_load_other_weights(rewritten, monkeypatch) -> None:
     import mlflow.pyfunc
 
     from components.core import tracking
 
-    mlflow.set_tracking_uri(tracking.tracking_uri())
-    mlflow.set_registry_uri(tracking.tracking_uri())
+    # pyfunc resolves models:/ through it (not mlflow.set_*_uri: that is global state, and the
+    # next test of this process would find its models in this test's database)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking.tracking_uri())
     with pytest.raises(Exception) as err:
         mlflow.pyfunc.load_model("models:/tiny-policy/1")
     assert "now holds other weights" in str(err.value)
