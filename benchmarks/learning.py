@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.iteration import env_for, timed  # noqa: E402
+from benchmarks.provenance import provenance, provenance_line  # noqa: E402
 from components.core import settings  # noqa: E402  (torch_threads: what the arms' posttrain run uses)
 from components.core.context import read_manifest, read_manifests  # noqa: E402
 from components.core.manifest import stage_prefix  # noqa: E402
@@ -303,7 +304,8 @@ def write(out: Path, result: dict) -> None:
              f"{'/'.join(f'{x:.2f}' for x in result['load_avg_after'])} after; {result['seconds']:.0f} s in all. "
              "Final candidate vs the bootstrap policy on the same eval tasks; the interval is a paired bootstrap "
              f"({RESAMPLES} resamples) over tasks; the pooled rows pool every seed's per-task differences. "
-             "How it runs: the docstring of `benchmarks/learning.py`.", ""]
+             "How it runs: the docstring of `benchmarks/learning.py`.", "",
+             provenance_line(result.get("provenance")), ""]
     for arm, a in result["arms"].items():
         parts += [f"## {arm}: all seeds pooled", "", table(a["pooled"]), ""]
         for seed, seed_rows in a["seeds"].items():
@@ -349,16 +351,18 @@ def main() -> None:
     arms = compare(per_seed, tuple(args.arms))
     head, dirty = commit()
     threads_env = os.environ.get("POSTTRAIN_TORCH_THREADS")
+    # what the processes ran on: `posttrain stage bootstrap` defaults to 1, `posttrain run` (the
+    # arms) to every core, unless POSTTRAIN_TORCH_THREADS says
+    threads = {"bootstrap": settings.torch_threads(default="1"), "arms": settings.torch_threads(default="auto")}
+    load_after = os.getloadavg()
     prefix = [f"POSTTRAIN_TORCH_THREADS={threads_env}"] if threads_env else []
     result = {"command": " ".join([*prefix, "python benchmarks/learning.py", *sys.argv[1:]]), "quick": args.quick,
               "recipe": os.path.relpath(Path(args.recipe).resolve(), REPO), "seeds": args.seeds,
               "iterations": args.iterations, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              # what the processes ran on: `posttrain stage bootstrap` defaults to 1, `posttrain run` (the
-              # arms) to every core, unless POSTTRAIN_TORCH_THREADS says
-              "torch_threads": {"bootstrap": settings.torch_threads(default="1"),
-                                "arms": settings.torch_threads(default="auto")}, "commit": head, "dirty": dirty,
-              "load_avg_before": list(load), "load_avg_after": list(os.getloadavg()),
+              "torch_threads": threads, "commit": head, "dirty": dirty,
+              "load_avg_before": list(load), "load_avg_after": list(load_after),
+              "provenance": provenance(threads, load, load_after),
               "seconds": time.perf_counter() - started, "arms": arms, "summary": summary_line(arms)}
     for arm, a in arms.items():
         print(f"{arm}: final candidate vs bootstrap policy, {len(args.seeds)} seed(s) pooled")

@@ -40,6 +40,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks/ is not an installed package
+
+from benchmarks.provenance import provenance, provenance_line  # noqa: E402
+
 RECIPE = REPO / "recipes" / "smollm2.yaml"
 STAGES = ["taskgen", "rollout", "sandbox", "reward", "validation", "trainer", "evaluation"]
 QUICK = {"taskgen": {"tasks_per_iteration": 4}, "rollout": {"group_size": 2, "max_new_tokens": 4},
@@ -93,8 +97,10 @@ def run(iterations: int, quick: bool, work: Path) -> dict:
         print(f"iteration {k}: {wall:.1f} s (process), stages {sum(seconds.values()):.1f} s, pass@1 "
               + " ".join(f"{d} {v:.3f}" for d, v in rows[-1]["pass_rates"].items()), flush=True)
     boot = manifest(root, f"{pipeline}/bootstrap")
-    return {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
-            "load_before": load_before, "load_after": os.getloadavg()[0], "quick": quick, "recipe": data,
+    load_after = os.getloadavg()[0]
+    return {"provenance": provenance(load_start=load_before, load_end=load_after),  # torch threads: posttrain run's default
+            "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            "load_before": load_before, "load_after": load_after, "quick": quick, "recipe": data,
             "bootstrap_s": boot["timings"]["duration_s"], "before": boot["info"]["pass_rates"], "iterations": rows,
             "after": rows[-1]["pass_rates"]}
 
@@ -121,6 +127,7 @@ def markdown(result: dict) -> str:
              f"{ev['tasks_per_domain']} eval tasks per domain, greedy, {ev['max_new_tokens']} new tokens; load average "
              f"{result['load_before']:.2f} before, {result['load_after']:.2f} after. `python benchmarks/smollm2.py`; "
              "what each column means is in the script's docstring.", "",
+             provenance_line(result.get("provenance")), "",
              "| iteration | process wall (s) | " + " | ".join(f"{s} (s)" for s in STAGES) + " | trainer steps | "
              + " | ".join(f"{d} pass@1" for d in domains) + " | promoted |",
              "|---|" + "---:|" * (2 + len(STAGES) + len(domains)) + "---|",

@@ -83,6 +83,7 @@ def main() -> None:
     import yaml
 
     from benchmarks.iteration import stage_seconds
+    from benchmarks.provenance import provenance
 
     if not torch.cuda.is_available():
         print("gpu check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
@@ -93,10 +94,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="posttrain-gpu-check-") as tmp:
         home = Path(tmp)
         env = {**os.environ, "POSTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-        started = time.perf_counter()
+        load_start, started = os.getloadavg(), time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "components.cli", "run", "--recipe", args.recipe, "--iterations", "1"],
                               cwd=REPO, env=env)
         wall = time.perf_counter() - started
+        load_end = os.getloadavg()
         if proc.returncode != 0:
             sys.exit(f"gpu check: posttrain run exited {proc.returncode}")
         run_root = home / "store"
@@ -115,6 +117,7 @@ def main() -> None:
         "trainer_tokens_per_s": round(trainer_tps, 1), "parameters": params,
         "trainer_mfu": round(6 * params * trainer_tps / (peak * 1e12), 5), "peak_bf16_tflops": peak,
         "trainer_dtype": recipe.trainer.dtype, "trainer_parallelism": recipe.trainer.parallelism,
+        "provenance": provenance(load_start=load_start, load_end=load_end),  # torch threads: posttrain run's default
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -36,15 +36,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks/ is not an installed package
+
+from benchmarks.provenance import provenance, provenance_line  # noqa: E402
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[str]:
@@ -121,6 +126,7 @@ def main() -> None:
     }
     HFEngine().generate_groups(demo_policy, tasks[:2], 2, 2, 1.0, 0, 4)  # warm-up
     HFEngine(prefix_sharing=False).generate(bucket_policy, mixed[:4], 2, 1.0, 0, 4)
+    load_start = os.getloadavg()
     rates: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(args.repeats):
         for name, run in runs.items():
@@ -151,6 +157,7 @@ def main() -> None:
                       "ratio_of_medians": median["bucketed"] / median["unbucketed"], "goal": 1.3},
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
                  "threads": torch.get_num_threads()},
+        "provenance": provenance(torch.get_num_threads(), load_start, os.getloadavg()),
     }
     if out_dir is None:
         return
@@ -174,6 +181,7 @@ def main() -> None:
         f"on {platform.machine()} with {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; all four "
         "variants alternate in one process, so they see the same machine load. The machine is shared, so the best "
         "run is the least disturbed.\n\n"
+        f"{provenance_line(result['provenance'])}\n\n"
         f"## Prefix-shared groups vs the previous path (goal >= 1.5x)\n\n"
         f"The demo's policy size (hidden {recipe.model.hidden_size}, {recipe.model.num_layers} layers, random "
         f"weights), {args.tasks} prompts drawn from the demo's domains ({', '.join(recipe.domains)}; "

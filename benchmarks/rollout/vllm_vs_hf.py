@@ -47,6 +47,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repo (tests.rollout.test_hf_engine.recomputed)
 sys.path.insert(0, str(HERE))  # bench.py's prompt set
 
+from benchmarks.provenance import provenance, provenance_line  # noqa: E402
+
 
 def recomputed(policy, samples, temperature: float) -> list[list[float]]:
     """The trainer's view of the samples' logprobs: a right-padded batch through
@@ -119,6 +121,7 @@ def main() -> None:
 
     # Speed.
     hf.generate(policy, prompts[:4], 2, 1.0, 0, 4)  # warm-up
+    load_start = os.getloadavg()
     rates: dict[str, list[float]] = {"vllm": [], "hf": []}
     tokens: dict[str, list[int]] = {"vllm": [], "hf": []}
     for r in range(args.repeats):
@@ -147,6 +150,8 @@ def main() -> None:
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "transformers": transformers.__version__, "hf_threads": args.threads,
                  "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")},
+        # torch threads: HFEngine's (vLLM binds its own, VLLM_CPU_OMP_THREADS_BIND above)
+        "provenance": provenance(args.threads, load_start, os.getloadavg()),
     }
     if out_dir is None:
         tmp.cleanup()
@@ -162,6 +167,7 @@ def main() -> None:
         f"{cfg.hidden_size}, {cfg.num_layers} layers, head size {cfg.hidden_size // cfg.num_heads}) saved with "
         f"`save_policy` and loaded by both engines; prompts of {result['prompt_chars'][0]}-{result['prompt_chars'][1]} "
         "characters.\n\n"
+        f"{provenance_line(result['provenance'])}\n\n"
         f"**Agreement:** greedy completions identical for {same}/{len(prompts)} prompts; largest logprob difference "
         f"{greedy_diff:.1e} (greedy, vLLM vs HFEngine) and {sampled_diff:.1e} (sampled at T=0.8, vLLM vs the "
         "trainer's recomputation).\n\n"

@@ -113,6 +113,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root: benchmarks/ is not an installed package
+
+from benchmarks.provenance import provenance, provenance_line  # noqa: E402
+
 PROMPTS_PER_STEP, SAMPLES = 16, 8
 MAX_NEW_TOKENS = 8
 EXTRA_STEPS = 4  # posttrain runs at most this many times --steps, to reach TRL's training time
@@ -461,6 +465,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     recorded: list = []  # the first seed's posttrain steps, replayed at 1 and 2 processes
     trl_times: dict[int, float] = {}
+    load_start = os.getloadavg()  # the measured runs start here (the warm start before them is not timed)
     for seed in range(args.seed, args.seed + args.seeds):
         tasks = train_tasks(seed, args.steps * EXTRA_STEPS, eval_ids)
         # Alternate the order, so slow drifts in the machine's load hit every trainer alike
@@ -507,7 +512,6 @@ def main() -> None:
                   f"{evaluate.seconds:.1f} s off the clock | load {load_before:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)
     procs, procs_md = None, ""
     if recorded and args.process_repeats:
-        sys.path.insert(0, str(HERE.parents[1]))  # the repository root: benchmarks/ is not an installed package
         from benchmarks.trainer import processes
 
         procs = processes.measure(folder, recorded, args.lr, args.seed, epochs=args.process_epochs,
@@ -625,6 +629,7 @@ def main() -> None:
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                  "threads": args.threads},
+        "provenance": provenance(args.threads, load_start, os.getloadavg()),
     }
     spread = max(statistics.pstdev(v["accuracies"]) for v in summary.values())
     noise = (f", but only within noise: the accuracy difference is smaller than the seed-to-seed standard deviation "
@@ -649,6 +654,7 @@ def main() -> None:
         f"shared with other load (1-minute load average {min(loads):.2f}-{max(loads):.2f} at the starts and ends of "
         f"the runs), {args.threads} torch thread(s), torch {torch.__version__}, transformers "
         f"{transformers.__version__}, trl {trl.__version__}.\n\n"
+        f"{provenance_line(result['provenance'])}\n\n"
         f"Policy: Llama-architecture, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
         f"intermediate {cfg.intermediate_size} ({result['parameters']:,} parameters), character tokenizer, warm-started "
         f"by {sft['sft_steps']} SFT steps on arithmetic (held-out greedy accuracy {start_acc:.3f}); every run starts "

@@ -34,10 +34,15 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root: benchmarks/ is not an installed package
+
+from benchmarks.provenance import provenance, provenance_line  # noqa: E402
+
 DOMAINS = ["math", "code", "terminal", "extraction", "structured"]
 PROMPTS_PER_STEP, GROUP, MICRO_BATCH, MAX_NEW_TOKENS = 32, 8, 64, 16
 
@@ -194,6 +199,7 @@ def main() -> None:
             "cpu_tokens_per_s": {m: [round(x, 1) for x in v] for m, v in cpu_rates.items()},
             "ratio_median": round(ratio_median, 3), "ratio_best": round(ratio_best, 3),
             "ratio_median_cpu_time": round(ratio_cpu, 3), "goal_ratio": 1.3,
+            "provenance": provenance(torch.get_num_threads(), *load),
         }
         (HERE / "packing_results.json").write_text(json.dumps(results, indent=2) + "\n")
         (HERE / "packing_results.md").write_text(
@@ -205,6 +211,7 @@ def main() -> None:
             f"{repeats} interleaved repeats of {steps} optimizer steps per path, on {results['cpus']} CPUs with a "
             f"1-minute load average of {load[0]} before and {load[1]} after (other work shared the machine: wall-clock "
             f"rates swing with it, the rates per CPU second much less).\n\n"
+            f"{provenance_line(results['provenance'])}\n\n"
             f"Tokens per step: {shapes['real_tokens_per_step']} real, {shapes['padded_tokens_per_step']} in the "
             f"padded layout, {shapes['packed_tokens_per_step']} in the packed one.\n\n"
             f"| path | best tokens/s | median tokens/s |\n|---|---:|---:|\n"
