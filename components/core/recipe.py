@@ -446,6 +446,18 @@ def _location(value: str, where: str, fix: str, what: str = "checkpoint") -> Non
         raise UserError(where, value, exc.problem, exc.fix) from None
 
 
+def _loc_text(loc: tuple) -> str:
+    """A validation error's location as the recipe's own checks name fields: keys joined by
+    ``.``, list positions in brackets (``domains[0]``, ``taskgen.curriculum[1].weights``)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + one_line(str(short(part)))
+    return out
+
+
 def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
     source = one_line(source)
     if not isinstance(data, dict):
@@ -454,7 +466,7 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         err = exc.errors(include_url=False, include_context=False)[0]
-        loc = ".".join(one_line(str(short(p))) for p in err["loc"]) or "recipe"
+        loc = _loc_text(err["loc"]) or "recipe"
         loc = loc if len(loc) <= 160 else loc[:157] + "..."
         msg = one_line(str(err["msg"])[:200]).removeprefix("Value error, ")
         raise UserError(f"{source}: {loc}", short(err.get("input", "")), msg, _fix_for(loc, msg)) from None

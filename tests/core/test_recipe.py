@@ -124,3 +124,17 @@ def test_a_missing_file_uri_recipe_is_no_such_file(tmp_path: Path) -> None:
         load_recipe(f"file://{tmp_path}/absent.yaml")
     assert info.value.line() == (f"--recipe='file://{tmp_path}/absent.yaml': no such recipe file; "
                                  "fix: pass a YAML file such as recipes/demo.yaml")
+
+
+def test_a_list_position_is_named_in_brackets_as_the_recipes_own_checks_name_it() -> None:
+    """pydantic says ``taskgen.curriculum.0.weights``; the recipe's own checks say ``domains[0]``."""
+    from components.core.errors import UserError
+    from components.core.recipe import parse_recipe
+
+    with pytest.raises(UserError) as err:
+        parse_recipe({"pipeline": "p", "domains": ["arithmetic"],
+                      "taskgen": {"curriculum": [{"until": 1, "weights": {"arithmetic": "lots"}}]}}, "r.yaml")
+    assert err.value.field == "r.yaml: taskgen.curriculum[0].weights.arithmetic"
+    with pytest.raises(UserError) as err:
+        parse_recipe({"pipeline": "p", "domains": ["arithmetic", 7]}, "r.yaml")
+    assert (err.value.field, err.value.value) == ("r.yaml: domains[1]", 7)

@@ -86,7 +86,7 @@ EXPECTED = {  # name: (field, with {path} for the recipe file's path; problem)
     "engine": ("{path}: rollout.engine", "unknown rollout engine"),
     "backend": ("{path}: sandbox.backend", "unknown sandbox backend"),
     "domain": ("{path}: domains[0]", "unknown domain"),
-    "domain-not-str": ("{path}: domains.0", "Input should be a valid string"),
+    "domain-not-str": ("{path}: domains[0]", "Input should be a valid string"),
     "timeouts": ("{path}: timeouts.trainer", "not a number of seconds from 1 to a week"),
 }
 FIXES = {"alias-bomb": LIMIT, "alias-bomb-used": LIMIT, "deep-flow": LIMIT, "deep-block": LIMIT, "utf16": NOT_UTF8,
