@@ -20,7 +20,8 @@ when the candidate was promoted). Each task calls the stage function behind
   `asset:champion`, `asset:task-file`; manual when unset).
 - Sandbox tasks run in the `posttrain_sandbox` pool; outages are retried with backoff;
   a bad recipe, a failed data-quality gate or a stage past its time limit fails at once.
-  After 3 failed runs in a row Airflow pauses the DAG (unpause it once the cause is fixed).
+  After 3 failed runs in a row (or `[core] max_consecutive_failed_dag_runs_per_dag`) Airflow
+  pauses the DAG (unpause it once the cause is fixed).
 - MLflow: the experiment is the pipeline; under its summary run `<pipeline> · timeline`
   (headline metrics per iteration, `timeline/pass_rates.png`, `timeline/rewards.png`) each iteration has a
   parent run `iter-000002` and one run per stage, `trainer · iter-000002`,
@@ -39,13 +40,13 @@ from datetime import UTC, datetime
 from airflow.sdk import Param, dag
 
 from components.core.stages import registered
-from dags.wiring import MAX_FAILED_RUNS, RETRY, announce_champion, plan, run_failed, schedule, stage_node
+from dags.wiring import RETRY, announce_champion, max_failed_runs, plan, run_failed, schedule, stage_node
 
 
 # A fixed start date in the past: without one, Airflow 3.3's @continuous timetable gives the
 # second run the first run's logical date, and the scheduler never creates it.
 @dag(dag_id="post_training_iteration", schedule=schedule(), start_date=datetime(2025, 1, 1, tzinfo=UTC),
-     max_active_runs=1, max_consecutive_failed_dag_runs=MAX_FAILED_RUNS, catchup=False, doc_md=__doc__,
+     max_active_runs=1, max_consecutive_failed_dag_runs=max_failed_runs(), catchup=False, doc_md=__doc__,
      tags=["posttrain"], default_args=RETRY, on_failure_callback=run_failed,
      params={"recipe": Param("", type="string", description="recipe YAML; empty: $POSTTRAIN_RECIPE or the demo recipe"),
              "run_root": Param("", type="string", description="store URI; empty: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store"),

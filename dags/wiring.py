@@ -20,8 +20,10 @@ are ``dags/execution``'s, which ``posttrain run`` makes before any work).
 Each run's first task plans the iteration (``components.core.planner``): k is the last
 finished iteration + 1 (or the half-done one), leased to the run (``airflow:<run_id>``),
 and handed to every task through XCom. Clearing a run replays its k while no later
-iteration has started; a stage task checks that its run still holds k
-(``planner.check_current``) and fails at once when not. An outage (``InfraError``, or
+iteration has started; a stage task checks that k is still its run's to work on
+(``planner.check_current``: no later iteration started, no other run's live lease; a
+lease handed back by a failure is taken again, so clearing a failed run's failed tasks
+resumes it) and fails at once when not. An outage (``InfraError``, or
 another run holding the lease) is retried with backoff; a user's mistake, a failed
 data-quality gate and an in-process stage past its time limit (a ``UserError`` naming
 ``timeouts.<stage>``) fail at once (``AirflowFailException``). A DAG paused after
@@ -64,7 +66,16 @@ TASK_FILE = Asset(name="posttrain-task-file", uri="posttrain://tasks/new")
 ASSETS = {"asset:champion": CHAMPION, "asset:candidate": CANDIDATE, "asset:task-file": TASK_FILE}  # SCHEDULE_ASSETS
 # The first retry's delay: POSTTRAIN_RETRY_DELAY_S (default 10 s; tests shorten it); a bad value is a UserError.
 MAX_FAILED_RUNS = 3
-"""Failed DAG runs in a row after which Airflow pauses the DAG (``max_consecutive_failed_dag_runs``)."""
+"""Failed DAG runs in a row after which Airflow pauses the DAG (``max_consecutive_failed_dag_runs``),
+unless the deployment's ``[core] max_consecutive_failed_dag_runs_per_dag`` sets another number."""
+
+
+def max_failed_runs() -> int:
+    """The deployment's ``[core] max_consecutive_failed_dag_runs_per_dag`` where it sets one
+    (Airflow's default, 0, never pauses), else ``MAX_FAILED_RUNS``."""
+    from airflow.configuration import conf
+
+    return conf.getint("core", "max_consecutive_failed_dag_runs_per_dag", fallback=0) or MAX_FAILED_RUNS
 RETRY = {"retries": 3, "retry_delay": timedelta(seconds=retry_delay_s()),
          "retry_exponential_backoff": 2.0, "max_retry_delay": timedelta(seconds=MAX_RETRY_DELAY_S)}  # 10 s, 20 s, 40 s
 

@@ -359,8 +359,8 @@ def test_a_lease_holder_no_lease_can_hold_is_exit_2(tmp_path: Path, capsys) -> N
 
 
 def test_a_stage_container_whose_run_holds_no_lease_is_exit_2_before_any_work(tmp_path: Path, capsys) -> None:
-    """A cleared task of an old DAG run (its plan task did not run again) starts a stage
-    container with the old holder: refused before the stage reads or writes anything."""
+    """A cleared task of a DAG run (its plan task did not run again) whose iteration another
+    run holds now starts a stage container: refused before the stage reads or writes anything."""
     from components.cli import main
 
     root = tmp_path / "rr"
@@ -368,9 +368,10 @@ def test_a_stage_container_whose_run_holds_no_lease_is_exit_2_before_any_work(tm
     code = main(["stage", "taskgen", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", "1",
                  "--lease-holder", "airflow:scheduled__1"])
     err = capsys.readouterr().err
-    assert code == 2 and err == ("posttrain: error: iteration=1: the lease of 'airflow:scheduled__1' on iteration 1 "
-                                 "of pipeline 'tiny' is gone (held by 'airflow:scheduled__2'); fix: trigger a new run "
-                                 "(its plan picks the iteration to work on) instead of clearing this one's tasks\n")
+    assert code == 2 and err == ("posttrain: error: iteration=1: iteration 1 of pipeline 'tiny' is held by "
+                                 "'airflow:scheduled__2', not by this run ('airflow:scheduled__1'); fix: wait for that "
+                                 "run to finish; trigger a new run (its plan picks the iteration to work on) instead of "
+                                 "clearing this one's tasks\n")
     assert sorted(p.name for p in (root / "tiny").iterdir()) == ["_leases"]  # no stage folder, no manifest
 
 

@@ -60,10 +60,11 @@ def started_after(store: Store, pipeline: str, iteration: int) -> int | None:
 
 
 def check_current(store: Store, pipeline: str, iteration: int, holder: str) -> None:
-    """UserError unless ``iteration`` is still ``holder``'s to work on: no later iteration
-    has started, and its lease is ``holder``'s (live or expired, not released or taken).
-    What a stage of a DAG run checks before it runs: clearing an old run's tasks skips its
-    plan task, and would otherwise re-run an iteration that is over."""
+    """What a stage task of a DAG run checks before it runs (clearing a run's tasks skips
+    its plan task): UserError once a later iteration has started (the iteration is over),
+    or while another holder's lease on it is live; a lease that was handed back or has
+    expired (a failed run whose failed tasks are cleared) is taken again for ``holder``,
+    as its plan would."""
     fix = "trigger a new run (its plan picks the iteration to work on) instead of clearing this one's tasks"
     later = started_after(store, pipeline, iteration)
     if later is not None:
@@ -71,10 +72,13 @@ def check_current(store: Store, pipeline: str, iteration: int, holder: str) -> N
                         f"{later} has started since, and re-running its stages on today's recipe and code could "
                         "move the champion back", fix)
     cur = lease.current(store, pipeline, iteration)
-    if cur is None or cur.holder != holder:
-        whose = "none was taken" if cur is None else f"held by {cur.holder!r}" if cur.holder else "released"
-        raise UserError("iteration", iteration, f"the lease of {holder!r} on iteration {iteration} of pipeline "
-                        f"{pipeline!r} is gone ({whose})", fix)
+    if cur is not None and cur.holder == holder:
+        return
+    if cur is not None and cur.live():
+        raise UserError("iteration", iteration, f"iteration {iteration} of pipeline {pipeline!r} is held by "
+                        f"{cur.holder!r}, not by this run ({holder!r})",
+                        "wait for that run to finish; " + fix)
+    lease.acquire(store, pipeline, iteration, holder)
 
 
 def plan(store: Store, recipe: Recipe, holder: str, replay: bool = False, ttl_s: float = lease.DEFAULT_TTL_S,

@@ -151,3 +151,13 @@ def test_killed_run_resumes_without_redoing_finished_stages(tmp_path):
     assert versions == [1, 2], "a retried trainer must not register a second checkpoint"
     leftovers = [p for p in run_root.rglob("*") if ".tmp-" in p.name]
     assert leftovers == []
+
+
+def test_the_pause_after_failed_runs_follows_the_deployments_setting(monkeypatch):
+    """3 failed runs in a row pause the DAG, unless Airflow's own setting says how many."""
+    from dags.wiring import max_failed_runs
+
+    monkeypatch.delenv("AIRFLOW__CORE__MAX_CONSECUTIVE_FAILED_DAG_RUNS_PER_DAG", raising=False)
+    assert max_failed_runs() == 3
+    monkeypatch.setenv("AIRFLOW__CORE__MAX_CONSECUTIVE_FAILED_DAG_RUNS_PER_DAG", "1")
+    assert max_failed_runs() == 1
