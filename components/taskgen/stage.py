@@ -72,10 +72,10 @@ def starting_baseline(pipeline: str, policy_version: str) -> tuple[str, dict[str
     external policy with no champion (evaluation then fixes the baseline itself)."""
     champion = models.resolve_alias(pipeline, "champion")
     if champion is not None:
-        return champion[0], tagged_rates(champion[2])
+        return champion[0], tagged_rates(champion[2], champion[0], pipeline)
     if policy_version.isdigit():
         mv = tracking.client().get_model_version(models.model_name(pipeline), policy_version)
-        return policy_version, tagged_rates(dict(mv.tags))
+        return policy_version, tagged_rates(dict(mv.tags), policy_version, pipeline)
     return "", {}
 
 
