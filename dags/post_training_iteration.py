@@ -17,7 +17,8 @@ when the candidate was promoted). Each task calls the stage function behind
 - Settings: `POSTTRAIN_RECIPE`, `POSTTRAIN_RUN_ROOT`, `POSTTRAIN_HOME` (params
   `recipe` / `run_root` override them for one run).
 - Schedule: `POSTTRAIN_SCHEDULE` (cron, a preset such as `@daily` or `@continuous`,
-  `asset:champion`, `asset:task-file`; manual when unset).
+  `asset:champion`, `asset:task-file`; manual when unset). A cron runs on the clock of
+  Airflow's `[core] default_timezone` (UTC unless set).
 - Sandbox tasks run in the `posttrain_sandbox` pool; outages are retried with backoff;
   a bad recipe, a failed data-quality gate or a stage past its time limit fails at once.
   After 3 failed runs in a row (or `[core] max_consecutive_failed_dag_runs_per_dag`) Airflow
@@ -35,17 +36,19 @@ The stages and their order come from `components/core/stages.py`; the glue is in
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 
 from airflow.sdk import Param, dag
+from airflow.settings import TIMEZONE
 
 from components.core.stages import registered
 from dags.wiring import RETRY, announce_champion, max_failed_runs, plan, run_failed, schedule, stage_node
 
 
 # A fixed start date in the past: without one, Airflow 3.3's @continuous timetable gives the
-# second run the first run's logical date, and the scheduler never creates it.
-@dag(dag_id="post_training_iteration", schedule=schedule(), start_date=datetime(2025, 1, 1, tzinfo=UTC),
+# second run the first run's logical date, and the scheduler never creates it. Its time zone
+# is the deployment's ([core] default_timezone): a cron schedule runs on that clock.
+@dag(dag_id="post_training_iteration", schedule=schedule(), start_date=datetime(2025, 1, 1, tzinfo=TIMEZONE),
      max_active_runs=1, max_consecutive_failed_dag_runs=max_failed_runs(), catchup=False, doc_md=__doc__,
      tags=["posttrain"], default_args=RETRY, on_failure_callback=run_failed,
      params={"recipe": Param("", type="string", description="recipe YAML; empty: $POSTTRAIN_RECIPE or the demo recipe"),

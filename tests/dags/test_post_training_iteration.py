@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from components import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,3 +163,18 @@ def test_the_pause_after_failed_runs_follows_the_deployments_setting(monkeypatch
     assert max_failed_runs() == 3
     monkeypatch.setenv("AIRFLOW__CORE__MAX_CONSECUTIVE_FAILED_DAG_RUNS_PER_DAG", "1")
     assert max_failed_runs() == 1
+
+
+@pytest.mark.parametrize(("zone", "expected"), [(None, "UTC"), ("Europe/Berlin", "Europe/Berlin")])
+def test_a_cron_schedule_runs_on_the_deployments_clock(tmp_path, zone, expected):
+    """``0 2 * * *`` ran at 02:00 UTC whatever Airflow's ``default_timezone`` said: the DAG's
+    start date was fixed in UTC, and Airflow takes a cron's zone from it."""
+    env = {**_env(tmp_path / ".posttrain"), "AIRFLOW_HOME": str(tmp_path / "airflow"),
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "POSTTRAIN_SCHEDULE": "0 2 * * *"}
+    if zone:
+        env["AIRFLOW__CORE__DEFAULT_TIMEZONE"] = zone
+    code = ("from dags.post_training_iteration import iteration_dag as d\n"
+            "t = d.timetable\nprint(type(t).__name__, t.expression, d.timezone.name)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == f"CronTriggerTimetable 0 2 * * * {expected}"
