@@ -25,8 +25,8 @@ iteration has started; a stage task checks that k is still its run's to work on
 lease handed back by a failure is taken again, so clearing a failed run's failed tasks
 resumes it) and fails at once when not. An outage (``InfraError``, or
 another run holding the lease) is retried with backoff; a user's mistake, a failed
-data-quality gate and an in-process stage past its time limit (a ``UserError`` naming
-``timeouts.<stage>``) fail at once (``AirflowFailException``). A DAG paused after
+data-quality gate and a stage past its time limit (a ``UserError`` naming ``timeouts.<stage>``,
+in-process or in a container or pod, whose operator stops what it started) fail at once (``AirflowFailException``). A DAG paused after
 ``MAX_FAILED_RUNS`` failed runs in a row stops ``@continuous`` (or a tight cron) from
 failing the same iteration forever.
 
@@ -37,8 +37,7 @@ ends it FAILED and ends that task's stage runs still RUNNING as KILLED; a failed
 takes the iteration sets the same parent run RUNNING again. An in-process stage task
 turns SIGTERM into ``tracking.Terminated`` (its stage run ends KILLED) and then into
 Airflow's ``AirflowTaskTerminated`` (the task fails without a retry: it was stopped).
-Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k); a
-container or pod stage past its time limit is retried like an outage;
+Not covered: more than one active run (``max_active_runs=1``: iteration k+1 needs k);
 a container or pod stage run that Airflow SIGKILLs stays RUNNING until the failure
 callback or the stage's next attempt ends it.
 """
@@ -56,7 +55,15 @@ from airflow.sdk import Asset, task
 from components.core.settings import FLAG_VARIABLES, env_text
 from components.core.stages import StageSpec
 from dags import stagehost
-from dags.execution import MAX_RETRY_DELAY_S, SCHEDULE_VAR, container_task, mode, retry_delay_s, schedule_value
+from dags.execution import (
+    MAX_RETRY_DELAY_S,
+    SCHEDULE_VAR,
+    container_task,
+    mode,
+    retry_delay_s,
+    schedule_value,
+    timed_out_error,
+)
 
 log = logging.getLogger("posttrain")
 
@@ -211,20 +218,10 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
     except tracking.Terminated as exc:
         raise AirflowTaskTerminated(f"{stage}: {exc}") from None  # a signal: where it landed is noise
     except AirflowTaskTimeout:  # the same work would run as long again: three retries cost four limits
-        raise _fail_now(_timed_out(stage, get_current_context()["task"].execution_timeout)) from None
+        raise _fail_now(timed_out_error(stage, get_current_context()["task"].execution_timeout)) from None
     except Exception as exc:
         raise _fail_now(exc) from None  # the error's own traceback, not a chain of two
     return stagehost.task_result(stage, m)
-
-
-def _timed_out(stage: str, limit: timedelta | None):
-    """The UserError of a stage task that ran past its ``execution_timeout``: it names the
-    recipe's ``timeouts.<stage>``, and the task fails without a retry."""
-    from components.core.errors import UserError
-
-    seconds = int(limit.total_seconds()) if limit is not None else 0
-    return UserError(f"timeouts.{stage}", seconds, "the stage ran past its time limit, and a retry would run as long "
-                     "again", f"raise timeouts.{stage} in the recipe (seconds), or give the stage less work")
 
 
 def _check_current(plan: dict[str, Any]) -> None:

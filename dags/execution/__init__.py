@@ -241,6 +241,32 @@ def args_task(spec: StageSpec):
     return stage_args
 
 
+def timed_out_error(stage: str, limit):
+    """The UserError of a stage task past its ``execution_timeout`` (a ``timedelta`` or
+    None): it names the recipe's ``timeouts.<stage>``. The same work would run as long
+    again, so such a task fails without a retry (three retries cost four limits)."""
+    from components.core.errors import UserError
+
+    seconds = int(limit.total_seconds()) if limit is not None else 0
+    return UserError(f"timeouts.{stage}", seconds, "the stage ran past its time limit, and a retry would run as long "
+                     "again", f"raise timeouts.{stage} in the recipe (seconds), or give the stage less work")
+
+
+def fail_timed_out(operator):
+    """For a stage container's or pod's operator whose ``execute`` hit its time limit: stop
+    what it started (``on_kill``, which Airflow calls only for a timeout it sees itself),
+    and the ``AirflowFailException`` naming ``timeouts.<stage>``, its error first added to
+    ``dags.wiring.FINAL_ERRORS`` as ``fail_now`` does."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dags import wiring
+
+    operator.on_kill()
+    error = timed_out_error(operator.task_id, operator.execution_timeout)
+    wiring.FINAL_ERRORS.append(error)
+    return AirflowFailException(error.line())
+
+
 def fail_now(status: int, line: str, stage: str, what: str):
     """The ``AirflowFailException`` for a stage container or pod that exited 2 or 3 (no retry
     can help), its error first added to ``dags.wiring.FINAL_ERRORS`` as the in-process path

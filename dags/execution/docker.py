@@ -167,7 +167,8 @@ def _operator_class():
 
     class StageContainer(DockerOperator):
         """DockerOperator for a posttrain stage: security options and runtime from the
-        flags file, and exit 2/3 (user mistake, failed gate) fail at once, unretried."""
+        flags file, and exit 2/3 (user mistake, failed gate) or its time limit fail at
+        once, unretried."""
 
         def __init__(self, *, security_opt: list[str] | None = None, runtime: str | None = None, **kwargs) -> None:
             super().__init__(**kwargs)
@@ -182,12 +183,16 @@ def _operator_class():
             return self._engine
 
         def execute(self, context):
-            from dags.execution import FAIL_NOW_EXIT_CODES, fail_now
+            from airflow.sdk.exceptions import AirflowTaskTimeout
+
+            from dags.execution import FAIL_NOW_EXIT_CODES, fail_now, fail_timed_out
 
             self._normalize_mounts()
             self.mounts = [*self.mounts, *run_root_mounts(self.command, self.mounts)]
             try:
                 return super().execute(context)
+            except AirflowTaskTimeout:  # the container is stopped, and the task fails unretried
+                raise fail_timed_out(self) from None
             except DockerContainerFailedException as exc:
                 if self._engine is not None and self._engine.status in FAIL_NOW_EXIT_CODES:
                     last = next((str(line).strip() for line in reversed(exc.logs or []) if str(line).strip()), "(no output)")

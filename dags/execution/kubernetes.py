@@ -167,8 +167,19 @@ def last_line(remote_pod, container: str, failure: str) -> str:
 class StagePod(KubernetesPodOperator):
     """KubernetesPodOperator for a posttrain stage: a pod whose stage exits 2 (a user's
     mistake) or 3 (a failed data-quality gate) fails the task at once, unretried, with the
-    stage's last line (the termination message falls back to the log's tail); any other
-    failure stays the provider's, which Airflow retries."""
+    stage's last line (the termination message falls back to the log's tail), and so does a
+    pod past the task's time limit (deleted first, ``on_kill``); any other failure stays the
+    provider's, which Airflow retries."""
+
+    def execute(self, context):
+        from airflow.sdk.exceptions import AirflowTaskTimeout
+
+        from dags.execution import fail_timed_out
+
+        try:
+            return super().execute(context)
+        except AirflowTaskTimeout:  # the pod is deleted, and the task fails unretried
+            raise fail_timed_out(self) from None
 
     def cleanup(self, pod, remote_pod):
         from airflow.exceptions import AirflowException

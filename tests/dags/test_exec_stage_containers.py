@@ -192,3 +192,64 @@ def test_a_pod_that_exits_2_or_3_leaves_its_error_for_posttrain_run(code, final_
         assert type(final_errors[0]) is UserError and final_errors[0].line() == RECIPE_LINE
     else:
         assert type(final_errors[0]) is DataQualityError and str(final_errors[0]) == GATE_LINE
+
+
+TIMEOUT_LINE = ("timeouts.taskgen=7200: the stage ran past its time limit, and a retry would run as long again; fix: "
+                "raise timeouts.taskgen in the recipe (seconds), or give the stage less work")
+
+
+class TimingOut(FakeEngine):
+    """A container still running when the task's time limit strikes (Airflow raises
+    AirflowTaskTimeout in the task's thread while the operator waits for it)."""
+
+    def __init__(self) -> None:
+        super().__init__("working\n", 0)
+        self.stopped: list[str] = []
+
+    def wait(self, container: str) -> dict:
+        from airflow.sdk.exceptions import AirflowTaskTimeout
+
+        raise AirflowTaskTimeout("Timeout")
+
+    def stop(self, container: str) -> None:
+        self.stopped.append(container)
+
+
+def test_a_container_past_its_time_limit_is_stopped_and_fails_unretried(monkeypatch, tmp_path, final_errors):
+    """Before, a timed-out container was retried like an outage: three more runs of the same
+    limit (4 x 6 h for a trainer)."""
+    from datetime import timedelta
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    engine = TimingOut()
+    op = _container(monkeypatch, tmp_path, engine, "s3://posttrain-nowhere/runs")
+    op.__dict__["hook"] = SimpleNamespace(api_client=engine, client_created=True)  # the client made the container
+    op.execution_timeout = timedelta(hours=2)
+    with pytest.raises(AirflowFailException) as failed:
+        op.execute({})
+    assert str(failed.value) == TIMEOUT_LINE
+    assert engine.stopped == ["c0ffee"]  # on_kill: Airflow calls it only for a timeout it sees itself
+    assert [e.line() for e in final_errors] == [TIMEOUT_LINE]
+
+
+def test_a_pod_past_its_time_limit_is_deleted_and_fails_unretried(monkeypatch, final_errors):
+    from datetime import timedelta
+
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+
+    from dags.execution import kubernetes as mode
+
+    def times_out(self, context):
+        raise AirflowTaskTimeout("Timeout")
+
+    killed: list[str] = []
+    monkeypatch.setattr(KubernetesPodOperator, "execute", times_out)  # no API server here: the provider's part
+    monkeypatch.setattr(KubernetesPodOperator, "on_kill", lambda self: killed.append(self.task_id))
+    cls, kwargs = mode.operator(spec("taskgen"), resources("taskgen"))
+    op = cls(task_id="taskgen", arguments=["--iteration", "1"], execution_timeout=timedelta(hours=2), **kwargs)
+    with pytest.raises(AirflowFailException) as failed:
+        op.execute({})
+    assert str(failed.value) == TIMEOUT_LINE and killed == ["taskgen"]
+    assert [e.line() for e in final_errors] == [TIMEOUT_LINE]
