@@ -187,8 +187,10 @@ def _frames(rollouts: list[Rollout], rewards: list[Reward],
         "status": [r.status for r in rewards],
         "raw_reward": [r.raw_reward for r in rewards],
         "weight": [r.weight for r in rewards],
-        # 0 (excluded) or the domain's loss weight (reward.domain_weights, unlisted 1)
-        "weight_is_domain_weight": [r.weight in (0.0, float(loss_weights.get(r.domain, 1.0))) for r in rewards],
+        # the domain's loss weight (reward.domain_weights, unlisted 1) on a trained reward, 0 on
+        # one left out (excluded, verifier_error): either value passed whatever the status
+        "weight_is_domain_weight": [r.weight == (float(loss_weights.get(r.domain, 1.0)) if r.status == "ok" else 0.0)
+                                    for r in rewards],
         # GX's range checks skip NaN (read as missing): finiteness is checked apart
         "raw_reward_finite": [math.isfinite(r.raw_reward) for r in rewards],
         "normalized_reward_finite": [math.isfinite(r.normalized_reward) for r in rewards],

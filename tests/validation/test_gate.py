@@ -116,6 +116,9 @@ def _bad_reward(i: int, **changes):
     (_bad_reward(2, rollout_id=clean()[0][0].rollout_id),
      ["rewards: posttrain.every_rollout_has_a_reward failed", "rewards: expect_column_values_to_be_unique {'column': 'rollout_id'"]),
     (_bad_reward(2, weight=0.5), "rewards: expect_column_values_to_be_in_set {'column': 'weight_is_domain_weight'"),
+    # a trained reward that carries no weight, and a left-out one that carries its domain's: each passed as "0 or the weight"
+    (_bad_reward(2, weight=0.0), "rewards: expect_column_values_to_be_in_set {'column': 'weight_is_domain_weight'"),
+    (_bad_reward(2, status="excluded"), "rewards: expect_column_values_to_be_in_set {'column': 'weight_is_domain_weight'"),
 ])
 def test_each_expectation_catches_its_broken_row(breakage, expected: str | list[str]) -> None:
     report = check(*breakage(*clean()), RECIPE)
