@@ -337,10 +337,15 @@ def number(value: float) -> str:
 
 
 def headline(named: dict[str, float], most: int = 4) -> str:
-    """A stage's first ``most`` overall metrics (``<stage>/<name>``) for its progress line;
-    the per-domain and other nested ones (``<stage>/<domain>/<name>``) are in MLflow."""
+    """A stage's first ``most`` overall metrics (``<stage>/<name>``) for its progress line,
+    then its status counts (``<stage>/status/<status>``: how the sandbox's jobs ended) as
+    one part; the per-domain and other nested ones (``<stage>/<domain>/<name>``) are in MLflow."""
     top = [(k.split("/", 1)[1], v) for k, v in named.items() if k.count("/") == 1 and not k.endswith("/duration_s")]
-    return " | ".join(f"{k} {number(v)}" for k, v in top[:most])
+    parts = [f"{k} {number(v)}" for k, v in top[:most]]
+    statuses = [(k.rsplit("/", 1)[1], v) for k, v in named.items() if k.count("/") == 2 and k.split("/")[1] == "status"]
+    if statuses:
+        parts.append(", ".join(f"{s} {number(v)}" for s, v in statuses))
+    return " | ".join(parts)
 
 
 def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,

@@ -19,3 +19,9 @@ def test_headline_shows_the_overall_metrics_first_four() -> None:
     assert headline(named) == "tasks 960"
     named = {f"trainer/m{i}": float(i) for i in range(6)} | {"trainer/code/loss": 0.5}
     assert headline(named) == "m0 0 | m1 1 | m2 2 | m3 3"
+
+
+def test_the_sandbox_line_says_how_its_jobs_ended() -> None:
+    named = {"sandbox/jobs": 1210.0, "sandbox/jobs_run": 402.0, "sandbox/status/failed": 300.0, "sandbox/status/ok": 905.0,
+             "sandbox/status/timeout": 5.0, "sandbox/duration_s": 10.7}
+    assert headline(named) == "jobs 1210 | jobs_run 402 | failed 300, ok 905, timeout 5"
