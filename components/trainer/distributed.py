@@ -56,15 +56,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
 from components.core.errors import InfraError, UserError
 from components.core.nodes import ONE_NODE, Node
+from components.core.progress import bar
 from components.trainer.grpo import Sample, StepStats
 
 START, OUT, CHECKPOINT, STATS = "start", "out", "checkpoint", "stats.json"
+PROGRESS = "steps_done"
+"""Rank 0 writes how many optimizer steps are done here after each one; the launching
+process reads it into its progress bar while it waits (the workers' own output goes to
+``workers.log``)."""
+POLL_S = 1.0
 COLLECTIVE_TIMEOUT_S = 600  # a collective waiting longer than this on a peer fails instead of hanging
 
 
@@ -127,7 +134,7 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
     workdir = Path(workdir)
     for stale in (OUT, f"{OUT}.partial"):  # a workdir used before: only this run's results count
         shutil.rmtree(workdir / stale, ignore_errors=True)
-    for stale_file in [*workdir.glob("error-*.json"), *workdir.glob("failed-*.txt")]:
+    for stale_file in [*workdir.glob("error-*.json"), *workdir.glob("failed-*.txt"), *workdir.glob(f"{PROGRESS}*")]:
         stale_file.unlink()
     policy.model.save_pretrained(workdir / START, safe_serialization=True)
     policy.tokenizer.save_pretrained(workdir / START)
@@ -137,7 +144,7 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
         "pad_id": policy.pad_id, "backend": backend}))
     if carried is not None:
         (workdir / "trainer_state.pt").write_bytes(carried)
-    _launch(workdir, cfg.processes, timeout_s, node)
+    _launch(workdir, cfg.processes, timeout_s, node, steps=len(batches) if node.leader else 0)
     if not node.leader:
         return None
     out = workdir / OUT
@@ -155,25 +162,50 @@ def launch_args(processes: int, node: Node) -> list[str]:
             "--master_port", str(node.master_port), "--nproc_per_node", str(processes)]
 
 
-def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NODE) -> None:
+def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NODE, steps: int = 0) -> None:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_TORCH_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args(processes, node),
            "-m", "components.trainer.distributed", str(workdir)]
     with open(workdir / "workers.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise InfraError("trainer workers", str(workdir), f"no result within {timeout_s:.0f}s; killed") from None
+        deadline, shown = time.monotonic() + timeout_s, 0
+        with bar(f"trainer ({processes} processes)", steps) as advance:
+            while True:
+                try:
+                    code = proc.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        raise InfraError("trainer workers", str(workdir), f"no result within {timeout_s:.0f}s; killed") from None
+                shown = _advanced(workdir, shown, advance)
+            _advanced(workdir, shown, advance)
     for error in sorted(workdir.glob("error-*.json")):
         raise UserError.from_json(error.read_text())
     if code != 0 or (node.leader and not (workdir / OUT / STATS).exists()):
         failed = sorted(workdir.glob("failed-*.txt"))
         why = failed[0].read_text() if failed else _last_error(workdir / "workers.log")
         raise InfraError("trainer workers", str(workdir), f"torchrun exited with {code}: {why}")
+
+
+def _advanced(workdir: Path, shown: int, advance) -> int:
+    """Move the bar to the steps rank 0 reports done (``PROGRESS``); returns that count."""
+    try:
+        done = int((workdir / PROGRESS).read_text())
+    except (OSError, ValueError):  # not written yet
+        return shown
+    if done > shown:
+        advance(done - shown)
+    return max(done, shown)
+
+
+def _report_progress(workdir: Path, done: int) -> None:
+    """Rank 0's count of finished steps, replaced whole (a reader never sees half a number)."""
+    tmp = workdir / f"{PROGRESS}.tmp"
+    tmp.write_text(str(done))
+    tmp.replace(workdir / PROGRESS)
 
 
 def _last_error(log: Path) -> str:
@@ -299,6 +331,8 @@ def _run(workdir: Path) -> None:
                       loss_aggregation=cfg.loss_aggregation, scheduler=scheduler, packing=cfg.packing,
                       dtype=cfg.dtype, part=part)
         stats.append(asdict(s))
+        if rank == 0:
+            _report_progress(workdir, len(stats))
     weights = get_model_state_dict(scorer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     optim_state = _full_optimizer_state(scorer, optimizer, cfg.parallelism)
     if rank == 0:

@@ -136,6 +136,21 @@ def test_more_processes_than_samples_is_a_user_error(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
+def test_rank_0_reports_each_step_to_the_launching_process(two, tmp_path) -> None:
+    """The launching process was silent until torchrun ended; it now moves its bar to the
+    steps rank 0 reports done (``steps_done``)."""
+    from components.trainer.distributed import PROGRESS, _advanced
+
+    _, trained = two
+    assert (trained.checkpoint.parent.parent / PROGRESS).read_text() == str(STEPS)
+    moved: list[int] = []
+    assert _advanced(tmp_path, 0, moved.append) == 0 and moved == []  # nothing reported yet
+    (tmp_path / PROGRESS).write_text("2")
+    assert _advanced(tmp_path, 0, moved.append) == 2 and _advanced(tmp_path, 2, moved.append) == 2
+    (tmp_path / PROGRESS).write_text("3")
+    assert _advanced(tmp_path, 2, moved.append) == 3 and moved == [2, 1]
+
+
 def test_a_crashed_or_stuck_worker_is_an_infra_error(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{")  # fault: every worker dies reading it
     with pytest.raises(InfraError, match=r"trainer workers unreachable.*torchrun exited with 1.*JSONDecodeError"):
