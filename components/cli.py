@@ -24,6 +24,7 @@ is one line (``posttrain: interrupted (Ctrl-C)``) and exit 130, never a tracebac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -320,9 +321,11 @@ def _dispatch(args: argparse.Namespace, handlers: dict) -> int:
             from components.core import runner
 
             # SIGTERM (and Ctrl-C, when this command is the process) raises tracking.Terminated:
-            # the stage's run ends KILLED and the command stops.
-            runner.stop_on_sigterm(sigint=args.process_entry)
-            code = handlers[args.command](args)
+            # the stage's run ends KILLED and the command stops. Called as a function (a test,
+            # a script), the caller's handlers are put back when it returns.
+            with contextlib.nullcontext() if args.process_entry else runner.handlers_put_back():
+                runner.stop_on_sigterm(sigint=args.process_entry)
+                code = handlers[args.command](args)
             if runner.stopping():
                 print(f"posttrain: stopped by {runner.stop_signal().name}; run the same command again to resume",
                       file=sys.stderr)

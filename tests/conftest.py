@@ -17,7 +17,10 @@ one worker, so the images are built once and two builds never race for podman's 
 
 import functools
 import os
+import signal
 import sys
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,33 @@ pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.home", "tests.fixtures.ai
                   "tests.fixtures.podman", "tests.fixtures.images"]
 
 PODMAN_FIXTURES = ("stage_images", "podman_socket")
+
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored(request: pytest.FixtureRequest):
+    """A test that leaves ``sys.stdout``/``sys.stderr`` replaced or a SIGINT/SIGTERM handler
+    changed would change every later test of its worker (a wrapped stdout put a run of
+    spaces before each line other tests read back; an ignored SIGINT reaches every child):
+    put back, and named in a warning so the test that did it can be fixed."""
+    streams = (sys.stdout, sys.stderr)
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS} if main else {}
+    yield
+    leaked = []
+    if sys.stdout is not streams[0]:
+        leaked.append(f"sys.stdout ({type(sys.stdout).__module__}.{type(sys.stdout).__name__})")
+        sys.stdout = streams[0]
+    if sys.stderr is not streams[1]:
+        leaked.append(f"sys.stderr ({type(sys.stderr).__module__}.{type(sys.stderr).__name__})")
+        sys.stderr = streams[1]
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) is not handler:
+            leaked.append(f"the {sig.name} handler ({signal.getsignal(sig)!r:.80})")
+            signal.signal(sig, handler)
+    if leaked:
+        warnings.warn(f"{request.node.nodeid} left {', '.join(leaked)} changed; put back", stacklevel=1)
 
 
 @functools.cache  # the scheduler asks once per test id; each file is read once

@@ -232,7 +232,7 @@ def stop_signals_recorded() -> Iterator[None]:
     must not be cut off at any line: ``posttrain run``'s ``dag.test()`` between its tasks,
     each of which raises again while its stage runs (``stop_signals_raised``) and refuses
     to start once the process was told to stop. Main thread only (elsewhere: nothing)."""
-    with _handlers_put_back() as before:
+    with handlers_put_back() as before:
         for sig in before:
             if sig == signal.SIGTERM or before[sig] is _terminate:
                 signal.signal(sig, _record)
@@ -244,14 +244,14 @@ def stop_signals_raised() -> Iterator[None]:
     """Within: SIGTERM raises ``tracking.Terminated`` (``stop_on_sigterm``), and so does a
     SIGINT that was being recorded (``stop_signals_recorded``); the handlers before are
     put back after. Main thread only (elsewhere: nothing)."""
-    with _handlers_put_back() as before:
+    with handlers_put_back() as before:
         if before:
             stop_on_sigterm(sigint=before[signal.SIGINT] is _record)
         yield
 
 
 @contextlib.contextmanager
-def _handlers_put_back() -> Iterator[dict[int, Any]]:
+def handlers_put_back() -> Iterator[dict[int, Any]]:
     """``STOP_SIGNALS``' handlers as they are, put back after the block; {} off the main
     thread, where no handler can be set."""
     if threading.current_thread() is not threading.main_thread():
