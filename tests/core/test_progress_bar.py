@@ -13,6 +13,7 @@ from components.core import progress
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
+        self.said: list[str] = []
 
     def __call__(self) -> float:
         return self.now
@@ -23,11 +24,14 @@ def clock(monkeypatch) -> Clock:
     fake = Clock()
     monkeypatch.setattr(progress, "_clock", fake)
     monkeypatch.setattr(progress, "_is_terminal", lambda: False)
+    monkeypatch.setattr(progress, "say", fake.said.append)  # the lines themselves, not a shared stdout
     return fake
 
 
-def lines(capsys) -> list[str]:
-    return capsys.readouterr().out.splitlines()
+def lines(clock) -> list[str]:
+    """The lines said since the last call."""
+    said, clock.said[:] = list(clock.said), []
+    return said
 
 
 def run(label: str, seconds: list[float], clock: Clock) -> None:
@@ -40,22 +44,22 @@ def run(label: str, seconds: list[float], clock: Clock) -> None:
 
 def test_a_small_slow_job_says_it_started_and_beats_every_30_seconds(clock, capsys) -> None:
     run("trainer", [50.0, 99.0], clock)
-    assert lines(capsys) == ["  trainer 0/2 started", "  trainer 1/2 (50.0s)", "  trainer 2/2 (99.0s)"]
+    assert lines(clock) == ["  trainer 0/2 started", "  trainer 1/2 (50.0s)", "  trainer 2/2 (99.0s)"]
 
 
 def test_a_small_fast_job_prints_the_start_and_the_end_only(clock, capsys) -> None:
     run("sandbox", [1.0, 2.0, 29.5], clock)
-    assert lines(capsys) == ["  sandbox 0/3 started", "  sandbox 3/3 (29.5s)"]
+    assert lines(clock) == ["  sandbox 0/3 started", "  sandbox 3/3 (29.5s)"]
 
 
 def test_the_25_percent_lines_are_kept_and_a_slow_stretch_adds_a_beat(clock, capsys) -> None:
     run("rollout[0/2]", [float(t) for t in range(1, 101)], clock)  # 1 s an item: no 30 s gap
-    assert lines(capsys) == ["  rollout[0/2] 0/100 started", "  rollout[0/2] 25/100 (25.0s)",
+    assert lines(clock) == ["  rollout[0/2] 0/100 started", "  rollout[0/2] 25/100 (25.0s)",
                              "  rollout[0/2] 50/100 (50.0s)", "  rollout[0/2] 75/100 (75.0s)",
                              "  rollout[0/2] 100/100 (100.0s)"]
     clock.now = 0.0
     run("rollout[1/2]", [2.0 * t for t in range(1, 101)], clock)  # 2 s an item
-    assert lines(capsys) == ["  rollout[1/2] 0/100 started", "  rollout[1/2] 15/100 (30.0s)",
+    assert lines(clock) == ["  rollout[1/2] 0/100 started", "  rollout[1/2] 15/100 (30.0s)",
                              "  rollout[1/2] 25/100 (50.0s)", "  rollout[1/2] 40/100 (80.0s)",
                              "  rollout[1/2] 50/100 (100.0s)", "  rollout[1/2] 65/100 (130.0s)",
                              "  rollout[1/2] 75/100 (150.0s)", "  rollout[1/2] 90/100 (180.0s)",
@@ -65,4 +69,4 @@ def test_the_25_percent_lines_are_kept_and_a_slow_stretch_adds_a_beat(clock, cap
 def test_one_item_has_no_start_line_and_an_empty_job_prints_nothing(clock, capsys) -> None:
     run("eval", [40.0], clock)
     run("none", [], clock)
-    assert lines(capsys) == ["  eval 1/1 (40.0s)"]
+    assert lines(clock) == ["  eval 1/1 (40.0s)"]

@@ -70,9 +70,11 @@ def test_the_stage_prints_the_line_when_no_step_ran(monkeypatch, capsys) -> None
                           mlflow_run_id="r1", upstream=lambda name: [], prefix="nos/iter-000004/trainer", iteration=4,
                           pipeline="nos", add_checkpoint=lambda *a, **k: None, add_output=lambda *a, **k: None,
                           store=SimpleNamespace(url=lambda rel: f"file:///store/{rel}", uri="file:///store"))
+    said: list[str] = []
+    monkeypatch.setattr(stage, "say", said.append)  # the lines themselves, not a shared stdout read back
     metrics = stage.run(ctx)
     assert metrics["steps"] == 0.0 and metrics["groups_dropped"] == 8.0
     assert (metrics["loss"], metrics["kl"], metrics["lr"]) == (0.0, 0.0, 0.0)  # kept: see the module docstring
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    warnings = [line for line in said if "WARNING" in line]
     assert warnings == [stage.no_steps_warning(4, selection, recipe.trainer.prompts_per_step, "3")]
     assert "none of the 8 groups had a learning signal" in warnings[0]

@@ -26,8 +26,18 @@ def _refuse(*_args, **_kwargs) -> None:
     raise MlflowException(REFUSED)
 
 
-def _not_logged(out: str) -> list[str]:
-    return [line for line in out.splitlines() if "not logged" in line]
+def _not_logged(said: list[str]) -> list[str]:
+    return [line for line in said if "not logged" in line]
+
+
+@pytest.fixture
+def said(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The lines the validation stage says (recorded, not read back from a shared stdout)."""
+    from components.validation import stage
+
+    lines: list[str] = []
+    monkeypatch.setattr(stage, "say", lines.append)
+    return lines
 
 
 def _run_status_and_artifacts() -> tuple[str, list[str]]:
@@ -42,7 +52,7 @@ def refused_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(MlflowClient, "log_table", _refuse)
 
 
-def test_bad_batch_still_fails_on_its_expectations(tmp_path: Path, posttrain_home, refused_uploads, capsys) -> None:
+def test_bad_batch_still_fails_on_its_expectations(tmp_path: Path, posttrain_home, refused_uploads, capsys, said) -> None:
     rollouts, rewards = clean()
     rewards[0] = dataclasses.replace(rewards[0], raw_reward=1.5)
 
@@ -55,27 +65,27 @@ def test_bad_batch_still_fails_on_its_expectations(tmp_path: Path, posttrain_hom
     assert line.startswith(f"posttrain: validation failed for iteration 1 ({report_uri}): rewards: "
                            "expect_column_values_to_be_between {'column': 'raw_reward'")
     assert REFUSED not in err
-    assert _not_logged(out) == [f"iter 1 | validation | {HTML_ARTIFACT} and {TABLE_ARTIFACT} not logged to MLflow "
+    assert _not_logged(said) == [f"iter 1 | validation | {HTML_ARTIFACT} and {TABLE_ARTIFACT} not logged to MLflow "
                                 f"(MlflowException: {REFUSED}); the report is in the store ({report_uri})"]
     assert store.read_json("gate/iter-000001/validation/report.json")["success"] is False
     assert not store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     assert _run_status_and_artifacts() == ("FAILED", [])
 
 
-def test_good_batch_passes(tmp_path: Path, posttrain_home, refused_uploads, capsys) -> None:
+def test_good_batch_passes(tmp_path: Path, posttrain_home, refused_uploads, capsys, said) -> None:
     code, store = _stage(tmp_path, *clean())
 
     out, _ = capsys.readouterr()
     assert code == 0
     report_uri = store.url("gate/iter-000001/validation/report.json")
-    assert _not_logged(out) == [f"iter 1 | validation | {HTML_ARTIFACT} and {TABLE_ARTIFACT} not logged to MLflow "
+    assert _not_logged(said) == [f"iter 1 | validation | {HTML_ARTIFACT} and {TABLE_ARTIFACT} not logged to MLflow "
                                 f"(MlflowException: {REFUSED}); the report is in the store ({report_uri})"]
     assert store.read_json("gate/iter-000001/validation/report.json")["success"] is True
     assert store.exists(f"gate/iter-000001/validation/{MANIFEST}")
     assert _run_status_and_artifacts() == ("FINISHED", [])
 
 
-def test_a_refused_table_names_only_the_table(tmp_path: Path, posttrain_home, monkeypatch, capsys) -> None:
+def test_a_refused_table_names_only_the_table(tmp_path: Path, posttrain_home, monkeypatch, capsys, said) -> None:
     monkeypatch.setattr(MlflowClient, "log_table", _refuse)  # the page is logged, the table is not
 
     code, store = _stage(tmp_path, *clean())
@@ -83,6 +93,6 @@ def test_a_refused_table_names_only_the_table(tmp_path: Path, posttrain_home, mo
     out, _ = capsys.readouterr()
     assert code == 0
     report_uri = store.url("gate/iter-000001/validation/report.json")
-    assert _not_logged(out) == [f"iter 1 | validation | {TABLE_ARTIFACT} not logged to MLflow "
+    assert _not_logged(said) == [f"iter 1 | validation | {TABLE_ARTIFACT} not logged to MLflow "
                                 f"(MlflowException: {REFUSED}); the report is in the store ({report_uri})"]
     assert _run_status_and_artifacts() == ("FINISHED", [HTML_ARTIFACT])
