@@ -42,17 +42,17 @@ def run(label: str, seconds: list[float], clock: Clock) -> None:
             advance(1)
 
 
-def test_a_small_slow_job_says_it_started_and_beats_every_30_seconds(clock, capsys) -> None:
+def test_a_small_slow_job_says_it_started_and_beats_every_30_seconds(clock) -> None:
     run("trainer", [50.0, 99.0], clock)
     assert lines(clock) == ["  trainer 0/2 started", "  trainer 1/2 (50.0s)", "  trainer 2/2 (99.0s)"]
 
 
-def test_a_small_fast_job_prints_the_start_and_the_end_only(clock, capsys) -> None:
+def test_a_small_fast_job_prints_the_start_and_the_end_only(clock) -> None:
     run("sandbox", [1.0, 2.0, 29.5], clock)
     assert lines(clock) == ["  sandbox 0/3 started", "  sandbox 3/3 (29.5s)"]
 
 
-def test_the_25_percent_lines_are_kept_and_a_slow_stretch_adds_a_beat(clock, capsys) -> None:
+def test_the_25_percent_lines_are_kept_and_a_slow_stretch_adds_a_beat(clock) -> None:
     run("rollout[0/2]", [float(t) for t in range(1, 101)], clock)  # 1 s an item: no 30 s gap
     assert lines(clock) == ["  rollout[0/2] 0/100 started", "  rollout[0/2] 25/100 (25.0s)",
                              "  rollout[0/2] 50/100 (50.0s)", "  rollout[0/2] 75/100 (75.0s)",
@@ -66,7 +66,7 @@ def test_the_25_percent_lines_are_kept_and_a_slow_stretch_adds_a_beat(clock, cap
                              "  rollout[1/2] 100/100 (200.0s)"]
 
 
-def test_one_item_has_no_start_line_and_an_empty_job_prints_nothing(clock, capsys) -> None:
+def test_one_item_has_no_start_line_and_an_empty_job_prints_nothing(clock) -> None:
     run("eval", [40.0], clock)
     run("none", [], clock)
     assert lines(clock) == ["  eval 1/1 (40.0s)"]

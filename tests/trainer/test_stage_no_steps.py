@@ -55,7 +55,7 @@ class FakeTracking:
         return SimpleNamespace(set_tag=lambda run_id, key, value: self.tags.__setitem__(key, value))
 
 
-def test_the_stage_prints_the_line_when_no_step_ran(monkeypatch, capsys) -> None:
+def test_the_stage_prints_the_line_when_no_step_ran(monkeypatch) -> None:
     """``run`` with its collaborators faked: the plan holds no batch, all 8 groups dropped."""
     recipe = parse_recipe({"pipeline": "nos", "domains": ["math"]})
     start = StartingPolicy(policy_uri="file:///nowhere/policy", policy_version="3", parent_run_id="")

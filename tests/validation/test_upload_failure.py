@@ -58,7 +58,7 @@ def test_bad_batch_still_fails_on_its_expectations(tmp_path: Path, posttrain_hom
 
     code, store = _stage(tmp_path, rollouts, rewards)
 
-    out, err = capsys.readouterr()
+    _, err = capsys.readouterr()
     assert code == 3  # DataQualityError, not the MLflow error
     report_uri = store.url("gate/iter-000001/validation/report.json")
     [line] = [e for e in err.splitlines() if e.startswith("posttrain")]
@@ -72,10 +72,9 @@ def test_bad_batch_still_fails_on_its_expectations(tmp_path: Path, posttrain_hom
     assert _run_status_and_artifacts() == ("FAILED", [])
 
 
-def test_good_batch_passes(tmp_path: Path, posttrain_home, refused_uploads, capsys, said) -> None:
+def test_good_batch_passes(tmp_path: Path, posttrain_home, refused_uploads, said) -> None:
     code, store = _stage(tmp_path, *clean())
 
-    out, _ = capsys.readouterr()
     assert code == 0
     report_uri = store.url("gate/iter-000001/validation/report.json")
     assert _not_logged(said) == [f"iter 1 | validation | {HTML_ARTIFACT} and {TABLE_ARTIFACT} not logged to MLflow "
@@ -85,12 +84,11 @@ def test_good_batch_passes(tmp_path: Path, posttrain_home, refused_uploads, caps
     assert _run_status_and_artifacts() == ("FINISHED", [])
 
 
-def test_a_refused_table_names_only_the_table(tmp_path: Path, posttrain_home, monkeypatch, capsys, said) -> None:
+def test_a_refused_table_names_only_the_table(tmp_path: Path, posttrain_home, monkeypatch, said) -> None:
     monkeypatch.setattr(MlflowClient, "log_table", _refuse)  # the page is logged, the table is not
 
     code, store = _stage(tmp_path, *clean())
 
-    out, _ = capsys.readouterr()
     assert code == 0
     report_uri = store.url("gate/iter-000001/validation/report.json")
     assert _not_logged(said) == [f"iter 1 | validation | {TABLE_ARTIFACT} not logged to MLflow "
