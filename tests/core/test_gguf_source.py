@@ -225,3 +225,33 @@ def test_bootstrap_registers_the_converted_gguf_as_version_1(package, tmp_path):
     assert boot.metrics["bootstrap/parameters"] == tiny_gguf.PARAMETERS
     registered = load_policy(scored.checkpoint_uri, "1")
     assert torch.equal(registered.model.model.embed_tokens.weight, torch.from_numpy(embedding))
+
+
+def test_a_conversion_parses_the_file_once_and_writes_what_separate_parses_write(package, tmp_path, monkeypatch):
+    """transformers parsed the file for the config, the tokenizer and the weights, and
+    ``check_header`` once more (about 5 s each for SmolLM2): ``parsed_once`` makes one
+    reader per file and one name map per architecture, with the same folder as before."""
+    import gguf as gguf_package
+
+    folder, _ = package
+    made: list[str] = []
+    real = gguf_package.GGUFReader
+
+    def counted(path, mode="r"):
+        made.append(os.fspath(path))
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf_package, "GGUFReader", counted)
+    path = folder / tiny_gguf.FILE
+    gguf._convert(path, tmp_path / "separate", SOURCE, "model.source")
+    separate = len(made)
+    made.clear()
+    with gguf.parsed_once():
+        gguf._convert(path, tmp_path / "once", SOURCE, "model.source")
+    assert separate >= 4 and made == [str(path)]
+    assert gguf_package.GGUFReader is counted  # put back after the block
+    assert not hasattr(gguf_package.get_tensor_name_map, "cache_info")
+    files = sorted(p.name for p in (tmp_path / "separate").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "once").iterdir()) and "model.safetensors" in files
+    for name in files:
+        assert (tmp_path / "once" / name).read_bytes() == (tmp_path / "separate" / name).read_bytes(), name
