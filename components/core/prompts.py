@@ -23,7 +23,11 @@ closing as the template writes it (e.g. ``<|im_end|>\\n``; the part an action th
 stopped on EOS already produced is not repeated), then the user turn holding the
 observation, then the generation prompt for the next action. All of it is observation
 tokens (mask 0): the policy trains only on its actions. Under ``raw`` an observation is
-its text's tokens, appended as they are.
+its text's tokens, appended as they are. The observation is program output, so its text
+is tokenised with ``split_special_tokens=True`` (``text_ids``): special-token text in it
+(``<eos>``, ``<|im_end|>``) is plain characters, never the special token; under ``chat``
+it is tokenised apart from the template's pieces, so a merge across their boundary that
+tokenising the rendered conversation whole would make is not made.
 
 ``load_tokenizer(uri)`` reads a checkpoint's small top-level files, the tokenizer's among
 them (never its weights or optimizer state, nor ``generation_config.json``, and its
@@ -153,6 +157,28 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def text_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of untrusted ``text`` (a command's output) read as plain text: special-token
+    text in it (``<eos>``, ``<|im_end|>``) becomes the tokens of its characters, never the
+    special token (``split_special_tokens=True``, which Hugging Face's fast and Python
+    tokenizers take). A tokenizer that refuses the option (mistral-common's raises) or
+    ignores it (its own EOS text still comes back as the EOS id) is a UserError naming the
+    policy's tokenizer, whatever ``text`` holds: an episode's output could end the policy's
+    turn or forge a chat turn."""
+    special = (getattr(tokenizer, "eos_token", None) or next(iter(getattr(tokenizer, "all_special_tokens", [])), None))
+    try:
+        ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        split = (not special or tokenizer.convert_tokens_to_ids(special) not in
+                 tokenizer(special, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except (TypeError, ValueError):  # no such keyword, or "does not support split_special_tokens"
+        split = False
+    if not split:
+        raise UserError("policy", _name(tokenizer), f"its tokenizer ({type(tokenizer).__name__}) cannot read special-"
+                        "token text in a command's output as plain text (split_special_tokens)",
+                        "use a checkpoint whose tokenizer is a Hugging Face fast or Python tokenizer")
+    return ids
+
+
 def chat_text(tokenizer: Any, prompt: str) -> str:
     """The chat template around ``prompt`` as one user turn, generation prompt added."""
     return _render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -195,14 +221,17 @@ def observation_ids(tokenizer: Any, observation: str, fmt: str, action_stopped: 
     """The ids appended to an episode's context after an action: the observation's text
     under ``raw``; under ``chat`` the end of the assistant turn (less the EOS the action
     already ended with when ``action_stopped``), the observation as a user turn, and the
-    generation prompt."""
+    generation prompt. The template's pieces are tokenised as the template's text (their
+    special tokens are special), the observation apart from them as plain text
+    (``text_ids``): output that prints ``<eos>`` or ``<|im_end|>`` gives the tokens of
+    those characters."""
     if _resolved(tokenizer, fmt, FIELD) == "raw":  # the policy's format, probed as it loaded
-        return _ids(tokenizer, observation)
+        return text_ids(tokenizer, observation)
     closing, before, after = _turn_pieces(tokenizer)
     eos = tokenizer.eos_token or ""
     if action_stopped and eos and closing.startswith(eos):
         closing = closing[len(eos):]
-    return _ids(tokenizer, closing + before + observation + after)
+    return _ids(tokenizer, closing + before) + text_ids(tokenizer, observation) + _ids(tokenizer, after)
 
 
 def _names_class(tokenizer_config: Path) -> bool:

@@ -55,7 +55,10 @@ def episode_example(policy: Policy, episode: list[list[str]]) -> tuple[list[int]
 
 def score_episodes(actor: Policy | Actor, tasks: list[Task], recipe: Recipe, executor: Executor, version: str,
                    label: str = "eval episodes") -> list[EvalResult]:
-    """One greedy episode per interactive task, replayed and judged; results in the tasks' order."""
+    """One greedy episode per interactive task, replayed and judged; results in the tasks' order.
+    A command the sandbox could not run during an episode (``infra_error``) is an
+    ``InfraError`` from ``run_episodes``, as one in the replay is (``refuse_outages``):
+    never scored as the policy's failure."""
     if not tasks:
         return []
     rollouts = play(actor, tasks, interactive_specs(tasks), recipe.rollout, recipe.sandbox, seed=0, iteration=0,

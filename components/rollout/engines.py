@@ -12,7 +12,9 @@ default it repeats each prompt G times and calls ``generate`` (``openai`` and ``
 do this), while ``hf`` prefills each prompt once and shares that KV cache among its G
 samples.
 
-Every engine refuses a prompt that encodes to no tokens (``check_encoded``).
+Every engine refuses a prompt that encodes to no tokens (``check_encoded``), and asks
+for at most the model's positions left after each prompt (``new_tokens``: ``hf`` per
+batch, ``vllm`` per prompt; ``openai`` only when told the server's context).
 
 Not covered here: stop strings other than the EOS token.
 """
@@ -63,6 +65,20 @@ def check_encoded(prompts: list, encoded: list[list[int]]) -> None:
             raise UserError("prompt", prompt, "a task's prompt has no tokens in the policy's prompt format (the "
                             "tokenizer adds no BOS token)", "give every task a non-empty prompt, or use "
                             "rollout.prompt_format: chat")
+
+
+def context_tokens(policy: Policy) -> int | None:
+    """The positions the policy's model takes, prompt and completion together
+    (``max_position_embeddings``); None when its config names none."""
+    config = getattr(getattr(policy, "model", None), "config", None)
+    return getattr(config, "max_position_embeddings", None) or None
+
+
+def new_tokens(max_new_tokens: int, prompt_tokens: int, context: int | None) -> int:
+    """``max_new_tokens``, at most the positions ``context`` leaves after a prompt of
+    ``prompt_tokens`` (at least 1, as ``hf`` gives; a prompt that fills the context is the
+    server's to refuse); ``max_new_tokens`` when ``context`` is None."""
+    return max(1, min(max_new_tokens, context - prompt_tokens)) if context else max_new_tokens
 
 
 def get_engine(name: str) -> Engine:

@@ -21,11 +21,15 @@ function ``context text -> action text`` (a scripted policy: no model, no tokens
    followed by the generation prompt (``components.core.prompts.observation_ids``).
 
 The episode ends on ``DONE``, after its ``max_steps`` actions (one limit for all, or one
-per prompt), or when the context would exceed ``max_context_tokens`` (by default the
-model's positions) with another ``max_action_tokens``. An observation's tokens are cut
-to the positions left below that limit, so prompt plus completion never exceeds it (the
+per prompt), or when its context fills ``max_context_tokens`` (by default the model's
+positions). Each action takes at most ``max_action_tokens`` and at most the positions
+left below that limit (a ``rollout.max_new_tokens`` near the model's positions still
+leaves a long prompt its turns, as one-shot completions are clamped); an observation's
+tokens are cut to the positions left, so prompt plus completion never exceeds it (the
 ``Turn`` keeps the whole observation text; the episode's ``text`` is decoded from the
-tokens kept). Each episode
+tokens kept). A command whose result is ``infra_error`` (the sandbox could not start or
+run it) is an ``InfraError`` naming the episode, the command and the tail of its stderr:
+that text is the host's, never an observation the policy trains on. Each episode
 becomes one ``Episode``: the completion is every token after the prompt (actions and
 observations), ``logprobs`` are the sampling logprobs of action tokens (0.0 for
 observation tokens) and ``completion_mask`` is 1 on the policy's tokens and 0 on
@@ -41,6 +45,7 @@ engines other than ``hf`` (contexts are token ids).
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from components.core.errors import InfraError, one_line, value_text
 from components.core.jobs import never_starts
 from components.core.policy import Policy
 from components.core.prompts import observation_ids
@@ -57,6 +63,7 @@ from components.rollout.engines import Generation, TokenPromptPolicy
 from components.rollout.hf_engine import HFEngine
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+log = logging.getLogger(__name__)
 Actor = Callable[[str], str]
 """A scripted policy: the context text so far (prompt, actions, observations) -> the next action."""
 
@@ -171,8 +178,10 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                  progress: Callable[[int], None] | None = None, engine: HFEngine | None = None) -> list[Episode]:
     """Play ``group_size`` episodes per prompt (episode ``i * group_size + g`` is sample
     ``g`` of ``prompts[i]``); sessions are opened on an episode's first command and always
-    closed. ``progress`` is called with how many episodes just ended. ``engine``: the
-``HFEngine`` a policy samples through (a default one when None)."""
+    closed, each one even when another's ``close()`` raises. A command ending in
+    ``infra_error`` is an ``InfraError`` (the turn's other commands have run).
+    ``progress`` is called with how many episodes just ended. ``engine``: the
+    ``HFEngine`` a policy samples through (a default one when None)."""
     scripted = not isinstance(actor, Policy)
     engine = engine or HFEngine()
     n = len(prompts) * group_size
@@ -187,11 +196,16 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
         limit = max_context_tokens or getattr(policy.model.config, "max_position_embeddings", 10**9)
     sessions: list[Session | None] = [None] * n
     active = list(range(n))
+
+    def room(k: int) -> int:  # the tokens episode k's next action may take
+        return max_action_tokens if scripted else min(max_action_tokens, limit - len(episodes[k].prompt_ids)
+                                                       - len(episodes[k].completion_ids))
+
+    finished = False
     try:
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             for step in range(max(steps, default=0)):
-                ended = [k for k in active if step >= steps[owner[k]] or (not scripted and len(episodes[k].prompt_ids)
-                         + len(episodes[k].completion_ids) + max_action_tokens > limit)]
+                ended = [k for k in active if step >= steps[owner[k]] or room(k) < 1]
                 active = [k for k in active if k not in set(ended)]
                 if progress and ended:
                     progress(len(ended))
@@ -207,6 +221,8 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                     contexts = [episodes[k].prompt_ids + episodes[k].completion_ids for k in active]
                     samples = engine.generate(TokenPromptPolicy(policy), contexts, max_action_tokens,  # type: ignore[arg-type]
                                                   temperature, seed + 1000 * step, batch_size, greedy=greedy)
+                if not scripted:  # an engine gives at most the model's positions left: here, at most the limit's
+                    samples = [_cut(policy, sample, room(k)) for k, sample in zip(active, samples)]
                 running = []
                 samples_by = dict(zip(active, samples))
                 for k, sample in zip(active, samples):
@@ -222,6 +238,7 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                     else:
                         running.append((k, sample.text, tool, command))
                 results = list(pool.map(lambda item: _run(sessions, session_factory, owner, item[0], item[3]), running))
+                _refuse_outage([(k, owner[k], command) for k, _, _, command in running], [r for r, _ in results])
                 for (k, text, tool, command), (result, seconds) in zip(running, results):
                     ep = episodes[k]
                     observation = format_observation(result, observation_chars)
@@ -242,10 +259,9 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                 active = [k for k, *_ in running]
             if progress and active:
                 progress(len(active))
+        finished = True
     finally:
-        for s in sessions:
-            if s is not None:
-                s.close()
+        _close_all(sessions, raise_first=finished)
     if not scripted:
         for ep in episodes:
             ep.text = policy.tokenizer.decode([t for t in ep.completion_ids if t != policy.eos_id],
@@ -260,3 +276,40 @@ def _run(sessions: list[Session | None], factory: Callable[[int], Session], owne
         sessions[k] = factory(owner[k])
     result = sessions[k].exec(command)  # type: ignore[union-attr]
     return result, time.perf_counter() - started
+
+
+def _cut(policy: Policy, sample: Generation, tokens: int) -> Generation:
+    """``sample`` cut to its first ``tokens`` tokens (unchanged when it has no more): its
+    logprobs stay those the tokens were sampled with, its text is decoded again."""
+    if len(sample.completion_ids) <= tokens:
+        return sample
+    ids = sample.completion_ids[:tokens]
+    return Generation(sample.prompt_ids, ids, sample.logprobs[:tokens],
+                      policy.tokenizer.decode(ids, skip_special_tokens=True), "length")
+
+
+def _refuse_outage(ran: list[tuple[int, int, str]], results: list) -> None:
+    """An ``InfraError`` for the first of one turn's commands (``(episode, prompt, command)``
+    each) whose result is ``infra_error``: the sandbox session could not run it, so its
+    output is the host's (a sandbox that did not start), not an observation to train on."""
+    for (k, prompt, command), result in zip(ran, results):
+        if result.status == "infra_error":
+            where = " ".join(filter(None, [getattr(result, "backend", ""), getattr(result, "isolation", "")])) or "sandbox"
+            raise InfraError("sandbox session", where, f"episode {k} (prompt {prompt}) could not run "
+                             f"{value_text(command, 80)!r}: {one_line(value_text(result.stderr[-200:]))}")
+
+
+def _close_all(sessions: Sequence[Session | None], raise_first: bool) -> None:
+    """Close every opened session, even when one ``close()`` raises; the first such error
+    is raised after all were closed when ``raise_first``, else logged (an error already on
+    its way out is the one to report)."""
+    failed: Exception | None = None
+    for s in sessions:
+        if s is not None:
+            try:
+                s.close()
+            except Exception as exc:  # noqa: BLE001 - the others are closed first
+                log.warning("posttrain: closing an episode's sandbox session failed: %s", one_line(exc))
+                failed = failed or exc
+    if failed is not None and raise_first:
+        raise failed

@@ -59,6 +59,14 @@ def interactive_specs(tasks: list[Task]) -> dict[str, Interactive]:
     return specs
 
 
+def check_engine(engine_name: str) -> None:
+    """A UserError naming ``rollout.engine`` unless it is ``hf``, the engine episodes sample
+    through (the rollout stage checks it before any sampling, ``play`` again)."""
+    if engine_name != "hf":
+        raise UserError("rollout.engine", engine_name, "multi-turn episodes sample through the in-process hf engine",
+                        "set rollout.engine: hf, or leave interactive tasks out of the task mix")
+
+
 def play(actor: Policy | Actor, tasks: list[Task], specs: dict[str, Interactive], rollout_cfg, sandbox_cfg, *,
          seed: int, iteration: int, engine: HFEngine | None = None, engine_name: str = "hf",
          progress: Callable[[int], None] | None = None, group_size: int | None = None, greedy: bool = False,
@@ -66,9 +74,7 @@ def play(actor: Policy | Actor, tasks: list[Task], specs: dict[str, Interactive]
     """``rollout_cfg.group_size`` episode rollouts per task (or ``group_size``), grouped in
     the tasks' order. ``greedy`` and ``max_action_tokens`` serve the eval suite's greedy episodes;
     ``replay=False`` plays on one live session per episode (the reference path)."""
-    if engine_name != "hf":
-        raise UserError("rollout.engine", engine_name, "multi-turn episodes sample through the in-process hf engine",
-                        "set rollout.engine: hf, or leave interactive tasks out of the task mix")
+    check_engine(engine_name)
     g = group_size or rollout_cfg.group_size
     out: list[Rollout] = []
     with SESSIONS.load(sandbox_cfg.backend)(sandbox_cfg, int(sandbox_cfg.concurrency)) as pool:

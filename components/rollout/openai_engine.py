@@ -74,7 +74,7 @@ from typing import Any
 
 from components.core.errors import InfraError, UserError, one_line, value_text
 from components.core.settings import env_text
-from components.rollout.engines import Engine, Generation, check_encoded
+from components.rollout.engines import Engine, Generation, check_encoded, new_tokens
 
 ENV_BASE_URL = "POSTTRAIN_OPENAI_BASE_URL"
 ENV_MODEL = "POSTTRAIN_OPENAI_MODEL"
@@ -517,12 +517,20 @@ class OpenAIEngine(Engine):
     timeout_s: float = 600.0  # the most one request (its whole reply included) may take
 
     def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
-                 seed_per_prompt: bool = True, concurrency: int = 64) -> None:
+                 seed_per_prompt: bool = True, concurrency: int = 64, context_tokens: int | None = None,
+                 blame: tuple[str, str, str] | None = None) -> None:
+        """``context_tokens``: the served model's positions, when known: each request's
+        ``max_tokens`` is cut to what its longest prompt leaves (``engines.new_tokens``).
+        ``blame``: (field, value, fix) that a mistake this engine finds names instead of
+        the ``POSTTRAIN_OPENAI_*``/``OPENAI_API_KEY`` settings, for a server that another
+        engine started (``vllm``'s own) and whose settings the user never set."""
         self.base_url = base_url if base_url is not None else env_text(ENV_BASE_URL)  # white space: exit 2
         self.model = model if model is not None else env_text(ENV_MODEL)
         self.api_key = api_key if api_key is not None else os.environ.get(ENV_API_KEY, "")
         self.seed_per_prompt = seed_per_prompt
         self.concurrency = concurrency
+        self.context_tokens = context_tokens
+        self.blame = blame
 
     def _check(self) -> None:
         if not self.base_url:
@@ -540,6 +548,7 @@ class OpenAIEngine(Engine):
                  greedy: bool, policy, inflight: InFlight | None = None) -> list[Generation]:
         """One completions request for the token-id prompts ``chunk``, parsed in their order."""
         eos = policy.eos_id
+        max_new_tokens = new_tokens(max_new_tokens, max(len(ids) for ids in chunk), self.context_tokens)
         body = {
             "model": self.model, "prompt": chunk, "max_tokens": max_new_tokens,
             "temperature": 0.0 if greedy else temperature, "top_p": 1.0, "n": 1, "logprobs": 0,
@@ -563,6 +572,15 @@ class OpenAIEngine(Engine):
         return results
 
     def generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy=False, progress=None):
+        try:
+            return self._generate(policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress)
+        except UserError as exc:
+            if self.blame is None or exc.field not in (ENV_BASE_URL, ENV_MODEL, ENV_API_KEY):
+                raise
+            field, value, fix = self.blame
+            raise UserError(field, value, f"its server at {self.base_url}: {exc.problem}", fix) from None
+
+    def _generate(self, policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress):
         self._check()
         url = completions_url(self.base_url)
         encoded = [policy.encode_prompt(p) for p in prompts]

@@ -11,7 +11,8 @@ Tasks whose domain declares them interactive (``Domain.interactive``) are played
 multi-turn episodes against sandbox sessions instead (``components/rollout/interactive.py``:
 G per task, in lockstep batches, at most ``rollout.max_turns`` actions, observations cut
 to ``rollout.observation_chars``, the ``sandbox`` section's backend, limits and
-concurrency); every other task goes through the one-shot path above, unchanged. Their
+concurrency; an engine other than ``hf`` is a UserError before anything is sampled);
+every other task goes through the one-shot path above, unchanged. Their
 rollouts are written in the tasks' order either way. Metrics: ``episodes`` (episodes
 played) and ``turns_mean`` (mean commands per episode; 0 without episodes).
 """
@@ -24,7 +25,7 @@ from components.core.policy import load_policy
 from components.core.progress import bar
 from components.core.records import Rollout, Task
 from components.rollout.engines import get_engine
-from components.rollout.interactive import interactive_specs, play
+from components.rollout.interactive import check_engine, interactive_specs, play
 
 SECTIONS = ("rollout", "sandbox")
 """Recipe sections read: the engine, group size and sampling settings; the sandbox that
@@ -44,11 +45,13 @@ def run(ctx: StageContext) -> dict[str, float]:
     cfg = ctx.recipe.rollout
     start = ctx.facts_of("taskgen", StartingPolicy)
     tasks = shard_tasks(ctx)
+    specs = interactive_specs(tasks)
+    if specs:  # before the policy loads and one-shot samples are drawn, not after
+        check_engine(cfg.engine)
     policy = load_policy(start.policy_uri, start.policy_version, prompt_format=cfg.prompt_format)
     sandbox = ctx.recipe.sandbox
     engine = get_engine(cfg.engine)
     engine.workers = cfg.workers
-    specs = interactive_specs(tasks)
     one_shot = [t for t in tasks if t.task_id not in specs]
     played = [t for t in tasks if t.task_id in specs]
     with bar(f"rollout[{ctx.shard}]", len(tasks) * cfg.group_size) as advance:

@@ -19,6 +19,13 @@ saved to a temporary folder and served from there for that one call.
 Neither: a UserError naming ``rollout.engine`` with the fix (``make vllm`` or
 ``pip install vllm``).
 
+Either way each prompt asks for at most the model's positions left after it
+(``max_position_embeddings``, the length vLLM serves by default; ``engines.new_tokens``),
+as ``hf`` clamps, so a large ``rollout.max_new_tokens`` is no context-length refusal. A
+request the server still refuses (4xx), or a reply of the wrong shape, is a UserError
+naming ``rollout.engine: vllm`` (``SERVER_FIX``), not the ``POSTTRAIN_OPENAI_*`` settings
+of the ``openai`` engine that drives it: the user set none of them.
+
 In this process, the
 checkpoint is downloaded once from the policy's store URI into a temporary folder and
 loaded by vLLM as the Hugging Face folder it is (one ``LLM`` per checkpoint URI, kept
@@ -56,10 +63,13 @@ from typing import Any
 from components.core import settings
 from components.core.checkpoint import LOADED_FOLDERS
 from components.core.errors import UserError
-from components.rollout.engines import Engine, Generation, check_encoded
+from components.rollout.engines import Engine, Generation, check_encoded, context_tokens, new_tokens
 from components.rollout.openai_engine import OpenAIEngine
 from components.rollout.vllm_server import VLLMServer, check_head_size, cpu_head_sizes
 
+SERVER_FIX = ("if the server says the prompt and completion exceed the model's context, lower rollout.max_new_tokens "
+              "or shorten the prompts; otherwise rebuild vLLM's environment (make vllm) or set rollout.engine: hf")
+"""The fix of a request vLLM's own server refuses (a UserError naming ``rollout.engine``)."""
 INSTALL_HINT = ("run `make vllm` (vLLM's CPU build in .venv-vllm, or POSTTRAIN_VLLM_PYTHON=<its python>) or "
                 "`pip install vllm` (GPU), or set rollout.engine: hf")
 
@@ -229,7 +239,8 @@ class VLLMEngine(Engine):
             return self._generate_unsaved(policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress)
         if not self._use_in_process():
             server = self.server_for(policy)
-            client = OpenAIEngine(server.base_url, server.model, api_key="", seed_per_prompt=True)
+            client = OpenAIEngine(server.base_url, server.model, api_key="", seed_per_prompt=True,
+                                  context_tokens=context_tokens(policy), blame=("rollout.engine", "vllm", SERVER_FIX))
             return client.generate(policy, prompts, max_new_tokens, temperature, seed, batch_size, greedy, progress)
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
@@ -237,8 +248,10 @@ class VLLMEngine(Engine):
         llm = self._llm(policy)
         encoded = [policy.encode_prompt(p) for p in prompts]
         check_encoded(prompts, encoded)
+        context = context_tokens(policy)
         params = [vllm.SamplingParams(
-            n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature, top_p=1.0, top_k=-1,
+            n=1, max_tokens=new_tokens(max_new_tokens, len(encoded[i]), context),
+            temperature=0.0 if greedy else temperature, top_p=1.0, top_k=-1,
             logprobs=0, seed=seed + i, stop_token_ids=[policy.eos_id], skip_special_tokens=True,
         ) for i in range(len(prompts))]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in encoded], params, use_tqdm=False)

@@ -195,3 +195,50 @@ def test_smollm2_chat_template_ids(smollm2) -> None:
     # an observation after an action that ended on <|im_end|> (id 2): "\n<|im_start|>user\nexit 0<|im_end|>\n<|im_start|>assistant\n"
     assert prompts.observation_ids(smollm2, "exit 0", "chat", action_stopped=True) == [
         198, 1, 4093, 198, 14334, 216, 32, 2, 198, 1, 520, 9531, 198]
+
+
+def test_special_token_text_in_an_observation_is_plain_text() -> None:
+    """``add_special_tokens=False`` still read "<eos>" in program output as the EOS id (2):
+    output could end the policy's turn or forge a chat turn. The observation is now its
+    characters' ids under raw and chat; the template's own pieces keep their specials."""
+    tok = templated()
+    eos_text = [83, 18, 28, 32, 85]  # "<", "e", "o", "s", ">"
+    assert prompts.observation_ids(tok, "x<eos>y", "raw", action_stopped=True) == [37, *eos_text, 38]
+    assert prompts.observation_ids(tok, "<eos>", "chat", action_stopped=True) == [1, 34, 81, *eos_text, 2, 1, 14, 81]
+    ids = prompts.observation_ids(tok, "ok<bos>\n<eos>", "raw", action_stopped=True)
+    assert tok.eos_token_id not in ids and tok.bos_token_id not in ids
+    assert tok.decode(ids) == "ok<bos>\n<eos>"
+
+
+def test_a_python_tokenizer_splits_special_token_text_too() -> None:
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()  # transformers' Python backend, no files
+    assert list(tok("a</s>", add_special_tokens=False)["input_ids"]) == [100, 1]
+    assert prompts.text_ids(tok, "a</s>") == [100, 63, 50, 118, 65]
+    assert tok.decode(prompts.text_ids(tok, "a</s>")) == "a</s>"
+
+
+def test_a_tokenizer_that_cannot_split_special_tokens_is_a_user_error_whatever_the_text() -> None:
+    real = build_tokenizer()
+
+    class Ignores:  # takes the keyword and ignores it, as a tokenizer without the option may
+        eos_token, name_or_path = "<eos>", "ckpt/tok"
+
+        def __call__(self, text: str, add_special_tokens: bool = True, **options) -> dict:
+            return real(text, add_special_tokens=add_special_tokens)
+
+        def convert_tokens_to_ids(self, token: str) -> int:
+            return real.convert_tokens_to_ids(token)
+
+    class Refuses(Ignores):  # as mistral-common's backend does
+        def __call__(self, text: str, add_special_tokens: bool = True, **options) -> dict:
+            if options.get("split_special_tokens"):
+                raise ValueError("`MistralCommonBackend` does not support `split_special_tokens`.")
+            return real(text, add_special_tokens=add_special_tokens)
+
+    for tok in (Ignores(), Refuses()):
+        with pytest.raises(UserError) as err:
+            prompts.text_ids(tok, "plain")  # no special text in it: refused all the same
+        assert (err.value.field, err.value.value) == ("policy", "ckpt/tok")
+        assert f"its tokenizer ({type(tok).__name__}) cannot read special-token text" in str(err.value)

@@ -45,3 +45,18 @@ def test_run_suite_plays_interactive_tasks_and_leaves_one_shot_tasks_alone() -> 
     assert mixed[1] == alone[0] and alone[0].context_bucket != MULTI_TURN
     assert mixed[0].context_bucket == MULTI_TURN and mixed[0].passed is False  # a random policy
     assert len(mixed[0].completion.split("\n")) <= RECIPE.rollout.max_turns
+
+
+def test_a_sandbox_that_cannot_run_an_episodes_command_is_an_outage(monkeypatch) -> None:
+    """A greedy eval episode whose command ended in ``infra_error`` went on with the host's
+    error text as its observation; now the eval fails as an outage (retried)."""
+    from components.core.errors import InfraError
+    from components.core.jobs import JobResult
+    from components.rollout import episode
+
+    monkeypatch.setattr(episode.ReplaySession, "exec", lambda self, cmd, timeout_s=None: JobResult(
+        "infra_error", -1, 0, "", "could not start bwrap: ENOMEM", 0.0, 0.0, 0.0, backend="bwrap"))
+    with get_executor(RECIPE.sandbox) as executor, pytest.raises(InfraError) as caught:
+        score_episodes(actor(True), [interactive_task("pick")], RECIPE, executor, "v1")
+    assert (caught.value.what, caught.value.where) == ("sandbox session", "bwrap")
+    assert caught.value.reason == "episode 0 (prompt 0) could not run 'grep -l ok *': could not start bwrap: ENOMEM"

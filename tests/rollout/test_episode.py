@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from components.core.errors import InfraError
 from components.core.policy import pad_batch
 from components.core.prompts import observation_ids
 from components.core.records import Rollout, Turn, from_table, to_table
@@ -154,3 +155,89 @@ def test_an_observation_is_cut_to_the_positions_left(max_context_tokens: int | N
         assert [[(m, len(list(r))) for m, r in itertools.groupby(ep.completion_mask)] for ep in episodes] == \
                [[(1, 8), (0, 26)]] * 2
         assert [len(ep.turns) for ep in episodes] == [1, 1]
+
+
+class _Fixed:
+    """A session whose every command ends with ``status`` and ``stderr``; ``close()`` is
+    recorded, and raises ``fail_close`` when given."""
+
+    def __init__(self, status: str = "ok", stderr: str = "", fail_close: Exception | None = None) -> None:
+        self.status, self.stderr, self.fail_close, self.closed = status, stderr, fail_close, False
+
+    def exec(self, cmd: str, timeout_s: float | None = None) -> SimpleNamespace:
+        return SimpleNamespace(exit_code=-1 if self.status == "infra_error" else 0, status=self.status, stdout="",
+                               stderr=self.stderr, backend="bwrap", isolation="full")
+
+    def close(self) -> None:
+        self.closed = True
+        if self.fail_close is not None:
+            raise self.fail_close
+
+
+def test_a_sandbox_that_could_not_start_is_an_outage_not_an_observation() -> None:
+    """An ``infra_error`` result was formatted into the policy's context ("[exit -1
+    infra_error] could not start bwrap: ENOMEM") and the episode went on, training on the
+    host's error text. Now it is an InfraError naming the session and its stderr's tail,
+    and every session is still closed, the one whose close() raises included."""
+    policy = tiny_policy()
+    sessions = [_Fixed(fail_close=RuntimeError("close failed")), _Fixed("infra_error", "x" * 300 + "could not start "
+                                                                        "bwrap: ENOMEM"), _Fixed()]
+    with pytest.raises(InfraError) as caught:
+        run_episodes(policy, ["a:", "b:", "c:"], lambda i: sessions[i], max_steps=3, max_action_tokens=4, seed=1,
+                     parse=lambda _text: ("bash", "ls", False))
+    assert (caught.value.what, caught.value.where) == ("sandbox session", "bwrap full")
+    assert caught.value.reason == "episode 1 (prompt 1) could not run 'ls': " + "x" * 171 + \
+        "could not start bwrap: ENOMEM"
+    assert [s.closed for s in sessions] == [True, True, True]
+
+
+def test_every_session_is_closed_when_one_close_raises() -> None:
+    sessions = [_Fixed(fail_close=RuntimeError("first close failed")), _Fixed(), _Fixed()]
+    with pytest.raises(RuntimeError, match="first close failed"):
+        run_episodes(lambda _context: "ls", ["a:", "b:", "c:"], lambda i: sessions[i], max_steps=1)
+    assert [s.closed for s in sessions] == [True, True, True]
+
+
+def test_a_max_new_tokens_near_the_positions_still_gives_episodes_their_turns() -> None:
+    """With 95 new tokens on a 96-position model an episode ended before its first action
+    (6 prompt tokens + 95 > 96) while one-shot completions were clamped. Each action now
+    takes at most the positions left, and the episode ends when none are."""
+    policy = tiny_policy()
+    episodes = run_episodes(policy, ["task:"], lambda _: _Fixed(), max_steps=4, max_action_tokens=95, seed=0,
+                            group_size=2, parse=lambda _text: ("bash", "ls", False))
+    for ep in episodes:
+        assert len(ep.prompt_ids) == 6 and len(ep.prompt_ids) + len(ep.completion_ids) <= 96
+        assert len(ep.turns) >= 1 and ep.commands[0] == "ls"
+        actions = [len(list(run)) for masked, run in itertools.groupby(ep.completion_mask) if masked]
+        assert actions[0] <= 90  # the positions the prompt left
+    assert [len(ep.turns) for ep in episodes] == [2, 3]
+    assert [len(ep.prompt_ids) + len(ep.completion_ids) for ep in episodes] == [96, 96]
+
+
+def test_an_action_is_cut_to_the_limit_left() -> None:
+    """Under ``max_context_tokens`` below the model's positions an action is cut to what
+    the limit leaves (the engine clamps only to the model's positions)."""
+    policy = tiny_policy()
+    episodes = run_episodes(policy, ["task:"], lambda _: _Fixed(), max_steps=4, max_action_tokens=30, seed=0,
+                            max_context_tokens=20, parse=lambda _text: ("bash", "ls", False))
+    ep = episodes[0]
+    assert len(ep.prompt_ids) == 6 and len(ep.completion_ids) == 14 == len(ep.logprobs) == len(ep.completion_mask)
+    assert ep.completion_mask[0] == 1 and ep.finish_reason == "length"
+
+
+def test_special_token_text_in_program_output_is_plain_text_in_the_context() -> None:
+    """Output printing ``<eos>`` became the EOS id in the observation tokens (6 EOS in two
+    turns of "<eos><eos><eos>"); now it is those characters, and decodes back to them."""
+    policy = tiny_policy()
+
+    class Eos(_Fixed):
+        def exec(self, cmd: str, timeout_s: float | None = None) -> SimpleNamespace:
+            return SimpleNamespace(exit_code=0, status="ok", stdout="<eos>" * 3, stderr="")
+
+    ep = run_episodes(policy, ["task:"], lambda _: Eos(), max_steps=2, max_action_tokens=4,
+                      parse=lambda _text: ("bash", "cat f", False))[0]
+    observed = [t for t, m in zip(ep.completion_ids, ep.completion_mask) if m == 0]
+    assert policy.eos_id not in observed
+    assert ep.turns[0].observation == "\n[exit 0 ok]\n<eos><eos><eos>\n"
+    assert policy.tokenizer.decode(observed) == ep.turns[0].observation * 2
+    assert ep.text.count("<eos><eos><eos>") == 2

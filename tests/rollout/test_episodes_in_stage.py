@@ -176,3 +176,19 @@ def test_episodes_need_the_hf_engine_and_a_backend_with_sessions() -> None:
         play(lambda context: "ls", [played], specs, recipe.rollout, recipe.sandbox, seed=0, iteration=1,
              engine_name="openai")
     assert (info.value.field, info.value.value) == ("rollout.engine", "openai")
+
+
+def test_an_engine_episodes_cannot_use_is_refused_before_any_sampling(tmp_path, monkeypatch) -> None:
+    """With ``rollout.engine: openai`` the stage sampled every one-shot task's G samples
+    and only then refused the interactive task; it now refuses before any generation."""
+    from components.core.errors import UserError
+    from components.rollout import openai_engine
+
+    sent: list[str] = []
+    monkeypatch.setattr(openai_engine.OpenAIEngine, "generate",
+                        lambda self, policy, prompts, *args, **kwargs: sent.extend(prompts) or [])
+    played = TERMINAL.make_interactive_task(random.Random(1), "train")
+    with pytest.raises(UserError) as info:
+        rollout_stage(tmp_path, [one_shot_task(), played], engine="openai")
+    assert (info.value.field, info.value.value) == ("rollout.engine", "openai")
+    assert sent == []

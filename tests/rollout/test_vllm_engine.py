@@ -338,3 +338,74 @@ def test_a_models_reply_that_is_no_json_object_is_not_ready(tmp_path) -> None:
         httpd.server_close()
     assert (caught.value.what, caught.value.where) == ("vLLM server", server.base_url)
     assert caught.value.reason.startswith("no answer on /v1/models within 0.5s (checkpoint file:///ckpt)")
+
+
+class _Recording:
+    """A loopback completions server that records each request's body and answers
+    ``status`` (400 with vLLM's context-length message, or 200 with one token)."""
+
+    def __init__(self, status: int) -> None:
+        import http.server
+        import threading
+
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                stub.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if status == 400:
+                    out = json.dumps({"object": "error", "message": "This model's maximum context length is 96 "
+                                      "tokens. However, you requested 130 tokens", "code": 400}).encode()
+                else:
+                    out = json.dumps({"choices": [{"index": 0, "finish_reason": "length", "logprobs": {
+                        "tokens": ["token_id:14"], "token_logprobs": [-0.5]}}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.bodies: list[dict] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> _Recording:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _through(server: _Recording) -> VLLMEngine:
+    from types import SimpleNamespace
+
+    engine = VLLMEngine(in_process=False)
+    engine.server_for = lambda policy: SimpleNamespace(base_url=server.url, model="policy")  # its own server
+    return engine
+
+
+def test_max_tokens_is_cut_to_the_positions_each_prompt_leaves() -> None:
+    """120 new tokens after a 5-token prompt on a 96-position model asked vLLM for 125
+    positions: a 400. Each prompt now asks for at most what it leaves, as hf clamps."""
+    policy = tiny_policy()
+    with _Recording(200) as server:
+        _through(server).generate(policy, ["1+2=", "What is 12+345?"], 120, 1.0, 0, 8)
+        _through(server).generate(policy, ["1+2="], 8, 1.0, 0, 8)
+    lengths = [len(policy.encode_prompt(p)) for p in ("1+2=", "What is 12+345?")]
+    assert lengths == [5, 16]
+    assert sorted(b["max_tokens"] for b in server.bodies) == [8, 80, 91]
+
+
+def test_a_request_vllms_own_server_refuses_names_the_engine_not_the_openai_settings() -> None:
+    """The 400 named POSTTRAIN_OPENAI_BASE_URL (an internal port the user never set) with
+    a fix about POSTTRAIN_OPENAI_MODEL; it now names rollout.engine: vllm."""
+    with _Recording(400) as server, pytest.raises(UserError) as caught:
+        _through(server).generate(tiny_policy(), ["1+2="], 20, 1.0, 0, 8)
+    assert (caught.value.field, caught.value.value) == ("rollout.engine", "vllm")
+    assert caught.value.problem.startswith(f"its server at {server.url}: the server answered HTTP 400: ")
+    assert "maximum context length is 96" in caught.value.problem
+    assert "POSTTRAIN_OPENAI" not in str(caught.value) and "rollout.max_new_tokens" in caught.value.fix
