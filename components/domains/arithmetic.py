@@ -10,6 +10,8 @@ Trap tasks (``metadata["trap"] = True``): difficulty-2 and -3 sums with a carry 
 units digit (``"47+38="``: 85; a difficulty-1 carry such as ``"1+9="`` is not marked). The shortcut "add digit by digit, drop the carry" (75) passes every
 task without a carry and fails these.
 
+A task file's answer has at most 100 digits (the most the verifier reads).
+
 Not covered: other operations (see the ``math`` domain), word problems, or partial
 credit for near misses.
 """
@@ -24,6 +26,7 @@ from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, is_int, make_task, malformed
 
 _INT = re.compile(r"-?[0-9]{1,100}")  # ASCII digits only (as extraction reads numbers), whole text (fullmatch)
+MAX_ANSWER = 10**100 - 1  # the largest answer _INT reads (100 digits): a longer one could never match
 
 
 class Arithmetic(Domain):
@@ -40,8 +43,8 @@ class Arithmetic(Domain):
 
     def reference_problem(self, reference: dict) -> tuple[str, str] | None:
         answer = reference.get("answer")
-        if not (is_int(answer) or (isinstance(answer, str) and _INT.fullmatch(answer))):
-            return "answer", "must be an integer or a string of one (e.g. '85')"
+        if not (is_int(answer, -MAX_ANSWER, MAX_ANSWER) or (isinstance(answer, str) and _INT.fullmatch(answer))):
+            return "answer", "must be an integer of at most 100 digits or a string of one (e.g. '85')"
         return None
 
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:

@@ -37,6 +37,7 @@ the episode.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -154,36 +155,51 @@ class Domain(ABC):
 
     # -- sets built from make_task -------------------------------------------------------
     def eval_set(self, n: int, seed: int) -> list[Task]:
-        """The fixed held-out set: the same ``n`` distinct tasks for a given seed."""
-        return self._distinct(random.Random(seed), n, "eval", exclude=set())
+        """The fixed held-out set: the same ``n`` distinct tasks for a given seed, one per
+        prompt (a prompt that does not determine its reference, ``HIDDEN_REFERENCE``, is
+        still drawn once: the set is the one drawn before such ids held the reference)."""
+        return self._distinct(random.Random(seed), n, "eval", exclude=set(), one_per_prompt=True)
 
     def train_tasks(self, rng: random.Random, n: int, exclude: set[str]) -> list[Task]:
-        """``n`` distinct train tasks, none of whose ids are in ``exclude`` (the eval set).
+        """``n`` distinct train tasks, none of them in ``exclude`` (``exclusion`` of the eval set).
 
-        Distinct because a task's rollouts form one GRPO group: a task drawn twice would
-        make two groups with the same ids."""
+        Distinct by id because a task's rollouts form one GRPO group: a task drawn twice would
+        make two groups with the same ids. Tasks whose prompt does not determine their
+        reference (``HIDDEN_REFERENCE``) may share a prompt: their ids differ."""
         return self._distinct(rng, n, "train", exclude)
 
     def draw(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
-        """One task whose id (or prompt: ``excluded``) is not in ``exclude`` (repeats allowed
-        across calls)."""
+        """One task that is not in ``exclude`` (``excluded``) (repeats allowed across calls)."""
         for _ in range(1000):
             task = self.make_task(rng, split)
             if not excluded(task, exclude):
                 return task
         raise RuntimeError(f"domain {self.name}: could not draw a task outside the eval set in 1000 tries")
 
-    def _distinct(self, rng: random.Random, n: int, split: str, exclude: set[str]) -> list[Task]:
+    def _distinct(self, rng: random.Random, n: int, split: str, exclude: set[str],
+                  one_per_prompt: bool = False) -> list[Task]:
         seen = set(exclude)
         tasks = []
         for _ in range(n * 50):
             task = self.make_task(rng, split)
             if not excluded(task, seen):
                 seen.add(task.task_id)
+                if one_per_prompt:
+                    seen.add(prompt_key(task.prompt))
                 tasks.append(task)
                 if len(tasks) == n:
                     return tasks
-        raise RuntimeError(f"domain {self.name}: only {len(tasks)} distinct tasks; ask for fewer than {n}")
+        raise TooFewTasks(self.name, len(tasks), n)
+
+
+class TooFewTasks(RuntimeError):
+    """A domain gave fewer distinct tasks than asked for in ``50 * wanted`` draws (``got`` of
+    ``wanted``). A RuntimeError here; the stages that take ``wanted`` from a recipe turn it
+    into a UserError naming the recipe field."""
+
+    def __init__(self, domain: str, got: int, wanted: int) -> None:
+        self.domain, self.got, self.wanted = domain, got, wanted
+        super().__init__(f"domain {domain}: only {got} distinct tasks; ask for fewer than {wanted}")
 
 
 def malformed(completion: object) -> Verdict | None:
@@ -252,25 +268,54 @@ def error_text(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def task_id(domain: str, prompt: str) -> str:
-    """Same prompt, same id: lets train sampling exclude the eval set exactly."""
-    return f"{domain}-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
+HIDDEN_REFERENCE = "hidden_reference"
+"""Metadata flag (``true``) of a task whose prompt does not determine its reference:
+terminal's interactive tasks, where a note's hidden content names the answer. Such a
+task's id and exclusion key digest its reference too, so one prompt can be several tasks."""
+
+
+def _digest(prompt: str, reference: dict[str, Any] | None) -> str:
+    text = prompt if reference is None else prompt + "\0" + json.dumps(reference, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def task_id(domain: str, prompt: str, reference: dict[str, Any] | None = None) -> str:
+    """Same prompt, same id: lets train sampling exclude the eval set exactly. With
+    ``reference`` (a ``HIDDEN_REFERENCE`` task) same prompt and reference, same id."""
+    return f"{domain}-{_digest(prompt, reference)}"
 
 
 def prompt_key(prompt: str) -> str:
     """A prompt's key, whatever its domain: two domains that make the same task (``terminal``
     and ``terminal-interactive``) give it different ids, and a task file may name its own."""
-    return f"prompt-{hashlib.sha256(prompt.encode()).hexdigest()[:16]}"
+    return f"prompt-{_digest(prompt, None)}"
+
+
+def content_key(task: Task) -> str:
+    """A task's prompt and reference as a key, whatever its domain or id."""
+    return f"task-{_digest(task.prompt, task.reference)}"
 
 
 def exclusion(tasks) -> set[str]:
-    """What train sampling must not draw: ``tasks``' ids and their prompts' keys."""
-    return {t.task_id for t in tasks} | {prompt_key(t.prompt) for t in tasks}
+    """What train sampling must not draw: ``tasks``' ids, and their prompts' keys, or for a
+    ``HIDDEN_REFERENCE`` task its prompt's and reference's key (``content_key``, with a
+    ``hidden-`` mark of its prompt, so ``excluded`` digests only the references of tasks
+    with such a prompt): a train task may share such a task's prompt, not its reference."""
+    keys = {t.task_id for t in tasks}
+    for t in tasks:
+        if t.metadata.get(HIDDEN_REFERENCE) is True:
+            keys |= {f"hidden-{_digest(t.prompt, None)}", content_key(t)}
+        else:
+            keys.add(prompt_key(t.prompt))
+    return keys
 
 
 def excluded(task: Task, exclude: set[str]) -> bool:
-    """Whether ``task`` is in ``exclude`` (``exclusion``) by its id or by its prompt."""
-    return task.task_id in exclude or prompt_key(task.prompt) in exclude
+    """Whether ``task`` is in ``exclude`` (``exclusion``) by its id, its prompt, or its prompt
+    and reference."""
+    digest = _digest(task.prompt, None)
+    return (task.task_id in exclude or f"prompt-{digest}" in exclude
+            or (f"hidden-{digest}" in exclude and content_key(task) in exclude))
 
 
 def first_line(completion: str) -> str:
@@ -278,8 +323,9 @@ def first_line(completion: str) -> str:
 
 
 def make_task(domain: str, split: str, difficulty: int, prompt: str, reference: dict[str, Any], **metadata: Any) -> Task:
+    """A generated task; its id digests the reference too when ``metadata`` sets ``HIDDEN_REFERENCE``."""
     return Task(
-        task_id=task_id(domain, prompt),
+        task_id=task_id(domain, prompt, reference if metadata.get(HIDDEN_REFERENCE) is True else None),
         domain=domain,
         split=split,
         difficulty=difficulty,

@@ -18,8 +18,9 @@ Trap tasks (``metadata["trap"] = True``): difficulty-2 tasks whose left-to-right
 evaluation differs from the correct one (``"2+3*4="``: 14, not 20). A policy that learnt
 the shortcut "evaluate left to right" from difficulty-1 tasks (where both agree) fails them.
 
-Not covered: parentheses, powers, word problems, mixed numbers (``"1 1/2"``), or partial
-credit for near misses.
+Not covered: parentheses, powers, word problems, mixed numbers (``"1 1/2"``), numbers of
+more than 12 digits in a part (a task file's answer is refused, a completion's does not
+parse), or partial credit for near misses.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class Math(Domain):
     def reference_problem(self, reference: dict) -> tuple[str, str] | None:
         answer = reference.get("answer")
         if not isinstance(answer, str) or len(answer) > 64 or parse_number(answer) is None:
-            return "answer", "must be a string holding an integer, fraction or decimal (e.g. '3/4')"
+            return "answer", ("must be a string holding an integer, fraction or decimal, at most 12 digits in each "
+                              "part (e.g. '3/4')")
         return None
 
     def verify(self, task: Task, completion: str, result: Outcome | None) -> Verdict:

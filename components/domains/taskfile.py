@@ -5,11 +5,12 @@ or any store URI (``file://``, ``s3://``) and returns ``Task`` records. Each row
 ``domain`` (a registered domain), ``prompt`` (a non-empty string) and ``reference`` (an
 object, or a JSON string of one, in the shape that domain's verifier reads: see the
 domain module's docstring). Optional: ``task_id`` (default: derived from domain and
-prompt, as generated tasks are), ``split`` (``train``/``eval``, default ``train``),
+prompt, as generated tasks are; and from the reference too when ``metadata.hidden_reference``
+is true), ``split`` (``train``/``eval``, default ``train``; taskgen trains on ``train`` rows only),
 ``difficulty`` (integer >= 1, default 1), ``context_tokens`` (default: the prompt's length
 under the ``count`` given to ``load_tasks``: characters by default, the policy's tokens
 when the taskgen stage loads the file) and
-``metadata`` (an object; ``trap``, when given, a JSON boolean; a domain checks the keys it
+``metadata`` (an object; ``trap`` and ``hidden_reference``, when given, JSON booleans; a domain checks the keys it
 reads, as terminal's boolean ``multi_step`` and ``interactive``). Unknown columns are rejected, so a misspelt field is caught.
 
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
@@ -25,7 +26,10 @@ A local file must be a regular file (symlinks followed): a FIFO, a device such a
 ``MAX_FILE_BYTES + 1`` bytes are read even from a file that grows (``read_regular``).
 JSON and JSONL files are UTF-8 (a leading BOM is dropped, as in recipes); any other
 encoding, a string that is not valid Unicode (a lone ``\ud800`` escape) and an integer
-of more than 4300 digits are each a ``UserError``.
+of more than 4300 digits are each a ``UserError``. A Parquet file's nulls are absent keys:
+a struct column gives each row every key any row has (null where the row has none), so
+null struct fields are left out at any depth and a null top-level field is left out (a
+JSON null inside an object can be written only in a JSON string column).
 Not covered: checking that a reference is *correct* for its prompt (only its shape),
 that a prompt fits the policy's positions (taskgen counts its tokens), CSV, and files
 larger than memory.
@@ -44,7 +48,7 @@ from typing import Any
 from components.core.errors import InfraError, UserError, one_line, outage
 from components.core.files import MAX_TASK_FILE_BYTES, Unreadable, read_regular
 from components.core.records import Task
-from components.domains.base import has_control_character, task_id
+from components.domains.base import HIDDEN_REFERENCE, has_control_character, task_id
 
 REQUIRED = ("domain", "prompt", "reference")
 OPTIONAL = ("task_id", "split", "difficulty", "context_tokens", "metadata")
@@ -276,7 +280,7 @@ def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
         for batch in batches:  # a batch's rows as Python objects at a time, not the whole table's
-            yield from batch.to_pylist()
+            yield from (without_nulls(row) for row in batch.to_pylist())
         return
     text = decode(data, uri)
     del data  # the file's bytes: the text holds them now
@@ -308,6 +312,19 @@ def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
             raise UserError(f"task file line {n}", line[:60], exc.problem, exc.fix) from None
         count += 1
         yield row
+
+
+def without_nulls(value: Any, depth: int = 0) -> Any:
+    """A Parquet row's value with every dict key whose value is None left out, at any depth
+    (inside lists too; a list's None items are kept). Past ``MAX_DEPTH`` the value is kept
+    as it is: ``parse_task`` refuses it as too deep."""
+    if depth > MAX_DEPTH:
+        return value
+    if isinstance(value, dict):
+        return {k: without_nulls(v, depth + 1) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v, depth + 1) for v in value]
+    return value
 
 
 def _lines(text: str) -> Iterator[str]:
@@ -421,6 +438,10 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
         raise UserError(f"{where}: metadata.trap", short(metadata["trap"]),
                         "must be true or false without quotes (a JSON boolean: the eval reports would count the "
                         "string 'no' as a trap task)", "write true or false, or leave the key out")
+    if HIDDEN_REFERENCE in metadata and not isinstance(metadata[HIDDEN_REFERENCE], bool):  # read by ids and exclusion
+        raise UserError(f"{where}: metadata.{HIDDEN_REFERENCE}", short(metadata[HIDDEN_REFERENCE]),
+                        "must be true or false without quotes (a JSON boolean: true when the prompt does not "
+                        "determine the reference)", "write true or false, or leave the key out")
     problem = registry.get(row["domain"]).task_problem(reference, metadata)
     if problem is not None:
         name, what = problem
@@ -443,7 +464,8 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
     difficulty = _int(row.get("difficulty", 1), f"{where}: difficulty", 1)
     context = _int(row["context_tokens"] if "context_tokens" in row else count(row["prompt"]), f"{where}: context_tokens", 0)
     return Task(
-        task_id=str(task_id_value) if task_id_value not in (None, "") else task_id(row["domain"], row["prompt"]),
+        task_id=(str(task_id_value) if task_id_value not in (None, "") else
+                 task_id(row["domain"], row["prompt"], reference if metadata.get(HIDDEN_REFERENCE) is True else None)),
         domain=row["domain"], split=split,
         difficulty=difficulty, prompt=row["prompt"], context_tokens=context, reference=reference,
         metadata=metadata,
@@ -474,7 +496,9 @@ def _object(value: Any, field: str) -> dict[str, Any]:
     if isinstance(value, str):  # Parquet files written from pandas often hold JSON as text
         try:
             value = loads(value)
-        except ValueError:  # JSONDecodeError, or nested too deep: not an object either way
+        except JSONLimit as exc:  # valid JSON past a bound: say which (a key twice, a huge number, too deep)
+            raise UserError(field, short(value), exc.problem, exc.fix) from None
+        except ValueError:  # JSONDecodeError: not an object
             pass
     if not isinstance(value, dict):
         raise UserError(field, short(value), "must be an object (or a JSON string of one)", 'write e.g. {"answer": "85"}')

@@ -39,8 +39,13 @@ multi-step ones; ``TerminalInteractive``, domain name ``terminal-interactive``, 
 these, for a recipe that wants them weighted and reported apart): the goal names a file only by what it holds,
 so the policy must read an observation before it can act. ``pick``: "del the file that
 says ok" among three files; ``note``: "new dir named in n", where file ``n`` holds the
-name. ``interactive(task)`` declares the session: the start files under ``ws/``, each
-action run in ``ws/``, at most ``MAX_STEPS`` actions, and ``LISTER`` as the final check.
+name. Neither prompt shows what it hides, so one prompt is many tasks: they are marked
+``metadata["hidden_reference"]`` (``base.HIDDEN_REFERENCE``), their ids digest the reference
+too, and a train task may share an eval task's prompt, never its reference.
+``interactive(task)`` declares the session: the start files under ``ws/``, each action run
+in ``ws/`` (``ACTION_PREFIX`` makes it: a task file's task may have no start files), at most
+``MAX_STEPS`` actions, and ``LISTER`` as the final check. Not covered: an episode with no
+command and no start files leaves no ``ws/`` to list (score 0, even for an empty expected state).
 The completion the sandbox replays is the episode's commands, one per line
 (``Interactive.replay``: a fresh session from the same start, then the lister), judged
 by the same state comparison as every terminal task. The reference
@@ -71,6 +76,7 @@ from components.core.jobs import PYTHON, RESULT_FD, Job, Outcome, SessionJob
 from components.core.records import Task
 from components.domains.base import (
     DONE,
+    HIDDEN_REFERENCE,
     MAX_REFERENCE_CHARS,
     MAX_REFERENCE_ITEMS,
     Domain,
@@ -173,8 +179,9 @@ os.write(int(sys.argv[1]), json.dumps({"ok": ok, "exit": 0, "timed_out": False, 
 MAX_STEPS = 3
 # Each step of a multi-step task runs in ws/ (made by the first step: d3 tasks start empty).
 STEP_PREFIX = "mkdir -p ws && cd ws || exit 97\n"
-# Each action of an interactive task runs in ws/ (laid out with the start files).
-ACTION_PREFIX = "cd ws || exit 97\n"
+# Each action of an interactive task runs in ws/ (laid out with the start files; made by
+# the first action when there are none: a task file's task may leave ``start`` out).
+ACTION_PREFIX = "mkdir -p ws && cd ws || exit 97\n"
 REFERENCE_OBSERVATION_CHARS = 256  # the recipe's default rollout.observation_chars
 INTERACTIVE_SHARE = 0.5  # of terminal's difficulty-3 tasks: multi-turn episodes (the rest: blind multi-step)
 
@@ -265,7 +272,7 @@ class Terminal(Domain):
         reference = {"solution": "\n".join(a for a, _ in steps), "start": start, "expected": expected,
                      "episode": episode + [[DONE, ""]]}
         return make_task(self.name, split, 3, f"{goal}\n{_shown(start)}$ ", reference, trap=False, multi_step=False,
-                         interactive=True, kind=kind)
+                         interactive=True, kind=kind, **{HIDDEN_REFERENCE: True})
 
     def interactive(self, task: Task) -> Interactive | None:
         if not task.metadata.get("interactive"):

@@ -2,7 +2,8 @@
 
 The suite for a recipe is ``evaluation.tasks_per_domain`` tasks per domain drawn from a
 seed that depends only on the pipeline's base seed, so every policy version of a
-pipeline is scored on exactly the same tasks. ``run_suite`` scores greedy pass@1 (what
+pipeline is scored on exactly the same tasks (more than a domain has distinct is a
+UserError naming ``evaluation.tasks_per_domain``). ``run_suite`` scores greedy pass@1 (what
 promotion compares); ``pass_rates`` averages per domain. ``sampled_pass_at_k`` draws k
 completions per task at a temperature (seeded) and returns the unbiased pass@k per
 domain, a report figure that never decides promotion.
@@ -29,12 +30,13 @@ from collections import defaultdict
 
 import numpy as np
 
+from components.core.errors import UserError
 from components.core.policy import Policy
 from components.core.recipe import Recipe
 from components.core.records import EvalResult, Task
 from components.core.seeds import derive_seed
 from components.domains import registry
-from components.domains.base import judge
+from components.domains.base import TooFewTasks, judge
 from components.domains.execute import execute, refuse_outages
 from components.evalsuite.episodes import score_episodes
 from components.evalsuite.stats import pass_at_k
@@ -44,11 +46,17 @@ from components.sandbox.executor import Executor
 
 
 def eval_tasks(recipe: Recipe, per_domain: int | None = None) -> list[Task]:
+    """The fixed eval suite: ``per_domain`` (else ``evaluation.tasks_per_domain``) tasks of
+    each domain. More than a domain has distinct is a UserError naming that field."""
     n = per_domain or recipe.evaluation.tasks_per_domain
     tasks: list[Task] = []
     for name in recipe.domains:
         seed = derive_seed(recipe.seed, recipe.pipeline, 0, "eval-suite", 0, name)
-        tasks.extend(registry.get(name).eval_set(n, seed))
+        try:
+            tasks.extend(registry.get(name).eval_set(n, seed))
+        except TooFewTasks as exc:
+            raise UserError("evaluation.tasks_per_domain", n, f"domain {name} gave only {exc.got} distinct eval "
+                            "tasks", f"ask for fewer tasks of {name} (lower tasks_per_domain)") from None
     return tasks
 
 

@@ -5,7 +5,9 @@ Weights come from ``taskgen.curriculum`` (the step covering this iteration) or e
 file (validated by ``components.domains.taskfile``; its content digest is an input, so
 editing the file re-runs taskgen) instead of generated: each domain's share is drawn
 without replacement while the file has enough tasks of it, then with replacement (a
-repeat gets its own id, ``<task_id>~r<k>``, so it is a group of its own).
+repeat gets its own id, ``<task_id>~r<k>``, so it is a group of its own; k is bumped past
+any id the file already holds). Rows marked ``split: "eval"`` are never trained on, nor
+are train rows with an eval row's id or prompt; a file of eval rows only is a UserError.
 
 It draws ``round(tasks_per_iteration * oversample)`` tasks (``taskgen.oversample``, 1 by
 default): the surplus is what ``trainer.dynamic_sampling`` refills from. Within a domain
@@ -27,7 +29,10 @@ Also resolves, once per iteration, which policy the iteration starts from (see
 ``components.core.lineage``) and the baseline evaluation will compare the candidate
 with (the champion at iteration start, and its pass rates), and opens the iteration's
 MLflow parent run; all are recorded in the manifest for later stages. Train tasks never share an id or
-a prompt with the fixed eval suite (``domains.base.exclusion``: a prompt whatever its domain).
+a prompt with the fixed eval suite (``domains.base.exclusion``: a prompt whatever its domain;
+for a task whose prompt does not determine its reference, the prompt and the reference).
+Asking for more tasks than a domain has distinct is a UserError naming
+``taskgen.tasks_per_iteration``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from components.core.records import Task
 from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
-from components.domains.base import excluded, exclusion
+from components.domains.base import TooFewTasks, excluded, exclusion
 from components.domains.taskfile import check_domains, load_tasks, read_bytes
 from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
@@ -108,17 +113,25 @@ Weigh = Callable[[str, tuple[int, ...]], dict[int, float]]
 """(domain, its difficulty pools) -> each pool's share of the domain's tasks."""
 
 
-def sample(pool: list[Task], n: int, r: random.Random) -> list[Task]:
+def sample(pool: list[Task], n: int, r: random.Random, taken: set[str] | None = None) -> list[Task]:
     """``n`` tasks of ``pool``: without replacement while it has enough, then with. A task
     drawn again is a copy with its own id (``<task_id>~r<k>``, k = 1, 2, ...): each draw is
-    its own GRPO group, whose rollout ids and group must not merge with the first draw's."""
+    its own GRPO group, whose rollout ids and group must not merge with the first draw's.
+    ``k`` skips ids in ``taken`` (the file's other ids: a row may be named ``a~r1``) and
+    in ``pool``; the ids given are added to ``taken``."""
     if n <= len(pool):
         return r.sample(pool, n)
+    taken = set() if taken is None else taken
+    taken.update(t.task_id for t in pool)
     drawn = Counter(t.task_id for t in pool)
     again = []
     for t in r.choices(pool, k=n - len(pool)):
-        again.append(dataclasses.replace(t, task_id=f"{t.task_id}~r{drawn[t.task_id]}"))
-        drawn[t.task_id] += 1
+        k = drawn[t.task_id]
+        while f"{t.task_id}~r{k}" in taken:
+            k += 1
+        again.append(dataclasses.replace(t, task_id=f"{t.task_id}~r{k}"))
+        taken.add(again[-1].task_id)
+        drawn[t.task_id] = k + 1
     return pool + again
 
 
@@ -126,41 +139,59 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
               exclude: set[str], weigh: Weigh | None = None, count: Callable[[str], int] = len) -> list[Task]:
     """``total`` train tasks sampled by domain weight from a user's task file; with ``weigh``
     each domain's share is split across the difficulties its rows have. ``count`` gives
-    the ``context_tokens`` of rows that do not state it."""
+    the ``context_tokens`` of rows that do not state it. Rows marked ``split: "eval"`` are
+    left out, and so are train rows sharing an id or prompt with one of them (as with the
+    eval suite's tasks); a file holding only eval rows is a UserError."""
     pools: dict[str, list[Task]] = defaultdict(list)
     loaded = load_tasks(path, count)
     check_domains(loaded, domains, path)
+    held_out = [t for t in loaded if t.split == "eval"]
+    if len(held_out) == len(loaded):
+        raise UserError("taskgen.task_file", path, f"has split 'eval' on every row ({len(loaded)}), and eval rows "
+                        "are never trained on", "mark the rows to train on split 'train' (or leave split out)")
+    exclude = exclude | exclusion(held_out)
     for t in loaded:
-        # never train on an eval-suite task: by id, and by prompt for a row that names its own id
-        if not excluded(t, exclude):
-            pools[t.domain].append(dataclasses.replace(t, split="train"))
+        # never train on an eval task: by id, and by prompt for a row that names its own id
+        if t.split == "train" and not excluded(t, exclude):
+            pools[t.domain].append(t)
     present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
     if not present:
         wanted = sorted(d for d in domains if weights.get(d, 0.0) > 0)
         raise UserError("taskgen.task_file", path, f"has no train tasks for the weighted domains {wanted}",
-                        "add tasks of those domains (tasks equal to eval-suite tasks are skipped) or change the weights")
+                        "add tasks of those domains (rows marked split 'eval' and tasks equal to eval tasks are "
+                        "skipped) or change the weights")
+    taken = {t.task_id for t in loaded}  # a repeat's id must be none of these
     tasks: list[Task] = []
     for name, n in domain_counts(present, weights, total).items():
         if weigh is None:
-            tasks.extend(sample(pools[name], n, r))
+            tasks.extend(sample(pools[name], n, r, taken))
             continue
         levels: dict[int, list[Task]] = defaultdict(list)
         for t in pools[name]:
             levels[t.difficulty].append(t)
         for difficulty, k in largest_remainder(weigh(name, tuple(sorted(levels))), n).items():
-            tasks.extend(sample(levels[difficulty], k, r))
+            tasks.extend(sample(levels[difficulty], k, r, taken))
     return tasks
 
 
 def generate(counts: dict[str, int], r: random.Random, exclude: set[str], weigh: Weigh | None) -> list[Task]:
     """Each domain's tasks from its generator: its own difficulty mix, or with ``weigh``
-    split across the difficulty pools it generates."""
-    if weigh is None:
-        return [t for name, n in counts.items() if n for t in registry.get(name).train_tasks(r, n, exclude)]
+    split across the difficulty pools it generates. A domain with fewer distinct tasks than
+    its count is a UserError naming ``taskgen.tasks_per_iteration``."""
     tasks: list[Task] = []
     for name, n in counts.items():
         domain = registry.get(name)
-        tasks.extend(curriculum.draw(domain, r, n, exclude, weigh(name, curriculum.pools(domain))) if n else [])
+        if not n:
+            continue
+        if weigh is not None:
+            tasks.extend(curriculum.draw(domain, r, n, exclude, weigh(name, curriculum.pools(domain))))
+            continue
+        try:
+            tasks.extend(domain.train_tasks(r, n, exclude))
+        except TooFewTasks as exc:  # worded as curriculum.draw words it for the adaptive path
+            raise UserError("taskgen.tasks_per_iteration", n, f"domain {name} gave only {exc.got} distinct train "
+                            "tasks outside the eval suite", f"ask for fewer tasks of {name} (lower "
+                            "tasks_per_iteration, oversample or its domain weight)") from None
     return tasks
 
 

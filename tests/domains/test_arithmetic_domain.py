@@ -68,3 +68,13 @@ def test_trap_tasks_are_the_sums_with_a_carry_that_the_no_carry_shortcut_fails()
 @pytest.mark.parametrize("answer", ["\u0668\u0665", "85\n"])
 def test_a_reference_answer_is_ascii_and_whole(answer):
     assert DOMAIN.reference_problem({"answer": answer})[0] == "answer"
+
+
+def test_an_integer_answer_past_100_digits_is_refused():
+    """The verifier reads at most 100 digits: a longer integer answer loaded and no completion could match it."""
+    problem = ("answer", "must be an integer of at most 100 digits or a string of one (e.g. '85')")
+    assert DOMAIN.reference_problem({"answer": 10**100}) == problem
+    assert DOMAIN.reference_problem({"answer": -(10**100)}) == problem
+    assert DOMAIN.reference_problem({"answer": 10**100 - 1}) is None
+    task = make_task("arithmetic", "train", 1, "x=", {"answer": 10**100 - 1})
+    assert DOMAIN.verify(task, "9" * 100, None).passed

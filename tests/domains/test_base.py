@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -41,3 +42,35 @@ def test_eval_set_is_fixed_by_its_seed(name):
 def test_asking_for_more_distinct_tasks_than_exist_says_so():
     with pytest.raises(RuntimeError, match="distinct tasks"):
         registry.get("code").eval_set(100_000, seed=1)
+
+
+def test_a_prompt_that_hides_its_reference_is_one_task_per_reference():
+    """An interactive note task's prompt (``new dir named in u``) does not show the name the
+    note holds: ids were a digest of the prompt alone, so one id named tasks with different
+    references, and since train sampling skipped every eval prompt, an eval set of 200 took
+    all 23 note prompts and training never saw a note task."""
+    from components.domains.base import HIDDEN_REFERENCE, content_key, exclusion, task_id
+
+    domain = registry.get("terminal-interactive")
+    evals = domain.eval_set(200, seed=123)
+    assert Counter(t.metadata["kind"] for t in evals) == {"pick": 177, "note": 23}  # one task per prompt, as before
+    assert len({t.prompt for t in evals}) == 200
+    assert [t.task_id for t in evals[:3]] == ["terminal-interactive-d1392ade1308ef4e",
+                                             "terminal-interactive-2b095bdd8a405512",
+                                             "terminal-interactive-d64850c022dd942a"]
+    assert (evals[1].prompt, evals[1].reference["start"]) == ("new dir named in u\n(has u)\n$ ", {"u": "file:m\n"})
+    assert all(t.metadata[HIDDEN_REFERENCE] is True for t in evals)
+    assert evals[1].task_id == task_id("terminal-interactive", evals[1].prompt, evals[1].reference)
+
+    train = domain.train_tasks(random.Random(1), 300, exclusion(evals))
+    assert Counter(t.metadata["kind"] for t in train) == {"pick": 163, "note": 137}
+    assert len({t.task_id for t in train}) == 300
+    assert not {content_key(t) for t in train} & {content_key(t) for t in evals}  # none is an eval task
+    assert [t.task_id for t in domain.train_tasks(random.Random(1), 300, exclusion(evals))] == [t.task_id for t in train]
+
+    ids: dict[str, str] = {}  # one id per (prompt, reference), and one (prompt, reference) per id
+    for seed in range(2000):
+        t = domain.make_task(random.Random(seed), "train")
+        assert ids.setdefault(t.task_id, content_key(t)) == content_key(t)
+    assert len(ids) == len(set(ids.values())) > 1000
+

@@ -99,3 +99,11 @@ def test_a_reference_answer_is_ascii_and_whole(answer):
 ])
 def test_terminates_says_whether_a_value_has_an_exact_decimal(value, exact):
     assert terminates(value) is exact
+
+
+@pytest.mark.parametrize("answer", ["1234567890123", "1/1234567890123", "0.1234567890123"])
+def test_an_answer_past_12_digits_in_a_part_says_so(answer):
+    """It said only "must be a string holding an integer, fraction or decimal", which it was."""
+    assert MATH.reference_problem({"answer": answer}) == (
+        "answer", "must be a string holding an integer, fraction or decimal, at most 12 digits in each part (e.g. '3/4')")
+    assert MATH.reference_problem({"answer": answer[:-1]}) is None

@@ -64,3 +64,61 @@ def test_unknown_suffix_and_missing_file(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet")
     with pytest.raises(UserError, match="not a readable Parquet file"):
         load_tasks(str(tmp_path / "bad.parquet"))
+
+
+def test_parquet_nulls_are_absent_keys_at_any_depth(tmp_path):
+    """A Parquet struct column gives every row all the keys any row has, null where the row
+    has none (and a nullable column gives null): a row without ``metadata.trap`` or
+    ``difficulty`` was refused ("leave the key out"), and terminal's ``expected`` got a
+    ``None`` path."""
+    rows = [
+        {"domain": "math", "prompt": "3*4-5=", "reference": {"answer": "7"}, "metadata": {"trap": True}, "difficulty": 2},
+        {"domain": "math", "prompt": "1/2+1/4=", "reference": {"answer": "3/4"}, "metadata": {"source": "book"}},
+        {"domain": "terminal", "prompt": "new dir a\n$ ", "reference": {"solution": "mkdir a", "expected": {"a": "dir"}}},
+        {"domain": "terminal", "prompt": "del x.log\n$ ",
+         "reference": {"solution": "rm x.log", "start": {"x.log": "file:"}, "expected": {}}},
+    ]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    tasks = load_tasks(str(path))
+    assert [t.metadata for t in tasks] == [{"trap": True}, {"source": "book"}, {}, {}]
+    assert [t.difficulty for t in tasks] == [2, 1, 1, 1]
+    assert [t.reference for t in tasks] == [
+        {"answer": "7"}, {"answer": "3/4"}, {"solution": "mkdir a", "expected": {"a": "dir"}},
+        {"solution": "rm x.log", "start": {"x.log": "file:"}, "expected": {}}]
+
+
+@pytest.mark.parametrize(("reference", "problem"), [
+    ('{"answer": "2", "answer": "3"}', "key 'answer' is given twice in one object"),
+    ('{"answer": ' + "9" * 4400 + "}", "a number has more than 4300 digits"),
+    ("[" * 40 + "]" * 40, "nested deeper than 32 levels"),
+], ids=["duplicate-key", "huge-number", "too-deep"])
+def test_a_reference_json_string_past_a_bound_says_which(tmp_path, reference, problem):
+    """A JSON-string reference past a bound was reported as "must be an object (or a JSON
+    string of one)", hiding which bound it broke."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"domain": "math", "prompt": "1+1=", "reference": reference}))
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert (err.value.field, err.value.problem) == (f"{path} row 0: reference", problem)
+
+
+def test_a_row_whose_prompt_hides_its_reference_gets_an_id_of_both(tmp_path):
+    """Rows exported from terminal's interactive tasks (``metadata.hidden_reference``) share
+    prompts: their derived ids were the prompt's alone and the second row "duplicated" the first."""
+    from components.domains.base import HIDDEN_REFERENCE
+
+    def row(name: str, hidden: object = True) -> dict:
+        return {"domain": "terminal", "prompt": "new dir named in n\n(has n)\n$ ", "metadata": {
+            "interactive": True, HIDDEN_REFERENCE: hidden}, "reference": {
+            "solution": f"cat n\nmkdir {name}", "start": {"n": f"file:{name}\n"}, "expected": {"n": f"file:{name}\n",
+                                                                                             name: "dir"}}}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row("a")) + "\n" + json.dumps(row("b")))
+    a, b = load_tasks(str(path))
+    assert (a.task_id, b.task_id) == (task_id("terminal", a.prompt, a.reference), task_id("terminal", b.prompt, b.reference))
+    assert a.task_id != b.task_id
+    path.write_text(json.dumps(row("a", "yes")))
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert (err.value.field, err.value.value) == (f"{path} row 0: metadata.hidden_reference", "yes")

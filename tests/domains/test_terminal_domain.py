@@ -165,10 +165,12 @@ def test_multi_step_reference_passes_and_steps_persist_files(executor):
 # -- task-file references the verifier could never pass, or could not run -----------------------------
 
 
-@pytest.mark.parametrize("metadata", [{}, {"multi_step": True}])
+@pytest.mark.parametrize("metadata", [{}, {"multi_step": True}, {"interactive": True}])
 def test_a_reference_without_start_runs_from_an_empty_folder(executor, metadata):
     """``start`` is optional in a task file, but the plans read ``reference["start"]``: a
-    KeyError in every rollout's plan, so the task's rollouts never ran (no result: infra_error)."""
+    KeyError in every rollout's plan, so the task's rollouts never ran (no result: infra_error).
+    An interactive task's actions ran under ``cd ws || exit 97`` with no ``ws/`` laid out (no
+    start files): every episode, the reference's too, scored 0."""
     t = parse_task({"domain": "terminal", "prompt": "new dir a\n$ ", "reference": {"expected": {"a": "dir"}},
                     "metadata": metadata}, "row 0")
     for completion, passed in (("mkdir a", True), ("ls", False)):

@@ -16,6 +16,8 @@ from components.core.recipe import parse_recipe
 from components.core.records import Task, from_table
 from components.core.storage import Store
 from components.domains import registry
+from components.domains.arithmetic import Arithmetic
+from components.domains.base import make_task
 from components.taskgen import stage as taskgen
 from tests.taskgen.helpers import starting_checkpoint
 
@@ -119,16 +121,78 @@ def test_a_task_file_row_that_names_its_own_id_is_still_no_eval_task(tmp_path):
 def test_a_domain_that_makes_another_domains_eval_tasks_never_trains_on_them():
     """``terminal`` and ``terminal-interactive`` make the same interactive tasks under
     different ids: with both in a recipe, 13 of 500 train tasks were the other's eval
-    tasks. Train sampling now excludes eval prompts whatever their domain."""
+    tasks. Train sampling now excludes eval prompts whatever their domain, and for an
+    interactive task (its prompt hides its reference) the eval prompt with its reference."""
     from components.domains.base import exclusion, prompt_key
     from components.evalsuite.suite import eval_tasks
 
     r = parse_recipe({"pipeline": "both", "seed": 7, "domains": ["terminal", "terminal-interactive"]})
     evals = eval_tasks(r)
     keys = {prompt_key(t.prompt) for t in evals}
+    contents = {(t.prompt, json.dumps(t.reference, sort_keys=True)) for t in evals}
     rng = random.Random(7)
     drawn = [t for name in r.domains for t in registry.get(name).train_tasks(rng, 250, exclusion(evals))]
-    assert len(drawn) == 500 and not any(prompt_key(t.prompt) in keys for t in drawn)
+    assert len(drawn) == 500
+    assert not any((t.prompt, json.dumps(t.reference, sort_keys=True)) in contents for t in drawn)
+    assert not any(prompt_key(t.prompt) in keys for t in drawn if not t.metadata.get("interactive"))
+    assert any(prompt_key(t.prompt) in keys for t in drawn if t.metadata.get("interactive"))  # a note's other names
     old_rule = random.Random(7)  # ids alone: the other domain's copies got through
     leaked = [t for name in r.domains for t in registry.get(name).train_tasks(old_rule, 250, {e.task_id for e in evals})]
     assert any(prompt_key(t.prompt) in keys for t in leaked)
+
+
+def rows_file(tmp_path, rows: list[dict]) -> str:
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    return str(path)
+
+
+def math_row(i: int, **extra) -> dict:
+    return {"domain": "math", "prompt": f"{i}*2-1=", "reference": {"answer": str(2 * i - 1)}, **extra}
+
+
+def test_task_file_rows_marked_eval_are_never_trained_on(tmp_path):
+    """Every row was rewritten to split "train": rows a user held out were trained on. A
+    train row with an eval row's prompt is left out as well, as with the eval suite's."""
+    path = rows_file(tmp_path, [math_row(30), math_row(31), math_row(33), math_row(33, task_id="held-1", split="eval"),
+                                math_row(34, split="eval")])
+    tasks = taskgen.from_file(path, ["math"], {"math": 1.0}, 6, random.Random(0), set())
+    assert Counter(t.prompt for t in tasks) == {"30*2-1=": 3, "31*2-1=": 3}
+    assert {t.split for t in tasks} == {"train"}
+
+
+def test_a_task_file_of_eval_rows_only_is_a_user_error(tmp_path):
+    path = rows_file(tmp_path, [math_row(30, split="eval"), math_row(31, split="eval")])
+    with pytest.raises(UserError) as err:
+        taskgen.from_file(path, ["math"], {"math": 1.0}, 6, random.Random(0), set())
+    assert (err.value.field, err.value.value, err.value.problem, err.value.fix) == (
+        "taskgen.task_file", path, "has split 'eval' on every row (2), and eval rows are never trained on",
+        "mark the rows to train on split 'train' (or leave split out)")
+
+
+def test_a_repeat_never_takes_another_rows_id(tmp_path):
+    """Math's only row "a" drawn twice became "a~r1", the id of an arithmetic row: two GRPO
+    groups with one id. The repeat's k now skips every id the file holds."""
+    path = rows_file(tmp_path, [math_row(30, task_id="a"),
+                                {"task_id": "a~r1", "domain": "arithmetic", "prompt": "40+2=", "reference": {"answer": "42"}}])
+    tasks = taskgen.from_file(path, ["math", "arithmetic"], {"math": 1.0, "arithmetic": 1.0}, 4, random.Random(0), set())
+    assert sorted(t.task_id for t in tasks) == ["a", "a~r1", "a~r1~r1", "a~r2"]
+    assert {t.task_id: t.domain for t in tasks}["a~r2"] == "math"
+
+
+class Few(Arithmetic):
+    """Arithmetic with only three distinct tasks."""
+
+    def make_task(self, rng: random.Random, split: str) -> Task:
+        a = rng.randint(1, 3)
+        return make_task(self.name, split, 1, f"{a}+0=", {"answer": str(a)})
+
+
+def test_more_tasks_than_a_domain_has_is_a_user_error_naming_the_recipe_field(monkeypatch):
+    """It was a bare RuntimeError from the domain: a traceback at the CLI."""
+    monkeypatch.setattr(registry, "get", lambda name: Few())
+    with pytest.raises(UserError) as err:
+        taskgen.generate({"arithmetic": 5}, random.Random(0), set(), None)
+    assert (err.value.field, err.value.value, err.value.problem, err.value.fix) == (
+        "taskgen.tasks_per_iteration", 5, "domain arithmetic gave only 3 distinct train tasks outside the eval suite",
+        "ask for fewer tasks of arithmetic (lower tasks_per_iteration, oversample or its domain weight)")
