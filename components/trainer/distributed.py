@@ -142,6 +142,7 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
     (workdir / "config.json").write_text(json.dumps({
         "trainer": cfg.model_dump(), "temperature": temperature, "seed": seed, "iteration": iteration,
         "pad_id": policy.pad_id, "backend": backend}))
+    (workdir / "trainer_state.pt").unlink(missing_ok=True)  # an earlier run's: the workers load whatever is there
     if carried is not None:
         (workdir / "trainer_state.pt").write_bytes(carried)
     _launch(workdir, cfg.processes, timeout_s, node, steps=len(batches) if node.leader else 0)

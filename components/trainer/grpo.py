@@ -272,11 +272,14 @@ def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps:
             else:
                 new, entropy, old, mask, adv, w = _padded_forward(scorer, chunk, chunk_weights, pad_id, temperature, device)
         new, entropy = new.float(), entropy.float()
-        ratio = torch.exp(new - old)
+        # Masked positions (observation tokens, padding: their recorded logprob is 0) are
+        # taken out before exponentiating: exp of a very unlikely one overflowed to inf, and
+        # inf * mask 0 is NaN, in the loss and in its gradient, so the step was skipped.
+        log_ratio = torch.where(mask > 0, new - old, torch.zeros_like(new))
+        ratio = torch.exp(log_ratio)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-        log_ref_ratio = old - new
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-        per_token = -surrogate + kl_coef * kl
+        kl = torch.exp(-log_ratio) + log_ratio - 1
+        per_token = -surrogate + kl_coef * kl if kl_coef else -surrogate  # 0 * an overflowing kl is NaN
         loss = (per_token * mask * w).sum()
         (loss * scale if scale != 1.0 else loss).backward()
         if keep:

@@ -7,6 +7,7 @@ and statistics, with DDP and with FSDP2; the consolidated checkpoint loads with
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +221,28 @@ def test_fsdp_in_bfloat16_on_cuda_follows_the_cpu_steps(reference, tmp_path) -> 
     assert torch.nn.functional.cosine_similarity(moved, moved_on_cpu, dim=0) > 0.9  # the same update, up to bf16
     for got, want in zip(trained.stats, reference[2]):
         assert got.loss == pytest.approx(want.loss, abs=0.02)
+
+
+def test_a_reused_workdir_carries_no_earlier_runs_trainer_state(tmp_path, monkeypatch) -> None:
+    """The workers load ``trainer_state.pt`` whenever it is there: a workdir a carried run
+    used before made the next run without a carried state resume that run's AdamW moments
+    and schedule position (global_step 3 and a decayed learning rate instead of 1)."""
+    from components.trainer import distributed
+
+    seen: list[bool] = []
+
+    class Launched(Exception):
+        pass
+
+    def launch(workdir, *args, **kwargs):
+        seen.append((Path(workdir) / "trainer_state.pt").exists())
+        raise Launched
+
+    monkeypatch.setattr(distributed, "_launch", launch)
+    (tmp_path / "trainer_state.pt").write_bytes(b"an earlier run's state")
+    policy = tiny_policy()
+    for carried in (None, b"this run's state"):
+        with pytest.raises(Launched):
+            train(policy, make_batches(policy)[:1], CFG, temperature=TEMPERATURE, seed=SEED, iteration=1,
+                  workdir=tmp_path, carried=carried)
+    assert seen == [False, True] and (tmp_path / "trainer_state.pt").read_bytes() == b"this run's state"

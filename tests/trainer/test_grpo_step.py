@@ -4,6 +4,8 @@ micro-batches alike (``test_packing.py`` compares the two directly)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -149,3 +151,41 @@ def test_the_stages_step_means_leave_out_a_skipped_step() -> None:
     assert step_means([ok[0], bad, ok[1]]) == pytest.approx(
         {"loss": 0.3, "clip_frac": 0.2, "kl": 0.02, "entropy": 2.0, "grad_norm": 3.0, "lr": 1e-3})
     assert step_means([bad]) == {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "lr": 0.0}
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_masked_tokens_the_policy_finds_very_unlikely_change_nothing(packing: bool) -> None:
+    """Observation tokens (mask 0, recorded logprob 0) the policy gives a logprob below
+    about -88 made exp(old - new) overflow: inf * mask 0 is NaN, so the step was skipped
+    (also with kl_coef 0, and in the padded path for its pad positions). Now the step
+    equals the one whose masked tokens carry the policy's own logprobs: same loss, same
+    gradient, not skipped."""
+    temperature = 0.3
+    policy = tiny_policy(0)
+    with torch.no_grad():
+        policy.model.model.norm.weight.mul_(40.0)  # sharp logits: the least likely token is far below -88 at T=0.3
+    prompt = policy.encode_prompt("1+2=")
+    ids, mask = list(prompt), []
+    for k in range(6):
+        with torch.no_grad():
+            logits = policy.model(torch.tensor([ids])).logits[0, -1]
+        masked = k in (2, 3)
+        ids.append(int(logits.argmin()) if masked else int(logits.argsort()[-2]))
+        mask.append(0 if masked else 1)
+    with torch.no_grad():
+        own, _ = token_logprobs(policy.model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), temperature)
+    own = own[0, len(prompt) - 1:].tolist()
+    assert min(x for x, m in zip(own, mask) if not m) < -88 < min(x for x, m in zip(own, mask) if m)
+    completion = ids[len(prompt):]
+    recorded = [x if m else 0.0 for x, m in zip(own, mask)]  # what a rollout records: observation logprobs are 0
+    results = []
+    for old in (recorded, own):
+        model = copy.deepcopy(policy.model)
+        samples = [Sample(prompt, completion, old, 1.0, mask), Sample(prompt, completion[:2], old[:2], -1.0)]
+        stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, pad_id=policy.pad_id,
+                          clip_eps=0.2, kl_coef=0.0, temperature=temperature, micro_batch_size=8, max_grad_norm=1e9,
+                          packing=packing)
+        results.append((stats, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    (stats, grad), (expected, expected_grad) = results
+    assert not stats.skipped and stats.grad_norm > 0 and stats.tokens == 6
+    assert stats.loss == pytest.approx(expected.loss, abs=1e-6) and torch.allclose(grad, expected_grad, atol=1e-6)
