@@ -147,7 +147,8 @@ def read_trainer_state(data: bytes, where: str) -> dict:
     return state
 
 
-LOAD_FIX = "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false"
+LOAD_FIX = ("start from a checkpoint of the same architecture, with the trainer.lora.rank of the run that saved "
+            "the state (a LoRA run's holds only its adapters' moments), or set trainer.carry_optimizer_state: false")
 ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 """What AdamW (amsgrad off, as ``build_optimizer`` makes it) keeps per parameter."""
 

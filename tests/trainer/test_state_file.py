@@ -85,7 +85,8 @@ def test_random_states_the_trainer_cannot_set_are_one_line() -> None:
     assert err.value.problem.startswith("holds random-number states this trainer cannot set (")
 
 
-LOAD_FIX = "start from a checkpoint of the same architecture, or set trainer.carry_optimizer_state: false"
+LOAD_FIX = ("start from a checkpoint of the same architecture, with the trainer.lora.rank of the run that saved "
+            "the state (a LoRA run's holds only its adapters' moments), or set trainer.carry_optimizer_state: false")
 
 
 def _edited(change) -> dict:
