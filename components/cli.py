@@ -14,7 +14,10 @@ and exit status 2; an unreachable store, tracking server or inference endpoint (
 iteration another run holds) exits 1 and is worth retrying; a failed data-quality gate
 exits 3. ``render pytorchjob`` prints, as YAML, the Kubeflow ``PyTorchJob`` that runs the
 trainer stage of iteration K on N nodes (``dags/execution/pytorchjob.py``; the pods read
-the recipe from the run root, where ``--publish`` puts a local one). ``stage``, ``run``
+the recipe from the run root, where ``--publish`` puts a local one; with N > 1 a local
+run root is refused: the nodes' pods cannot share it). ``release`` refuses an iteration
+that has finished (nothing holds it any more) or is out of range. An argument no parser
+knows is named with the help of the subcommand it followed. ``stage``, ``run``
 and ``kfp-local`` stop on SIGTERM (a container or pod being stopped, ``kill``) and on
 Ctrl-C (SIGINT): the running stage's MLflow run ends KILLED, and the
 command exits 143 (130 for Ctrl-C) with one line saying so. Ctrl-C on any other command
@@ -104,7 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--publish", action="store_true",
                      help="copy a local recipe into the run root, where the pods read it (as the DAG's plan task does)")
     job.set_defaults(handler=_render_pytorchjob)
+    _known_to_themselves(parser)
     return parser
+
+
+def _known_to_themselves(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser as ``args.command_parser``, the innermost one given: an
+    unknown flag is reported by the command it was given to (``posttrain run --help`` lists
+    run's flags; ``posttrain --help`` does not)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.set_defaults(command_parser=child)
+                _known_to_themselves(child)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; a mistake argparse finds is one line and exit 2, an unknown argument
+    named with the help of the subcommand it followed."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 MAX_ORCHESTRATOR_RUN_ID = 1000  # Airflow's run ids stop at 250 characters, Kubeflow's are UUIDs
@@ -189,12 +214,21 @@ def _release(args: argparse.Namespace) -> int:
     import time
 
     from components.core import lease
+    from components.core.manifest import MANIFEST, check_not_past_max, stage_prefix
     from components.core.recipe import load_recipe
     from components.core.storage import Store
 
+    if args.iteration < 1:
+        raise UserError("--iteration", args.iteration, "iterations count from 1", "pass --iteration 1 or higher")
+    check_not_past_max("--iteration", args.iteration)
     conf = settings.resolve(args.recipe, args.run_root)
     pipeline = load_recipe(conf.recipe).pipeline
     store = Store(conf.run_root, "--run-root")
+    if store.exists(f"{stage_prefix(pipeline, args.iteration, 'evaluation')}/{MANIFEST}"):  # planner.finished's test
+        raise UserError("--iteration", args.iteration, f"iteration {args.iteration} of pipeline {pipeline!r} under "
+                        f"{store.uri} has finished (its evaluation manifest exists), so no run works on it and there "
+                        "is nothing to release", "nothing to do: the next run plans the iteration after the last "
+                        "finished one")
     cur = lease.current(store, pipeline, args.iteration)
     if cur is None or not cur.holder:
         raise UserError("--iteration", args.iteration, f"iteration {args.iteration} of pipeline {pipeline!r} under "
@@ -232,6 +266,10 @@ def _render_pytorchjob(args: argparse.Namespace) -> int:
         recipe = load_recipe(conf.recipe)
         uri = pytorchjob.recipe_uri(conf.recipe, conf.run_root)
         job = pytorchjob.render(recipe, uri, conf.run_root, args.iteration, args.nodes)
+        if args.nodes > 1 and conf.run_root.startswith("file://"):  # as the docker mode refuses one (docker.check_run_root)
+            raise UserError("--run-root", conf.run_root, f"the {args.nodes} nodes' pods each have a file system of "
+                            "their own, so the trainer's replicas on them cannot share a local run root",
+                            "give an s3:// run root (POSTTRAIN_RUN_ROOT or --run-root), or render the job with --nodes 1")
         if args.publish:
             from components.core.storage import Store
 
@@ -257,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
     policy = False
     try:
-        args = build_parser().parse_args(_joined_negative_shard(sys.argv[1:] if argv is None else argv))
+        args = parse(_joined_negative_shard(sys.argv[1:] if argv is None else argv))
         for name in ("botocore.credentials", "aiobotocore.credentials"):  # "Found credentials in ...": said at info
             logging.getLogger(name).setLevel(logging.WARNING)               # level on every S3 client, by no one's wish
         handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one

@@ -11,8 +11,9 @@ it expires.
 Before any of that, the settings that need nothing made: ``--iterations``,
 ``POSTTRAIN_TORCH_THREADS``, ``POSTTRAIN_GC``, ``MLFLOW_TRACKING_URI`` and, for the
 Airflow driver, the DAG's ``POSTTRAIN_EXECUTION``, ``POSTTRAIN_SCHEDULE`` and
-``POSTTRAIN_RETRY_DELAY_S`` (``dags.execution.check_settings``), so a bad one stops the
-run before the home is made. Then, under the lock, the checks of
+``POSTTRAIN_RETRY_DELAY_S`` (``dags.execution.check_settings``), and the sandbox's job
+interpreter where the sandbox runs on this machine (``check_sandbox_python``), so a bad one
+stops the run before the home is made. Then, under the lock, the checks of
 ``check_before_run`` (``components.core.preflight``: the task file and the policy's
 files, then the store, then the registry; each failure is one UserError, exit 2); a run they
 refuse leaves no run-root folder it made (``<home>/run.lock`` stays: a lock file is
@@ -249,10 +250,24 @@ def writer_lease(store: Store, pipeline: str, home: Path) -> Iterator[str]:
                         "store is reachable: it resumes the iteration")
 
 
-def check_before_run(recipe: Recipe, store: Store) -> None:
+def check_sandbox_python(recipe: Recipe) -> None:
+    """The bwrap backend's job interpreter (``sandbox.python``, empty: /usr/bin/python3)
+    exists on this host and runs in its sandbox's terms (``detect.resolve_python``): a
+    UserError naming ``sandbox.python``. A typo was found only when the sandbox stage
+    started, after bootstrap, and blamed the host (``sandbox.allow_weak_isolation``). For
+    where the sandbox stage runs on this machine: a stage image has its own /usr."""
+    if recipe.sandbox.backend == "bwrap":
+        from components.sandbox.detect import resolve_python
+
+        resolve_python(recipe.sandbox)
+
+
+def check_before_run(recipe: Recipe, store: Store, sandbox_here: bool = True) -> None:
     """What ``run_local`` checks before any work, each a UserError (exit 2) or an
-    InfraError. First what needs neither the store nor MLflow: the tracking URI and it
-    against the run root, the task file (every row), and a ``model.source`` or
+    InfraError. First what needs neither the store nor MLflow: the sandbox's interpreter
+    where the sandbox stage runs on this machine (``sandbox_here``: not in the docker or
+    kubernetes mode, whose images hold their own; ``check_sandbox_python``), the tracking
+    URI and it against the run root, the task file (every row), and a ``model.source`` or
     ``rollout.policy`` that is a path or store URI. Then the store's probe (it makes a
     missing local run root; a store that is down is an outage before MLflow's database
     is opened), and last what reads the registry: the registered model's owner (another
@@ -260,6 +275,8 @@ def check_before_run(recipe: Recipe, store: Store) -> None:
     a bootstrapped run root's model is in this database, and the starting policy's alias
     or ``models:/`` source. ``run_local`` removes a run root made here if a later
     check refuses the run (``removed_if_refused``)."""
+    if sandbox_here:
+        check_sandbox_python(recipe)
     preflight.tracking_uri()
     preflight.tracking_vs_run_root(store.uri)
     preflight.task_file(recipe)
@@ -357,6 +374,9 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
             docker.check_run_root(conf.run_root)
         if execution.mode() == "inprocess" and recipe.trainer.device == "cuda":
             check_cuda()  # the trainer runs here: no GPU is refused now, not after rollout and reward
+    sandbox_here = driver is not dag_driver or execution.mode() == "inprocess"  # kfp.local: subprocesses of this one
+    if sandbox_here:
+        check_sandbox_python(recipe)  # before the home is made (check_before_run finds it checked)
     home = settings.made_home()
     holder = f"local:{home}"
     # The home's lock first: a second run on this home stops here, before it touches the
@@ -366,7 +386,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
         # home's lock already keeps a second run on this home away from its SQLite MLflow).
         with removed_if_refused(store):
-            check_before_run(recipe, store)
+            check_before_run(recipe, store, sandbox_here=sandbox_here)
         with writer_lease(store, recipe.pipeline, home):
             return _iterate(store, recipe, conf.recipe, holder, iterations, driver, home)
 

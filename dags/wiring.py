@@ -177,7 +177,7 @@ def plan() -> dict[str, Any]:
         # posttrain run's checks, in its order: one line, failed at once (a local run root for an
         # HTTP tracking server, a bad task file row, ...), and a refused run makes no run root
         with removed_if_refused(store):
-            check_before_run(recipe, store)
+            check_before_run(recipe, store, sandbox_here=mode() == "inprocess")  # else the images' own /usr
         holder = params.get("holder") or f"airflow:{ctx['run_id']}"
         k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
         for done in close_finished_iterations(store, recipe.pipeline):  # a run killed as it ended them
@@ -254,7 +254,8 @@ def stage_failed(context: dict[str, Any]) -> None:
     ti = context["ti"]
     FAILED_TASKS.append(ti.task_id)
     reason = f"{type(context.get('exception')).__name__}: {context.get('exception')}"[:4000]
-    log.error("posttrain task %s failed: %s", ti.task_id, reason)
+    # posttrain run ends with this error's own line: an error-level line as well said it twice
+    (log.info if printed_by_posttrain_run(context) else log.error)("posttrain task %s failed: %s", ti.task_id, reason)
     try:
         from components.core import tracking
 
@@ -265,6 +266,20 @@ def stage_failed(context: dict[str, Any]) -> None:
             tracking.fail_iteration(planned["mlflow_run_id"], ti.task_id, index if isinstance(index, int) else -1)
     except Exception as exc:  # the tracking server may be what failed; the task log has the reason
         log.warning("could not record the failure in MLflow: %s", exc)
+
+
+def printed_by_posttrain_run(context: dict[str, Any]) -> bool:
+    """Whether the failed task's error is the UserError whose line ``posttrain run`` ends
+    with: a run it drives (its ``holder`` param is set, as only ``posttrain run`` sets it)
+    whose first ``FINAL_ERRORS`` entry is a UserError the task's message ends with (its
+    line, or a stage container's "exited 2: posttrain: error: <its line>"). Any other
+    failure (an outage, a bug, a failed gate, another shard's other mistake) is not."""
+    from components.core.errors import UserError
+
+    exc = context.get("exception")
+    if not (context.get("params") or {}).get("holder") or not FINAL_ERRORS or type(exc).__name__ != "AirflowFailException":
+        return False
+    return isinstance(FINAL_ERRORS[0], UserError) and str(exc).endswith(FINAL_ERRORS[0].line())
 
 
 def run_failed(context: dict[str, Any]) -> None:

@@ -148,6 +148,15 @@ def test_run_on_unreadable_checkpoint(corrupted: Corrupted) -> None:
                                "--iteration; fix: see 'posttrain render pytorchjob --help'"),
     (["stage", "taskgen", "--shard"],
      "posttrain stage: error: argument --shard: expected one argument; fix: see 'posttrain stage --help'"),
+    # an unknown flag pointed at 'posttrain --help', which lists no subcommand's flags
+    (["run", "--iterations", "1", "--bogus"],
+     "posttrain run: error: unrecognized arguments: --bogus; fix: see 'posttrain run --help'"),
+    (["render", "pytorchjob", "--nodes", "1", "--iteration", "1", "--gpus", "2"],
+     "posttrain render pytorchjob: error: unrecognized arguments: --gpus 2; fix: see 'posttrain render pytorchjob --help'"),
+    (["sandbox", "run", "--lang", "python", "--bogus", "x.py"],
+     "posttrain sandbox run: error: unrecognized arguments: --bogus; fix: see 'posttrain sandbox run --help'"),
+    (["rnu"], "posttrain: error: argument command: invalid choice: 'rnu' (choose from 'stage', 'run', 'kfp-local', "
+              "'sandbox', 'serve', 'verify', 'replay', 'release', 'render'); fix: see 'posttrain --help'"),
 ])
 def test_an_argument_argparse_refuses_is_one_line_and_exit_2(argv: list[str], line: str, capsys) -> None:
     """Not the usage block and then the message: one line, as for every other mistake."""
@@ -397,6 +406,41 @@ def test_release_hands_back_only_the_named_holders_lease(tmp_path: Path, capsys)
     assert capsys.readouterr().err == (
         f"posttrain: error: --iteration=9: iteration 9 of pipeline 'tiny' under {Store(root).uri} has no lease to "
         "release (none was taken); fix: nothing to do: the next run can take it\n")
+
+
+def test_release_of_a_finished_iteration_says_it_has_finished(tmp_path: Path, capsys) -> None:
+    """It said the lease was "held by ..., not by this holder; ... leave it to finish"."""
+    from components.cli import main
+    from components.core.manifest import MANIFEST, stage_prefix
+
+    root = tmp_path / "rr"
+    holder = "airflow:scheduled__1"
+    lease.acquire(Store(str(root)), "tiny", 1, holder)
+    (root / stage_prefix("tiny", 1, "evaluation")).mkdir(parents=True)
+    (root / stage_prefix("tiny", 1, "evaluation") / MANIFEST).write_text("{}")
+    args = ["release", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--holder", "airflow:manual__9"]
+    assert main([*args, "--iteration", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"posttrain: error: --iteration=1: iteration 1 of pipeline 'tiny' under {Store(str(root)).uri} has finished "
+        "(its evaluation manifest exists), so no run works on it and there is nothing to release; fix: nothing to do: "
+        "the next run plans the iteration after the last finished one\n")
+    assert lease.current(Store(str(root)), "tiny", 1).holder == holder  # untouched
+
+
+@pytest.mark.parametrize(("iteration", "line"), [
+    ("0", "posttrain: error: --iteration=0: iterations count from 1; fix: pass --iteration 1 or higher\n"),
+    ("1000000", "posttrain: error: --iteration=1000000: is more than 999999, the highest iteration a run root numbers; "
+                "fix: pass --iteration from 1 to 999999\n"),
+])
+def test_release_range_checks_the_iteration_as_render_and_replay_do(iteration: str, line: str, tmp_path: Path,
+                                                                     capsys) -> None:
+    from components.cli import main
+
+    root = tmp_path / "rr"
+    assert main(["release", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", iteration,
+                 "--holder", "x"]) == 2
+    assert capsys.readouterr().err == line
+    assert not root.exists()
 
 
 @pytest.mark.timeout(60)

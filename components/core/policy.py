@@ -70,8 +70,16 @@ def build_tokenizer():
     )
 
 
+ALLOCATION_FAILED = ("can't allocate memory", "cannot allocate memory", "out of memory")
+"""Words of torch's error when it cannot allocate a tensor (``DefaultCPUAllocator: can't
+allocate memory``, ``CUDA out of memory``)."""
+
+
 def build_model(cfg, vocab_size: int):
-    """A fresh Llama-architecture model from a ``ModelConfig``."""
+    """A fresh Llama-architecture model from a ``ModelConfig`` (its parameters:
+    ``ModelConfig.scratch_parameters``, bounded at recipe load). A model this machine has
+    no memory for is a ``UserError`` naming the recipe's ``model`` section, not a traceback
+    the orchestrator retries."""
     hfimport.lean()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,7 +89,17 @@ def build_model(cfg, vocab_size: int):
         max_position_embeddings=cfg.max_positions, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
         tie_word_embeddings=True, rms_norm_eps=1e-5,
     )
-    return LlamaForCausalLM(config)
+    try:
+        return LlamaForCausalLM(config)
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and not any(words in str(exc).lower() for words in ALLOCATION_FAILED):
+            raise
+        count = cfg.scratch_parameters(vocab_size)
+        raise UserError("model", f"hidden_size: {cfg.hidden_size}, num_layers: {cfg.num_layers}, intermediate_size: "
+                        f"{cfg.intermediate_size}", f"this machine has no memory for a model of {count:,} parameters "
+                        f"({count * 4 / 1e9:.1f} GB of float32 weights; {exc_line(exc)[:240]})",
+                        "make model.hidden_size, model.num_layers or model.intermediate_size smaller, or run on a "
+                        "machine with more memory") from None
 
 
 @dataclass

@@ -15,7 +15,12 @@ pool, ``SANDBOX_UID_SLOTS``), weights must be finite and >= 0 and add up to at m
 ``trainer.prompts_per_step`` at most ``taskgen.tasks_per_iteration``, an integer field takes no text (``shards: "2"``), ``model.source`` and
 ``rollout.policy`` must be able to name a checkpoint (not blank, no NUL, a valid store URI
 or path: ``storage.normalize_uri``'s rules), and registered names (``domains``,
-``rollout.engine``, ``sandbox.backend``) are checked at load.
+``rollout.engine``, ``sandbox.backend``) are checked at load. A scratch model has at most
+``MAX_SCRATCH_PARAMETERS`` parameters all told, and the bwrap backend's ``sandbox.python``
+is an absolute path under /usr (``sandbox_python_problem``). An unquoted number that YAML
+1.1 reads otherwise than it looks (``010`` octal 8, ``0x10``, ``0b10``, ``1:00:00`` base 60,
+``0o10`` text) or cannot convert (over 4300 digits) is refused by the loader, naming its
+key and line. An unknown key's fix names the closest known key, or the section's keys.
 
 Deployment settings (bucket, tracking URI, image tags) never live here: they come from
 the environment (``POSTTRAIN_RUN_ROOT``, ``MLFLOW_TRACKING_URI``, AWS variables).
@@ -23,6 +28,7 @@ the environment (``POSTTRAIN_RUN_ROOT``, ``MLFLOW_TRACKING_URI``, AWS variables)
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from components.core.errors import InfraError, UserError, one_line, outage
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
@@ -52,6 +58,17 @@ package): at most this many jobs can run at once on a host."""
 BIG = 1_000_000  # upper bound on counts and sizes no real recipe comes near
 MAX_SHARDS = 1024
 MIN_JOB_TIMEOUT_S = 0.1  # a sandboxed interpreter starts in milliseconds: a shorter limit times out every job
+SCRATCH_VOCAB_SIZE = 101
+"""Tokens of the demo tokenizer a scratch model is built for (``policy.build_tokenizer``:
+4 special tokens and 97 printable ASCII characters)."""
+MAX_SCRATCH_PARAMETERS = 2_000_000_000
+"""Largest model ``model.source: scratch`` builds (``ModelConfig.scratch_parameters``). Its
+fields are bounded one by one, but together they could ask for trillions of parameters
+(hidden_size 65536 alone is 17 billion a layer): torch then failed to allocate, or the
+machine ran out of memory, after the run had started. 2 billion float32 parameters are
+8 GB of weights and about 32 GB with AdamW's gradients and moments, more than any demo
+or test recipe comes near (recipes/demo.yaml: under a million); a bigger model starts
+from a pretrained ``model.source``."""
 
 
 class _Section(BaseModel):
@@ -112,11 +129,23 @@ class ModelConfig(_Section):
     intermediate_size: int = Field(768, ge=8, le=262144, description="MLP width")
     max_positions: int = Field(256, ge=32, le=BIG, description="longest prompt + completion in tokens")
 
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        return self
+    @field_validator("num_heads")
+    @classmethod
+    def _heads_divide(cls, num_heads: int, info: ValidationInfo) -> int:
+        """Named as ``model.num_heads`` with its own value (a model validator was named
+        ``model='{...}'``); ``hidden_size`` is validated before it (declared first)."""
+        hidden = info.data.get("hidden_size")
+        if isinstance(hidden, int) and hidden % num_heads:
+            raise ValueError(f"hidden_size {hidden} is not divisible by num_heads {num_heads}")
+        return num_heads
+
+    def scratch_parameters(self, vocab_size: int = SCRATCH_VOCAB_SIZE) -> int:
+        """The parameters of the model ``policy.build_model`` builds from this config: Llama
+        blocks (q, k, v, o projections of hidden_size x hidden_size, as many key/value heads
+        as heads; gate, up and down of hidden_size x intermediate_size; two RMSNorm
+        weights), a final norm and the embedding, tied to the output head."""
+        h, i = self.hidden_size, self.intermediate_size
+        return self.num_layers * (4 * h * h + 3 * h * i + 2 * h) + h + vocab_size * h
 
 
 class BootstrapConfig(_Section):
@@ -175,7 +204,7 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2, le=4096, description="samples per task (GRPO needs at least 2)")
     shards: int = Field(2, ge=1, le=MAX_SHARDS, description="fan-out of rollout, sandbox and reward")
     max_new_tokens: int = Field(24, ge=1, le=BIG, description="completion length cap")
-    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature")
+    temperature: float = Field(1.0, ge=0.01, le=100, description="sampling temperature")  # serve.MIN_TEMPERATURE: lower overflows hf's softmax
     batch_size: int = Field(256, ge=1, le=BIG, description="sequences per generation batch")
     max_turns: int = Field(4, ge=1, le=64, description="most actions of one multi-turn episode (a task may declare fewer)")
     observation_chars: int = Field(256, ge=16, le=1 << 20, description="characters of a command's output an episode's "
@@ -345,12 +374,66 @@ COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains", "timeouts", "re
 orchestrator's, in no cache key); every other field is a section a stage declares."""
 
 
-def _fix_for(loc: str, msg: str) -> str:
-    if "Extra inputs" in msg:
-        return f"remove '{loc}' or correct its spelling (see recipes/demo.yaml for the known keys)"
-    if "required" in msg.lower():
+WORDED_FIXES: tuple[tuple[re.Pattern[str], str, str], ...] = (
+    (re.compile(r"resources\.[^.]+\.memory"), "should match pattern",
+     "set '{loc}' to a Kubernetes memory quantity: a whole number with an optional Ki, Mi, Gi or Ti suffix, "
+     "e.g. 16Gi (not 16GB or 16gi)"),
+    (re.compile(r"resources\.[^.]+\.cpu"), "should match pattern",
+     "set '{loc}' to a Kubernetes CPU quantity: cores such as 4 or 0.5, or millicores such as 500m"),
+    (re.compile(r"model\.num_heads"), "not divisible",
+     "set '{loc}' to a divisor of model.hidden_size (each head gets hidden_size / num_heads dimensions), "
+     "e.g. 4 for hidden_size 256"),
+)
+"""(field, a phrase of pydantic's message, the fix) where the generic fix would only repeat
+a regular expression or a rule."""
+
+
+def _fix_for(parts: tuple, loc: str, kind: str, msg: str) -> str:
+    """The fix for pydantic's error of ``kind`` at ``parts`` (``loc`` as text): an unknown
+    key's closest known key (or the section's keys), a worded fix where there is one, else
+    the message as the rule to follow. Only its first letter is lowered: a regular
+    expression's pattern or a class name changes meaning with its case."""
+    if kind == "extra_forbidden":
+        return _unknown_key_fix(parts, loc)
+    if kind == "missing":
         return f"add '{loc}' to the recipe"
-    return f"set '{loc}' to a valid value ({msg.lower().replace('greater than or equal to', 'at least').replace('less than or equal to', 'at most')})"
+    for pattern, phrase, fix in WORDED_FIXES:
+        if pattern.fullmatch(loc) and phrase in msg:
+            return fix.format(loc=loc)
+    rule = (msg[:1].lower() + msg[1:]).replace("greater than or equal to", "at least").replace(
+        "less than or equal to", "at most")
+    return f"set '{loc}' to a valid value ({rule})"
+
+
+def _section_at(parts: tuple) -> type[BaseModel] | None:
+    """The config class a key at ``parts`` (a validation error's location) belongs in:
+    ``Recipe`` for a top-level key, ``RolloutConfig`` for ``rollout.x``, ``StageResources``
+    for ``resources.trainer.x``, ``CurriculumStep`` for ``taskgen.curriculum[0].x``."""
+    current: Any = Recipe
+    for part in parts[:-1]:
+        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str) \
+                and part in current.model_fields:
+            current = current.model_fields[part].annotation
+        elif typing.get_origin(current) in (dict, list):
+            current = typing.get_args(current)[-1]
+        else:
+            return None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unknown_key_fix(parts: tuple, loc: str) -> str:
+    """Remove the key, or spell it as the closest key its section knows; without a close
+    one, the section's keys (recipes/demo.yaml shows only some of them)."""
+    section = _section_at(parts)
+    if section is None or not isinstance(parts[-1], str):
+        return f"remove '{loc}'"
+    known = list(section.model_fields)
+    parent = loc[: len(loc) - len(_loc_text(parts[-1:]))].rstrip(".")
+    close = difflib.get_close_matches(parts[-1], known, n=1, cutoff=0.6)
+    if close:
+        return f"remove '{loc}' or correct its spelling to '{parent + '.' if parent else ''}{close[0]}'"
+    where = f"the keys of {parent}" if parent else "the recipe's keys"
+    return f"remove '{loc}' or correct its spelling to one of {where}: {', '.join(known)}"
 
 
 _SHORT = reprlib.Repr()
@@ -423,6 +506,42 @@ def _reward_weights(recipe: Recipe, source: str) -> None:
                         "give at least one domain a weight > 0 (a domain left out of reward.domain_weights weighs 1)")
 
 
+def _scratch_size(model: ModelConfig, where: str) -> None:
+    """A scratch model of at most ``MAX_SCRATCH_PARAMETERS`` parameters, checked at load
+    (before, hidden_size 65536 was a traceback in bootstrap, retried by the orchestrator)."""
+    count = model.scratch_parameters()
+    if count > MAX_SCRATCH_PARAMETERS:
+        raise UserError(where, f"hidden_size: {model.hidden_size}, num_layers: {model.num_layers}, "
+                        f"intermediate_size: {model.intermediate_size}",
+                        f"builds a model of {count:,} parameters ({count * 4 / 1e9:,.0f} GB of float32 weights, about "
+                        f"4 times that to train), more than the {MAX_SCRATCH_PARAMETERS:,} a scratch model may have",
+                        "make model.hidden_size, model.num_layers or model.intermediate_size smaller (recipes/demo.yaml: "
+                        "128, 4 and 384), or start from a pretrained model with model.source")
+
+
+SANDBOX_PYTHON_ROOT = "/usr/"
+"""Where the bwrap backend's job interpreter must live: the sandbox shows the host's /usr
+alone (read-only; ``/bin`` and ``/lib`` only as the merged-usr links into it), so an
+interpreter elsewhere is not there when a job starts (``components/sandbox/README.md``,
+``detect.resolve_python``, which applies the same rule)."""
+SANDBOX_PYTHON_FIX = "name a Python 3 interpreter under /usr (e.g. /usr/bin/python3.11), or leave sandbox.python " \
+                     "empty to use /usr/bin/python3"
+
+
+def sandbox_python_problem(python: str) -> str | None:
+    """Why ``python`` cannot be the bwrap sandbox's job interpreter by its name alone (None
+    when it can): a relative path, a NUL, or a path outside ``SANDBOX_PYTHON_ROOT`` once
+    ``..`` parts are resolved. Whether it exists and runs is checked where the jobs run
+    (``dags.orchestrate.check_before_run``, ``detect.resolve_python``)."""
+    if "\0" in python:
+        return "contains a NUL character"
+    if not python.startswith("/"):
+        return "is not an absolute path"
+    if not os.path.normpath(python).startswith(SANDBOX_PYTHON_ROOT):
+        return "is outside /usr, the only host folder the bwrap sandbox shows, so no job could start it"
+    return None
+
+
 def _location(value: str, where: str, fix: str, what: str = "checkpoint") -> None:
     """A recipe's location of a checkpoint (``model.source``, ``rollout.policy``) or of a
     task file (``taskgen.task_file``, ``what="task file"``) can name one: not blank, no
@@ -469,13 +588,19 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         loc = _loc_text(err["loc"]) or "recipe"
         loc = loc if len(loc) <= 160 else loc[:157] + "..."
         msg = one_line(str(err["msg"])[:200]).removeprefix("Value error, ")
-        raise UserError(f"{source}: {loc}", short(err.get("input", "")), msg, _fix_for(loc, msg)) from None
+        value = None if err["type"] == "missing" else short(err.get("input", ""))  # not the mapping it is missing from
+        raise UserError(f"{source}: {loc}", value, msg, _fix_for(tuple(err["loc"]), loc, err["type"], msg)) from None
     except RecursionError:
         raise UserError("recipe", source, f"nested deeper than {MAX_YAML_DEPTH} levels",
                         "flatten the recipe (see recipes/demo.yaml)") from None
     if recipe.sandbox.shards > recipe.rollout.shards * 64:
         raise UserError(f"{source}: sandbox.shards", recipe.sandbox.shards, "more than 64 times rollout.shards",
                         "use at most 64 sandbox shards per rollout shard")
+    if recipe.model.source == "scratch":
+        _scratch_size(recipe.model, f"{source}: model")
+    if recipe.sandbox.backend == "bwrap" and recipe.sandbox.python \
+            and (problem := sandbox_python_problem(recipe.sandbox.python)) is not None:
+        raise UserError(f"{source}: sandbox.python", recipe.sandbox.python, problem, SANDBOX_PYTHON_FIX)
     if recipe.model.source != "scratch":
         _location(recipe.model.source, f"{source}: model.source",
                   "use 'scratch', a Hugging Face model folder, a store URI, models:/<name>@<alias> or gguf:<package>/<file>.gguf")
@@ -642,15 +767,20 @@ class BoundedLoader(yaml.SafeLoader):
         self._depth = 0
         self._sizes: dict[int, int] = {}
         self._total = 0
+        self._path: list[Any] = []  # the key node or list position of each node being composed
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
+        self._path.append(index)
         try:
             if self._depth > MAX_YAML_DEPTH:
                 raise TooLarge(f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark)
             node = super().compose_node(parent, index)
+            if isinstance(node, yaml.ScalarNode) and node.style is None:
+                self._plain_number(node)
         finally:
             self._depth -= 1
+            self._path.pop()
         size = self._sizes.get(id(node))
         if size is None:  # a new node: its children's sizes are known (an alias's too)
             if isinstance(node, yaml.SequenceNode):
@@ -668,6 +798,84 @@ class BoundedLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             _no_repeated_keys(node)
         return node
+
+    def _plain_number(self, node: Any) -> None:
+        """``NumberForm`` for an unquoted number YAML 1.1 (PyYAML) reads otherwise than it
+        reads to most people, or cannot convert: ``010`` (octal 8), ``0x10``, ``0b10``,
+        ``1:00:00`` (base 60: 3600), ``0o10`` (text in YAML 1.1), a whole number of more
+        digits than Python converts."""
+        text = node.value
+        digits = text.lstrip("+-").replace("_", "")
+        found: tuple[str, str] | None = None
+        if node.tag == "tag:yaml.org,2002:int":
+            if len(digits) > MAX_NUMBER_DIGITS:
+                found = (f"is a whole number of {len(digits):,} digits",
+                         "write a number of at most 19 digits (the largest a recipe takes is seed's 2**63 - 1)")
+            elif ":" in digits:
+                number = self._converted(node)
+                found = (f"reads as base 60 ({number}) in YAML 1.1",
+                         f"write {number} if you mean that number, or quote it if it is text")
+            elif digits[:2] in ("0x", "0b"):
+                number = self._converted(node)
+                found = (f"reads as {'hexadecimal' if digits[1] == 'x' else 'binary'} {number} in YAML 1.1",
+                         f"write it in decimal: {number}")
+            elif len(digits) > 1 and digits[0] == "0":
+                number, decimal = self._converted(node), int(text.replace("_", ""))
+                found = (f"reads as octal {number} in YAML 1.1",
+                         f"write {number} without the leading zero" if number == decimal else
+                         f"write {number}, or {decimal} if you meant it as a decimal number")
+        elif node.tag == "tag:yaml.org,2002:float" and ":" in digits:
+            number = self._converted(node)
+            found = (f"reads as base 60 ({number}) in YAML 1.1",
+                     f"write {number} if you mean that number, or quote it if it is text")
+        elif node.tag == "tag:yaml.org,2002:str" and OCTAL_12.fullmatch(text):
+            number = int(text.replace("_", "").replace("0o", ""), 8)
+            found = (f"is text in YAML 1.1, not the octal number {number}",
+                     f"write it in decimal: {number} (or quote it if it is text)")
+        elif node.tag == "tag:yaml.org,2002:str" and LEADING_ZERO_TEXT.fullmatch(text):  # 08, 09: not octal, so text
+            found = ("is text in YAML 1.1 (a number with a leading zero that is not octal)",
+                     f"write {int(text.replace('_', ''))} (or quote it if it is text)")
+        if found is not None:
+            raise NumberForm(self._where(node), text, *found, node.start_mark)
+
+    def _converted(self, node: Any) -> Any:
+        try:
+            return self.yaml_constructors[node.tag](self, node)
+        except (ValueError, OverflowError):  # past Python's digit limit: no number to show
+            return "a number too long to convert"
+
+    def _where(self, node: Any) -> str:
+        """The dotted key of ``node``, the node being composed (``rollout.shards``,
+        ``domains[1]``; a key as its own text: ``timeouts.010``)."""
+        out = ""
+        last = len(self._path) - 1
+        for i, index in enumerate(self._path[1:], start=1):
+            if isinstance(index, int):
+                out += f"[{index}]"
+                continue
+            if isinstance(index, yaml.ScalarNode):
+                key = index.value
+            else:  # None: a mapping's key, the node itself when it is the last
+                key = node.value if i == last else "?"
+            out += ("." if out else "") + one_line(str(short(key)))
+        return out or "recipe"
+
+
+MAX_NUMBER_DIGITS = 4300
+"""Most digits of a whole number in a recipe: Python's limit on converting text to an int
+(``sys.get_int_max_str_digits``), far above any field's bound."""
+OCTAL_12 = re.compile(r"[-+]?0o[0-7][0-7_]{0,40}")
+"""YAML 1.2's octal form, which YAML 1.1 (PyYAML) reads as text."""
+LEADING_ZERO_TEXT = re.compile(r"[-+]?0[0-9_]{0,40}")
+"""A number with a leading zero that YAML 1.1 reads as text (``08``, ``09``: not octal)."""
+
+
+class NumberForm(yaml.YAMLError):
+    """An unquoted number YAML 1.1 reads otherwise than it looks (``BoundedLoader._plain_number``)."""
+
+    def __init__(self, where: str, text: str, problem: str, fix: str, mark: Any) -> None:
+        super().__init__(problem)
+        self.where, self.text, self.problem, self.fix, self.problem_mark = where, text, problem, fix, mark
 
 
 class RepeatedKey(yaml.YAMLError):
@@ -699,6 +907,9 @@ def load_recipe(path: str | Path) -> Recipe:
     except TooLarge as exc:
         raise UserError("--recipe", str(path), f"{exc.problem} at line {exc.problem_mark.line + 1}",
                         "write the values out plainly, without deep nesting or alias chains") from None
+    except NumberForm as exc:
+        raise UserError(f"{one_line(str(path))}: {exc.where}", short(exc.text),
+                        f"{exc.problem} (line {exc.problem_mark.line + 1})", exc.fix) from None
     except RepeatedKey as exc:
         raise UserError("--recipe", str(path), f"the key {short(exc.key)!r} appears twice in one mapping (lines "
                         f"{exc.first.line + 1} and {exc.again.line + 1}); YAML would keep the last silently",

@@ -15,14 +15,18 @@ be set up for a reason of the moment (no free uid, no cgroup, no memory or fds) 
 ``InfraError`` instead (detect.py), neither refused nor run weak.
 
 Not covered: jobs that need the network, host folders, GPUs or a different root image;
-interpreters outside /usr (the sandbox sees only /usr and a few /etc files).
+interpreters outside /usr (the sandbox sees only /usr and a few /etc files; such a
+``sandbox.python`` is refused when the recipe loads, a missing or unrunnable one before
+``posttrain run`` does any work: ``dags.orchestrate.check_before_run``).
 """
 
 from __future__ import annotations
 
+import os
+
 from components.core.jobs import Job, JobResult, SessionJob
 from components.sandbox import cgroups
-from components.sandbox.detect import Support, probe, resolve_python
+from components.sandbox.detect import DEFAULT_PYTHON, Support, probe, resolve_python
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
 from components.sandbox.strict import StrictRunner
@@ -31,12 +35,23 @@ from components.sandbox.subprocess_backend import SubprocessExecutor
 
 def host_support(config) -> tuple[str, Support]:
     """The job interpreter and what this host gives it, for the executor and for sessions
-    (session.py): a ``UserError`` naming ``sandbox.allow_weak_isolation`` when a required
+    (session.py): a ``UserError`` naming ``sandbox.python`` when the interpreter is at fault
+    (``resolve_python``; or the probe sandbox fails with it but works with
+    ``DEFAULT_PYTHON``), else one naming ``sandbox.allow_weak_isolation`` when a required
     layer is missing, unless the recipe allows weak isolation."""
     from components.core.errors import UserError
+    from components.core.recipe import SANDBOX_PYTHON_FIX
 
     python = resolve_python(config)
     support = probe(python)
+    if not support.namespaces_ok and support.bwrap and python != DEFAULT_PYTHON and os.path.exists(DEFAULT_PYTHON) \
+            and probe(DEFAULT_PYTHON).namespaces_ok:
+        # The host's sandbox works, with the default interpreter: this one fails inside it
+        # (a library outside /usr, say). Blaming the host would advise weak isolation, and
+        # with it allowed the jobs would run unsandboxed for an interpreter's sake.
+        detail = "; ".join(support.problems)
+        raise UserError("sandbox.python", python, "runs on the host but not inside the bwrap sandbox, where "
+                        f"{DEFAULT_PYTHON} does" + (f" ({detail})" if detail else ""), SANDBOX_PYTHON_FIX)
     if support.missing and not getattr(config, "allow_weak_isolation", False):
         detail = "; ".join(support.problems)
         raise UserError(

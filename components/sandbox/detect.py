@@ -14,8 +14,10 @@ rlimits. Reported but optional: cgroup limits (rlimits, the pid namespace and si
 tmpfs still bound the job), Landlock (not used; mounts hide the host tree).
 
 ``resolve_python`` picks the job interpreter (it must live under /usr, the only host
-tree a sandbox sees) and ``check_paths`` refuses job file paths that would land outside
-the work folder or hold a NUL byte.
+tree a sandbox sees, exist, and be readable and executable by the sandbox's uids:
+``python_problem``; a mistake is a ``UserError`` naming ``sandbox.python``) and
+``check_paths`` refuses job file paths that would land outside the work folder or hold a
+NUL byte.
 
 Not covered: AppArmor/SELinux profiles, gVisor detection (a gVisor sandbox shows up as
 its own kernel and passes the probe as usual).
@@ -27,6 +29,7 @@ import ctypes
 import errno
 import functools
 import os
+import stat
 import subprocess
 from dataclasses import dataclass, field
 
@@ -162,13 +165,61 @@ def probe(python: str = DEFAULT_PYTHON) -> Support:
 
 
 def resolve_python(config) -> str:
+    """The job interpreter ``sandbox.python`` names (empty: ``DEFAULT_PYTHON``), once it is
+    one this host can start in the sandbox (``python_problem``); else a ``UserError``
+    naming ``sandbox.python``, never the host's isolation."""
     from components.core.errors import UserError
+    from components.core.recipe import SANDBOX_PYTHON_FIX
 
     python = getattr(config, "python", "") or DEFAULT_PYTHON
-    if not python.startswith("/usr/"):
-        raise UserError("sandbox.python", python, "the bwrap sandbox only shows /usr, so this interpreter is not "
-                        "visible inside it", "leave sandbox.python empty to use /usr/bin/python3 (Debian's)")
+    if (problem := python_problem(python)) is not None:
+        fix = SANDBOX_PYTHON_FIX if getattr(config, "python", "") else (
+            "install Debian's python3 (apt-get install python3), or set sandbox.python to a Python 3 interpreter under /usr")
+        raise UserError("sandbox.python", python, problem, fix)
     return python
+
+
+_STARTED: set[str] = set()  # interpreters python_problem found good in this process (it starts each once)
+
+
+def python_problem(python: str) -> str | None:
+    """Why the job interpreter ``python`` cannot run a job on this host (None when it can):
+    a path the sandbox does not show (outside /usr: ``recipe.sandbox_python_problem``, or a
+    link that leads out of /usr and the merged-usr folders the sandbox binds), a file that
+    is missing, not a file or not executable, one the sandbox's leased uids cannot read
+    and run (as root, jobs run as a uid that owns nothing and is in no group, so the
+    interpreter and every folder above it need the "others" bits:
+    ``doctor.unreadable_for_others``), or a program that is no Python 3.9 or newer."""
+    from components.core.recipe import sandbox_python_problem
+    from components.sandbox.command import TOP_LEVEL
+    from components.sandbox.doctor import unreadable_for_others
+
+    if (problem := sandbox_python_problem(python)) is not None:
+        return problem
+    if python in _STARTED:
+        return None
+    if not os.path.lexists(python):
+        return "no such file on this host"
+    real = os.path.realpath(python)
+    if not os.path.exists(python):
+        return f"is a link to {real}, which does not exist"
+    if not os.path.isfile(python):
+        return "is not a file"
+    if sandbox_python_problem(real) is not None and real.split("/")[1] not in TOP_LEVEL:
+        return f"is a link to {real}, outside /usr: the sandbox shows only /usr, so no job could start it"
+    if not os.access(python, os.X_OK | os.R_OK):
+        return f"is not readable and executable by uid {os.geteuid()} (mode {stat.filemode(os.stat(python).st_mode)})"
+    if os.geteuid() == 0 and (why := unreadable_for_others(python)):
+        return f"the sandbox's leased uids cannot run it ({why}): chmod o+rx it and the folders above it"
+    try:
+        proc = subprocess.run([python, "-I", "-S", "-c", "import sys; print(sys.version_info >= (3, 9))"],
+                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"does not start ({type(exc).__name__}: {str(exc)[:200]})"
+    if proc.stdout.strip() != "True":
+        return f"is not a Python 3.9 or newer (exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-200:]!r})"
+    _STARTED.add(python)
+    return None
 
 
 def check_paths(job: Job) -> None:

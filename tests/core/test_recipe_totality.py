@@ -64,7 +64,7 @@ EXPECTED = {  # name: (field, with {path} for the recipe file's path; problem)
     "binary": ("--recipe", "binary data (NUL bytes), not YAML text"),
     "latin1": ("--recipe", "not UTF-8 text (byte 11)"),
     "lone-surrogate-bytes": ("--recipe", "not UTF-8 text (byte 10)"),
-    "huge-int": ("--recipe", "a value YAML cannot convert (ValueError)"),
+    "huge-int": ("{path}: seed", "is a whole number of 10,000 digits (line 2)"),  # it named neither key nor line
     "huge-float": ("{path}: rollout.temperature", "Input should be a finite number"),
     "nan": ("{path}: rollout.temperature", "Input should be a finite number"),
     "not-a-mapping": ("recipe", "the recipe must be a YAML mapping"),
@@ -91,7 +91,8 @@ EXPECTED = {  # name: (field, with {path} for the recipe file's path; problem)
 }
 FIXES = {"alias-bomb": LIMIT, "alias-bomb-used": LIMIT, "deep-flow": LIMIT, "deep-block": LIMIT, "utf16": NOT_UTF8,
          "utf16-be-no-bom": NOT_UTF8, "binary": NOT_UTF8, "latin1": NOT_UTF8, "lone-surrogate-bytes": NOT_UTF8,
-         "huge-int": "fix the value (numbers of at most a few digits)", "huge-file": "a recipe holds only overrides; shorten it",
+         "huge-int": "write a number of at most 19 digits (the largest a recipe takes is seed's 2**63 - 1)",
+         "huge-file": "a recipe holds only overrides; shorten it",
          "huge-key": "fix the YAML syntax there", "python-tag": "fix the YAML syntax there"}
 
 

@@ -69,11 +69,48 @@ def test_a_tasks_user_error_ends_posttrain_run_with_its_line_and_exit_2(tmp_path
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"posttrain: error: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
-        "['arithmetic', 'code']; fix: add tasks of those domains (tasks equal to eval-suite tasks are skipped) or "
-        "change the weights")
+        "['arithmetic', 'code']; fix: add tasks of those domains (rows marked split 'eval' and tasks equal to eval "
+        "tasks are skipped) or change the weights")
     # dag.test()'s warnings while it marks taskgen's downstream tasks upstream_failed, a pass a second
     assert "No tasks to run" not in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr  # the task runner's, through Airflow's own frames
+    # said once: the task's "posttrain task taskgen failed: ..." error line said it first
+    assert (proc.stdout + proc.stderr).count("has no train tasks for the weighted domains") == 1
+
+
+@pytest.mark.parametrize(("holder", "message", "level"), [
+    ("local:/home", "LINE", "INFO"),  # posttrain run prints the line itself
+    ("local:/home", "stage taskgen exited 2: posttrain: error: LINE", "INFO"),  # a stage container's
+    ("", "LINE", "ERROR"),  # a DAG run of a scheduler: the task log is where it is said
+    ("local:/home", "another shard's other mistake", "ERROR"),
+])
+def test_a_task_failure_posttrain_run_prints_is_logged_below_error(holder: str, message: str, level: str,
+                                                                    monkeypatch) -> None:
+    """``posttrain run`` logs at WARNING and up: an INFO line is the task log's alone."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from components.core.errors import UserError
+    from dags import wiring
+
+    said: list[tuple[str, str]] = []
+
+    class Log:
+        def info(self, fmt: str, *args: object) -> None:
+            said.append(("INFO", fmt % args))
+
+        def error(self, fmt: str, *args: object) -> None:
+            said.append(("ERROR", fmt % args))
+
+    monkeypatch.setattr(wiring, "log", Log())
+    error = UserError("taskgen.task_file", "t.jsonl", "has no train tasks", "add some")
+    monkeypatch.setattr(wiring, "FINAL_ERRORS", [error])
+    monkeypatch.setattr(wiring, "FAILED_TASKS", [])
+    ti = SimpleNamespace(task_id="taskgen", xcom_pull=lambda task_ids: {})
+    exception = AirflowFailException(message.replace("LINE", error.line()))
+    wiring.stage_failed({"ti": ti, "exception": exception, "params": {"holder": holder}})
+    assert said == [(level, f"posttrain task taskgen failed: AirflowFailException: {exception}")]
 
 
 FAILING_GATE = """

@@ -150,13 +150,13 @@ def test_a_local_recipe_is_read_where_publish_puts_it(tmp_path) -> None:
 def test_the_command_prints_the_job(tmp_path, capsys) -> None:
     path = REPO / "recipes" / "tiny.yaml"
     root = tmp_path.as_uri()
-    code = main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "2", "--iteration", "3"])
+    code = main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "1", "--iteration", "3"])
     out, err = capsys.readouterr()
     uri = pytorchjob.recipe_uri(str(path), root)  # where --publish copies it (the test above)
     assert code == 0 and out.startswith("apiVersion: "), (code, out[:300])
-    assert yaml.safe_load(out) == pytorchjob.render(load_recipe(path), uri, root, 3, 2)
+    assert yaml.safe_load(out) == pytorchjob.render(load_recipe(path), uri, root, 3, 1)
     assert f"read the recipe from {uri}" in err and not (tmp_path / "recipes").exists()
-    assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "2", "--iteration", "3",
+    assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "1", "--iteration", "3",
                  "--publish"]) == 0
     assert (tmp_path / uri.split(root + "/", 1)[1]).read_text() == path.read_text()
     assert main(["render", "pytorchjob", "--recipe", str(path), "--run-root", root, "--nodes", "0", "--iteration", "3"]) == 2
@@ -182,10 +182,28 @@ def test_publish_to_a_store_that_is_down_or_refuses_is_one_line(tmp_path, capsys
     assert out.strip() == "" and err.strip().splitlines()[-1].startswith(  # no YAML (a library may indent a log line)
         "posttrain: unreachable: store unreachable at 's3://no-such-bucket/runs': EndpointConnectionError")
     (tmp_path / "file").write_text("x")
+    args[args.index("--nodes") + 1] = "1"  # more nodes refuse a local run root before it is probed (the test below)
     assert main([*args, "--run-root", str(tmp_path / "file" / "root")]) == 2
     out, err = capsys.readouterr()
     assert out.strip() == "" and err.strip().splitlines()[-1].startswith(
         f"posttrain: error: --run-root='file://{tmp_path}/file/root': store is not reachable or not writable")
+
+
+def test_several_nodes_refuse_a_local_run_root(tmp_path, capsys) -> None:
+    """Each node's pod has a file system of its own: the job rendered (exit 0) and its
+    replicas could not share the run root. Refused as the docker mode refuses one, before
+    anything is published; an s3:// run root passes."""
+    path = REPO / "recipes" / "tiny.yaml"
+    args = ["render", "pytorchjob", "--recipe", str(path), "--nodes", "2", "--iteration", "3"]
+    assert main([*args, "--run-root", str(tmp_path / "rr"), "--publish"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"posttrain: error: --run-root='file://{tmp_path}/rr': the 2 nodes' pods each have a file "
+                              "system of their own, so the trainer's replicas on them cannot share a local run root; "
+                              "fix: give an s3:// run root (POSTTRAIN_RUN_ROOT or --run-root), or render the job with "
+                              "--nodes 1\n")
+    assert list(tmp_path.iterdir()) == []  # nothing published
+    assert main([*args, "--run-root", "s3://bucket/runs"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
 
 
 def test_the_largest_iteration_still_makes_a_valid_job() -> None:

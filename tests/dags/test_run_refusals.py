@@ -349,3 +349,34 @@ def test_the_openai_engines_settings_are_checked_before_any_work(env: dict[str, 
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.splitlines() == [f"posttrain: error: {line}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["openai.yaml"]
+
+
+def test_a_sandbox_interpreter_that_is_not_there_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A typo in ``sandbox.python`` under /usr was found by the sandbox stage, after
+    bootstrap, as "this host lacks user/pid/net/mount namespaces" with the advice to allow
+    weak isolation, leaving the home, MLflow's database and the run root behind."""
+    import yaml
+
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["sandbox"] = {**recipe.get("sandbox", {}), "python": "/usr/bin/nope"}
+    path = tmp_path / "nope.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = run_posttrain(["run", "--recipe", str(path), "--run-root", str(tmp_path / "rr"), "--iterations", "1"],
+                         tmp_path, cli_env(tmp_path / "home"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "posttrain: error: sandbox.python='/usr/bin/nope': no such file on this host; fix: name a Python 3 interpreter "
+        "under /usr (e.g. /usr/bin/python3.11), or leave sandbox.python empty to use /usr/bin/python3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nope.yaml"]  # no home, no run root
+
+
+def test_the_interpreter_check_is_the_bwrap_backends() -> None:
+    """The subprocess backend mounts nothing: its interpreter is not held to /usr."""
+    from components.core.recipe import parse_recipe
+    from dags.orchestrate import check_sandbox_python
+
+    recipe = parse_recipe({"pipeline": "demo", "sandbox": {"python": "/usr/bin/nope"}})
+    with pytest.raises(UserError) as err:
+        check_sandbox_python(recipe)
+    assert (err.value.field, err.value.problem) == ("sandbox.python", "no such file on this host")
+    check_sandbox_python(parse_recipe({"pipeline": "demo", "sandbox": {"backend": "subprocess", "python": "/usr/bin/nope"}}))

@@ -365,8 +365,8 @@ def test_kfp_local_ends_with_a_tasks_user_error_and_exit_2(tmp_path, monkeypatch
     assert "POSTTRAIN_KFP_USER_ERROR" not in os.environ  # set for the pipeline's tasks only
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"posttrain: error: taskgen.task_file='{tasks}': has no train tasks for the weighted domains "
-        "['arithmetic', 'code']; fix: add tasks of those domains (tasks equal to eval-suite tasks are skipped) or "
-        "change the weights")
+        "['arithmetic', 'code']; fix: add tasks of those domains (rows marked split 'eval' and tasks equal to eval "
+        "tasks are skipped) or change the weights")
 
 
 @pytest.mark.slow
