@@ -11,6 +11,10 @@ bare checkpoint folder. Aliases: ``candidate`` (latest trained) and ``champion``
 (set by bootstrap, then moved by evaluation's promotions). ``lineage_root`` follows a
 version's ``posttrain.parent_version`` tags back to the version it was first trained from:
 a re-run bootstrap whose version is the champion's root leaves the champion where it is.
+A retried (or re-run) stage that finds its weights already registered at its checkpoint
+place reuses that version; MLflow keeps the earlier attempt as the version's ``run_id``,
+so the version's ``posttrain.source_run`` tag names the run that holds the checkpoint
+(``attribute``) and the earlier run is tagged ``posttrain.superseded_by``.
 ``check_weights`` refuses a version whose checkpoint place no longer holds the weights it
 was registered (and judged) with (``posttrain.weights_sha256`` against the manifest of the
 stage that last wrote that place): a re-run that wrote other weights there, or one cut
@@ -47,6 +51,12 @@ POLICY_SUFFIX = "-policy"
 TAG_CHECKPOINT = "posttrain.checkpoint_uri"
 TAG_RUN_ROOT = tracking.TAG_RUN_ROOT
 TAG_PARENT = "posttrain.parent_version"
+TAG_SOURCE_RUN = "posttrain.source_run"
+"""The run of the attempt that holds the version's checkpoint (the one its stage's
+manifest records once written): the version's MLflow ``run_id`` when one attempt
+registered it; the later attempt that found the version already registered when an
+earlier one was killed, or re-run, after registering it (MLflow keeps the ``run_id`` a
+version was created with)."""
 TAG_WEIGHTS = "posttrain.weights_sha256"
 """The sha256 of the version's weights file when it was registered: a checkpoint URI
 re-written with other weights is another version."""
@@ -154,10 +164,12 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
         except MlflowException:
             pass  # created concurrently
     c.set_tag(run_id, TAG_CHECKPOINT, checkpoint_uri)
-    same = [int(mv.version) for mv in c.search_model_versions(f"name = '{name}'") if checkpoint_of(mv) == checkpoint_uri
+    same = [mv for mv in c.search_model_versions(f"name = '{name}'") if checkpoint_of(mv) == checkpoint_uri
             and (dict(mv.tags).get(TAG_WEIGHTS, "") in ("", weights_sha256) or not weights_sha256)]
     if same:
-        return str(max(same))  # the latest registration of these weights at this place
+        mv = max(same, key=lambda v: int(v.version))  # the latest registration of these weights at this place
+        attribute(pipeline, str(mv.version), run_id)
+        return str(mv.version)
     started = time.perf_counter()
     run = c.get_run(run_id)
     model = c.create_logged_model(run.info.experiment_id, name=MODEL_ARTIFACT, source_run_id=run_id,
@@ -170,10 +182,27 @@ def register_checkpoint(pipeline: str, checkpoint_uri: str, run_id: str, tags: d
     # The logged model's own folder, not models:/<model_id>: a registry resolves that form
     # through the process's global tracking URI, which this client does not set.
     mv = c.create_model_version(name, source=model.artifact_location, run_id=run_id,
-                                tags={**tags, TAG_CHECKPOINT: checkpoint_uri,
+                                tags={**tags, TAG_CHECKPOINT: checkpoint_uri, TAG_SOURCE_RUN: run_id,
                                       **({TAG_WEIGHTS: weights_sha256} if weights_sha256 else {})},
                                 model_id=model.model_id)
     return str(mv.version)
+
+
+def attribute(pipeline: str, version: str, run_id: str) -> str:
+    """Make ``run_id`` the source run of ``version``: its tag ``TAG_SOURCE_RUN``, and, when
+    MLflow records another run as the version's ``run_id`` (an earlier attempt of the same
+    stage that registered these weights at this place, then was killed or re-run), that
+    run's tag ``posttrain.superseded_by`` = ``run_id``. Returns that other run's id ('' when
+    none). MLflow allows no change of a version's ``run_id`` (nor of its LoggedModel's
+    source run), so those still name the earlier attempt."""
+    mv = tracking.client().get_model_version(model_name(pipeline), str(version))
+    if dict(mv.tags).get(TAG_SOURCE_RUN) != run_id:
+        tracking.client().set_model_version_tag(model_name(pipeline), str(version), TAG_SOURCE_RUN, run_id)
+    earlier = mv.run_id or ""
+    if not earlier or earlier == run_id:
+        return ""
+    tracking.mark_superseded(earlier, run_id)
+    return earlier
 
 
 def set_alias(pipeline: str, alias: str, version: str, run_root: str | None = None) -> None:

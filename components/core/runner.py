@@ -34,9 +34,11 @@ FINISHED only once the manifest is written, so a FINISHED stage run always has i
 manifest. A stage told to stop (``stop_on_sigterm``: SIGTERM raises
 ``tracking.Terminated`` inside it) ends its run KILLED, an error FAILED; a SIGKILLed one
 stays RUNNING until the next attempt of the same stage, iteration, shard and run root
-marks it KILLED. After the last registered stage (evaluation) the iteration's timeline
-is logged (``components.core.timeline``) and its parent run ends FINISHED; a rerun that
-hits the cache does both again, idempotently.
+(or of the stage under another shard count) marks it KILLED, or the iteration ends.
+After the last registered stage (evaluation) the iteration's timeline is logged
+(``components.core.timeline``), its stage runs still RUNNING end KILLED and its parent
+run ends FINISHED, also when an orchestrator had ended it FAILED; a rerun that hits the
+cache does all of it again, idempotently.
 """
 
 from __future__ import annotations
@@ -128,32 +130,35 @@ def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
 
 
 def _end_iteration(ctx: StageContext, orchestrator_run_id: str) -> None:
-    """After the last registered stage, the iteration's timeline is logged and its parent
-    run ends FINISHED (the timeline skips what it already logged, and ending is a no-op
-    when the run has ended: a rerun that hits the cache)."""
+    """After the last registered stage, the iteration's timeline is logged, its stage runs
+    still RUNNING end KILLED and its parent run ends FINISHED, also one that an
+    orchestrator ended FAILED or KILLED (``tracking.finish_iteration``). The timeline logs
+    only what changed, and ending is a no-op when the run has ended FINISHED: a rerun that
+    hits the cache."""
     if ctx.stage == registered()[-1].id and ctx.stage != "bootstrap":
         parent = ctx.parent_run_id or _parent_run(ctx, orchestrator_run_id) or ""
         timeline.record(ctx.store, ctx.pipeline, ctx.iteration, parent)
-        tracking.end_if_running(parent)
+        tracking.finish_iteration(parent)
 
 
 def close_finished_iterations(store: Store, pipeline: str) -> list[int]:
     """End the iterations that finished (evaluation's manifest is in the store) while their
-    parent run is still RUNNING: a process killed between that manifest and the end of
-    ``_end_iteration`` leaves them so, and a later run skips finished iterations. Their
-    evaluation run ends FINISHED (it has its manifest), other stage runs still RUNNING
-    (killed attempts) KILLED, the timeline is logged and the parent ends FINISHED.
-    Returns the iterations it ended."""
+    parent run is still RUNNING, FAILED or KILLED: a process killed between that manifest
+    and the end of ``_end_iteration`` leaves them RUNNING, an orchestrator that gave up on
+    an iteration later finished by hand (``posttrain stage``) FAILED, and a later run
+    skips finished iterations. Their evaluation run ends FINISHED (it has its manifest),
+    other stage runs still RUNNING (killed attempts) KILLED, the timeline is logged and
+    the parent ends FINISHED. Returns the iterations it ended."""
     last = registered()[-1].id
     closed = []
-    for k, parent in sorted(tracking.running_iteration_runs(pipeline, store.uri).items()):
+    for k, parent in sorted(tracking.unfinished_iteration_runs(pipeline, store.uri).items()):
         done = read_manifest(store, stage_prefix(pipeline, k, last))
         if done is None:
             continue  # still under way (or resumed next): its own last stage ends it
         tracking.end_if_running(done.mlflow_run_id)
         tracking.end_children(parent, "KILLED")
         timeline.record(store, pipeline, k, parent)
-        tracking.end_if_running(parent)
+        tracking.finish_iteration(parent)
         closed.append(k)
     return closed
 

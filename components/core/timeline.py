@@ -20,11 +20,18 @@ iterations 0..k (0 is bootstrap's score of the base policy; earlier iterations a
 from their evaluation manifests) with 95% Wilson score bands, n being the suite's tasks
 per domain (its ``eval_results`` rows over the domains); and ``timeline/rewards.png``:
 the mean raw training reward per domain over iterations 1..k (``reward/<domain>``, the
-reward curve), left out while no iteration has rewards.
+reward curve), left out while no iteration has rewards. On the iteration's run k is the
+iteration; on the summary run it is the latest finished iteration (the largest with an
+evaluation manifest), so re-running a stage of an older iteration (``posttrain stage
+evaluation --iteration 1`` after iteration 2, Airflow clearing an old run) redraws the
+summary's plots whole instead of cutting them at that iteration.
 
-Idempotent: a run that already has the iteration's step is not logged again (a rerun
-that hits the cache ends the iteration a second time); the plot is overwritten with the
-same picture. A metric whose stage did not record it (an older manifest) is left out.
+Idempotent: a metric whose value at the step is the one logged last there (by
+timestamp) is not logged again (a rerun that hits the cache ends the iteration a second
+time, and adds nothing); one whose value changed (a re-run stage) is logged again at the
+same step, stamped after the old one, so it is the latest; the old value stays in the
+metric's history (MLflow deletes no single value). The plots are overwritten. A metric
+whose stage did not record it (an older manifest) is left out.
 An error while drawing or uploading a plot (an artifact store that refuses writes)
 prints one line per plot and is not raised: the metrics are logged before them.
 
@@ -32,14 +39,18 @@ prints one line per plot and is not raised: the metrics are logged before them.
     timeline.headline(store, "tiny", 2)  # {"pass_at_1/code": 0.25, "reward/code": 0.4, ...}
 
 Not covered: iterations run under another run root (each run root has its own summary
-run), and statistical tests between iterations (the bands are per iteration).
+run), statistical tests between iterations (the bands are per iteration), and a metric
+a re-run no longer produces (a domain dropped from the recipe): its old value stays at
+the step.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
-from components.core import tracking
+from components.core import planner, tracking
 from components.core.context import read_manifest, read_manifests, read_output_json
 from components.core.errors import exc_line
 from components.core.facts import Decision, Scored, StatsFile
@@ -200,8 +211,29 @@ def plot(points: list[Scores], pipeline: str):
     return fig
 
 
-def _logged(run_id: str, key: str, step: int) -> bool:
-    return any(m.step == step for m in tracking.client().get_metric_history(run_id, key))
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def log_changed(run_id: str, metrics: dict[str, float], step: int) -> dict[str, float]:
+    """Log, at ``step`` of ``run_id``, each of ``metrics`` whose value there differs from the
+    one logged last at that step (by timestamp, as ``get_metric_history`` orders them), or
+    that has none there; returns what it logged. The new values are stamped after the
+    ones they replace, so they are the latest at that step (and the run's latest value
+    when ``step`` is its last). The replaced values stay in the metric's history: MLflow
+    deletes no single value."""
+    c = tracking.client()
+    changed: dict[str, float] = {}
+    after = 0
+    for key, value in metrics.items():
+        there = [m for m in c.get_metric_history(run_id, key) if m.step == step]
+        last = max(there, key=lambda m: (m.timestamp, m.value), default=None)
+        if last is None or not _same(float(last.value), float(value)):
+            changed[key] = value
+            after = max(after, last.timestamp + 1 if last is not None else 0)
+    if changed:
+        tracking.log_metrics(run_id, changed, step=step, timestamp_ms=max(after, int(time.time() * 1000)))
+    return changed
 
 
 def _log_plot(runs: list[str], path: str, iteration: int, draw) -> None:
@@ -222,27 +254,39 @@ def _log_plot(runs: list[str], path: str, iteration: int, draw) -> None:
         say(f"iter {iteration} | timeline | plot {path} not logged ({exc_line(exc)[:200]}); its metrics are")
 
 
+def latest_finished(store: Store, pipeline: str) -> int:
+    """The largest iteration with an evaluation manifest (0 when none has one)."""
+    return max(planner.finished(store, pipeline), default=0)
+
+
 def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> dict[str, float]:
-    """Log iteration ``iteration``'s headline metrics and the plots on its parent
-    run (when given) and on the pipeline's summary run; returns the metrics."""
+    """Log iteration ``iteration``'s headline metrics and the plots on its parent run
+    (when given) and on the pipeline's summary run; returns the metrics. The parent's
+    plots show iterations up to ``iteration``, the summary run's up to the latest
+    finished one (``latest_finished``, at least ``iteration``): re-running an older
+    iteration's stage does not cut the summary's plots short."""
     metrics = headline(store, pipeline, iteration)
     summary = tracking.pipeline_run(pipeline, store.uri)
-    runs = [r for r in (parent_run_id, summary) if r]
-    points = history(store, pipeline, iteration)
-    start = next((p for p in points if p.iteration == 0), None)
-    if start is not None and start.pass_rates and not _logged(summary, "pass_at_1/mean", 0):
+    latest = max(iteration, latest_finished(store, pipeline))
+    plots: dict[int, list[str]] = {iteration: [parent_run_id] if parent_run_id else []}
+    plots.setdefault(latest, []).append(summary)
+    points = {upto: history(store, pipeline, upto) for upto, runs in plots.items() if runs}
+    start = next((p for p in points[latest] if p.iteration == 0), None)
+    if start is not None and start.pass_rates:
         # the base policy's scores as step 0, so the charts start where training started
         rates = {f"pass_at_1/{d}": v for d, v in start.pass_rates.items()}
         rates["pass_at_1/mean"] = sum(start.pass_rates.values()) / len(start.pass_rates)
-        tracking.log_metrics(summary, rates, step=0)
-    for run_id in runs:
-        if metrics and not _logged(run_id, next(iter(metrics)), iteration):
-            tracking.log_metrics(run_id, metrics, step=iteration)
-    _log_plot(runs, PLOT, iteration, lambda: plot(points, pipeline))
+        log_changed(summary, rates, 0)
+    for run_id in (r for r in (parent_run_id, summary) if r):
+        log_changed(run_id, metrics, iteration)
+    for upto, runs in plots.items():
+        if not runs:
+            continue
+        _log_plot(runs, PLOT, iteration, lambda upto=upto: plot(points[upto], pipeline))
 
-    def rewards():
-        points = reward_history(store, pipeline, iteration)
-        return plot_rewards(points, pipeline) if points else None
+        def rewards(upto: int = upto):
+            found = reward_history(store, pipeline, upto)
+            return plot_rewards(found, pipeline) if found else None
 
-    _log_plot(runs, REWARD_PLOT, iteration, rewards)
+        _log_plot(runs, REWARD_PLOT, iteration, rewards)
     return metrics

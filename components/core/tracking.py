@@ -13,12 +13,18 @@
   it inside ``stage_run``), KILLED when the stage was told to stop (``Terminated``, which
   the CLI raises on SIGTERM; Airflow's ``AirflowTaskTerminated``; Ctrl-C), FAILED on any
   other error. A run whose process was SIGKILLed stays RUNNING until the next attempt of
-  the same stage, iteration, shard and run root marks it KILLED.
-- An iteration's parent run ends FINISHED after its last stage (the runner), FAILED when
-  the orchestrator gives up on it (``fail_iteration``, from the Airflow failure
-  callbacks; its RUNNING stage runs are marked KILLED). The next attempt at the same
-  iteration finds the parent again by its tags and sets it RUNNING again: one parent run
-  per iteration, however often it was resumed.
+  the same stage, iteration, shard and run root (or of the stage under another shard
+  count) marks it KILLED, or until its iteration ends (the runner ends the iteration's
+  stage runs still RUNNING KILLED). When a stage run ends FINISHED, the earlier FINISHED
+  runs of the same stage, iteration, shard and run root are tagged
+  ``posttrain.superseded_by`` = its run id: the one without the tag is current.
+- An iteration's parent run ends FINISHED after its last stage (the runner,
+  ``finish_iteration``: also from FAILED or KILLED, when the iteration was finished after
+  the orchestrator gave up on it), FAILED when the orchestrator gives up on it
+  (``fail_iteration``, from the Airflow failure callbacks; its RUNNING stage runs are
+  marked KILLED). The next attempt at the same iteration's taskgen finds the parent
+  again by its tags and sets it RUNNING again: one parent run per iteration, however
+  often it was resumed.
 - Stage inputs are logged as MLflow datasets: metadata only (source URI + digest), the
   data stays in the store.
 - The model registry (versions, aliases) is :mod:`components.core.models`.
@@ -54,6 +60,9 @@ TAG_STAGE = "posttrain.stage"
 TAG_ORCH = "posttrain.orchestrator_run_id"
 TAG_SHARD = "posttrain.shard"  # "i/n" on the runs of sharded stages
 TAG_PARENT = "mlflow.parentRunId"
+TAG_SUPERSEDED_BY = "posttrain.superseded_by"
+"""On a stage run a later attempt of the same stage, iteration, shard and run root
+replaced: the run id of that attempt (the latest FINISHED one, whose manifest is current)."""
 KIND_TAG = "mlflow.experimentKind"
 KIND = "custom_model_development"  # MLflow 3's UI: the training-runs view ("genai_development": traces)
 SEP = " · "  # between a run name's stage label and its iteration: "trainer · iter-000002"
@@ -461,12 +470,48 @@ def fail_iteration(parent_run_id: str, stage: str = "", shard_index: int = -1) -
     return ended
 
 
-def running_iteration_runs(pipeline: str, run_root: str) -> dict[int, str]:
-    """{iteration: parent run id} of the iterations of ``run_root`` whose parent is RUNNING."""
-    flt = (f"attributes.status = 'RUNNING' and tags.`{TAG_STAGE}` = '{ITERATION_STAGE}' "
+def running_iteration_runs(pipeline: str, run_root: str, status: str = "RUNNING") -> dict[int, str]:
+    """{iteration: parent run id} of the iterations of ``run_root`` whose parent has ``status``."""
+    flt = (f"attributes.status = {_quoted(status)} and tags.`{TAG_STAGE}` = '{ITERATION_STAGE}' "
            f"and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
     found = client().search_runs([experiment_id(pipeline)], filter_string=flt, max_results=1000)
     return {int(r.data.tags[TAG_ITERATION]): r.info.run_id for r in found}
+
+
+UNFINISHED = ("RUNNING", "FAILED", "KILLED")
+"""The statuses of an iteration's parent run that ``finish_iteration`` ends FINISHED."""
+
+
+def unfinished_iteration_runs(pipeline: str, run_root: str) -> dict[int, str]:
+    """{iteration: parent run id} of the iterations of ``run_root`` whose parent is
+    RUNNING, FAILED or KILLED (``UNFINISHED``)."""
+    found: dict[int, str] = {}
+    for status in UNFINISHED:
+        found.update(running_iteration_runs(pipeline, run_root, status))
+    return found
+
+
+def finish_iteration(parent_run_id: str) -> list[str]:
+    """The iteration's last stage has its manifest: its stage runs still RUNNING end
+    KILLED (attempts a killed process left, a shard count the recipe no longer has:
+    ``kill_stale_runs`` matches neither), and its parent run ends FINISHED, also one an
+    orchestrator ended FAILED or KILLED before a later attempt finished the iteration
+    (``posttrain stage`` reopens the parent only at taskgen). Returns the ids of the stage
+    runs it ended. A parent this tracking server does not know is left alone."""
+    from mlflow.exceptions import MlflowException
+
+    ended = end_children(parent_run_id, "KILLED")
+    if not parent_run_id:
+        return ended
+    try:
+        run = client().get_run(parent_run_id)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return ended
+        raise
+    if run.info.status in UNFINISHED:
+        client().set_terminated(parent_run_id, "FINISHED")
+    return ended
 
 
 def end_if_running(run_id: str, status: str = "FINISHED") -> bool:
@@ -518,7 +563,8 @@ def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | Non
     all_tags = {TAG_PIPELINE: pipeline, TAG_STAGE: stage, **(tags or {})}
     if parent_run_id:
         all_tags[TAG_PARENT] = parent_run_id
-    kill_stale_runs(pipeline, stage, run_name, all_tags.get(TAG_ITERATION, ""), all_tags.get(TAG_RUN_ROOT, ""))
+    iteration, run_root = all_tags.get(TAG_ITERATION, ""), all_tags.get(TAG_RUN_ROOT, "")
+    kill_stale_runs(pipeline, stage, run_name, iteration, run_root, all_tags.get(TAG_SHARD, ""))
     run = c.create_run(experiment_id(pipeline), run_name=run_name, tags=all_tags)
     run_id = run.info.run_id
     flat = _flatten("", params, {})
@@ -531,32 +577,79 @@ def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | Non
         c.set_terminated(run_id, end_status(exc))
         raise
     c.set_terminated(run_id, "FINISHED")
+    supersede(pipeline, stage, run_name, iteration, run_root, run_id)
 
 
-def kill_stale_runs(pipeline: str, stage: str, run_name: str, iteration: str, run_root: str) -> list[str]:
-    """Mark KILLED the RUNNING runs of this stage attempt (same run name, which carries
-    the shard, stage, iteration and run root): runs whose process died without ending
-    them. One writer per pipeline (the store lease) means none of them is still alive.
-    Returns their ids."""
-    if not iteration or not run_root or any("'" in v for v in (run_name, stage, iteration, run_root)):
+def _attempts(pipeline: str, status: str, stage: str, iteration: str, run_root: str) -> list:
+    """The runs with ``status`` of ``stage`` in ``iteration`` of ``run_root`` (any shard)."""
+    if not iteration or not run_root or any("'" in v for v in (stage, iteration, run_root)):
         return []  # nothing to match on (or a value MLflow's filter syntax cannot quote)
-    c = client()
-    flt = (f"attributes.status = 'RUNNING' and attributes.run_name = {_quoted(run_name)} "
-           f"and tags.`{TAG_STAGE}` = {_quoted(stage)} and tags.`{TAG_ITERATION}` = {_quoted(iteration)} "
-           f"and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    flt = (f"attributes.status = {_quoted(status)} and tags.`{TAG_STAGE}` = {_quoted(stage)} "
+           f"and tags.`{TAG_ITERATION}` = {_quoted(iteration)} and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    return client().search_runs([experiment_id(pipeline)], filter_string=flt, max_results=1000)
+
+
+def kill_stale_runs(pipeline: str, stage: str, run_name: str, iteration: str, run_root: str, shard: str = "") -> list[str]:
+    """Mark KILLED the RUNNING runs of this stage attempt (same run name, which carries
+    the shard, stage, iteration and run root) and, for a shard ``i/n``, those of the stage,
+    iteration and run root under another shard count (the recipe's ``shards`` changed; the
+    runner drops their manifests): runs whose process died without ending them. One writer
+    per pipeline (the store lease) means none of them is still alive. Returns their ids.
+    Not covered: a shard of another count that is really running (two runs of different
+    shard counts on one iteration at once, which the iteration's lease keeps apart)."""
+    count = shard.partition("/")[2]
+
+    def stale(run) -> bool:
+        if run.info.run_name == run_name:
+            return True
+        other = run.data.tags.get(TAG_SHARD, "")
+        return bool(count) and bool(other) and other.partition("/")[2] != count
+
     killed = []
-    for run in c.search_runs([experiment_id(pipeline)], filter_string=flt, max_results=1000):
-        c.set_terminated(run.info.run_id, "KILLED")
-        killed.append(run.info.run_id)
+    for run in _attempts(pipeline, "RUNNING", stage, iteration, run_root):
+        if stale(run):
+            client().set_terminated(run.info.run_id, "KILLED")
+            killed.append(run.info.run_id)
     return killed
 
 
-def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+def supersede(pipeline: str, stage: str, run_name: str, iteration: str, run_root: str, run_id: str) -> list[str]:
+    """Tag ``TAG_SUPERSEDED_BY`` = ``run_id`` on the other FINISHED runs of this stage
+    attempt (same run name, stage, iteration and run root): ``run_id`` finished after them,
+    so its manifest is the current one. Returns their ids. Not covered: FINISHED runs of
+    the stage under another shard count (their manifests were removed; nothing marks them)."""
+    marked = []
+    for run in _attempts(pipeline, "FINISHED", stage, iteration, run_root):
+        if run.info.run_name == run_name and run.info.run_id != run_id \
+                and run.data.tags.get(TAG_SUPERSEDED_BY) != run_id:
+            client().set_tag(run.info.run_id, TAG_SUPERSEDED_BY, run_id)
+            marked.append(run.info.run_id)
+    return marked
+
+
+def mark_superseded(run_id: str, by: str) -> bool:
+    """Tag ``TAG_SUPERSEDED_BY`` = ``by`` on ``run_id`` (True when it was set now); a run
+    this tracking server does not know, or one deleted, is left alone."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if client().get_run(run_id).data.tags.get(TAG_SUPERSEDED_BY) == by:
+            return False
+        client().set_tag(run_id, TAG_SUPERSEDED_BY, by)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "INVALID_PARAMETER_VALUE"):
+            return False
+        raise
+    return True
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0, timestamp_ms: int | None = None) -> None:
+    """Log ``metrics`` at ``step``, stamped ``timestamp_ms`` (default: now)."""
     import time
 
     from mlflow.entities import Metric
 
-    now = int(time.time() * 1000)
+    now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     items = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
     for i in range(0, len(items), 500):
         client().log_batch(run_id, metrics=items[i:i + 500])

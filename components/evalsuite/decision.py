@@ -29,7 +29,10 @@ names both (``left out (not in the recipe): ...``, ``new (no baseline): ...``).
 ``posttrain.decision`` (``promoted``/``held``), ``posttrain.reason``,
 ``posttrain.baseline_version`` and ``posttrain.parent_version``, and a markdown
 description with the per-domain table and links to the run, the iteration's parent run,
-the checkpoint and the datasets it trained on. Bootstrap records its first policy the
+the checkpoint and the datasets it trained on. The "source run" is the run the stage's
+manifest records; when an earlier, killed or re-run attempt registered the version (the
+version's MLflow ``run_id``, which cannot change), it is linked as the "registering run",
+and the version is tagged ``posttrain.source_run``. Bootstrap records its first policy the
 same way (``reason="bootstrap: the first policy"``, no baseline).
 
 Not covered: corrections for testing several domains at once, an exact test for sparse
@@ -221,8 +224,13 @@ def record_decision(pipeline: str, version: str, *, promoted: bool, reason: str,
                     checkpoint_uri: str = "", datasets: dict[str, str] | None = None, evaluation_run_id: str = "") -> str:
     """Tag registry version ``version`` of ``<pipeline>-policy`` with the decision and set
     its description; returns the description. ``run_id`` is the version's source run (the
-    run that registered it), ``evaluation_run_id`` the run that decided, when another.
-    Empty arguments are left out (bootstrap has no baseline, parent or parent run).
+    run its stage's manifest records: the checkpoint's), ``evaluation_run_id`` the run
+    that decided, when another. When MLflow records another run as the version's
+    ``run_id`` (an earlier attempt of the stage registered it and was killed or re-run;
+    MLflow does not let it change), the description links that one too, as the
+    registering run, and ``models.attribute`` tags the version ``posttrain.source_run`` =
+    ``run_id`` and the earlier run ``posttrain.superseded_by`` = ``run_id``. Empty
+    arguments are left out (bootstrap has no baseline, parent or parent run).
     Idempotent: a retry writes the same values."""
     from components.core import models, tracking
 
@@ -235,6 +243,9 @@ def record_decision(pipeline: str, version: str, *, promoted: bool, reason: str,
     links: dict[str, str] = {}
     if run_id:
         links["source run"] = tracking.run_url(pipeline, run_id)
+        if registering := models.attribute(pipeline, version, run_id):
+            links["registering run (an earlier attempt, superseded by the source run)"] = \
+                tracking.run_url(pipeline, registering)
     if evaluation_run_id and evaluation_run_id != run_id:
         links["evaluation run"] = tracking.run_url(pipeline, evaluation_run_id)
     if parent_run_id:
