@@ -205,7 +205,10 @@ TASK_RUNNER = "airflow.sdk.execution_time.task_runner"
 def _signals_kept() -> Iterator[None]:
     """``dag.test()`` with posttrain's handlers: SIGTERM and Ctrl-C are recorded between
     tasks (``runner.stop_signals_recorded``: the next task refuses to start and the command
-    stops after the DAG run) and raised inside a stage (``wiring.run_stage_task``).
+    stops after the DAG run) and raised inside a stage: an in-process one
+    (``wiring.run_stage_task``), and a stage container's or pod's operator, which then stops
+    its container or deletes its pod (``dags.execution.run_stoppably``; before, the
+    container ran on to its end).
     Airflow's task runner installs a SIGTERM handler at every task's start that only calls
     the operator's ``on_kill`` (none here) and never puts the previous one back, so a
     SIGTERM between two tasks, or after the last, was lost and ``posttrain run`` went on

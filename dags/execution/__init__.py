@@ -148,7 +148,9 @@ def check_engine_here() -> None:
     Docker engine's socket. Before, each stage task failed on it and was retried as an
     outage, minutes of tracebacks and then exit 1. Not at the DAG's import: a scheduler's
     workers have their own. A socket or cluster that is there but does not answer is
-    still an outage, retried."""
+    still an outage, retried. A Docker Engine (not podman) where the flags file holds
+    podman-only security options (``unmask=ALL``, which the sandboxed stages need) is
+    refused here too: it rejected every sandboxed stage's container, retried as an outage."""
     chosen = mode()
     if chosen == "kubernetes":
         from kubernetes import config
@@ -171,6 +173,27 @@ def check_engine_here() -> None:
                             f"no Docker engine socket at {url[len('unix://'):]}",
                             "start the engine (dockerd, or `podman system service`) or point DOCKER_HOST at its socket, "
                             "or unset POSTTRAIN_EXECUTION to run the stages in this process")
+        from dags.execution import docker
+
+        if docker.podman_only(docker.container_flags().security_opt):
+            version = _engine_version(url)
+            if version is not None:
+                docker.check_engine(version, url)
+
+
+def _engine_version(url: str) -> dict[str, Any] | None:
+    """The engine's ``/version`` answer; None when it does not answer (an outage: the stage
+    tasks retry it)."""
+    import docker
+
+    try:
+        client = docker.APIClient(base_url=url, version="1.41", timeout=10)
+        try:
+            return client.version(api_version=False)
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - a socket that does not answer, or an answer that is not an engine's
+        return None
 
 
 IMAGE_PREFIX_VAR, IMAGE_TAG_VAR = "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG"
@@ -263,6 +286,76 @@ def fail_timed_out(operator):
 
     operator.on_kill()
     error = timed_out_error(operator.task_id, operator.execution_timeout)
+    wiring.FINAL_ERRORS.append(error)
+    return AirflowFailException(error.line())
+
+
+def interruption(exc: BaseException | None) -> BaseException | None:
+    """The time limit (``AirflowTaskTimeout``) or stop (``tracking.Terminated``: SIGTERM,
+    Ctrl-C, a lost writer lease) behind ``exc``: ``exc`` itself, or one it was raised while
+    handling (``__cause__``, ``__context__``), e.g. an engine's error in the provider's own
+    cleanup after the limit struck, which replaced it; None for any other failure."""
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+
+    from components.core.tracking import Terminated
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (AirflowTaskTimeout, Terminated)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def stopped(operator, cause: BaseException):
+    """For a stage container's or pod's operator whose ``execute`` was cut short by
+    ``cause`` (``interruption``): past its time limit, ``fail_timed_out``; told to stop,
+    ``on_kill`` (stop what it started, as the in-process stage ends where the signal
+    lands) and ``AirflowTaskTerminated`` (no retry), as ``dags.wiring.run_stage_task``
+    raises: ``posttrain run`` then ends with "stopped by SIGTERM" and exit 143 (130 for
+    Ctrl-C)."""
+    from airflow.sdk.exceptions import AirflowTaskTerminated, AirflowTaskTimeout
+
+    if isinstance(cause, AirflowTaskTimeout):
+        return fail_timed_out(operator)
+    operator.on_kill()
+    return AirflowTaskTerminated(f"{operator.task_id}: {cause}")
+
+
+def run_stoppably(operator, execute, context):
+    """``execute(context)`` (the provider's) as ``posttrain run`` runs an in-process stage:
+    within ``runner.stop_signals_raised``, so SIGTERM, Ctrl-C and a lost writer lease (which
+    sends SIGTERM) raise inside it, where it waits for its container or pod, instead of being
+    only recorded while the stage runs to its end; refused before it starts when the process
+    was told to stop already. The stop and the time limit are turned into ``stopped``'s
+    exceptions; any other failure is the provider's."""
+    from airflow.sdk.exceptions import AirflowTaskTerminated
+
+    from components.core.runner import stop_signals_raised, stopping
+
+    try:
+        with stop_signals_raised():
+            if stopping():
+                raise AirflowTaskTerminated(f"{operator.task_id}: not started, the process was told to stop")
+            return execute(context)
+    except AirflowTaskTerminated:
+        raise
+    except BaseException as exc:
+        cause = interruption(exc)
+        if cause is None:
+            raise
+        raise stopped(operator, cause) from None
+
+
+def fail_user_error(error):
+    """The ``AirflowFailException`` of a user's mistake a stage's operator finds before it
+    starts the stage (``error``, a UserError), added to ``dags.wiring.FINAL_ERRORS`` first:
+    ``posttrain run`` ends with its line and exit 2."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from dags import wiring
+
     wiring.FINAL_ERRORS.append(error)
     return AirflowFailException(error.line())
 

@@ -18,6 +18,12 @@ CONFIGMAP_VAR = "POSTTRAIN_STAGE_CONFIGMAP"
 RUNTIME_CLASS_VAR = "POSTTRAIN_SANDBOX_RUNTIME_CLASS"
 GPU_NODE_SELECTOR_VAR = "POSTTRAIN_GPU_NODE_SELECTOR"
 STARTUP_TIMEOUT_VAR = "POSTTRAIN_POD_STARTUP_TIMEOUT_S"
+SECRET_VAR = "POSTTRAIN_STAGE_SECRET"
+SECRET_DEFAULT = "posttrain-s3"
+"""The stage pods' optional secret (``envFrom``, ``optional: true``: a pod starts without
+it), as the Kubeflow pipeline's ``posttrain-s3`` (``pipelines/post_training_iteration.py``):
+e.g. ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` where no IRSA grants the store. Not
+in ``DEFAULTS`` (the settings ``infra/terraform`` sets): EKS grants the store through IRSA."""
 
 DEFAULTS = {NAMESPACE_VAR: "posttrain", SERVICE_ACCOUNT_VAR: "posttrain-stage", CONFIGMAP_VAR: "posttrain-stage-env",
             RUNTIME_CLASS_VAR: "", GPU_NODE_SELECTOR_VAR: "posttrain.io/pool=gpu", STARTUP_TIMEOUT_VAR: "600"}
@@ -39,11 +45,12 @@ class ClusterSettings:
     runtime_class: str  # "" = the cluster's default runtime
     gpu_node_selector: dict[str, str]
     startup_timeout_s: int
+    secret: str = SECRET_DEFAULT  # "" = none
 
 
 def _env(name: str) -> str:
     value = os.environ.get(name)
-    return DEFAULTS[name] if value is None else value.strip()
+    return (SECRET_DEFAULT if name == SECRET_VAR else DEFAULTS[name]) if value is None else value.strip()
 
 
 def _name(var: str, pattern: re.Pattern, max_len: int, example: str, allow_empty: bool = False) -> str:
@@ -95,4 +102,5 @@ def cluster_settings() -> ClusterSettings:
         runtime_class=_name(RUNTIME_CLASS_VAR, DNS_SUBDOMAIN, 253, "gvisor", allow_empty=True),
         gpu_node_selector=_node_selector(GPU_NODE_SELECTOR_VAR),
         startup_timeout_s=_positive_int(STARTUP_TIMEOUT_VAR, 600),
+        secret=_name(SECRET_VAR, DNS_SUBDOMAIN, 253, SECRET_DEFAULT, allow_empty=True),
     )

@@ -19,7 +19,19 @@ What a stage container gets:
   this checkout when present), the same file the Makefile and tests pass to ``podman
   run``: ``--ulimit`` and ``--runtime`` on every container, ``--security-opt`` only on
   stages that run policy-written code (``StageSpec.sandboxed``), which need them for
-  bubblewrap's namespaces.
+  bubblewrap's namespaces;
+- its CPU request as CPU shares (``resources.<stage>.cpu`` x 1024, the weight the kubelet
+  gives a pod's request; no CPU limit, as on the pod), its memory as the memory limit, and,
+  on the stages whose pod gets ``/dev/shm`` in memory (``gpus`` > 0: torch, vLLM), a
+  ``/dev/shm`` as large as that limit (it counts against it), not the engine's 64 MiB.
+
+``unmask=ALL`` in the default flags is podman's: a Docker Engine refuses it. ``posttrain
+run`` asks the engine what it is before any work (``check_engine_here``), and a sandboxed
+stage's task before its container: on a Docker Engine with such an option, one line naming
+``DOCKER_HOST`` and exit 2, not retried failures. A container cut short (its time limit,
+SIGTERM or Ctrl-C to ``posttrain run``, a lost writer lease) is stopped (SIGTERM, then
+SIGKILL after ``STOP_GRACE_S``) and removed; the task fails unretried (the time limit,
+naming ``timeouts.<stage>``) or ends stopped.
 
 The engine is ``DOCKER_HOST`` (default ``unix:///var/run/docker.sock``). Not covered:
 GPUs in this mode (``device_requests`` is left to a deployment that has them), and
@@ -28,9 +40,11 @@ registries with credentials (the images must already be on the engine: ``make im
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -138,17 +152,67 @@ def passed_environment() -> tuple[dict[str, str], dict[str, str]]:
     return env, private
 
 
+PODMAN_ONLY_SECURITY_OPTS = ("mask", "unmask", "proc-opts")
+"""``--security-opt`` keys podman takes and a Docker Engine refuses (``invalid --security-opt``)."""
+
+
+def podman_only(security_opt: list[str]) -> list[str]:
+    """The options of ``security_opt`` that only podman applies (``unmask=ALL``: the
+    sandboxed stages' fresh ``/proc`` for bubblewrap)."""
+    return [o for o in security_opt if o.partition("=")[0].strip() in PODMAN_ONLY_SECURITY_OPTS]
+
+
+def engine_name(version: dict[str, Any]) -> str:
+    """The engine an API's ``/version`` answer describes: ``Podman Engine`` (podman lists
+    it among its ``Components``), else its ``Platform`` name (``Docker Engine - Community``)
+    or ``Docker Engine``."""
+    names = [str(c.get("Name") or "") for c in version.get("Components") or [] if isinstance(c, dict)]
+    podman = next((n for n in names if "podman" in n.lower()), "")
+    platform = str((version.get("Platform") or {}).get("Name") or "")
+    return podman or ("Podman Engine" if "podman" in platform.lower() else platform or "Docker Engine")
+
+
+def check_engine(version: dict[str, Any], url: str, security_opt: list[str] | None = None) -> None:
+    """A UserError when the engine at ``url`` (its ``/version`` answer) is not podman and the
+    sandboxed stages' options (``security_opt``, default the flags file's) hold one only
+    podman applies: a Docker Engine refuses ``unmask=ALL`` at every container's creation,
+    which the tasks took for an outage and retried."""
+    wanted = podman_only(container_flags().security_opt if security_opt is None else security_opt)
+    name = engine_name(version)
+    if not wanted or "podman" in name.lower():
+        return
+    raise UserError("DOCKER_HOST", url, f"the engine there is {name}, which refuses --security-opt "
+                    f"{' '.join(wanted)} (podman's; the sandboxed stages need it for bubblewrap's /proc)",
+                    "point DOCKER_HOST at podman's socket (`podman system service`), use "
+                    "POSTTRAIN_EXECUTION=kubernetes, or unset POSTTRAIN_EXECUTION to run the stages in this process")
+
+
+def cpu_count(quantity: str) -> float:
+    """A Kubernetes CPU quantity (``2``, ``0.5``, ``500m``) in CPUs."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 10
+"""Seconds a stopped stage container has between SIGTERM and SIGKILL (Docker's default)."""
+
+
 def _operator_class():
     from airflow.providers.docker.exceptions import DockerContainerFailedException
     from airflow.providers.docker.operators.docker import DockerOperator
 
     class _Engine:
         """docker-py's client with the stage's security options and runtime added to each
-        container's host config, and the container's exit status kept."""
+        container's host config, and the container's exit status kept. The provider's own
+        cleanup after a time limit or a stop (its ``remove_container`` without force, which
+        an engine refuses for a running container, HTTP 500, and which then replaced the
+        timeout, so the task was retried with the container still running) stops the
+        container (SIGTERM, SIGKILL after the engine's grace period) and removes it."""
 
         def __init__(self, client, security_opt: list[str], runtime: str | None) -> None:
             self._client, self._security_opt, self._runtime = client, security_opt, runtime
             self.status: int | None = None
+            self.removed: str | None = None  # the container stopped and removed on an interruption
 
         def __getattr__(self, name: str):
             return getattr(self._client, name)
@@ -165,10 +229,32 @@ def _operator_class():
             self.status = result.get("StatusCode")
             return result
 
+        def stop(self, container, timeout: int | None = None):
+            # Docker's own grace period, given: podman's Docker API without one kills at once
+            # (SIGKILL), and the stage never ended its MLflow run KILLED
+            return self._client.stop(container, timeout=STOP_GRACE_S if timeout is None else timeout)
+
+        def remove_container(self, container, force: bool = False, **kwargs):
+            from dags.execution import interruption
+
+            if force or interruption(sys.exc_info()[1]) is None:
+                return self._client.remove_container(container, force=force, **kwargs)
+            from docker.errors import APIError
+
+            try:
+                self.stop(container)
+                self._client.remove_container(container, force=True, **kwargs)
+                self.removed = container
+            except APIError as exc:  # the interruption goes on: the task's failure is that, not this
+                log.warning("could not stop and remove container %s: %s", container, exc)
+            return None
+
     class StageContainer(DockerOperator):
         """DockerOperator for a posttrain stage: security options and runtime from the
-        flags file, and exit 2/3 (user mistake, failed gate) or its time limit fail at
-        once, unretried."""
+        flags file; exit 2/3 (user mistake, failed gate) or its time limit fail at once,
+        unretried; SIGTERM or Ctrl-C under ``posttrain run`` stops the container and ends
+        the task as stopped (``dags.execution.run_stoppably``); a sandboxed stage on an
+        engine that refuses its podman-only options fails at once, with one line."""
 
         def __init__(self, *, security_opt: list[str] | None = None, runtime: str | None = None, **kwargs) -> None:
             super().__init__(**kwargs)
@@ -183,21 +269,27 @@ def _operator_class():
             return self._engine
 
         def execute(self, context):
-            from airflow.sdk.exceptions import AirflowTaskTimeout
-
-            from dags.execution import FAIL_NOW_EXIT_CODES, fail_now, fail_timed_out
+            from dags.execution import FAIL_NOW_EXIT_CODES, fail_now, fail_user_error, run_stoppably
 
             self._normalize_mounts()
             self.mounts = [*self.mounts, *run_root_mounts(self.command, self.mounts)]
+            if podman_only(self.security_opt):
+                try:
+                    check_engine(self.cli.version(), self.docker_url, self.security_opt)
+                except UserError as exc:
+                    raise fail_user_error(exc) from None
             try:
-                return super().execute(context)
-            except AirflowTaskTimeout:  # the container is stopped, and the task fails unretried
-                raise fail_timed_out(self) from None
+                return run_stoppably(self, super().execute, context)
             except DockerContainerFailedException as exc:
                 if self._engine is not None and self._engine.status in FAIL_NOW_EXIT_CODES:
                     last = next((str(line).strip() for line in reversed(exc.logs or []) if str(line).strip()), "(no output)")
                     raise fail_now(self._engine.status, last, self.task_id, "container") from exc
                 raise
+
+        def on_kill(self) -> None:
+            if self._engine is not None and self.container is not None and self._engine.removed == self.container["Id"]:
+                return  # stopped and removed already, where the provider's cleanup would have removed it
+            super().on_kill()
 
     return StageContainer
 
@@ -281,7 +373,10 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
         "security_opt": flags.security_opt if spec.sandboxed else [],
         "labels": {"posttrain.stage": spec.id},
         "mem_limit": _bytes(res.memory),
+        "cpus": cpu_count(res.cpu),  # CPU shares, 1024 per CPU: the weight a pod's CPU request gets
     }
+    if res.gpus > 0:  # the stages whose pod gets /dev/shm in memory (torch, vLLM), up to its memory limit
+        kwargs["shm_size"] = _bytes(res.memory)
     return _operator_class(), kwargs
 
 

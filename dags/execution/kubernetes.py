@@ -6,7 +6,8 @@ What a stage pod gets (``operator(spec, res)``):
 - every stage: the image ``<POSTTRAIN_IMAGE_PREFIX>posttrain-<stage>:<POSTTRAIN_IMAGE_TAG>``
   (its entrypoint ``posttrain stage <id>``; the seam passes the arguments), namespace
   ``POSTTRAIN_NAMESPACE``, service account ``POSTTRAIN_STAGE_SERVICE_ACCOUNT``, the config
-  map ``POSTTRAIN_STAGE_CONFIGMAP`` as environment (``envFrom``), requests ``cpu`` and
+  map ``POSTTRAIN_STAGE_CONFIGMAP`` and the secret ``POSTTRAIN_STAGE_SECRET`` (optional: the
+  pod starts without it) as environment (``envFrom``), requests ``cpu`` and
   ``memory`` and a ``memory`` limit from ``res``, and the Pod Security Standards'
   *restricted* profile: uid/gid 10001, non-root, no privilege escalation, every capability
   dropped, seccomp ``RuntimeDefault``;
@@ -26,6 +27,7 @@ the fix):
 | ``POSTTRAIN_NAMESPACE`` | ``posttrain`` | namespace of the stage pods |
 | ``POSTTRAIN_STAGE_SERVICE_ACCOUNT`` | ``posttrain-stage`` | their service account (IRSA on EKS grants the store) |
 | ``POSTTRAIN_STAGE_CONFIGMAP`` | ``posttrain-stage-env`` | the stages' environment: store, tracking server, region |
+| ``POSTTRAIN_STAGE_SECRET`` | ``posttrain-s3`` | a secret whose keys join it where it exists (store credentials without IRSA, a tracking token); empty: none |
 | ``POSTTRAIN_SANDBOX_RUNTIME_CLASS`` | unset | RuntimeClass of sandboxed pods, e.g. ``gvisor`` |
 | ``POSTTRAIN_GPU_NODE_SELECTOR`` | ``posttrain.io/pool=gpu`` | ``key=value[,key=value]`` for GPU pods; empty: none |
 | ``POSTTRAIN_POD_STARTUP_TIMEOUT_S`` | ``600`` | seconds a pod may stay Pending (image pull, GPU node scale-up) |
@@ -47,8 +49,13 @@ isolation at start and refuses to run untrusted code unless the recipe allows it
 rejects the pod, which fails the task with the API server's reason. A gVisor
 RuntimeClass isolates the whole pod in a user-space kernel on top of that.
 
-Pods are deleted when they succeed and kept when they fail (``kubectl logs`` /
-``describe`` them); their logs stream into the Airflow task log. Labels:
+Pods are deleted when they succeed and kept when they ran and failed (``kubectl logs`` /
+``describe`` them); their logs stream into the Airflow task log. A pod that has not
+terminated when the task ends is deleted (its SIGTERM ends the stage's MLflow run KILLED):
+past the task's time limit (the task fails at once, naming ``timeouts.<stage>``), told to
+stop (SIGTERM or Ctrl-C to ``posttrain run``, a lost writer lease: the task ends stopped),
+still Pending after ``POSTTRAIN_POD_STARTUP_TIMEOUT_S`` (its events are in the task log; the
+retry makes a new pod), or left running by an outage of the API server's log stream. Labels:
 ``app.kubernetes.io/part-of=posttrain``, ``posttrain.io/stage=<id>`` and, on sharded
 stages, ``posttrain.io/shard=<map index>``.
 
@@ -61,6 +68,7 @@ account's ``imagePullSecrets``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -74,6 +82,7 @@ from dags.execution.cluster import (  # noqa: F401 - the settings, read by this 
     GPU_NODE_SELECTOR_VAR,
     NAMESPACE_VAR,
     RUNTIME_CLASS_VAR,
+    SECRET_VAR,
     SERVICE_ACCOUNT_VAR,
     STARTUP_TIMEOUT_VAR,
     ClusterSettings,
@@ -121,7 +130,9 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
         "image_pull_policy": "IfNotPresent",
         "service_account_name": conf.service_account,
         "automount_service_account_token": False,  # stages never call the Kubernetes API (IRSA mounts its own token)
-        "env_from": [k8s.V1EnvFromSource(config_map_ref=k8s.V1ConfigMapEnvSource(name=conf.config_map))],
+        "env_from": [k8s.V1EnvFromSource(config_map_ref=k8s.V1ConfigMapEnvSource(name=conf.config_map)),
+                     *([k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=conf.secret, optional=True))]
+                       if conf.secret else [])],
         "container_resources": k8s.V1ResourceRequirements(requests={"cpu": res.cpu, "memory": res.memory}, limits=limits),
         "security_context": pod_security,
         "container_security_context": container_security,
@@ -164,27 +175,60 @@ def last_line(remote_pod, container: str, failure: str) -> str:
     return lines[-1] if lines else (failure.strip().splitlines() or ["(no output)"])[0]
 
 
+TERMINATED_PHASES = ("Succeeded", "Failed")
+
+
 class StagePod(KubernetesPodOperator):
     """KubernetesPodOperator for a posttrain stage: a pod whose stage exits 2 (a user's
     mistake) or 3 (a failed data-quality gate) fails the task at once, unretried, with the
     stage's last line (the termination message falls back to the log's tail), and so does a
-    pod past the task's time limit (deleted first, ``on_kill``); any other failure stays the
-    provider's, which Airflow retries."""
+    pod past the task's time limit (deleted first); SIGTERM or Ctrl-C under ``posttrain
+    run`` deletes the pod and ends the task as stopped (``dags.execution.run_stoppably``);
+    any other failure stays the provider's, which Airflow retries.
+
+    The provider's cleanup (in its ``finally``) kept every pod that had not succeeded and
+    labelled it checked, so the retry made a new one beside it: a pod still running when
+    the time limit struck (and the cleanup's "returned a failure" replaced the timeout, so
+    the task was retried), or one still Pending after the startup timeout (both ran once
+    the node scaled up). Here a pod that has not terminated (Pending, Running, Unknown) is
+    deleted (``on_kill``); only one that ran and failed is kept, for its logs."""
 
     def execute(self, context):
-        from airflow.sdk.exceptions import AirflowTaskTimeout
+        from dags.execution import run_stoppably
 
-        from dags.execution import fail_timed_out
+        return run_stoppably(self, super().execute, context)
 
+    def on_kill(self) -> None:
+        if not self._killed:  # deleted once: by cleanup on an interruption, then by fail_timed_out / stopped
+            super().on_kill()
+
+    def _terminated(self, remote_pod) -> bool:
+        """Whether the pod has terminated (read again: the provider's ``remote_pod`` is the
+        one read at creation unless it waited for the pod's end); True for one that is gone."""
+        from kubernetes.client.exceptions import ApiException
+
+        phase = remote_pod.status.phase if remote_pod.status else None
+        if phase in TERMINATED_PHASES:
+            return True
         try:
-            return super().execute(context)
-        except AirflowTaskTimeout:  # the pod is deleted, and the task fails unretried
-            raise fail_timed_out(self) from None
+            current = self.pod_manager.read_pod(remote_pod)
+        except ApiException as exc:
+            return str(exc.status) == "404"
+        except Exception:  # noqa: BLE001 - the API server does not answer: delete what may still run
+            return False
+        return (current.status.phase if current.status else None) in TERMINATED_PHASES
 
     def cleanup(self, pod, remote_pod):
         from airflow.exceptions import AirflowException
         from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+        from dags.execution import interruption
+
+        if not self._killed and remote_pod is not None and (
+                interruption(sys.exc_info()[1]) is not None or not self._terminated(remote_pod)):
+            self.log.info("Deleting pod %s: it has not terminated", remote_pod.metadata.name)
+            self.on_kill()  # the exception in flight (time limit, stop, startup timeout, outage) is the task's
+            return None
         try:
             return super().cleanup(pod, remote_pod)
         except AirflowException as exc:

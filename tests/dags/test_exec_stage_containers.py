@@ -205,14 +205,16 @@ class TimingOut(FakeEngine):
     def __init__(self) -> None:
         super().__init__("working\n", 0)
         self.stopped: list[str] = []
+        self.grace: int | None = None
 
     def wait(self, container: str) -> dict:
         from airflow.sdk.exceptions import AirflowTaskTimeout
 
         raise AirflowTaskTimeout("Timeout")
 
-    def stop(self, container: str) -> None:
+    def stop(self, container: str, timeout: int | None = None) -> None:
         self.stopped.append(container)
+        self.grace = timeout
 
 
 def test_a_container_past_its_time_limit_is_stopped_and_fails_unretried(monkeypatch, tmp_path, final_errors):
@@ -230,6 +232,7 @@ def test_a_container_past_its_time_limit_is_stopped_and_fails_unretried(monkeypa
         op.execute({})
     assert str(failed.value) == TIMEOUT_LINE
     assert engine.stopped == ["c0ffee"]  # on_kill: Airflow calls it only for a timeout it sees itself
+    assert engine.grace == 10  # SIGTERM first: podman's Docker API without a grace period SIGKILLs at once
     assert [e.line() for e in final_errors] == [TIMEOUT_LINE]
 
 

@@ -33,7 +33,9 @@ from dags.execution import kubernetes as mode
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30"  # the API the kubernetes client 30 speaks
 ENV_VARS = (mode.NAMESPACE_VAR, mode.SERVICE_ACCOUNT_VAR, mode.CONFIGMAP_VAR, mode.RUNTIME_CLASS_VAR,
-            mode.GPU_NODE_SELECTOR_VAR, mode.STARTUP_TIMEOUT_VAR, "POSTTRAIN_IMAGE_PREFIX", "POSTTRAIN_IMAGE_TAG")
+            mode.GPU_NODE_SELECTOR_VAR, mode.STARTUP_TIMEOUT_VAR, mode.SECRET_VAR, "POSTTRAIN_IMAGE_PREFIX",
+            "POSTTRAIN_IMAGE_TAG")
+STAGE_SECRET = {"secretRef": {"name": "posttrain-s3", "optional": True}}
 SANDBOX_CONTAINER = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "allowPrivilegeEscalation": False,
                      "privileged": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "Unconfined"},
                      "appArmorProfile": {"type": "Unconfined"}, "procMount": "Unmasked"}
@@ -101,7 +103,7 @@ def test_pod_fields_follow_the_registry(spec):
     assert container["args"] == _args(spec)
     assert podspec["serviceAccountName"] == "posttrain-stage"
     assert podspec["automountServiceAccountToken"] is False
-    assert container["envFrom"] == [{"configMapRef": {"name": "posttrain-stage-env"}}]
+    assert container["envFrom"] == [{"configMapRef": {"name": "posttrain-stage-env"}}, STAGE_SECRET]
     assert podspec["restartPolicy"] == "Never"
 
     gpu = spec.gpus > 0
@@ -142,9 +144,33 @@ def test_deployment_settings_reach_the_pod(monkeypatch):
     (container,) = pod["spec"]["containers"]
     assert pod["metadata"]["namespace"] == "ml-train"
     assert pod["spec"]["serviceAccountName"] == "trainer-sa"
-    assert container["envFrom"] == [{"configMapRef": {"name": "stage-env.v2"}}]
+    assert container["envFrom"] == [{"configMapRef": {"name": "stage-env.v2"}}, STAGE_SECRET]
     assert pod["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge", "accel": "h100"}
     assert container["image"] == "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml/posttrain-trainer:2026.1"
+
+
+@pytest.mark.parametrize("value, env_from", [
+    ("stage-creds.v2", [{"configMapRef": {"name": "posttrain-stage-env"}},
+                        {"secretRef": {"name": "stage-creds.v2", "optional": True}}]),
+    ("", [{"configMapRef": {"name": "posttrain-stage-env"}}])])
+def test_the_stage_secret_reaches_every_pod_as_optional_environment(value, env_from, monkeypatch):
+    """``POSTTRAIN_STAGE_SECRET`` (default ``posttrain-s3``, as the Kubeflow pipeline's): its
+    keys become the stage's environment where the secret exists; a pod starts without it
+    (``optional``); empty: none. Before, a stage pod could get only the config map."""
+    monkeypatch.setenv(mode.SECRET_VAR, value)
+    for spec in registered():
+        pod = stage_pod(spec)
+        assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == K8S_VERSION
+        assert pod["spec"]["containers"][0]["envFrom"] == env_from, spec.id
+
+
+def test_a_bad_stage_secret_is_one_line(monkeypatch):
+    monkeypatch.setenv(mode.SECRET_VAR, "Posttrain_S3")
+    with pytest.raises(UserError) as error:
+        mode.cluster_settings()
+    assert error.value.line() == (
+        "POSTTRAIN_STAGE_SECRET='Posttrain_S3': not a Kubernetes name (at most 253 lowercase letters, digits, '-' and .); "
+        "fix: set it to e.g. 'posttrain-s3' or leave it unset")
 
 
 def test_an_empty_gpu_node_selector_means_none(monkeypatch):
