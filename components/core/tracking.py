@@ -498,25 +498,15 @@ def finish_iteration(parent_run_id: str) -> list[str]:
     orchestrator ended FAILED or KILLED before a later attempt finished the iteration
     (``posttrain stage`` reopens the parent only at taskgen). Returns the ids of the stage
     runs it ended. A parent this tracking server does not know is left alone."""
-    from mlflow.exceptions import MlflowException
-
     ended = end_children(parent_run_id, "KILLED")
-    if not parent_run_id:
-        return ended
-    try:
-        run = client().get_run(parent_run_id)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return ended
-        raise
-    if run.info.status in UNFINISHED:
-        client().set_terminated(parent_run_id, "FINISHED")
+    end_if_running(parent_run_id, "FINISHED", UNFINISHED)
     return ended
 
 
-def end_if_running(run_id: str, status: str = "FINISHED") -> bool:
-    """End ``run_id`` with ``status`` if it is still RUNNING (True when it was); a run id
-    this tracking server does not know is left alone (the manifest came from elsewhere)."""
+def end_if_running(run_id: str, status: str = "FINISHED", ending: tuple[str, ...] = ("RUNNING",)) -> bool:
+    """End ``run_id`` with ``status`` if its status is one of ``ending`` (by default: it is
+    still RUNNING; True when it was ended); a run id this tracking server does not know is
+    left alone (the manifest came from elsewhere)."""
     from mlflow.exceptions import MlflowException
 
     if not run_id:
@@ -527,7 +517,7 @@ def end_if_running(run_id: str, status: str = "FINISHED") -> bool:
         if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
             return False
         raise
-    if run.info.status != "RUNNING":
+    if run.info.status not in ending:
         return False
     client().set_terminated(run_id, status)
     return True
