@@ -33,7 +33,8 @@ import os
 import shlex
 import signal
 import sys
-from typing import NoReturn
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NoReturn
 
 from components import startup  # first: Ctrl-C during the imports below is one line, not a traceback
 from components.core import gcpolicy, settings
@@ -45,6 +46,9 @@ from components.domains.cli import add_parser as add_verify
 from components.reward.replay import add_parser as add_replay
 from components.rollout.cli import add_parser as add_serve
 from components.sandbox.cli import add_parser as add_sandbox
+
+if TYPE_CHECKING:
+    from components.core.storage import Store
 
 startup.done()
 
@@ -167,10 +171,10 @@ def _stage(args: argparse.Namespace) -> int:
     if args.lease_holder and args.stage_id != "bootstrap":  # a DAG's stage container: still its run's iteration
         from components.core import planner
         from components.core.recipe import load_recipe
-        from components.core.storage import Store
 
-        planner.check_current(Store(conf.run_root, "--run-root"), load_recipe(conf.recipe).pipeline, args.iteration,
-                              args.lease_holder)
+        pipeline = load_recipe(conf.recipe).pipeline
+        with _reachable_store(conf.run_root) as store:
+            planner.check_current(store, pipeline, args.iteration, args.lease_holder)
     with _lease_renewed(args, conf):
         run_stage(args.stage_id, conf.recipe, conf.run_root, args.iteration, args.shard,
                   orchestrator_run_id=args.orchestrator_run_id, in_order=True)
@@ -211,40 +215,71 @@ def _release(args: argparse.Namespace) -> int:
     handing it back (a DAG run marked failed in the UI skips its failure callback, a pod
     killed with its node). Only the named holder's lease goes, so a run that took the
     iteration since is never cut off; its run must really be stopped (this does not stop it)."""
-    import time
-
-    from components.core import lease
-    from components.core.manifest import MANIFEST, check_not_past_max, stage_prefix
+    from components.core.manifest import check_not_past_max
     from components.core.recipe import load_recipe
-    from components.core.storage import Store
 
     if args.iteration < 1:
         raise UserError("--iteration", args.iteration, "iterations count from 1", "pass --iteration 1 or higher")
     check_not_past_max("--iteration", args.iteration)
     conf = settings.resolve(args.recipe, args.run_root)
     pipeline = load_recipe(conf.recipe).pipeline
-    store = Store(conf.run_root, "--run-root")
-    if store.exists(f"{stage_prefix(pipeline, args.iteration, 'evaluation')}/{MANIFEST}"):  # planner.finished's test
-        raise UserError("--iteration", args.iteration, f"iteration {args.iteration} of pipeline {pipeline!r} under "
+    with _reachable_store(conf.run_root) as store:
+        _release_lease(store, pipeline, args.iteration, args.holder)
+    return 0
+
+
+def _release_lease(store: Store, pipeline: str, iteration: int, holder: str) -> None:
+    """``_release``'s work on a store that answers: a finished iteration, one no lease
+    holds and one another holder holds are refused; else ``holder``'s lease is handed back."""
+    import time
+
+    from components.core import lease
+    from components.core.manifest import MANIFEST, stage_prefix
+
+    if store.exists(f"{stage_prefix(pipeline, iteration, 'evaluation')}/{MANIFEST}"):  # planner.finished's test
+        raise UserError("--iteration", iteration, f"iteration {iteration} of pipeline {pipeline!r} under "
                         f"{store.uri} has finished (its evaluation manifest exists), so no run works on it and there "
                         "is nothing to release", "nothing to do: the next run plans the iteration after the last "
                         "finished one")
-    cur = lease.current(store, pipeline, args.iteration)
+    cur = lease.current(store, pipeline, iteration)
     if cur is None or not cur.holder:
-        raise UserError("--iteration", args.iteration, f"iteration {args.iteration} of pipeline {pipeline!r} under "
+        raise UserError("--iteration", iteration, f"iteration {iteration} of pipeline {pipeline!r} under "
                         f"{store.uri} has no lease to release ({'none was taken' if cur is None else 'released already'})",
                         "nothing to do: the next run can take it")
-    if cur.holder != args.holder:
-        raise UserError("--holder", args.holder, f"iteration {args.iteration} of pipeline {pipeline!r} is held by "
+    if cur.holder != holder:
+        raise UserError("--holder", holder, f"iteration {iteration} of pipeline {pipeline!r} is held by "
                         f"{cur.holder!r}, not by this holder", f"pass --holder {shlex.quote(cur.holder)} if that run "
                         "is gone, or leave it to finish")
-    if not lease.release(store, pipeline, args.iteration, args.holder):  # taken over between the read and the write
-        raise UserError("--holder", args.holder, f"the lease on iteration {args.iteration} changed hands while being "
+    if not lease.release(store, pipeline, iteration, holder):  # taken over between the read and the write
+        raise UserError("--holder", holder, f"the lease on iteration {iteration} changed hands while being "
                         "released", "run the command again to see who holds it now")
     left = max(0.0, cur.expires_at - time.time())
-    print(f"released iteration {args.iteration} of {pipeline!r} (held by {args.holder!r}, {left:.0f} s before it "
+    print(f"released iteration {iteration} of {pipeline!r} (held by {holder!r}, {left:.0f} s before it "
           "would have expired)")
-    return 0
+
+
+@contextlib.contextmanager
+def _reachable_store(run_root: str) -> Iterator[Store]:
+    """The run root's store, once it has answered and taken a write (``check_reachable``):
+    wrong keys, a missing bucket or a folder that cannot be written are one UserError
+    naming the run root (exit 2), a store that does not answer one InfraError (exit 1,
+    retried), and so is an outage inside the body (the store gone after the check); never
+    a traceback from the first read. A local run root this made is removed again if the
+    body refuses (a release with no lease to release leaves no folder behind)."""
+    from components.core.errors import outage
+    from components.core.storage import Store, removed_if_refused
+
+    store = Store(run_root, "--run-root")
+    with removed_if_refused(store):
+        store.check_reachable()
+        try:
+            yield store
+        except (UserError, InfraError, DataQualityError, LeaseHeld):
+            raise
+        except Exception as exc:
+            if (down := outage(exc)) is None:
+                raise
+            raise InfraError("store", store.uri, down) from exc
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:

@@ -472,3 +472,58 @@ def test_the_dags_stage_arguments_carry_the_plans_holder() -> None:
     assert stage_arguments(plan, "manual__1", "0/2") == [
         "--recipe", "s3://b/r.yaml", "--run-root", "s3://b", "--iteration", "3", "--orchestrator-run-id", "manual__1",
         "--lease-holder", "airflow:manual__1", "--shard", "0/2"]
+
+
+STORE_COMMANDS = {
+    "release": ["release", "--iteration", "1", "--holder", "airflow:scheduled__1"],
+    "stage-lease-holder": ["stage", "taskgen", "--iteration", "1", "--lease-holder", "airflow:scheduled__1"],
+}
+
+
+@pytest.mark.parametrize("command", list(STORE_COMMANDS.values()), ids=list(STORE_COMMANDS))
+def test_release_and_a_stage_container_on_a_store_that_does_not_answer_are_one_line_and_exit_1(
+        command: list[str], tmp_path: Path) -> None:
+    """They ended in an EndpointConnectionError traceback (a stage container's first read
+    of its lease came before the stage's own outage handling)."""
+    env = base_env(tmp_path / "home")
+    port = closed_port()
+    env.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="nobody",
+               AWS_SECRET_ACCESS_KEY="nothing", AWS_DEFAULT_REGION="us-east-1")
+    proc = posttrain([*command, "--recipe", str(TINY_RECIPE), "--run-root", "s3://bucket/x"], env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("posttrain: unreachable: store unreachable at 's3://bucket/x': EndpointConnectionError: "
+                           "Could not connect to the endpoint URL")
+    assert f"127.0.0.1:{port}" in line and line.endswith("retry once it is back")
+
+
+@pytest.mark.parametrize("command", list(STORE_COMMANDS.values()), ids=list(STORE_COMMANDS))
+def test_release_and_a_stage_container_with_a_wrong_key_are_exit_2(command: list[str], s3_env, tmp_path: Path) -> None:
+    """A PermissionError traceback and exit 1, which Airflow retried: the keys are the user's to fix."""
+    env = {**base_env(tmp_path / "home"), **s3_env.env(), "AWS_SECRET_ACCESS_KEY": "not-the-key"}
+    root = f"s3://{s3_env.bucket}/wrong-key"
+    proc = posttrain([*command, "--recipe", str(TINY_RECIPE), "--run-root", root], env)
+    assert_user_error(proc, f"--run-root='{root}': store is not reachable or not writable (PermissionError: ",
+                      "fix: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE): the server refused them")
+
+
+def test_release_in_a_bucket_that_does_not_exist_names_the_bucket(s3_env, tmp_path: Path) -> None:
+    """It said 'has no lease to release (none was taken)'."""
+    env = {**base_env(tmp_path / "home"), **s3_env.env()}
+    root = "s3://posttrain-no-such-bucket-zz/runs"
+    proc = posttrain([*STORE_COMMANDS["release"], "--recipe", str(TINY_RECIPE), "--run-root", root], env)
+    assert_user_error(proc, f"--run-root='{root}': store is not reachable or not writable (the S3 server has no "
+                            "bucket 'posttrain-no-such-bucket-zz'); fix: create the bucket, or name an existing one "
+                            "in the run root")
+
+
+def test_release_of_a_local_run_root_that_is_not_there_makes_none(tmp_path: Path, capsys) -> None:
+    """The store check makes a local run root; a release refused there leaves none behind."""
+    from components.cli import main
+
+    root = tmp_path / "a" / "rr"
+    assert main(["release", "--recipe", str(TINY_RECIPE), "--run-root", str(root), "--iteration", "1",
+                 "--holder", "x"]) == 2
+    assert "has no lease to release (none was taken)" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()

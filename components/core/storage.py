@@ -145,8 +145,9 @@ def normalize_uri(uri: str, field: str = "run_root") -> str:
     """Absolute URI for ``uri``; a bare path becomes ``file://<absolute path>``. Anything
     that names no store (an empty text, a NUL or other control character, bytes that are
     not UTF-8, an unknown scheme, an s3 URI
-    without a bucket or whose host part ``urlsplit`` refuses, such as ``s3://[x``) is a
-    UserError naming ``field`` and the URI as given."""
+    without a bucket or whose host part ``urlsplit`` refuses, such as ``s3://[x``, or holds
+    a port, and an s3 prefix ``_check_s3_key`` refuses) is a UserError naming ``field`` and
+    the URI as given."""
     uri = str(uri).strip()
     if not uri:
         raise UserError(field, uri, "empty storage URI", "pass file:///path or s3://bucket/prefix")
@@ -172,10 +173,37 @@ def normalize_uri(uri: str, field: str = "run_root") -> str:
         raise UserError(field, f"s3://...@{parsed.netloc.rpartition('@')[2]}{parsed.path}",
                         "an s3 URI cannot hold credentials",
                         "pass them as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
-    if any(part in (".", "..") for part in parsed.path.split("/")):
+    if ":" in parsed.netloc:  # s3://host:9000/x: botocore refused the bucket "host:9000" as an endpoint problem
+        raise UserError(field, uri, f"the bucket part {parsed.netloc!r} holds a ':' (a port?), which no bucket name has",
+                        "put host:port in AWS_ENDPOINT_URL; write s3://bucket/prefix")
+    _check_s3_key(uri[len(found) + 3 + len(parsed.netloc):], field, uri)
+    return "s3://" + uri[len(found) + 3:].rstrip("/")  # the scheme as fsspec knows it: "S3://" is no protocol there
+
+
+S3_WILDCARDS = "*?[]"
+"""Characters s3fs (and other S3 tools) read as a pattern in a path: a delete of
+``runs/r*`` would delete ``runs/rX``'s objects too."""
+
+
+def _check_s3_key(key: str, field: str, uri: str) -> None:
+    """The part of an s3 URI after its bucket (``/prefix``, query and fragment included:
+    s3fs takes them as the key) names one prefix, the same on every S3 server: a UserError
+    naming ``field`` and ``uri`` for a wildcard, a backslash (SeaweedFS turns it into a
+    '/'), an empty part (``a//b``: SeaweedFS drops it, so listings under the prefix find
+    nothing) and a '.' or '..' part (a key's name on S3, not a step up)."""
+    if found := sorted({c for c in key if c in S3_WILDCARDS}):
+        raise UserError(field, uri, f"holds {', '.join(map(repr, found))}, which S3 tools read as a wildcard (a delete under it "
+                        "would also delete other prefixes' objects)", f"rename the prefix without {' '.join(S3_WILDCARDS)}")
+    if "\\" in key:
+        raise UserError(field, uri, "holds a backslash, which some S3 servers (SeaweedFS) turn into '/'",
+                        "write the prefix with '/' between its parts")
+    parts = key.rstrip("/").split("/")[1:]  # "" (no prefix) or "/a/b": what follows the bucket's '/'
+    if "" in parts:
+        raise UserError(field, uri, "has an empty part ('//'), which some S3 servers (SeaweedFS) drop, so nothing "
+                        "under the prefix is listed", "write the prefix with one '/' between its parts")
+    if any(part in (".", "..") for part in parts):
         raise UserError(field, uri, "has a '.' or '..' part, which S3 keeps as a key's name, not a step up",
                         "write the prefix without it")
-    return "s3://" + uri[len(found) + 3:].rstrip("/")  # the scheme as fsspec knows it: "S3://" is no protocol there
 
 
 def make_folders(path: str | Path) -> None:
@@ -516,10 +544,14 @@ class Store:
             if self.uri.startswith("file://"):
                 make_folders(self.root)  # a path refused part way (a name too long) leaves no parents behind
             else:  # some servers (SeaweedFS) create a missing bucket on the first PUT: ask first
+                bucket = urlparse(self.uri).netloc
                 try:
-                    self.fs.call_s3("head_bucket", Bucket=urlparse(self.uri).netloc)
+                    self.fs.call_s3("head_bucket", Bucket=bucket)
                 except PermissionError:
                     pass  # may write objects without listing the bucket: the probe below decides
+                except FileNotFoundError as exc:  # said "(FileNotFoundError: Not Found)", naming no bucket
+                    raise UserError(self.field, self.uri, f"store is not reachable or not writable (the S3 server "
+                                    f"has no bucket {bucket!r})", s3_fix(exc)) from None
             self.write_bytes(probe, b"ok")
             self.delete(probe)
         except Exception as exc:
@@ -714,10 +746,31 @@ class Store:
         return json.loads(self.read_bytes(rel))
 
     def delete(self, rel: str, recursive: bool = False) -> None:
+        """Remove the file ``rel`` (with ``recursive``, a folder and everything under it);
+        nothing if it is not there. Literal on every backend: on S3 each object is deleted
+        by its own name (``rm_file``), those of a folder listed first (``find``), because
+        s3fs's ``rm`` reads ``*``, ``?`` and ``[`` in a path as a pattern and would delete
+        another prefix's objects (``normalize_uri`` refuses such a run root, too)."""
         forget(self.url(rel))
         path = self._fresh(self._path(rel))
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=recursive)
+        if self.uri.startswith("file://"):  # LocalFileSystem.rm takes its path as it is
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=recursive)
+            return
+        for key in self._objects(path, recursive):
+            self.fs.rm_file(key)
+
+    def _objects(self, path: str, recursive: bool) -> list[str]:
+        """The S3 objects a delete of ``path`` removes, each by its full name: the object at
+        ``path`` (with ``recursive``, every object under it, too); none where there is none,
+        nor a bucket. An outage propagates (``fs.isfile`` would answer False to it, and the
+        delete be skipped without a word)."""
+        try:
+            if recursive:
+                return list(self.fs.find(path))
+            return [path] if self.fs.info(path)["type"] == "file" else []
+        except FileNotFoundError:
+            return []
 
     def listdir(self, rel: str = "") -> list[str]:
         path = self._fresh(self._path(rel))

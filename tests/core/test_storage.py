@@ -202,3 +202,86 @@ def test_local_writes_reach_the_disk_before_and_after_their_rename(tmp_path, mon
     synced.clear()
     assert store.create("b/lease.json", b"{}")
     assert [kind for kind, _ in synced] == ["file", "folder"] and synced[1] == ("folder", f"{tmp_path}/root/b")
+
+
+WILDCARD = "which S3 tools read as a wildcard (a delete under it would also delete other prefixes' objects)"
+EMPTY_PART = "has an empty part ('//'), which some S3 servers (SeaweedFS) drop, so nothing under the prefix is listed"
+
+
+@pytest.mark.parametrize(("uri", "problem", "fix"), [
+    ("s3://bucket/runs/r*", f"holds '*', {WILDCARD}", "rename the prefix without * ? [ ]"),
+    ("s3://bucket/runs/r?", f"holds '?', {WILDCARD}", "rename the prefix without * ? [ ]"),
+    ("s3://bucket/x?y=1", f"holds '?', {WILDCARD}", "rename the prefix without * ? [ ]"),
+    ("s3://bucket/a[1]", f"holds '[', ']', {WILDCARD}", "rename the prefix without * ? [ ]"),
+    ("s3://bucket/a]", f"holds ']', {WILDCARD}", "rename the prefix without * ? [ ]"),
+    ("s3://bucket/a//b", EMPTY_PART, "write the prefix with one '/' between its parts"),
+    ("s3://bucket//a", EMPTY_PART, "write the prefix with one '/' between its parts"),
+    ("s3://bucket/x\\y", "holds a backslash, which some S3 servers (SeaweedFS) turn into '/'",
+     "write the prefix with '/' between its parts"),
+    ("s3://bucket:9000/x", "the bucket part 'bucket:9000' holds a ':' (a port?), which no bucket name has",
+     "put host:port in AWS_ENDPOINT_URL; write s3://bucket/prefix"),
+])
+@pytest.mark.parametrize("field", ["run_root", "--checkpoint"])
+def test_an_s3_prefix_servers_or_tools_read_otherwise_is_refused(uri: str, problem: str, fix: str, field: str) -> None:
+    """Each was accepted: 'runs/r*' deleted another run root's checkpoint, 'a//b' listed as
+    empty on SeaweedFS (a lease taken twice), and 'bucket:9000' was told to fix its endpoint."""
+    with pytest.raises(UserError) as info:
+        normalize_uri(uri, field)
+    assert (info.value.field, info.value.value, info.value.problem, info.value.fix) == (field, uri, problem, fix)
+    with pytest.raises(UserError):
+        Store(uri, field)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/a/b/", "s3://bucket/", "s3://bucket/runs-1/x.y_z (2)/é"])
+def test_an_s3_prefix_without_them_is_accepted(uri: str) -> None:
+    assert normalize_uri(uri) == uri.rstrip("/")
+
+
+@pytest.mark.parametrize("mine", ["runs/r*", "runs/r?", "runs/r[X]"])
+def test_a_delete_is_literal_never_a_pattern(store_uri: str, mine: str, tmp_path: Path) -> None:
+    """s3fs's rm reads '*', '?' and '[' as a pattern: deleting 'runs/r*/...' deleted the
+    same files under 'runs/rX', a champion's weights among them (on file:// it never did)."""
+    store = Store(store_uri)
+    others = ["runs/rX/demo/_MANIFEST.json", "runs/rX/ck/model.safetensors", "runs/rX/ck/tok/tokenizer.json"]
+    for rel in others:
+        store.write_bytes(rel, b"other run root's")
+    store.write_bytes(f"{mine}/demo/_MANIFEST.json", b"mine")
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"new weights")
+    store.upload_dir(src, f"{mine}/ck")
+    store.upload_dir(src, f"{mine}/ck")  # a re-run: replace deletes the folder first
+
+    store.delete(f"{mine}/demo/_MANIFEST.json")
+    assert not store.exists(f"{mine}/demo/_MANIFEST.json")
+    assert store.read_bytes(f"{mine}/ck/model.safetensors") == b"new weights"
+    store.delete(f"{mine}/ck", recursive=True)
+    assert not store.exists(f"{mine}/ck/model.safetensors")
+    assert [rel for rel in others if store.read_bytes(rel) != b"other run root's"] == []
+    store.delete(f"{mine}/nothing-here", recursive=True)  # nothing there: nothing to do, no error
+    store.delete(f"{mine}/nothing-here")
+
+
+def test_a_missing_bucket_is_named(s3_env) -> None:
+    """It said 'store is not reachable or not writable (FileNotFoundError: Not Found)'."""
+    with pytest.raises(UserError) as info:
+        Store("s3://posttrain-no-such-bucket-zz/runs", "--run-root").check_reachable()
+    assert info.value.line() == ("--run-root='s3://posttrain-no-such-bucket-zz/runs': store is not reachable or not "
+                                 "writable (the S3 server has no bucket 'posttrain-no-such-bucket-zz'); fix: create the "
+                                 "bucket, or name an existing one in the run root")
+
+
+@pytest.mark.parametrize("recursive", [False, True])
+def test_an_s3_delete_during_an_outage_raises_it(recursive: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not skipped as if nothing were there (``fs.isfile`` answers False to any error): a
+    manifest a cache miss failed to delete would be read as the stage's output."""
+    from components.core.errors import outage
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "nothing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with pytest.raises(Exception) as info:  # botocore's error, whichever its type
+        Store("s3://bucket/x").delete("demo/_MANIFEST.json", recursive=recursive)
+    assert outage(info.value) is not None, repr(info.value)
