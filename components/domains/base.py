@@ -14,9 +14,10 @@ Verifiers are total: model output of any size, depth or encoding gets a verdict.
 ``malformed(completion)`` turns text no verifier should read (not UTF-8, longer than
 ``MAX_COMPLETION_CHARS``) into score 0 with status ``malformed``; JSON is parsed only after
 ``json_depth_ok`` and a size check. Callers go through ``judge(domain, task, completion,
-result)``, which also turns a verifier's own exception (or a score outside [0, 1]) into
-status ``verifier_error``. ``reference_problem`` checks a task's reference shape when a
-task file is parsed, so a wrong-shaped reference never reaches a verifier.
+result)``, which also turns a verifier's own exception (or a score outside [0, 1], or a
+``passed`` that is not a bool) into status ``verifier_error``. ``reference_problem`` checks
+a task's reference shape when a task file is parsed, so a wrong-shaped reference never
+reaches a verifier.
 
 Interactive tasks: ``Domain.interactive(task)`` returns an ``Interactive`` declaration
 (None for a one-shot task): the files laid out in the session's work folder before the
@@ -40,8 +41,10 @@ import hashlib
 import json
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
+
+import numpy as np
 
 from components.core.jobs import Job, Outcome, SessionJob
 from components.core.records import Task
@@ -244,15 +247,20 @@ def json_depth_ok(text: str, max_depth: int = MAX_JSON_DEPTH) -> bool:
 def judge(domain: Domain, task: Task, completion: object, result: Outcome | None) -> Verdict:
     """``domain.verify`` made total: a completion no verifier should read is ``malformed``
     (score 0); an exception from the verifier, or a verdict whose score is not a number in
-    [0, 1], is ``verifier_error`` (score 0, detail says what). Never raises an Exception."""
+    [0, 1] or whose ``passed`` is not a bool (``np.bool_`` is made a ``bool``), is
+    ``verifier_error`` (score 0, detail says what). Never raises an Exception."""
     bad = malformed(completion)
     if bad is not None:
         return bad
     try:
         verdict = domain.verify(task, completion, result)  # type: ignore[arg-type]
-        score = verdict.score
+        score, passed = verdict.score, verdict.passed
         if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
             return Verdict(0.0, False, status="verifier_error", detail=f"verifier returned score {score!r:.60}")
+        if not isinstance(passed, (bool, np.bool_)):
+            return Verdict(0.0, False, status="verifier_error", detail=f"verifier returned passed {passed!r:.60}")
+        if type(passed) is not bool:
+            verdict = replace(verdict, passed=bool(passed))
         return verdict
     except Exception as exc:  # noqa: BLE001 - a verifier's bug is recorded per sample, never fatal
         return Verdict(0.0, False, status="verifier_error", detail=error_text(exc))

@@ -116,7 +116,9 @@ class Scoring:
 
 def scoring_of(store: Store, pipeline: str, version: str) -> Scoring:
     """The manifest of the stage that scored ``version`` on the eval suite, found through
-    the version's ``posttrain.iteration`` tag; ``missing`` says why when there is none."""
+    the version's ``posttrain.iteration`` tag; ``missing`` says why when there is none (a
+    tag that is not a non-negative integer, an edited one, finds none: the statistical
+    rule falls back to strict and its reason names the tag)."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -127,7 +129,12 @@ def scoring_of(store: Store, pipeline: str, version: str) -> Scoring:
         return Scoring(version, None, f"version {version} has no {ITERATION_TAG} tag (registered outside the pipeline)")
     if tags.get(RUN_ROOT_TAG, store.uri) != store.uri:
         return Scoring(version, None, f"version {version} was scored under another run root ({tags[RUN_ROOT_TAG]})")
-    iteration = int(tags[ITERATION_TAG])
+    text = tags[ITERATION_TAG]
+    # An edited tag ("three", "1e3", "-1", thousands of digits) is hostile input, as in tagged_rates.
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        return Scoring(version, None, f"version {version}'s {ITERATION_TAG} tag {text!r:.60} is not an iteration "
+                                      "(a non-negative integer)")
+    iteration = int(text)
     prefix = stage_prefix(pipeline, iteration, "bootstrap" if iteration == 0 else "evaluation")
     manifest = read_manifest(store, prefix)
     if manifest is None or "eval_results" not in manifest.outputs:

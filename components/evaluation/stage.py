@@ -24,7 +24,9 @@ Both judge the recipe's domains the baseline was scored on: a baseline domain th
 dropped is left out, a domain only the candidate has is new (reported without a
 baseline, blocking nothing; the statistical rule still pairs the others), and the reason
 names both. A held candidate that an earlier attempt of this evaluation had promoted
-gives the ``champion`` alias back to the baseline version.
+gives the ``champion`` alias back to the baseline version. An external starting policy
+(``rollout.policy`` a checkpoint or another model's URI) with no champion set has no
+baseline: every domain is new, the candidate is promoted, and the reason says why.
 
 With ``evaluation.pass_k > 0`` it also samples k completions per eval task and logs the
 unbiased pass@k per domain (``<domain>/pass_at_k``) beside greedy pass@1; pass@k never
@@ -81,19 +83,25 @@ def baseline_rates(pipeline: str, version: str) -> dict[str, float]:
 
 def baseline_for(pipeline: str, parent_version: str) -> tuple[str, dict[str, float]]:
     """(version, per-domain pass rates) a candidate must not fall below: the champion's,
-    or the parent's while no champion is set."""
+    or the parent's while no champion is set; ("", {}) when there is no champion and the
+    parent is not a registry version (``external``: ``rollout.policy`` a checkpoint or
+    another model's URI), so every domain is new (no baseline)."""
     champion = models.resolve_alias(pipeline, "champion")
     version = champion[0] if champion else parent_version
+    if not version.isdigit():
+        return "", {}
     return version, baseline_rates(pipeline, version)
 
 
 def fixed_baseline(pipeline: str, candidate: str, parent_version: str) -> tuple[str, dict[str, float]]:
     """``baseline_for``, fixed on the candidate's registry version before any alias moves:
     a retry after the first attempt promoted the candidate (a kill, an outage) reads the
-    tag back instead of comparing the candidate with itself."""
+    tag back instead of comparing the candidate with itself. No baseline is fixed as an
+    empty tag, read back as ("", {})."""
     tags = tracking.client().get_model_version(models.model_name(pipeline), candidate).tags
     if BASELINE_TAG in tags:
-        return tags[BASELINE_TAG], baseline_rates(pipeline, tags[BASELINE_TAG])
+        fixed = tags[BASELINE_TAG]
+        return (fixed, baseline_rates(pipeline, fixed)) if fixed else ("", {})
     version, rates = baseline_for(pipeline, parent_version)
     models.set_version_tags(pipeline, candidate, {BASELINE_TAG: version})
     return version, rates
@@ -101,7 +109,8 @@ def fixed_baseline(pipeline: str, candidate: str, parent_version: str) -> tuple[
 
 def iteration_baseline(ctx: StageContext, trainer: Checkpoint) -> tuple[str, dict[str, float]]:
     """The baseline taskgen fixed at iteration start (``StartingPolicy``), read from its
-    manifest; for manifests written before taskgen recorded it, ``fixed_baseline``."""
+    manifest; where it records none (manifests written before taskgen recorded it, an
+    external starting policy with no champion), ``fixed_baseline``."""
     start = ctx.facts_of("taskgen", StartingPolicy)
     if not start.baseline_version:
         return fixed_baseline(ctx.pipeline, trainer.version, trainer.parent_version)
@@ -117,10 +126,16 @@ def baseline_scoring(ctx: StageContext) -> Scoring | None:
     return scoring_of(ctx.store, ctx.pipeline, start.baseline_version) if start.baseline_version else None
 
 
+NO_BASELINE = "no baseline: the starting policy is external and no champion is set"
+
+
 def comparisons(ctx: StageContext, results: list[EvalResult], rates: dict[str, float],
-                baseline: dict[str, float]) -> tuple[list[Comparison], str]:
+                baseline: dict[str, float], baseline_version: str | None = None) -> tuple[list[Comparison], str]:
     """(per-domain rows, "") paired with the baseline's results, or (rows without
-    intervals, why) when those results are missing or do not cover the candidate's tasks."""
+    intervals, why) when those results are missing or do not cover the candidate's tasks.
+    ``baseline_version`` "" is no baseline at all (``NO_BASELINE``): every domain is new."""
+    if baseline_version == "":
+        return unpaired(rates, {}, Counter(r.domain for r in results)), NO_BASELINE
     scoring = baseline_scoring(ctx)
     base, missing = scored_results(ctx.store, scoring) if scoring else ([], "taskgen's manifest records no baseline version")
     if not missing and (n := missing_pairs(results, base)):
@@ -176,7 +191,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     results, rates, worst = evaluate_and_log(ctx, candidate)
     pass_k = log_pass_at_k(ctx, candidate, cfg.pass_k) if cfg.pass_k else {}
     baseline_version, baseline = iteration_baseline(ctx, trainer)
-    rows, missing = comparisons(ctx, results, rates, baseline)
+    rows, missing = comparisons(ctx, results, rates, baseline, baseline_version)
     rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
     models.set_version_tags(ctx.pipeline, trainer.version, eval_tags(rates))  # the decision: record_decision below
     trained = ctx.upstream("trainer")[0]

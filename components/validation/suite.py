@@ -7,7 +7,8 @@ raw rewards, normalized rewards and advantages finite: GX's range checks skip Na
 each finiteness is a column of its own), shapes (one logprob per completion token), allowed values
 (statuses, domains), uniqueness of ids, and that enough rewards are usable to train on:
 the share with status ``ok`` (neither ``excluded``, an infrastructure error, nor
-``verifier_error``) is at least ``validation.min_ok_fraction``.
+``verifier_error``) is at least ``validation.min_ok_fraction``. A failed expectation's line
+ends in a hint (``HINTS``) where a recipe setting is behind it: the setting and the fix.
 
 Multi-turn episodes carry a ``completion_mask`` (1 = the policy's token, 0 = an
 observation the sandbox returned). The token checks count only the policy's tokens:
@@ -61,6 +62,24 @@ VALUE_CHARS = 50
 """The longest text one unexpected value keeps (so that a few fit in a cell as a JSON list)."""
 CHECK_ROWS_MATCH = "posttrain.every_rollout_has_a_reward"
 CHECK_NOT_EMPTY = "posttrain.table_has_rows"
+_RECIPE_DOMAINS = "a domain not in the recipe's domains (rows made under another recipe: rerun the iteration with this one)"
+HINTS: dict[tuple[str, str], str] = {
+    ("rewards", "is_ok"): "too few rewards have status ok for validation.min_ok_fraction: the reward stage's reward/excluded "
+                          "counts sandbox infrastructure errors (see sandbox/<status>), reward/verifier_errors verifier bugs "
+                          "(fix what made them, or lower validation.min_ok_fraction)",
+    ("rollouts", "completion_tokens"): "an action (a run of the policy's tokens) longer than rollout.max_new_tokens (rollouts "
+                                       "sampled under a larger cap: rerun rollout with this recipe), or a rollout without a "
+                                       "token of the policy (an empty completion)",
+    ("rollouts", "actions"): "an episode of more actions than rollout.max_turns (rollouts sampled under a larger "
+                             "rollout.max_turns: rerun rollout with this recipe)",
+    ("rollouts", "domain"): _RECIPE_DOMAINS,
+    ("rewards", "domain"): _RECIPE_DOMAINS,
+    ("rewards", "weight_is_domain_weight"): "an ok reward whose loss weight is not its domain's reward.domain_weights "
+                                            "(unlisted: 1), or a left-out one whose weight is not 0 (rewards scored "
+                                            "under other reward.domain_weights: rerun reward with this recipe)",
+}
+"""A failed expectation's hint, by (table, column): the recipe setting behind it and the fix.
+It follows the failure's text (``Report.failures``, and so the gate's error), after a colon."""
 
 
 @dataclass
@@ -307,7 +326,9 @@ def check(rollouts: list[Rollout], rewards: list[Reward], recipe) -> Report:
                                             dict(r.result or {}), str(raised or "")))
             if not r.success:
                 observed = r.result.get("observed_value", r.result.get("partial_unexpected_list", ""))
-                report.failures.append(f"{name}: {cfg.type} {kwargs} failed (observed {str(observed)[:120]})")
+                hint = HINTS.get((name, str(kwargs.get("column"))), "")
+                report.failures.append(f"{name}: {cfg.type} {kwargs} failed (observed {str(observed)[:120]})"
+                                       + (f": {hint}" if hint else ""))
                 report.success = False
     return report
 

@@ -1,10 +1,13 @@
-"""The shared domain machinery: eval sets are fixed, train draws are distinct and disjoint."""
+"""The shared domain machinery: eval sets are fixed, train draws are distinct and disjoint;
+``judge`` turns a verdict no record can hold into ``verifier_error``."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from components.domains import registry
@@ -74,3 +77,42 @@ def test_a_prompt_that_hides_its_reference_is_one_task_per_reference():
         assert ids.setdefault(t.task_id, content_key(t)) == content_key(t)
     assert len(ids) == len(set(ids.values())) > 1000
 
+
+
+@pytest.mark.parametrize("bad_passed", [None, 1, "no", 2.0, np.float64(1)])
+def test_a_verdict_whose_passed_is_not_a_bool_is_a_verifier_error(monkeypatch, bad_passed):
+    """Only the eval path reads ``passed``: a plugin verifier that returned ``passed=1`` or
+    ``None`` trained without complaint, then failed the eval_results write (``ArrowInvalid``)
+    or ``pass_rates`` (``TypeError``), or tagged a pass rate of 2.0 on the registry."""
+    from components.core.records import EvalResult, to_table
+    from components.domains.base import Verdict, judge
+    from components.domains.math import Math
+
+    monkeypatch.setattr(Math, "verify", lambda self, t, c, r: Verdict(0.5, bad_passed))
+    task = registry.get("math").make_task(random.Random(1), "train")
+    verdict = judge(registry.get("math"), task, "1", None)
+    assert (verdict.status, verdict.passed, verdict.score) == ("verifier_error", False, 0.0)
+    assert verdict.detail == f"verifier returned passed {bad_passed!r:.60}"
+    result = EvalResult(task.task_id, "math", task.difficulty, "short", "1", verdict.score, verdict.passed)
+    assert to_table([result], EvalResult).column("passed").to_pylist() == [False]
+
+
+def test_a_numpy_bool_passed_is_a_bool():
+    from components.core.records import EvalResult, to_table
+    from components.domains.base import Verdict, judge
+
+    for flag in (np.True_, np.False_):
+        domain = SimpleNamespace(name="x", verify=lambda t, c, r, f=flag: Verdict(0.5, f, components={"a": 0.5}, detail="d"))
+        verdict = judge(domain, None, "ok", None)  # type: ignore[arg-type]
+        assert type(verdict.passed) is bool and verdict.passed == bool(flag)
+        assert (verdict.status, verdict.score, verdict.components, verdict.detail) == ("ok", 0.5, {"a": 0.5}, "d")
+        result = EvalResult("x-1", "x", 1, "short", "1", verdict.score, verdict.passed)
+        assert to_table([result], EvalResult).column("passed").to_pylist() == [bool(flag)]
+
+
+def test_a_long_passed_value_is_cut_in_the_detail():
+    from components.domains.base import Verdict, judge
+
+    domain = SimpleNamespace(name="x", verify=lambda t, c, r: Verdict(1.0, "y" * 10_000))
+    verdict = judge(domain, None, "ok", None)  # type: ignore[arg-type]
+    assert verdict.status == "verifier_error" and len(verdict.detail) == len("verifier returned passed ") + 60

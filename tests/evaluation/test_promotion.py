@@ -191,3 +191,17 @@ def test_the_statistical_rule_with_only_new_domains_says_nothing_was_compared():
     rows = [Comparison("arithmetic", 200, 0.4, None, None, None, None)]
     assert statistical_rule(rows, 0.95, left_out=["code"]) == (
         True, "no domain both versions were scored on; left out (not in the recipe): code; new (no baseline): arithmetic")
+
+
+def test_an_external_parent_with_no_champion_has_no_baseline(tmp_path, posttrain_home):
+    """``rollout.policy: hf://...`` (or ``models:/other/...``) with no champion: taskgen fixes
+    no baseline, and ``"external"`` reached the registry as a version number (an
+    ``MlflowException`` traceback). No baseline is fixed too, so a retry after the first
+    attempt promoted the candidate does not compare it with itself."""
+    with tracking.stage_run("ext", "trainer", "trainer", None, {}) as run_id:
+        models.register_checkpoint("ext", f"file://{tmp_path}/ckpt-1", run_id, {})
+    assert baseline_for("ext", parent_version="external") == ("", {})
+    assert fixed_baseline("ext", candidate="1", parent_version="external") == ("", {})
+    assert tracking.client().get_model_version("ext-policy", "1").tags[BASELINE_TAG] == ""
+    models.set_alias("ext", "champion", "1")  # the first attempt promoted version 1, then was killed
+    assert fixed_baseline("ext", candidate="1", parent_version="external") == ("", {})

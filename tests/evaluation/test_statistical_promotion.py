@@ -206,3 +206,72 @@ def test_a_new_domain_does_not_hide_a_regression_of_a_paired_one(tmp_path, postt
     assert (rule, promoted) == ("statistical", False)
     assert reason == ("significant regression at 95%: code 0.600->0.300 (diff -0.300, CI [-0.365, -0.235]); "
                       "new (no baseline): arithmetic")
+
+
+@pytest.mark.parametrize("promotion", ["statistical", "strict"])
+def test_an_external_start_with_no_champion_promotes_every_domain_as_new(tmp_path, posttrain_home, promotion):
+    """taskgen fixes no baseline for an external policy while no champion is set; the stage
+    passed "external" to the registry as a version and died with an ``MlflowException``."""
+    from components.core.facts import Checkpoint
+    from components.evaluation.stage import NO_BASELINE, iteration_baseline, settle_champion
+
+    store = Store(f"file://{tmp_path / 'store'}")
+    with tracking.stage_run("promo", "trainer", "trainer", None, {}) as run_id:  # the candidate: version 1
+        models.register_checkpoint("promo", store.url("promo/trainer/checkpoint"), run_id,
+                                   {"posttrain.iteration": "1", "posttrain.run_root": store.uri})
+    write_manifest(store, context(store, "taskgen", 1), StartingPolicy("external", "hf://org/model"))
+    ctx = context(store, "evaluation", 1, promotion)
+    cand = outcomes("code", 50, 0, 0)[0] + outcomes("math", 20, 0, 0)[0]
+    rates = pass_rates(cand)
+    version, baseline = iteration_baseline(ctx, Checkpoint("file:///ckpt", "1", "external"))
+    assert (version, baseline) == ("", {})
+    rows, missing = comparisons(ctx, cand, rates, baseline, version)
+    assert missing == NO_BASELINE
+    assert [(r.domain, r.tasks, r.candidate, r.baseline) for r in rows] == [("code", N, 0.25, None), ("math", N, 0.1, None)]
+    rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
+    assert (rule, promoted) == ("strict", True)
+    if promotion == "strict":
+        assert reason == "no domain regressed beyond tolerance; new (no baseline): code, math"
+    else:
+        assert why == f"fallback: {NO_BASELINE}"
+        assert reason == f"strict rule ({NO_BASELINE}): no domain regressed beyond tolerance; new (no baseline): code, math"
+    settle_champion("promo", "1", promoted, version)
+    assert models.resolve_alias("promo", "champion")[0] == "1"
+    assert iteration_baseline(ctx, Checkpoint("file:///ckpt", "1", "external")) == ("", {})  # a retry: still none
+
+
+@pytest.mark.parametrize("value", ["three", "1e3", "-1", "1.0", " 1", "", "٣", "9" * 5000])
+def test_an_iteration_tag_that_is_not_an_iteration_falls_back_to_strict(tmp_path, posttrain_home, value):
+    """An edited ``posttrain.iteration`` tag was ``int()``-ed: a ``ValueError`` traceback in
+    both ``inputs`` and ``run`` (a negative one reached ``stage_prefix``). Like a bad
+    ``posttrain.eval.<domain>`` tag it is hostile input; it finds no results, so the
+    statistical rule falls back to strict and the reason names the tag."""
+    from components.evalsuite.score import scoring_of
+
+    store = Store(f"file://{tmp_path / 'store'}")
+    register(store.url("promo/bootstrap/checkpoint"), store.uri)
+    models.set_version_tags("promo", "1", {"posttrain.iteration": value})
+    scoring = scoring_of(store, "promo", "1")
+    missing = f"version 1's posttrain.iteration tag {value!r:.60} is not an iteration (a non-negative integer)"
+    assert (scoring.version, scoring.manifest, scoring.missing) == ("1", None, missing)
+
+    write_manifest(store, context(store, "taskgen", 1), StartingPolicy("1", "", baseline_version="1"))
+    ctx = context(store, "evaluation", 1)
+    inputs_seen = ctx.inputs
+    ctx.depend_on = lambda stage: []  # no trainer manifest in this store
+    inputs(ctx)
+    assert "baseline_eval" not in inputs_seen
+    cand, _ = outcomes("math", 10, 0, 0)
+    rows, got = comparisons(ctx, cand, pass_rates(cand), {"math": 0.05})
+    assert got == missing
+    rule, why, promoted, reason = decide(ctx, rows, got, pass_rates(cand), {"math": 0.05})
+    assert (rule, why, promoted) == ("strict", f"fallback: {missing}", True)
+
+
+def test_a_large_iteration_tag_is_still_an_iteration(tmp_path, posttrain_home):
+    from components.evalsuite.score import scoring_of
+
+    store = Store(f"file://{tmp_path / 'store'}")
+    register(store.url("promo/bootstrap/checkpoint"), store.uri)
+    models.set_version_tags("promo", "1", {"posttrain.iteration": "007"})
+    assert scoring_of(store, "promo", "1").missing == f"no eval_results of version 1 under {store.url(stage_prefix('promo', 7, 'evaluation'))}"

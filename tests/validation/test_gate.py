@@ -132,12 +132,45 @@ def test_too_many_infra_failures_and_missing_rewards_fail() -> None:
     excluded = [dataclasses.replace(r, status="excluded", weight=0.0) for r in rewards[:3]] + rewards[3:]
     report = check(rollouts, excluded, RECIPE)
     assert report.failures == ["rewards: expect_column_mean_to_be_between {'column': 'is_ok', 'min_value': 0.5, "
-                               "'max_value': 1.0} failed (observed 0.25)"]
+                               "'max_value': 1.0} failed (observed 0.25): too few rewards have status ok for "
+                               "validation.min_ok_fraction: the reward stage's reward/excluded counts sandbox infrastructure "
+                               "errors (see sandbox/<status>), reward/verifier_errors verifier bugs (fix what made them, or "
+                               "lower validation.min_ok_fraction)"]
     report = check(rollouts, rewards[:3], RECIPE)
     assert report.failures == ["rewards: posttrain.every_rollout_has_a_reward failed: every rollout needs exactly one "
                                f"reward with its task_id and domain (3 rewards for 4 rollouts; rollouts without a reward: "
                                f"{rollouts[3].rollout_id})"]
     assert check([], [], RECIPE).failures == ["rollouts: no rows to train on", "rewards: no rows to train on"]
+
+
+@pytest.mark.parametrize(("breakage", "failed", "named"), [
+    # the likeliest failure in operation: an outage's excluded rewards (or a verifier's bug) leave too few to train on
+    (lambda ro, rw: (ro, [dataclasses.replace(r, status="verifier_error", weight=0.0, raw_reward=0.0) for r in rw[:3]]
+                     + rw[3:]), 1, ["validation.min_ok_fraction", "reward/excluded", "reward/verifier_errors"]),
+    (_bad_rollout(0, completion_tokens=0, completion_token_ids=[], logprobs=[]), 1,
+     ["rollout.max_new_tokens", "empty completion"]),
+    (lambda ro, rw: ([episode(0, action_tokens=5)] + ro[1:], rw), 1, ["rollout.max_new_tokens"]),
+    (lambda ro, rw: ([episode(0, actions=5, observation_tokens=2)] + ro[1:], rw), 1, ["rollout.max_turns"]),
+    (_bad_reward(2, weight=0.5), 1, ["reward.domain_weights"]),
+    (_bad_reward(2, status="excluded"), 1, ["reward.domain_weights"]),
+    (lambda ro, rw: ([dataclasses.replace(r, domain="poetry") for r in ro], [dataclasses.replace(r, domain="poetry") for r in rw]),
+     2, ["the recipe's domains"]),  # rollouts and rewards
+], ids=["ok-share", "empty", "long-action", "turns", "weight", "excluded-weight", "domains"])
+def test_a_failure_names_the_recipe_setting_behind_it(breakage, failed: int, named: list[str]) -> None:
+    """The gate's line was the GX expectation and its kwargs alone: a low ok share read
+    ``... {'column': 'is_ok', 'min_value': 0.5, ...} failed (observed 0.25)``, naming
+    neither validation.min_ok_fraction nor where the unusable rewards are counted."""
+    report = check(*breakage(*clean()), RECIPE)
+    assert report.success is False and len(report.failures) == failed
+    for failure in report.failures:
+        hint = failure.partition(" failed (observed ")[2].partition("): ")[2]
+        assert all(name in hint for name in named), failure
+
+
+def test_a_failure_no_setting_is_behind_has_no_hint() -> None:
+    report = check(*_bad_reward(1, raw_reward=float("nan"))(*clean()), RECIPE)
+    assert report.failures == ["rewards: expect_column_values_to_be_in_set {'column': 'raw_reward_finite', "
+                               "'value_set': [True]} failed (observed [False])"]
 
 
 def test_failed_gate_exits_3_with_a_report_and_no_manifest(tmp_path, posttrain_home, capsys) -> None:
