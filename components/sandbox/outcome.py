@@ -135,6 +135,9 @@ def session_setup_failed(stderr: str, duration_s: float, backend: str, isolation
                      duration_s=duration_s, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation)
 
 
+NUL_ARGUMENT = "NUL byte in an argument"
+
+
 def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
     """The result of a job with a NUL byte in an argument, which no program can be given
     (``execve`` takes C strings): status ``failed``, exit 127 and why, as a shell reports a
@@ -148,7 +151,53 @@ def nul_argument(job, backend: str, isolation: str) -> JobResult | None:
     return JobResult(status="failed", exit_code=127, signal=0, stdout="",
                      stderr=f"cannot run {program}: argument {index} holds a NUL byte, which no program can be given\n",
                      duration_s=0.0, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation,
-                     extra={"reason": "NUL byte in an argument"})
+                     extra={"reason": NUL_ARGUMENT})
+
+
+NOT_UTF8 = "text that is not UTF-8"
+
+
+def _surrogate(text: str) -> str | None:
+    """``U+XXXX`` for the first code point of ``text`` that UTF-8 cannot encode (a surrogate,
+    such as ``"\\ud800"``); None when all of it can."""
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return f"U+{ord(text[exc.start]):04X}"
+    return None
+
+
+def not_utf8(job, backend: str, isolation: str) -> JobResult | None:
+    """The result of a job whose argument, file name, file contents or stdin holds a code
+    point UTF-8 cannot encode (a lone surrogate, ``"\\ud800"``), which cannot reach the
+    sandbox as bytes: status ``failed``, exit 127 and where, as ``nul_argument`` says it,
+    in every mode, without starting anything. (Before, strict mode raised
+    ``UnicodeEncodeError`` out of ``run`` and warm mode gave an ``infra_error``: retried as
+    an outage, then left out.) None for any other job."""
+    def texts():
+        for index, arg in enumerate(job.argv):
+            yield f"argument {index}", arg
+        for rel, text in job.files.items():
+            yield f"file name {rel}", rel
+            yield f"file {rel}", text
+        yield "stdin", job.stdin
+
+    for where, text in texts():
+        if (found := _surrogate(text)) is not None:
+            program, where = (shown.encode(errors="backslashreplace").decode()[:200] for shown in (job.argv[0], where))
+            return JobResult(status="failed", exit_code=127, signal=0, stdout="",
+                             stderr=f"cannot run {program}: {where} holds {found}, a surrogate, which is not UTF-8 text\n",
+                             duration_s=0.0, cpu_time_s=0.0, peak_memory_mb=0.0, backend=backend, isolation=isolation,
+                             extra={"reason": NOT_UTF8})
+    return None
+
+
+def refused(result: JobResult) -> bool:
+    """Whether ``result`` is that of a job refused before anything started (``nul_argument``,
+    ``not_utf8``): it wrote none of its files (a session sends them again with its next job)."""
+    return result.extra.get("reason") in (NUL_ARGUMENT, NOT_UTF8)
 
 
 def cannot_exec(program: str, why: str, backend: str, isolation: str) -> JobResult:

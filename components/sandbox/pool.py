@@ -21,7 +21,6 @@ import atexit
 import json
 import marshal
 import os
-import queue
 import select
 import signal
 import socket
@@ -29,6 +28,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import replace
@@ -41,7 +41,7 @@ from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, host_argv, memfd_with
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Fds, Lease, Limits
-from components.sandbox.outcome import Observed, exit_of, infra_error, nul_argument, session_setup_failed, to_result
+from components.sandbox.outcome import Observed, exit_of, infra_error, not_utf8, nul_argument, session_setup_failed, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
@@ -141,7 +141,7 @@ class Worker:
     def run(self, job: Job, backend: str) -> JobResult:
         assert self.alive and self.ctl is not None
         check_paths(job)
-        if (refused := nul_argument(job, backend, self.isolation)) is not None:
+        if (refused := nul_argument(job, backend, self.isolation) or not_utf8(job, backend, self.isolation)) is not None:
             return refused
         limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
         wire_limits = plain_limits(limits.as_dict())
@@ -272,20 +272,24 @@ class Worker:
 
 
 class WarmPool:
-    """``size`` workers, each serving one job at a time; dead ones are replaced."""
+    """``size`` workers, each serving one job at a time; dead ones are replaced. A caller
+    past ``size`` (``run_many`` with a larger ``concurrency``) waits for a worker given
+    back or for the slot of one that died, whichever comes first."""
 
     def __init__(self, support: Support, python: str, limits: Limits, size: int, isolation: str) -> None:
         self.support, self.python, self.limits, self.isolation = support, python, limits, isolation
         self.size = size
-        self._idle: queue.Queue[Worker] = queue.Queue()
+        self._idle: deque[Worker] = deque()
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)  # a worker given back, a slot freed, the pool closed
         self._live: set[Worker] = set()
+        self._starting = 0  # slots taken by workers still starting (``_take``)
         self._closed = False
         atexit.register(self.close)  # workers also exit on their own when our socket closes
         with ThreadPoolExecutor(size) as starting:
             for worker in starting.map(self._prestart, range(size)):
                 if worker is not None:
-                    self._idle.put(worker)
+                    self._idle.append(worker)
 
     def _prestart(self, _: int) -> Worker | None:
         try:
@@ -305,21 +309,37 @@ class WarmPool:
         return worker
 
     def _take(self) -> Worker:
+        """An idle worker, else a new one while fewer than ``size`` are live or starting,
+        else whichever comes first: a worker given back, or a slot that a dead worker (or
+        a start that failed) frees, then taken by a new worker. ``WorkerDied`` once the
+        pool is closed."""
+        with self._freed:
+            while not self._idle and len(self._live) + self._starting >= self.size and not self._closed:
+                self._freed.wait()
+            if self._closed:
+                raise WorkerDied("the warm pool is closed")
+            if self._idle:
+                return self._idle.popleft()
+            self._starting += 1
         try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            grow = len(self._live) < self.size
-        return self._new() if grow else self._idle.get()
+            return self._new()
+        finally:
+            with self._freed:
+                self._starting -= 1
+                self._freed.notify()  # a start that failed leaves its slot to a waiting caller
 
     def _give_back(self, worker: Worker) -> None:
-        if worker.alive and not self._closed:
-            self._idle.put(worker)
-            return
-        with self._lock:
-            self._live.discard(worker)
-        worker.close()
+        with self._freed:
+            if worker.alive and not self._closed:
+                self._idle.append(worker)
+                self._freed.notify()
+                return
+        try:
+            worker.close()  # before its slot is free: never more than ``size`` sandboxes at once
+        finally:
+            with self._freed:
+                self._live.discard(worker)
+                self._freed.notify()  # a caller waiting for a worker starts one in the dead one's place
 
     def run(self, job: Job, backend: str) -> JobResult:
         try:
@@ -332,10 +352,12 @@ class WarmPool:
             self._give_back(worker)
 
     def close(self) -> None:
-        self._closed = True
         atexit.unregister(self.close)
-        with self._lock:
+        with self._freed:
+            self._closed = True
             workers = list(self._live)
             self._live.clear()
+            self._idle.clear()
+            self._freed.notify_all()  # callers still waiting get an infra_error, not a closed worker
         for worker in workers:
             worker.close()

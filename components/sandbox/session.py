@@ -12,7 +12,9 @@ return a ``timeout`` result without running anything). A command that takes the
 session's sandbox down with it (an output flood, a wall-clock backstop kill) closes it
 too: later ``exec`` calls return ``killed`` (``infra_error`` when that command's was one),
 with ``extra.reason`` what killed it and ``extra.killed_with_command`` that command's
-number, without running anything.
+number, without running anything. A session whose worker cannot start (it did not come
+up in time, no fds) is an ``InfraError`` from ``SessionPool.open()`` and
+``SandboxSession()``, as a warm job's is an ``infra_error``.
 
 ``run_session_job(config, job)`` runs a ``SessionJob`` (core/jobs.py) in one session:
 the setup files, each step as its own ``exec``, then the check (backends without
@@ -33,13 +35,14 @@ import threading
 import time
 from dataclasses import replace
 
-from components.core.jobs import Job, JobResult, SessionJob, never_starts
+from components.core.errors import InfraError
+from components.core.jobs import Job, JobResult, SessionJob
 from components.sandbox.bwrap import host_support
 from components.sandbox.detect import Support
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import infra_error
-from components.sandbox.pool import Worker
+from components.sandbox.outcome import infra_error, refused
+from components.sandbox.pool import Worker, WorkerDied
 
 DEFAULT_SESSION_TIMEOUT_S = 600.0
 
@@ -53,6 +56,18 @@ def session_support(config) -> tuple[str, Support]:
         raise UserError("sandbox.backend", "bwrap", "sessions need bubblewrap namespaces, which this host lacks",
                         "install bubblewrap and allow unprivileged user namespaces (see components/sandbox/README.md)")
     return python, support
+
+
+def start_worker(support: Support, python: str, limits: Limits, isolation: str) -> Worker:
+    """A started session worker; ``InfraError`` when it could not start (``WorkerDied``: it did
+    not come up in time or died starting; ``OSError``: no fds, no memfd), as a warm job
+    whose worker cannot start is an ``infra_error`` (``WarmPool._new``): the rollout stage's
+    and the eval suite's episodes end on it with "unreachable" and exit status 1 (retried),
+    not a traceback. ``InfraError`` from the worker's lease (no uid, no cgroup) passes as is."""
+    try:
+        return Worker(support, python, limits, isolation, session=True)
+    except (WorkerDied, OSError) as exc:
+        raise InfraError("sandbox session", isolation, str(exc)) from exc
 
 
 class SessionPool:
@@ -76,7 +91,7 @@ class SessionPool:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return Worker(self.support, self.python, self.limits, self.isolation, session=True)
+        return start_worker(self.support, self.python, self.limits, self.isolation)
 
     def open(self, session_timeout_s: float = DEFAULT_SESSION_TIMEOUT_S) -> SandboxSession:
         """A session on a worker of this pool (given back, reset, when the session closes)."""
@@ -121,7 +136,7 @@ class SandboxSession(Closing):
         else:
             python, support = session_support(config)
             self.isolation = support.isolation + "+mode:session"
-            self._worker = Worker(support, python, self.limits, self.isolation, session=True)
+            self._worker = start_worker(support, python, self.limits, self.isolation)
         self._lock = threading.Lock()
         self._expires = time.monotonic() + session_timeout_s
         self._timer = threading.Timer(session_timeout_s, self.close)
@@ -183,12 +198,12 @@ def run_session_job(config, job: SessionJob, session_timeout_s: float | None = N
     ``pool``: the session runs on a pooled worker (see ``SessionPool``)."""
     budget = session_timeout_s or (len(job.steps) + 2) * float(job.step_timeout_s or config.timeout_s) + 30.0
     done: list[JobResult] = []
-    laid_out = False  # a step refused before it starts (a NUL) writes no file: the next one takes them
+    laid_out = False  # a step refused before it starts (a NUL, text not UTF-8) writes no file: the next one takes them
     with SandboxSession(config, session_timeout_s=budget, pool=pool) as session:
         for step in job.steps:
             argv = ["bash", "-c", step]
             done.append(session.exec(argv, timeout_s=job.step_timeout_s, files=None if laid_out else job.files))
-            laid_out = laid_out or not never_starts(argv)
+            laid_out = laid_out or not refused(done[-1])
             if done[-1].status == "infra_error":
                 return done[-1]
         check = job.check

@@ -32,7 +32,7 @@ from components.sandbox.background import SPAWNER
 from components.sandbox.command import SandboxSpec, bwrap_options, host_argv, memfd_with, write_all
 from components.sandbox.detect import Support, check_paths
 from components.sandbox.limits import Lease, Limits
-from components.sandbox.outcome import Observed, cannot_exec, exit_of, infra_error, nul_argument, to_result
+from components.sandbox.outcome import Observed, cannot_exec, exit_of, infra_error, not_utf8, nul_argument, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -150,7 +150,7 @@ class StrictRunner:
 
     def run(self, job: Job, backend: str) -> JobResult:
         check_paths(job)
-        if (refused := nul_argument(job, backend, self.isolation)) is not None:
+        if (refused := nul_argument(job, backend, self.isolation) or not_utf8(job, backend, self.isolation)) is not None:
             return refused
         limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
         key = (tuple(job.argv), len(job.files), job.uses_result_fd, limits)

@@ -28,7 +28,7 @@ from components.sandbox.command import memfd_with
 from components.sandbox.detect import DEFAULT_PYTHON, check_paths
 from components.sandbox.executor import Closing
 from components.sandbox.limits import Limits
-from components.sandbox.outcome import Observed, cannot_exec, exit_of, infra_error, nul_argument, to_result
+from components.sandbox.outcome import Observed, cannot_exec, exit_of, infra_error, not_utf8, nul_argument, to_result
 from components.sandbox.supervise import job_streams, kill_tree, watch_process
 
 
@@ -51,7 +51,7 @@ class SubprocessExecutor(Closing):
         if isinstance(job, SessionJob):
             job = flatten(job)
         check_paths(job)
-        if (refused := nul_argument(job, self.name, self.isolation)) is not None:
+        if (refused := nul_argument(job, self.name, self.isolation) or not_utf8(job, self.name, self.isolation)) is not None:
             return refused
         limits = self.limits if job.timeout_s is None else self.limits.with_timeout(job.timeout_s)
 

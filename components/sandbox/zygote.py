@@ -80,7 +80,8 @@ SECCOMP_MODE_FILTER = 2
 SIGKILL = int(signal.SIGKILL)  # a plain int: ctypes passes it without touching the enum
 SECBITS_LOCKED_NOROOT = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80  # noroot, no-setuid-fixup, no-ambient; locked
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
-JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+# what bwrap gives a strict job (its --chdir sets PWD): a program the worker execs sees the same
+JOB_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/work", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PWD": "/work"}
 RESULT_FD_IN_JOB = 3
 SETUP_FAILED = 125
 SETUP_FAILED_MARK = b"sandbox worker: job setup failed:\n"

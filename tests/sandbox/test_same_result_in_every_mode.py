@@ -79,6 +79,8 @@ CASES = [
     # a warm worker's interpreter ignores SIGPIPE and SIGXFSZ, and a job it exec'd kept that
     sh("a pipe's writer dies of SIGPIPE", "yes | head -1\necho ${PIPESTATUS[0]}", "ok", 0, 0, "y\n141\n"),
     sh("a file past RLIMIT_FSIZE is SIGXFSZ", "head -c 20000000 /dev/zero > f\necho $?", "ok", 0, 0, "153\n"),
+    # bwrap's --chdir sets PWD; the warm worker exec'd programs with no PWD (bash sets its own)
+    Case("an exec'd program sees PWD", ["/usr/bin/printenv", "PWD"], "", "ok", 0, 0, "/work\n"),
 ]
 
 
@@ -230,6 +232,46 @@ def test_a_nul_byte_in_an_argument_is_the_same_failure_in_every_mode(runners) ->
     for mode, result in results.items():
         assert (result.status, result.exit_code, result.stdout) == ("failed", 127, ""), mode
         assert result.stderr == "cannot run bash: argument 2 holds a NUL byte, which no program can be given\n", mode
+
+
+NOT_UTF8 = {
+    "argument": (Job("arg", {}, ["bash", "-c", "echo \ud800"]), "bash: argument 2 holds U+D800"),
+    "file": (Job("file", {"main.sh": "echo hi # \ud800"}, ["bash", "main.sh"]), "bash: file main.sh holds U+D800"),
+    "file name": (Job("name", {"a\udcff.txt": "x"}, ["ls"]), "ls: file name a\\udcff.txt holds U+DCFF"),
+    "stdin": (Job("stdin", {}, ["cat"], stdin="a\udfff"), "cat: stdin holds U+DFFF"),
+}
+
+
+@pytest.mark.parametrize("where", NOT_UTF8)
+def test_text_that_is_not_utf8_is_the_same_failure_in_every_mode(runners, where) -> None:
+    """A lone surrogate cannot reach the sandbox as bytes. Before, strict mode raised
+    UnicodeEncodeError out of executor.run and warm mode gave an infra_error (each retried
+    as an outage, then left out)."""
+    from components.core.recipe import SandboxConfig
+    from components.sandbox.executor import get_executor
+
+    job, said = NOT_UTF8[where]
+    with get_executor(SandboxConfig(backend="subprocess", allow_weak_isolation=True)) as weak:
+        results = {"subprocess": weak.run(job), **{mode: runner.run(job) for mode, runner in runners.items()}}
+    for mode, result in results.items():
+        assert (result.status, result.exit_code, result.stdout) == ("failed", 127, ""), (mode, result.stderr)
+        assert result.stderr == f"cannot run {said}, a surrogate, which is not UTF-8 text\n", mode
+
+
+def test_a_session_step_refused_before_it_starts_leaves_the_files_to_the_next() -> None:
+    """A step refused before anything starts (text that is not UTF-8, a NUL) writes none
+    of the job's files: the next step lays them out, and the check finds them."""
+    from components.core.jobs import SessionJob
+    from components.sandbox.executor import get_executor
+
+    if bwrap_unavailable():
+        pytest.skip(f"bwrap sandbox unavailable: {bwrap_unavailable()}")
+    job = SessionJob("refused-step", {"a.txt": "A\n"}, ["echo \ud800", "echo a\x00b", "cat a.txt"],
+                     Job("check", {}, ["bash", "-c", "cat a.txt"]))
+    for mode in ("strict", "warm"):
+        with get_executor(sandbox_config(mode=mode, concurrency=1)) as executor:
+            result = executor.run(job)
+        assert (result.status, result.stdout) == ("ok", "A\n"), (mode, result.stderr)
 
 
 def test_python_runs_a_folder_and_refuses_a_missing_script_in_every_mode(runners) -> None:
