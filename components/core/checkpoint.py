@@ -315,9 +315,13 @@ def after_load(model, tokenizer, info: dict[str, Any], field: str, uri: str) -> 
         raise UserError(field, uri, f"the checkpoint's {name!r}{shapes}{more}", FIX)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        raise UserError(field, uri, f"model_type {getattr(model.config, 'model_type', None)!r} is not a decoder-only "
-                        "language model with a stack of layers (model.layers), which posttrain samples from and trains",
-                        "use a causal LM checkpoint such as Llama, Qwen or SmolLM")
+        # GPT-2 is a causal LM too, its layers at transformer.h: say what is missing, not what the model is not
+        has = "an empty model.layers" if isinstance(layers, torch.nn.ModuleList) else \
+            f"no model.layers (its modules: {', '.join(name for name, _ in model.named_children()) or 'none'})"
+        raise UserError(field, uri, f"model_type {getattr(model.config, 'model_type', None)!r} ({type(model).__name__}) "
+                        f"has {has}; posttrain samples from and trains a Llama-style causal LM, whose decoder layers "
+                        "are the stack model.layers", "use a Llama-style causal LM checkpoint: Llama, Qwen, SmolLM or "
+                        "Mistral")
     for name, param in model.named_parameters():
         if not torch.isfinite(param).all():
             raise UserError(field, uri, f"the checkpoint's {name!r} holds values that are not finite (NaN or inf)", FIX)

@@ -114,10 +114,14 @@ def locate(source: str, field: str) -> Path:
     folder = Path(list(spec.submodule_search_locations)[0])
     path = folder / name
     if not path.is_file():
-        found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf"))
-        raise UserError(field, source, f"no file {name} in package {package} ({folder}); its .gguf files: "
-                        f"{', '.join(found) or 'none'}", f"name one of them, e.g. {PREFIX}{package}/{found[0]}"
-                        if found else f"install the package that ships {name}")
+        found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf") if p.is_file())
+        if path.is_dir():  # a folder named *.gguf is no candidate, so it is neither listed nor proposed
+            problem, ships = f"{name} in package {package} ({folder}) is a folder, not a GGUF file", "a GGUF file"
+        else:
+            problem, ships = f"no file {name} in package {package} ({folder})", name
+        raise UserError(field, source, f"{problem}; its .gguf files: {', '.join(found) or 'none'}",
+                        f"name one of them, e.g. {PREFIX}{package}/{found[0]}" if found
+                        else f"install the package that ships {ships}")
     if not path.resolve().is_relative_to(folder.resolve()):
         raise UserError(field, source, f"the file {name} is a link to {path.resolve()}, outside package {package} "
                         f"({folder})", "name a file the package itself holds, or install the package again")

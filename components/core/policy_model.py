@@ -17,7 +17,9 @@ greedy completions of the ``hf`` engine, exactly what the eval suite scores when
 or ``mlflow models serve -m models:/tiny-policy@champion --env-manager local`` and a
 POST of ``{"inputs": ["..."]}`` (or ``dataframe_split`` with a ``prompt`` column) to
 ``/invocations``. ``models:/`` URIs resolve through ``MLFLOW_TRACKING_URI``; for the
-embedded tracking that is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db``.
+embedded tracking that is ``sqlite:///<POSTTRAIN_HOME>/mlflow.db``. A request's
+``max_new_tokens`` (the model's own when not sent) is an integer of at least 1; another
+is a ValueError, which a served model answers with HTTP 400.
 
 Not covered: the model is only as portable as the checkpoint URI inside it: whoever
 loads it needs read access to the store (``file://`` checkpoints load only on the
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import numbers
 import warnings
 from typing import Any
 
@@ -85,6 +88,20 @@ def prompts_of(model_input: Any) -> list[str]:
                      f"got {type(model_input).__name__}")
 
 
+def new_tokens(params: dict[str, Any] | None, default: int) -> int:
+    """The request's ``max_new_tokens`` (``default``, the model's, when absent): an integer
+    of at least 1, else a ValueError (a served model answers it with HTTP 400, as ``posttrain
+    serve`` answers a ``max_tokens`` below 1). A value past the model's positions is only
+    capped by the engine."""
+    value = (params or {}).get("max_new_tokens")
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"max_new_tokens={value!r:.40} is out of range: send an integer of at least 1, or leave it "
+                         f"out for {default}")
+    return int(value)
+
+
 class PolicyModel(mlflow.pyfunc.PythonModel):
     """Greedy completions of the checkpoint named by ``model_config["checkpoint_uri"]``."""
 
@@ -108,7 +125,7 @@ class PolicyModel(mlflow.pyfunc.PythonModel):
         prompts = prompts_of(model_input)
         if not prompts:
             return []
-        max_new_tokens = int((params or {}).get("max_new_tokens") or self.config.get("max_new_tokens", 24))
+        max_new_tokens = new_tokens(params, int(self.config.get("max_new_tokens", 24)))
         batch_size = int(self.config.get("batch_size", 64))
         samples = ENGINES.load("hf")().generate(self.policy, prompts, max_new_tokens, 1.0, 0, batch_size, greedy=True)
         return [s.text for s in samples]

@@ -9,16 +9,23 @@ recipe's ``reward`` section, and writes a new versioned output beside the origin
     <run-root>/<pipeline>/iter-<k>/reward/replay-<digest[:8]>/rewards.parquet
     <run-root>/<pipeline>/iter-<k>/reward/replay-<digest[:8]>/report.json   (written last)
 
-``digest`` covers the reward config and the code version, so a changed config or
-verifier code gets its own folder and the same one re-run overwrites itself (its old
-report goes first: a folder without a report is a replay that did not finish). Each shard
-is normalised with the running statistics its original run started from, so only the
-config or verifier differs; with ``reward.control: shuffled`` each shard permutes with
-the seed its stage run derived, so a replay under the original config reproduces it.
-The report holds per-domain means and pass rates before and after, and every rollout
-whose raw reward or status changed. The original reward files and manifests are never
-written (readers of the reward stage see only ``shard-*`` folders, so a replay folder
-is invisible to the pipeline).
+``digest`` covers everything the result depends on: the reward config, the code version,
+each shard's control seed and the content digests of the manifests read (taskgen,
+rollout, sandbox and reward), so a changed config, verifier code or re-run iteration gets
+its own folder and the same one re-run overwrites itself (its old report goes first: a
+folder without a report is a replay that did not finish). Each shard reads the sandbox
+executions the stage read (the same-numbered sandbox shard, or every sandbox shard when
+``sandbox.shards`` differs from the reward stage's count) and is normalised with the
+running statistics its original run started from, so only the config or verifier
+differs. With ``reward.control: shuffled`` each shard permutes with the seed its stage
+run recorded in ``norm_stats.json`` (``control_seed``), whatever ``seed`` the replay's
+recipe has, so a replay under the original config reproduces it; a shard written before
+the seed was recorded falls back to the seed derived from the replay recipe's ``seed``
+(the run's own only when that is the run's ``seed``), marked ``recorded: false`` under
+``control_seeds`` in the report. The report holds per-domain means and pass rates before
+and after, and every rollout whose raw reward or status changed. The original reward
+files and manifests are never written (readers of the reward stage see only ``shard-*``
+folders, so a replay folder is invisible to the pipeline).
 
 Not covered: re-running the sandbox (a verifier that needs a new execution plan cannot
 be replayed), or feeding replayed rewards into training.
@@ -29,6 +36,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from typing import NotRequired
+
+from pydantic import NonNegativeInt
 
 from components.core.context import read_manifests, read_output_json, read_output_records
 from components.core.facts import StatsFile
@@ -47,8 +57,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def replay_digest(reward_section: dict, code_version: str) -> str:
-    blob = json.dumps({"reward": reward_section, "code": code_version}, sort_keys=True).encode()
+class ShardStats(StatsFile):
+    """A reward shard's ``norm_stats.json`` as replay reads it: with the seed its shuffled
+    control permuted with (``stage.CONTROL_SEED``; absent in files written before it was recorded)."""
+
+    control_seed: NotRequired[NonNegativeInt]
+
+
+def replay_digest(reward_section: dict, code_version: str, control_seeds: dict[str, int], inputs: dict[str, str]) -> str:
+    """What names a replay's folder: everything its result depends on (``inputs``: the
+    content digest of each manifest read, by stage and shard)."""
+    blob = json.dumps({"reward": reward_section, "code": code_version, "control_seeds": control_seeds,
+                       "inputs": inputs}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -71,24 +91,43 @@ def replay(recipe, store: Store, iteration: int) -> dict:
     originals = _by_shard(store, pipeline, iteration, "reward")  # UserError when the iteration has none
     rollouts_m = _by_shard(store, pipeline, iteration, "rollout")
     sandbox_m = _by_shard(store, pipeline, iteration, "sandbox")
-    tasks = {t.task_id: t for t in _read(store, read_manifests(store, pipeline, iteration, "taskgen")[0], "tasks", Task)}
+    taskgen = read_manifests(store, pipeline, iteration, "taskgen")[0]
+    tasks = {t.task_id: t for t in _read(store, taskgen, "tasks", Task)}
+    every: dict[str, Execution] | None = None  # every sandbox shard's executions, read once when needed
     old: list[Reward] = []
     new: list[Reward] = []
+    seeds: dict[str, dict] = {}
     for shard, m in sorted(originals.items(), key=lambda kv: str(kv[0])):
         rollouts = _read(store, rollouts_m.get(shard), "rollouts", Rollout)
-        executions = {e.rollout_id: e for e in _read(store, sandbox_m.get(shard), "executions", Execution)}
-        prior: Stats = from_json(read_output_json(store, m, STATS_OUTPUT, StatsFile)["prior"]) \
-            if STATS_OUTPUT in m.outputs else {}
+        # As the stage reads them (ctx.aligned("sandbox"), decided here by the stored shards, not
+        # the replay recipe's counts): the same-numbered sandbox shard when the sandbox is sharded
+        # like the reward stage, else every sandbox shard (sandbox.shards set wider or narrower).
+        if len(sandbox_m) == Shard.parse(shard).count:
+            executions = {e.rollout_id: e for e in _read(store, sandbox_m.get(shard), "executions", Execution)}
+        else:
+            if every is None:
+                every = {e.rollout_id: e for s in sandbox_m.values() for e in _read(store, s, "executions", Execution)}
+            executions = every
+        stats = read_output_json(store, m, STATS_OUTPUT, ShardStats) if STATS_OUTPUT in m.outputs else None
+        prior: Stats = from_json(stats["prior"]) if stats is not None else {}
+        recorded = stats is not None and "control_seed" in stats
+        seed = stats["control_seed"] if recorded else control_seed(recipe.seed, pipeline, iteration,
+                                                                   Shard.parse(shard).index)
+        seeds[str(shard)] = {"seed": seed, "recorded": recorded}
         old.extend(_read(store, m, "rewards", Reward))
-        seed = control_seed(recipe.seed, pipeline, iteration, Shard.parse(shard).index)
         new.extend(score(tasks, rollouts, executions, recipe.reward, prior, seed))
-    digest = replay_digest(recipe.reward.model_dump(), code_version())
+    inputs = {"taskgen": taskgen.content_digest} | {
+        f"{stage}[{shard}]": manifest.content_digest
+        for stage, by in (("rollout", rollouts_m), ("sandbox", sandbox_m), ("reward", originals))
+        for shard, manifest in by.items()}
+    digest = replay_digest(recipe.reward.model_dump(), code_version(), {s: v["seed"] for s, v in seeds.items()},
+                           inputs)
     base = f"{iteration_prefix(pipeline, iteration)}/reward/replay-{digest[:8]}"
     unfinish(store, f"{base}/report.json")
     _, rewards_sha = store.write_table(f"{base}/rewards.parquet", to_table(new, Reward))
-    report = {"iteration": iteration, "reward_config": recipe.reward.model_dump(), "config_digest": digest,
-              "code_version": code_version(), "rewards": {"path": f"{base}/rewards.parquet", "rows": len(new),
-                                                          "sha256": rewards_sha},
+    report = {"iteration": iteration, "reward_config": recipe.reward.model_dump(), "replay_digest": digest,
+              "code_version": code_version(), "control_seeds": seeds, "inputs": inputs,
+              "rewards": {"path": f"{base}/rewards.parquet", "rows": len(new), "sha256": rewards_sha},
               **compare(old, new)}
     store.write_json(f"{base}/report.json", report)  # last: a replay without its report is unfinished
     report["uri"] = store.url(base)
@@ -177,4 +216,9 @@ def print_report(report: dict) -> None:
                       f" [{c['status_before']} -> {c['status_after']}]")
     if len(report["changed"]) > 20:
         console.print(f"... and {len(report['changed']) - 20} more, all listed in {report['uri']}/report.json")
+    unrecorded = [shard for shard, seed in report["control_seeds"].items() if not seed["recorded"]]
+    if report["reward_config"]["control"] == "shuffled" and unrecorded:
+        console.print(f"shuffled control: reward shard(s) {', '.join(unrecorded)} recorded no seed (written before "
+                      "posttrain recorded it): they permute with the seed this recipe's seed derives, the run's own "
+                      "only if the recipe's seed is the run's")
     console.print(f"replay written to {report['uri']}")

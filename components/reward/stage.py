@@ -25,7 +25,8 @@ survives ``domain_zscore`` (which group scaling would otherwise cancel).
 
 The shuffled control (``reward.control: shuffled``): within each domain, the scores of
 the samples that are not excluded are permuted (seeded by ``control_seed``; the stage
-derives it from (pipeline, iteration, stage, shard)) before normalisation and group
+derives it from (seed, pipeline, iteration, stage, shard) and records it in
+``norm_stats.json`` as ``control_seed``, for replay) before normalisation and group
 advantages, so the update carries no information about which completion was right; a
 run with it must not learn. The recorded ``raw_reward`` stays the verifier's true
 score (pass-rate metrics stay truthful); ``normalized_reward`` and ``advantage`` come
@@ -67,6 +68,9 @@ LOGGED_ERRORS = 20
 
 SECTIONS = ("reward",)
 """Recipe sections read: normalisation and advantage settings."""
+CONTROL_SEED = "control_seed"
+"""Key of ``norm_stats.json`` holding the seed the shard's shuffled control permutes with
+(written whether or not the control is on), so ``posttrain replay`` permutes the same way."""
 
 
 def inputs(ctx: StageContext) -> None:
@@ -191,11 +195,12 @@ def run(ctx: StageContext) -> dict[str, float]:
     facts: NormPrior = ctx.facts
     prior = from_json(facts.norm_prior)
     cfg = ctx.recipe.reward
-    rewards = score(tasks, rollouts, executions, cfg, prior, ctx.seed("control"))
+    seed = ctx.seed("control")
+    rewards = score(tasks, rollouts, executions, cfg, prior, seed)
     ctx.write_records("rewards", rewards, Reward)
     batch = batch_stats(rewards)
     ctx.write_json(STATS_OUTPUT, {"prior_iteration": facts.norm_prior_iteration, "prior": to_json(prior),
-                                  "batch": to_json(batch)})
+                                  "batch": to_json(batch), CONTROL_SEED: seed})
     metrics = summarize(rewards)
     if cfg.control == "shuffled":
         metrics["control_shuffled"] = 1.0

@@ -113,6 +113,19 @@ def test_a_hostile_checkpoint_is_one_line(edit, problem: str, good: Path, tmp_pa
     assert problem in refused(edited(good, tmp_path, edit))
 
 
+def test_a_causal_lm_without_a_model_layers_stack_is_refused_for_what_it_lacks(tmp_path: Path) -> None:
+    """A GPT-2 folder was refused as "not a decoder-only language model", which GPT-2 is."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = tiny_policy(seed=1).tokenizer
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=32)) \
+        .save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    assert refused(tmp_path / "gpt2") == (
+        "model_type 'gpt2' (GPT2LMHeadModel) has no model.layers (its modules: transformer, lm_head); posttrain samples "
+        "from and trains a Llama-style causal LM, whose decoder layers are the stack model.layers")
+
+
 def test_a_checkpoints_own_python_is_never_run_or_asked_about(good: Path, tmp_path: Path) -> None:
     """``auto_map`` in tokenizer_config.json asked "run the custom code? [y/N]" on a terminal."""
     def custom(config: dict) -> None:

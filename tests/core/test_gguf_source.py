@@ -106,6 +106,23 @@ def test_a_missing_file_lists_the_gguf_files_the_package_has(package):
     assert err.value.fix == f"name one of them, e.g. gguf:{PACKAGE}/tiny.gguf"
 
 
+def test_a_folder_named_like_a_gguf_file_is_said_to_be_one_and_never_proposed(package):
+    """It was "no file dir.gguf in package ...; its .gguf files: dir.gguf, tiny.gguf; fix: name
+    one of them, e.g. gguf:<package>/dir.gguf", the value it refused."""
+    folder, _ = package
+    (folder / "dir.gguf").mkdir()
+    (folder / "a.gguf").mkdir()  # sorts before tiny.gguf: the fix would have proposed it
+    with pytest.raises(UserError) as err:
+        models.resolve_model_uri(f"gguf:{PACKAGE}/dir.gguf", "model.source")
+    assert err.value.field == "model.source" and err.value.value == f"gguf:{PACKAGE}/dir.gguf"
+    assert err.value.problem == (f"dir.gguf in package {PACKAGE} ({folder}) is a folder, not a GGUF file; its .gguf "
+                                 "files: tiny.gguf")
+    assert err.value.fix == f"name one of them, e.g. gguf:{PACKAGE}/tiny.gguf"
+    with pytest.raises(UserError) as err:  # a missing file no longer lists the folders either
+        models.resolve_model_uri(f"gguf:{PACKAGE}/other.gguf", "model.source")
+    assert err.value.problem.endswith("its .gguf files: tiny.gguf")
+
+
 @pytest.mark.parametrize("source", ["gguf:", "gguf:pkg", "gguf:pkg/model.bin", "gguf:/model.gguf", "gguf:a b/m.gguf"])
 def test_a_malformed_gguf_source_is_a_user_error(source, posttrain_home):
     with pytest.raises(UserError) as err:

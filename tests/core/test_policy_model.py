@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -74,6 +75,25 @@ def test_champion_loads_as_pyfunc_and_generates_the_engines_greedy_completions(
     assert model.predict(pd.DataFrame({"prompt": PROMPTS})) == expected
     assert model.predict({"prompt": PROMPTS}) == expected
     assert model.predict(PROMPTS[:1], params={"max_new_tokens": 2}) == engine_greedy(uri, PROMPTS[:1], 2)
+    with pytest.raises(ValueError, match=r"^max_new_tokens=0 is out of range: send an integer of at least 1"):
+        model.predict(PROMPTS[:1], params={"max_new_tokens": 0})  # it was the model's default, silently
+
+
+@pytest.mark.parametrize("value", [-3, 0, 2.5, True, "8", None])
+def test_a_max_new_tokens_below_1_or_not_an_integer_is_refused_before_generation(value) -> None:
+    """``-3`` gave a one-token completion; a served model takes any ``long``. ``None`` (not
+    sent) is the model's own value."""
+    from components.core.policy_model import PolicyModel, new_tokens
+
+    if value is None:
+        assert new_tokens({"max_new_tokens": None}, 24) == new_tokens(None, 24) == 24
+        return
+    model = PolicyModel()
+    model.config, model.policy = {"max_new_tokens": 24}, None  # no policy: the refusal comes before generation
+    with pytest.raises(ValueError) as err:
+        model.predict(None, PROMPTS[:1], params={"max_new_tokens": value})
+    assert str(err.value) == (f"max_new_tokens={value!r} is out of range: send an integer of at least 1, or leave it "
+                              "out for 24")
 
 
 def test_version_and_run_carry_the_checkpoint_uri_and_the_model_holds_no_weights(champion) -> None:
@@ -167,6 +187,12 @@ def test_mlflow_models_serve_answers_invocations_with_the_same_completions(champ
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as reply:
                 assert json.loads(reply.read())["predictions"] == expected
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"inputs": PROMPTS[:1], "params": {"max_new_tokens": -3}}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:  # it answered a one-token completion
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 400
+        assert "max_new_tokens=-3 is out of range: send an integer of at least 1" in refused.value.read().decode()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

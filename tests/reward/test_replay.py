@@ -7,13 +7,18 @@ import json
 import pytest
 
 from components.cli import main
+from components.core.context import StageContext
+from components.core.facts import StartingPolicy
+from components.core.manifest import Shard
 from components.core.recipe import parse_recipe
-from components.core.records import Reward, from_table
+from components.core.records import Execution, Reward, Rollout, Task, from_table
 from components.core.storage import Store
 from components.domains import registry
-from components.domains.base import Verdict
-from components.reward.replay import replay
-from tests.reward.builders import math_task, rollout, run_reward, write_iteration
+from components.domains.base import Verdict, make_task
+from components.reward.normalize import STATS_OUTPUT
+from components.reward.replay import print_report, replay
+from components.reward.stage import control_seed
+from tests.reward.builders import math_task, rollout, run_reward, write_iteration, write_stage
 
 A = math_task("3*4-5=", "7")
 B = math_task("2+3*4=", "14")
@@ -139,10 +144,9 @@ def test_a_run_root_that_is_none_is_named(stored, tmp_path, capsys):
 
 def test_a_folder_in_the_reports_place_is_refused_before_anything_is_written(stored, tmp_path, capsys):
     store, _ = stored
-    from components.core.runner import code_version
-    from components.reward.replay import replay_digest
-
-    base = f"rep/iter-000001/reward/replay-{replay_digest(parse_recipe(RECIPE).reward.model_dump(), code_version())[:8]}"
+    base = replay(parse_recipe(RECIPE), store, 1)["rewards"]["path"].rsplit("/", 1)[0]  # the folder this replay writes
+    store.delete(f"{base}/report.json")
+    store.delete(f"{base}/rewards.parquet")
     store.write_bytes(f"{base}/report.json/x", b"x")  # a folder where the report goes
     with pytest.raises(Exception, match="is a folder where posttrain writes the replay's report"):
         replay(parse_recipe(RECIPE), store, 1)
@@ -166,3 +170,109 @@ def test_a_replay_cut_short_never_leaves_an_old_report_beside_new_rewards(stored
     with pytest.raises(InfraError):
         replay(parse_recipe(RECIPE), store, 1)
     assert store.exists(first["rewards"]["path"]) and not store.exists(report)
+
+
+def code_task(name: str) -> Task:
+    return make_task("code", "train", 1, f"{name}(x) = x + 1", {"inputs": [1, 2], "expected": [2, 3],
+                                                                "solution": "x + 1"})
+
+
+def execution(r: Rollout, right: bool) -> Execution:
+    values = [{"ok": True, "value": x + 1 if right else x} for x in (1, 2)]
+    return Execution(rollout_id=r.rollout_id, task_id=r.task_id, domain="code", backend="subprocess",
+                     isolation="process", status="ok", exit_code=0, signal=0, stdout="", stderr="", duration_s=0.0,
+                     cpu_time_s=0.0, peak_memory_mb=0.0, result={"values": values})
+
+
+@pytest.mark.parametrize("sandbox_shards", [4, 2, 1])
+def test_a_replay_reads_the_sandbox_shards_the_stage_read(sandbox_shards, tmp_path):
+    """With ``sandbox.shards`` unlike ``rollout.shards`` replay looked for sandbox shard "0/2"
+    among "0/4".."3/4", found no executions and reported every code rollout as changed from
+    ok to excluded. Rollout shard i holds task i's group; the sandbox's shards hold the
+    executions the way the stage writes them (shard i of 2 task i's, else spread)."""
+    store = Store(str(tmp_path / "store"))
+    tasks = [code_task("f"), code_task("g")]
+    write_stage(store, "rep", 1, "taskgen", None, {"tasks": (tasks, Task)},
+                StartingPolicy(policy_version="1", policy_uri="file:///no/checkpoint"))
+    groups = [[rollout(t, i, "x") for i in range(4)] for t in tasks]
+    for i, group in enumerate(groups):
+        write_stage(store, "rep", 1, "rollout", Shard(i, 2), {"rollouts": (group, Rollout)})
+    runs = [execution(r, right=(i + j) % 2 == 0) for j, group in enumerate(groups) for i, r in enumerate(group)]
+    for i in range(sandbox_shards):
+        mine = [e for n, e in enumerate(runs) if (n // 4 if sandbox_shards == 2 else n % sandbox_shards) == i]
+        write_stage(store, "rep", 1, "sandbox", Shard(i, sandbox_shards), {"executions": (mine, Execution)})
+    recipe = parse_recipe({"pipeline": "rep", "domains": ["code"], "rollout": {"shards": 2},
+                           "sandbox": {"shards": sandbox_shards}})
+    run_reward(recipe, store, 1, "0/2")
+    run_reward(recipe, store, 1, "1/2")
+    report = replay(recipe, store, 1)
+    assert report["domains"]["code"]["before"] == {"rewards": 8.0, "excluded": 0.0, "mean": 0.5, "pass_rate": 0.5}
+    assert report["changed"] == [] and report["advantage_changed"] == 0
+    assert report["domains"]["code"]["after"] == report["domains"]["code"]["before"]
+
+
+SHUFFLED = {"pipeline": "rep", "domains": ["math"], "rollout": {"shards": 1}, "reward": {"control": "shuffled"},
+            "seed": 3}
+
+
+@pytest.fixture
+def shuffled(tmp_path):
+    """Iteration 1 of a shuffled control under seed 3: both math groups in one reward shard."""
+    store = Store(str(tmp_path / "store"))
+    write_iteration(store, "rep", 1, [[rollout(A, i, c) for i, c in enumerate(["7", "8", "7", "7"])]
+                                      + [rollout(B, i, c) for i, c in enumerate(["20", "20", "14", "x"])]], [A, B])
+    return store
+
+
+def test_a_shuffled_control_replays_with_the_seed_its_run_recorded_whatever_the_recipes(shuffled):
+    """Replay permuted with the replay recipe's ``seed``: another seed moved 8 advantages,
+    and its report went into the same folder as the faithful one."""
+    run_reward(parse_recipe(SHUFFLED), shuffled, 1, "0/1")
+    same, other = (replay(parse_recipe({**SHUFFLED, "seed": seed}), shuffled, 1) for seed in (3, 4))
+    for report in (same, other):
+        assert report["changed"] == [] and report["advantage_changed"] == 0
+        assert report["control_seeds"] == {"0/1": {"seed": control_seed(3, "rep", 1, 0), "recorded": True}}
+    assert other["uri"] == same["uri"]  # the same result, so the same folder
+    # the permutation does matter: scored without the control, these advantages move
+    plain = replay(parse_recipe({**SHUFFLED, "reward": {}}), shuffled, 1)
+    assert plain["advantage_changed"] > 0 and plain["uri"] != same["uri"]
+
+
+def test_outputs_that_recorded_no_seed_replay_with_the_recipes_and_each_seed_gets_its_folder(shuffled, monkeypatch,
+                                                                                              capsys):
+    """A reward shard written before the seed was recorded: the replay recipe's ``seed``
+    derives it (the report says so), and two seeds never share a folder."""
+    real = StageContext.write_json
+
+    def as_before(self, name, obj):
+        return real(self, name, {k: v for k, v in obj.items() if k != "control_seed"} if name == STATS_OUTPUT else obj)
+
+    monkeypatch.setattr(StageContext, "write_json", as_before)
+    run_reward(parse_recipe(SHUFFLED), shuffled, 1, "0/1")
+    monkeypatch.undo()
+    three, four = (replay(parse_recipe({**SHUFFLED, "seed": seed}), shuffled, 1) for seed in (3, 4))
+    assert three["advantage_changed"] == 0
+    assert four["advantage_changed"] > 0
+    assert three["control_seeds"] == {"0/1": {"seed": control_seed(3, "rep", 1, 0), "recorded": False}}
+    assert four["control_seeds"] == {"0/1": {"seed": control_seed(4, "rep", 1, 0), "recorded": False}}
+    assert three["uri"] != four["uri"]
+    for report in (three, four):  # neither overwrote the other
+        folder = report["rewards"]["path"].rsplit("/", 1)[0]
+        assert shuffled.read_json(f"{folder}/report.json")["control_seeds"] == report["control_seeds"]
+    print_report(four)
+    assert "reward shard(s) 0/1 recorded no seed" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_re_run_iteration_replays_into_another_folder(stored):
+    """The folder's digest covers the manifests read, not only the config: a replay of the
+    re-run iteration leaves the earlier replay's report as it was."""
+    store, _ = stored
+    first = replay(parse_recipe(RECIPE), store, 1)
+    write_iteration(store, "rep", 1, [[rollout(A, i, "7") for i in range(4)], [rollout(B, i, "14") for i in range(4)]],
+                    [A, B])
+    run_reward(parse_recipe(RECIPE), store, 1, "0/2")
+    run_reward(parse_recipe(RECIPE), store, 1, "1/2")
+    second = replay(parse_recipe(RECIPE), store, 1)
+    assert second["uri"] != first["uri"] and second["inputs"] != first["inputs"]
+    folder = first["rewards"]["path"].rsplit("/", 1)[0]
+    assert store.read_json(f"{folder}/report.json")["rewards"] == first["rewards"]
