@@ -88,7 +88,11 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && rm -rf build ./*.egg-info
 
 USER 10001:10001
+# POSTTRAIN_RECIPE: the default recipe is recipes/demo.yaml beside the installed package,
+# which the non-editable install above puts in site-packages without recipes/; name the
+# copy in the working directory instead (a --recipe, or an orchestrator's setting, wins).
 ENV POSTTRAIN_HOME=/home/posttrain/.posttrain \
+    POSTTRAIN_RECIPE=/opt/posttrain/recipes/demo.yaml \
     POSTTRAIN_CODE_VERSION=${POSTTRAIN_VERSION} \
     POSTTRAIN_IMAGE=1 \
     PYTHONUNBUFFERED=1 \

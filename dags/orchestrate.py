@@ -140,12 +140,32 @@ def _read_holder(fh) -> str:
     return "an unknown process"
 
 
+_LOCKED_HOMES: set[str] = set()
+"""The homes whose run lock (``home_lock``) this process holds now."""
+
+
+def drives_here(holder: str) -> bool:
+    """Whether ``holder`` is the ``local:<home>`` of the ``posttrain run`` (or ``posttrain
+    kfp-local``) of this very process, which holds that home's run lock now. ``posttrain
+    run`` passes its holder to the DAG run it drives here (``dag.test()``); a holder typed
+    into a DAG run's conf names a home anyone can copy (the "busy" line prints it), and a
+    scheduler's worker is never this process, so it is never that run's (with it, a DAG run
+    would work on the iteration that command holds, and keep the lease when it fails)."""
+    return holder.startswith("local:") and holder[len("local:"):] in _LOCKED_HOMES
+
+
+def in_posttrain_run() -> bool:
+    """Whether this process is a ``posttrain run`` (or ``posttrain kfp-local``): it holds a
+    home's run lock now."""
+    return bool(_LOCKED_HOMES)
+
+
 @contextmanager
 def home_lock(home: Path) -> Iterator[None]:
     """One ``posttrain run`` per home: an exclusive lock on ``<home>/run.lock``, which then
     holds this run's host, pid and start time. The lock dies with the process, so a killed
     run never blocks the next one. A second run is refused (UserError, exit 2) with one
-    line naming the holder."""
+    line naming the holder. Within, ``drives_here(f"local:{home}")`` is true."""
     home.mkdir(parents=True, exist_ok=True)
     with _lock_file(home / "run.lock") as fh:
         try:
@@ -158,8 +178,10 @@ def home_lock(home: Path) -> Iterator[None]:
             fh.truncate()
             fh.write(holder_text(home) + "\n")
             fh.flush()
+            _LOCKED_HOMES.add(str(home))
             yield
         finally:
+            _LOCKED_HOMES.discard(str(home))
             fh.seek(0)
             fh.truncate()
             fh.flush()

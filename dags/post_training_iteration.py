@@ -47,13 +47,14 @@ from dags.wiring import RETRY, announce_champion, max_failed_runs, plan, run_fai
 
 # A fixed start date in the past: without one, Airflow 3.3's @continuous timetable gives the
 # second run the first run's logical date, and the scheduler never creates it. Its time zone
-# is the deployment's ([core] default_timezone): a cron schedule runs on that clock.
+# is the deployment's ([core] default_timezone): a cron schedule runs on that clock. No
+# "holder" param: `posttrain run` puts its own in the conf of the run it drives itself
+# (dags.wiring.posttrain_run_holder refuses any other).
 @dag(dag_id="post_training_iteration", schedule=schedule(), start_date=datetime(2025, 1, 1, tzinfo=TIMEZONE),
      max_active_runs=1, max_consecutive_failed_dag_runs=max_failed_runs(), catchup=False, doc_md=__doc__,
      tags=["posttrain"], default_args=RETRY, on_failure_callback=run_failed,
      params={"recipe": Param("", type="string", description="recipe YAML; empty: $POSTTRAIN_RECIPE or the demo recipe"),
-             "run_root": Param("", type="string", description="store URI; empty: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store"),
-             "holder": Param("", type="string", description="lease holder; empty: this run (set by 'posttrain run')")})
+             "run_root": Param("", type="string", description="store URI; empty: $POSTTRAIN_RUN_ROOT or $POSTTRAIN_HOME/store")})
 def post_training_iteration():
     planned = plan()
     tasks = {}

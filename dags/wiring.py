@@ -23,7 +23,9 @@ and handed to every task through XCom. Clearing a run replays its k while no lat
 iteration has started; a stage task checks that k is still its run's to work on
 (``planner.check_current``: no later iteration started, no other run's live lease; a
 lease handed back by a failure is taken again, so clearing a failed run's failed tasks
-resumes it) and fails at once when not. An outage (``InfraError``, or
+resumes it) and fails at once when not; a whole run cleared after its failure handed k
+back replays k, unless another run took k and finished it since (then it is over too). A
+``holder`` in the conf is ``posttrain run``'s alone (``posttrain_run_holder``). An outage (``InfraError``, or
 another run holding the lease) is retried with backoff; a user's mistake, a failed
 data-quality gate and a stage past its time limit (a ``UserError`` naming ``timeouts.<stage>``,
 in-process or in a container or pod, whose operator stops what it started) fail at once (``AirflowFailException``). A DAG paused after
@@ -132,16 +134,30 @@ def _fail_now(exc: BaseException) -> BaseException:
     return exc
 
 
-def _named_as_given(exc: BaseException, params: dict[str, Any], conf: dict[str, Any]) -> BaseException:
+def _named_as_given(exc: BaseException, conf: dict[str, Any]) -> BaseException:
     """``exc`` naming the run conf's key or the environment variable a value came from,
     where it names the CLI's ``--recipe``/``--run-root`` (which a DAG run has none of). A
-    run ``posttrain run`` started (it sets ``holder``) keeps the flag its user typed."""
+    run ``posttrain run`` drives (``posttrain_run_holder``) keeps the flag its user typed."""
     from components.core.errors import UserError
 
-    if not isinstance(exc, UserError) or exc.field not in FLAG_VARIABLES or params.get("holder"):
+    if not isinstance(exc, UserError) or exc.field not in FLAG_VARIABLES or posttrain_run_holder(conf):
         return exc
     key, variable = FLAG_VARIABLES[exc.field]
     return UserError(key if conf.get(key) else variable, exc.value, exc.problem, exc.fix)
+
+
+def posttrain_run_holder(conf: dict[str, Any] | None) -> str:
+    """The run conf's ``holder`` when ``posttrain run`` drives this DAG run in this very
+    process (``dag.test()``) and holds that home's run lock now (``orchestrate.drives_here``),
+    else "". Only that command passes a holder (it resumes the iteration itself, so its run
+    keeps the lease when it fails); one typed into a conf by hand, even a copy of that
+    command's own, is never its: a scheduler's worker is not that process."""
+    holder = (conf or {}).get("holder") or ""
+    if not isinstance(holder, str) or not holder:
+        return ""
+    from dags.orchestrate import drives_here
+
+    return holder if drives_here(holder) else ""
 
 
 def _settings(params: dict[str, Any]):
@@ -156,6 +172,7 @@ def plan() -> dict[str, Any]:
     from airflow.sdk import get_current_context
 
     from components.core import planner, settings, tracking
+    from components.core.errors import UserError
     from components.core.recipe import load_recipe, publish_recipe
     from components.core.runner import close_finished_iterations
     from components.core.stages import registered, shard_list
@@ -164,8 +181,15 @@ def plan() -> dict[str, Any]:
 
     ctx = get_current_context()
     params = ctx["params"]
+    given = ctx["dag_run"].conf or {}
     try:
-        settings.check_run_params(params, (ctx["dag_run"].conf or {}).keys())
+        settings.check_run_params(params, given.keys())
+        driven = posttrain_run_holder(given)
+        if given.get("holder") and not driven:  # before anything is made or leased
+            raise UserError("holder", given["holder"], "is posttrain run's own, for the DAG run it drives in its own "
+                            "process, and no posttrain run of that home drives this one (a copied holder would work "
+                            "on the iteration that run holds)",
+                            "leave holder empty: the run then holds its own lease and hands it back if it fails")
         conf = _settings(params)
         recipe = load_recipe(conf.recipe)
         parsed = recipe_at_parse()
@@ -173,20 +197,26 @@ def plan() -> dict[str, Any]:
             log.warning("the recipe %s sets other stage timeouts or resources than POSTTRAIN_RECIPE's, which the "
                         "DAG's tasks were made with: those apply; set POSTTRAIN_RECIPE to this recipe for its own",
                         conf.recipe)
+        elif parsed is None and (recipe.timeouts or recipe.resources):
+            log.warning("the recipe %s sets stage timeouts or resources, which the DAG's tasks were made without "
+                        "(POSTTRAIN_RECIPE was not read when the DAG was parsed: it is in a store, or unreadable): the "
+                        "stage registry's apply; set POSTTRAIN_RECIPE to a local copy of this recipe for its own",
+                        conf.recipe)
         store = Store(conf.run_root, "run_root")
         # posttrain run's checks, in its order: one line, failed at once (a local run root for an
         # HTTP tracking server, a bad task file row, ...), and a refused run makes no run root
         with removed_if_refused(store):
             check_before_run(recipe, store, sandbox_here=mode() == "inprocess")  # else the images' own /usr
-        holder = params.get("holder") or f"airflow:{ctx['run_id']}"
-        k = planner.plan(store, recipe, holder, replay=not params.get("holder"))
+        holder = driven or f"airflow:{ctx['run_id']}"
+        # a cleared run (Airflow counts clears) looks for the iteration its failure handed back
+        k = planner.plan(store, recipe, holder, replay=not driven, cleared=bool(getattr(ctx["dag_run"], "clear_number", 0)))
         for done in close_finished_iterations(store, recipe.pipeline):  # a run killed as it ended them
             log.info("iteration %d had finished; its MLflow run is now ended FINISHED too", done)
         parent = tracking.iteration_run(recipe.pipeline, k, store.uri, ctx["run_id"])
         # A stage in a container or pod cannot see this worker's files: it reads the recipe from the store.
         recipe_uri = conf.recipe if mode() == "inprocess" else publish_recipe(conf.recipe, store.uri)
     except Exception as exc:
-        raise _fail_now(_named_as_given(exc, params, ctx["dag_run"].conf or {})) from None  # one traceback, not two
+        raise _fail_now(_named_as_given(exc, given)) from None  # one traceback, not two
     log.info("iteration %d of %s | holder %s | MLflow iteration run: %s", k, recipe.pipeline, holder,
              tracking.run_url(recipe.pipeline, parent))
     return {"iteration": k, "recipe": conf.recipe, "recipe_uri": recipe_uri, "run_root": store.uri, "holder": holder, "pipeline": recipe.pipeline,
@@ -277,7 +307,8 @@ def printed_by_posttrain_run(context: dict[str, Any]) -> bool:
     from components.core.errors import UserError
 
     exc = context.get("exception")
-    if not (context.get("params") or {}).get("holder") or not FINAL_ERRORS or type(exc).__name__ != "AirflowFailException":
+    driven = posttrain_run_holder(getattr(context.get("dag_run"), "conf", None))
+    if not driven or not FINAL_ERRORS or type(exc).__name__ != "AirflowFailException":
         return False
     return isinstance(FINAL_ERRORS[0], UserError) and str(exc).endswith(FINAL_ERRORS[0].line())
 
@@ -285,13 +316,21 @@ def printed_by_posttrain_run(context: dict[str, Any]) -> bool:
 def run_failed(context: dict[str, Any]) -> None:
     """DAG run failure: the iteration's MLflow run ends FAILED (its RUNNING stage runs
     KILLED), and the run's iteration lease is handed back, so the next run resumes it at
-    once (a run driven by ``posttrain run`` keeps its lease: that command resumes it)."""
+    once (a run driven by ``posttrain run`` keeps its lease: that command resumes it).
+    Airflow's DAG processor may call it with ``{"dag", "run_id", "reason"}`` alone (no
+    ``dag_run``: a deadlocked run with no task to blame, a task removed since): without
+    the run's conf, its recipe and run root are the environment's, as for an empty conf."""
     from components.core.runner import end_failed_run
 
-    params = context.get("params") or {}
-    holder = params.get("holder") or f"airflow:{context['dag_run'].run_id}"
+    dag_run = context.get("dag_run")
+    params = (context.get("params") or {}) if dag_run is not None else {}
+    given = posttrain_run_holder(dag_run.conf if dag_run is not None else None)
+    if dag_run is None:
+        log.warning("run failed (%s) with no run conf at hand: its lease is looked for under POSTTRAIN_RECIPE's "
+                    "pipeline in POSTTRAIN_RUN_ROOT", context.get("reason"))
+    holder = given or f"airflow:{context['run_id']}"
     for line in end_failed_run(params.get("recipe") or "", params.get("run_root") or "", holder,
-                               given_holder=bool(params.get("holder"))):
+                               given_holder=bool(given)):
         (log.warning if line.startswith(("no lease", "could not")) else log.info)("run failed: %s", line)
 
 
@@ -299,13 +338,26 @@ def run_failed(context: dict[str, Any]) -> None:
 def recipe_at_parse():
     """The recipe named by POSTTRAIN_RECIPE, read once per DAG parse for what the DAG's shape
     takes from it (time limits, cluster resources); None when it cannot be read (the plan
-    task then fails with its one-line message)."""
+    task then fails with its one-line message). One in a store (``s3://``) is not read
+    while the DAG is parsed, where a store that accepts connections and never answers
+    stalled the parse for minutes: the registry's limits apply, with a warning. ``posttrain
+    run`` (this process holds its home's run lock) has just read it itself, and does."""
     from components.core import settings
     from components.core.errors import InfraError, UserError
     from components.core.recipe import load_recipe
+    from components.core.storage import scheme
 
     try:
-        return load_recipe(settings.default_recipe())
+        given = settings.default_recipe()
+        if scheme(given) not in ("", "file"):
+            from dags.orchestrate import in_posttrain_run
+
+            if not in_posttrain_run():
+                log.warning("POSTTRAIN_RECIPE=%s is in a store, which the DAG's parse does not read: the stage "
+                            "registry's time limits and resources apply; set POSTTRAIN_RECIPE to a local copy for "
+                            "the recipe's own", given)
+                return None
+        return load_recipe(given)
     except (UserError, InfraError):
         return None
 

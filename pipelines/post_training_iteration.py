@@ -64,10 +64,17 @@ Choices, and what this does not do:
   the label ``posttrain.io/stage``; GPU stages add ``nvidia.com/gpu`` (accelerator limit),
   a toleration for the ``nvidia.com/gpu`` NoSchedule taint and the node selector
   ``posttrain.io/pool=gpu``. Names are compile-time options of ``pipelines/compile.py``.
-- What kfp-kubernetes cannot set: the service account (submit the run with
-  ``kfp.Client().create_run_from_pipeline_package(..., namespace="posttrain",
-  service_account="posttrain-stage")``: the stage IAM role trusts that account in that
-  namespace only), and the sandbox's
+- What kfp-kubernetes cannot set: the service account and namespace. Submit the run with
+  ``kfp.Client().create_run_from_pipeline_package(..., namespace=<kfp_namespace>,
+  service_account="posttrain-kfp")``, the account ``infra/terraform`` creates when its
+  ``kfp_namespace`` is set: every pod of a KFP run (KFP's driver, Argo's executor, KFP's
+  launcher around each task) runs as it and calls the API server, so its token is mounted
+  and a Role lets it report step results (``workflowtaskresults``), get and patch pods
+  and read KFP's ``kfp-launcher`` config map and artifact-store secret; the stage
+  IAM role trusts it (IRSA). That namespace must be one KFP runs pipelines in: a
+  Kubeflow Profile's namespace under multi-user KFP, or KFP's own (``kubeflow``) under
+  standalone KFP, which ignores ``namespace``; not ``posttrain``, where Airflow runs
+  (``infra/terraform/README.md``). Also not settable: the sandbox's
   seccomp and ``procMount`` (its AppArmor profile goes as the ``unconfined`` annotation on
   the ``main`` container of sandboxed stages). Pods without a seccomp profile run
   unconfined unless the kubelet sets ``seccompDefault``; without ``procMount: Unmasked``
@@ -75,7 +82,14 @@ Choices, and what this does not do:
   recipe allows weaker isolation. For full sandbox isolation on a cluster, run the
   iteration through the Airflow DAG's ``kubernetes`` mode (``dags/execution/kubernetes.py``).
 - Retries: KFP retries every task but ``plan`` and ``hand-back`` twice (10 s, then 20 s), whatever its exit
-  status. ``plan`` makes the DAG's plan task's checks (``dags.orchestrate.check_before_run``)
+  status, and so also a stage that ran past its time limit: the pod's deadline
+  (``activeDeadlineSeconds``, the registry's ``timeout_s``) kills it, and KFP starts it
+  again, up to three limits in all before the run fails (18 hours of GPU for the
+  trainer's 6). The DAG fails a timed-out task at once (``dags/wiring.py``: the same
+  work would take as long again); KFP's retry policy cannot tell a deadline from another
+  failure; terminate such a run in the KFP UI to spare the GPU. A pod that never starts
+  (no GPU node: ``infra/terraform/README.md``, "GPU pool") stays Pending with no deadline,
+  which counts from the pod's start. ``plan`` makes the DAG's plan task's checks (``dags.orchestrate.check_before_run``)
   and waits out outages and an iteration another run holds itself (10 s, 20 s, 40 s, as
   the DAG's plan task retries), so a bad recipe, task file or run root fails the run
   once, at its first task; a mistake only a stage can see is still retried.
@@ -91,12 +105,21 @@ Choices, and what this does not do:
 """
 
 # No ``from __future__ import annotations``: KFP reads the component signatures' real types.
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
 from kfp import dsl, kubernetes
 
 from components import STAGES, __version__
 from components.core.errors import UserError
 from components.core.stages import registered
 from components.core.stages import spec as stage_spec
+from dags import execution
+from dags.execution import cluster
+
+T = TypeVar("T")
 
 RETRIES = 2
 BACKOFF = "10s"
@@ -253,20 +276,62 @@ def hand_back(recipe: str, run_root: str, run_id: str, holder: str, status: dsl.
         print(f"run failed: {line}", flush=True)
 
 
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block, then what was there before (set or unset)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def checked_as_the_dag(check: Callable[[], T], settings: dict[str, str], fields: dict[str, str]) -> T:
+    """``check()``, one of the DAG's own checks of its settings (``dags/execution/cluster.py``,
+    ``dags.execution.image_for``), which read them from the environment, run on ``settings``
+    ({variable: value}; the environment is restored afterwards), so a compiled pipeline takes
+    exactly the names a DAG would. Its UserError names ``fields[variable]`` (the pipeline's
+    option) instead of the variable. Not thread-safe: it sets process-wide variables for
+    the duration of the check (the compile and import of this module are single-threaded)."""
+    with _environment(settings):
+        try:
+            return check()
+        except UserError as exc:
+            raise UserError(fields.get(exc.field, exc.field), exc.value, exc.problem, exc.fix) from None
+
+
 def stage_image(stage: str, image_prefix: str = "") -> str:
-    """The stage's container image, as ``containers/build.sh`` tags it."""
-    return f"{image_prefix}posttrain-{stage}:{__version__}"
+    """The stage's container image, as ``containers/build.sh`` tags it; a UserError naming
+    ``image_prefix`` when the prefix makes no image reference (the DAG's check,
+    ``dags.execution.image_for``: a pod with such an image fails only on the cluster)."""
+    return checked_as_the_dag(lambda: execution.image_for(stage),
+                              {execution.IMAGE_PREFIX_VAR: image_prefix, execution.IMAGE_TAG_VAR: __version__},
+                              {execution.IMAGE_PREFIX_VAR: "image_prefix"})
+
+
+def cluster_names(config_map: str = CONFIG_MAP, s3_secret: str = S3_SECRET,
+                  gpu_node_selector: str = GPU_NODE_SELECTOR) -> cluster.ClusterSettings:
+    """The pipeline's cluster names checked as the DAG's kubernetes mode checks its
+    ``POSTTRAIN_STAGE_CONFIGMAP``, ``POSTTRAIN_STAGE_SECRET`` and
+    ``POSTTRAIN_GPU_NODE_SELECTOR`` (``dags.execution.cluster.cluster_settings``; the
+    mode's other settings at their defaults): the config map a Kubernetes name, the secret
+    one or '' (none), the selector node labels ``key=value[,key=value]`` or '' (none). A
+    UserError naming ``config_map``, ``s3_secret`` or ``gpu_node_selector``."""
+    settings = {**cluster.DEFAULTS, cluster.CONFIGMAP_VAR: config_map, cluster.SECRET_VAR: s3_secret,
+                cluster.GPU_NODE_SELECTOR_VAR: gpu_node_selector}
+    return checked_as_the_dag(cluster.cluster_settings, settings, {
+        cluster.CONFIGMAP_VAR: "config_map", cluster.SECRET_VAR: "s3_secret", cluster.GPU_NODE_SELECTOR_VAR: "gpu_node_selector"})
 
 
 def parse_node_selector(value: str) -> dict[str, str]:
-    """``"key=value[,key=value]"`` (empty: none); ValueError naming the fix."""
-    out = {}
-    for pair in filter(None, (p.strip() for p in value.split(","))):
-        key, sep, label = (x.strip() for x in pair.partition("="))
-        if not sep or not key:
-            raise ValueError(f"GPU node selector {value!r}: {pair!r} is not 'key=value'; e.g. {GPU_NODE_SELECTOR!r}, or '' for none")
-        out[key] = label
-    return out
+    """``"key=value[,key=value]"`` (empty: none) as {key: value}; a UserError naming
+    ``gpu_node_selector`` where a pair is not a node label (``cluster_names``)."""
+    return cluster_names(gpu_node_selector=value).gpu_node_selector
 
 
 GPU_NODE_SELECTOR_DEFAULT = parse_node_selector(GPU_NODE_SELECTOR)
@@ -308,8 +373,8 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
                         f"built-in stages {list(STAGES)}, so it would skip these plug-in stages",
                         "run this pipeline with the Airflow DAG (which runs plug-in stages), or uninstall the plug-in "
                         "before compiling")
-    selector = parse_node_selector(gpu_node_selector)
-    cluster = dict(config_map=config_map, s3_secret=s3_secret, gpu_node_selector=selector)
+    names = cluster_names(config_map, s3_secret, gpu_node_selector)
+    placement = dict(config_map=names.config_map, s3_secret=names.secret, gpu_node_selector=names.gpu_node_selector)
     bodies = {f.__name__: f for f in (bootstrap, taskgen, rollout, sandbox, reward, validation, trainer, evaluation)}
     assert tuple(bodies) == STAGES, "one component per stage, in stage order"
     comp = {name: dsl.component(f, base_image=stage_image(name, image_prefix), install_kfp_package=False,
@@ -323,7 +388,7 @@ def make_pipeline(image_prefix: str = "", config_map: str = CONFIG_MAP, s3_secre
     def step(task: dsl.PipelineTask, retried: bool = True) -> dsl.PipelineTask:
         task.set_caching_options(False)
         stage = task.component_spec.name if task.component_spec.name in STAGES else ""
-        on_cluster(task, stage, **cluster)
+        on_cluster(task, stage, **placement)
         return task.set_retry(num_retries=RETRIES, backoff_duration=BACKOFF, backoff_factor=2.0) if retried else task
 
     @dsl.pipeline(name="post-training-iteration",

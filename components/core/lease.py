@@ -167,6 +167,30 @@ def held_by(store: Store, pipeline: str, holder: str) -> list[int]:
     return sorted(out, reverse=True)
 
 
+def last_held(store: Store, pipeline: str, holder: str) -> tuple[int, str] | None:
+    """The newest iteration whose lease chain names ``holder`` in any generation (also one
+    it has handed back since, or lost when it expired), with the newest other holder that
+    took it after (``""`` when none did); None when ``holder`` never held one. It reads
+    every record of the pipeline's chains, so callers keep it to a rare case (a cleared DAG
+    run: ``planner.plan``); a record that is not a lease's is passed over."""
+    names = [n for n in store.listdir(f"{pipeline}/_leases") if n.startswith("iter-") and n[5:].isdigit()]
+    for k in sorted((int(n[5:]) for n in names), reverse=True):
+        folder = _folder(pipeline, k)
+        gens = [n for n in store.listdir(folder) if n.endswith(".json") and n[:-5].isdigit()]
+        taker = ""
+        for name in sorted(gens, key=lambda n: int(n[:-5]), reverse=True):
+            try:
+                record = _parse(store.read_small(f"{folder}/{name}", MAX_LEASE_BYTES))
+            except (ValueError, TypeError, RecursionError, OSError):
+                record = None
+            if record is None or record.iteration != k:
+                continue
+            if record.holder == holder:
+                return k, taker
+            taker = taker or record.holder
+    return None
+
+
 def acquire_writer(store: Store, pipeline: str, holder: str, stale: Callable[[Lease], bool] | None = None,
                    ttl_s: float = WRITER_TTL_S) -> Lease:
     """Take the pipeline's writer lease for ``holder``; ``LeaseHeld`` while another holder's

@@ -9,7 +9,12 @@ lease on it (``components.core.lease``), so two runs never work on the same k:
    holds is returned even when finished, so clearing a finished DAG run replays the same
    k, and every stage is a cache hit; but once a later iteration has started, that k is
    over: a UserError (``check_current``), since a stage re-run on a changed recipe or code
-   would train and judge again from today's champion and could move it back;
+   would train and judge again from today's champion and could move it back. A failed
+   run hands its lease back; cleared so that its plan runs again (``cleared=True``), it
+   looks through the lease chains for the newest iteration it held (``lease.last_held``)
+   and resumes or replays that k as above, and once another run took that k after it and
+   finished it, that k is over too (a UserError), rather than run a new iteration on its
+   old conf;
 3. otherwise k = the last iteration with an evaluation manifest + 1 (a half-done k
    resumes: its finished stages are cache hits), claimed for ``holder``. A live lease of
    another holder on k raises ``LeaseHeld``, unless ``stale(lease)`` says its holder is
@@ -59,13 +64,16 @@ def started_after(store: Store, pipeline: str, iteration: int) -> int | None:
     return max((k for k in later if k > iteration), default=None)
 
 
+NEW_RUN_FIX = "trigger a new run (its plan picks the iteration to work on) instead of clearing this one's tasks"
+
+
 def check_current(store: Store, pipeline: str, iteration: int, holder: str) -> None:
     """What a stage task of a DAG run checks before it runs (clearing a run's tasks skips
     its plan task): UserError once a later iteration has started (the iteration is over),
     or while another holder's lease on it is live; a lease that was handed back or has
     expired (a failed run whose failed tasks are cleared) is taken again for ``holder``,
     as its plan would."""
-    fix = "trigger a new run (its plan picks the iteration to work on) instead of clearing this one's tasks"
+    fix = NEW_RUN_FIX
     later = started_after(store, pipeline, iteration)
     if later is not None:
         raise UserError("iteration", iteration, f"iteration {iteration} of pipeline {pipeline!r} is over: iteration "
@@ -81,11 +89,30 @@ def check_current(store: Store, pipeline: str, iteration: int, holder: str) -> N
     lease.acquire(store, pipeline, iteration, holder)
 
 
+def handed_back(store: Store, pipeline: str, holder: str, done: set[int]) -> int | None:
+    """The newest iteration ``holder`` held and no longer holds (a failed DAG run hands its
+    lease back), for its cleared run to resume or replay; None when it held none (its plan
+    failed before it leased one). A UserError once another run took that iteration after it
+    and finished it: re-running its stages on this run's conf (an old one-off recipe, say)
+    and today's code could move the champion back."""
+    found = lease.last_held(store, pipeline, holder)
+    if found is None:
+        return None
+    k, taker = found
+    if k in done and taker:
+        raise UserError("iteration", k, f"iteration {k} of pipeline {pipeline!r} is over: {taker!r} took it after "
+                        "this run handed it back and finished it, and re-running its stages on this run's recipe and "
+                        "today's code could move the champion back", NEW_RUN_FIX)
+    return k
+
+
 def plan(store: Store, recipe: Recipe, holder: str, replay: bool = False, ttl_s: float = lease.DEFAULT_TTL_S,
-         stale: Callable[[lease.Lease], bool] | None = None) -> int:
+         stale: Callable[[lease.Lease], bool] | None = None, cleared: bool = False) -> int:
     pipeline = recipe.pipeline
     done = set(finished(store, pipeline))
     k = next((k for k in lease.held_by(store, pipeline, holder) if replay or k not in done), None)
+    if k is None and replay and cleared:  # reads every lease record: only for a cleared run
+        k = handed_back(store, pipeline, holder, done)
     if k is not None:
         check_current(store, pipeline, k, holder)
     else:

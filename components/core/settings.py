@@ -266,7 +266,9 @@ def check_run_params(params: dict[str, Any], given: Iterable[str] = ()) -> None:
     ``local:<home>`` that ``posttrain run`` and ``posttrain kfp-local`` pass (a run
     given a holder keeps its lease when it fails, for that command to resume: a hand-typed
     one blocked the pipeline for the lease's 6 hours, and one over 64 KiB wrote a lease
-    no one could read back)."""
+    no one could read back). Only the holder's form is checked here: the DAG's plan also
+    refuses one whose ``posttrain run`` does not drive it from that very process
+    (``dags.wiring.posttrain_run_holder``)."""
     for key in given:
         if key not in RUN_PARAMS:
             raise UserError("params", key, "is not a parameter of this pipeline",
@@ -283,7 +285,8 @@ def check_run_params(params: dict[str, Any], given: Iterable[str] = ()) -> None:
             raise UserError(name, value, "is a relative path, which each worker would resolve against its own "
                             "working folder", "pass an absolute path or a URI (file:///..., s3://bucket/prefix)")
     holder = params.get("holder") or ""
-    if holder and not (holder.startswith("local:/") and len(holder) <= MAX_HOLDER and unusable_text(holder) is None):
+    if holder and not (isinstance(holder, str) and holder.startswith("local:/") and len(holder) <= MAX_HOLDER
+                       and unusable_text(holder) is None):
         raise UserError("holder", holder, "is set by posttrain run and posttrain kfp-local only (local:<their home>)",
                         "leave holder empty: the run then holds its own lease and hands it back if it fails")
 

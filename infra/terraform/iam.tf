@@ -1,6 +1,7 @@
 # IRSA: the Kubernetes service accounts below assume an IAM role through the cluster's
 # OIDC provider, so pods get short-lived credentials and no static keys.
-#   stage   - the stage pods: read/write the run root, read MLflow's artifacts
+#   stage   - the stage pods, and the pods of Kubeflow runs (var.kfp_namespace set):
+#             read/write the run root, read MLflow's artifacts
 #   airflow - Airflow's task workers and DAG processor: the plan task leases the iteration
 #             and publishes the recipe in the run root, a failed run hands its lease back
 #   mlflow  - the tracking server: read/write its artifacts, read checkpoints in the run root
@@ -26,6 +27,9 @@ locals {
       read_prefixes    = [local.mlflow_artifacts, var.store_prefix]
     }
   }
+  # namespace/name of the account of Kubeflow runs of the pipeline (kubernetes.tf), which
+  # the stage role trusts too when var.kfp_namespace is set.
+  kfp_run_accounts = local.kfp_enabled ? ["${var.kfp_namespace}/${var.kfp_service_account}"] : []
 }
 
 data "aws_iam_policy_document" "irsa_trust" {
@@ -46,6 +50,29 @@ data "aws_iam_policy_document" "irsa_trust" {
       test     = "StringEquals"
       variable = "${local.oidc_issuer}:aud"
       values   = ["sts.amazonaws.com"]
+    }
+  }
+  # The stage role only: the same statement for the Kubeflow run account, sub and aud pinned
+  # alike (a statement of its own rather than a longer list above: checkov evaluates this
+  # document, and expands local.irsa, only while those stay plain lists).
+  dynamic "statement" {
+    for_each = each.key == "stage" ? local.kfp_run_accounts : []
+    content {
+      actions = ["sts:AssumeRoleWithWebIdentity"]
+      principals {
+        type        = "Federated"
+        identifiers = [local.oidc_provider]
+      }
+      condition {
+        test     = "StringEquals"
+        variable = "${local.oidc_issuer}:sub"
+        values   = ["system:serviceaccount:${replace(statement.value, "/", ":")}"]
+      }
+      condition {
+        test     = "StringEquals"
+        variable = "${local.oidc_issuer}:aud"
+        values   = ["sts.amazonaws.com"]
+      }
     }
   }
 }
@@ -84,7 +111,7 @@ resource "aws_iam_role" "irsa" {
   for_each = local.irsa
 
   name               = "${var.name}-${each.key}"
-  description        = "${var.name}: assumed by ${join(", ", [for sa in each.value.service_accounts : "${var.namespace}/${sa}"])}"
+  description        = "${var.name}: assumed by ${join(", ", concat([for sa in each.value.service_accounts : "${var.namespace}/${sa}"], each.key == "stage" ? local.kfp_run_accounts : []))}"
   assume_role_policy = data.aws_iam_policy_document.irsa_trust[each.key].json
 }
 

@@ -4,6 +4,8 @@
 #         components/core/stages.py); tainted so only pods that tolerate
 #         nvidia.com/gpu land there, and able to scale to zero between iterations.
 # The sandbox needs unprivileged user namespaces (bubblewrap); AL2023 allows them by default.
+# Nothing here changes a pool's size: a node autoscaler on the cluster does (README: GPU
+# pool), and the gpu pool starts at zero nodes.
 
 locals {
   pools = var.create_node_groups ? {
@@ -23,6 +25,20 @@ locals {
     }
   } : {}
   node_policies = toset(["AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly"])
+
+  # The Cluster Autoscaler's node-template tags on each pool's Auto Scaling group: the
+  # label and taints a new node of the pool will have. At zero nodes it has no node to
+  # copy them from, and without them (or eks:DescribeNodegroup) it finds no group whose
+  # nodes fit a pod that selects posttrain.io/pool=gpu, so it never scales the pool up.
+  taint_effects = { NO_SCHEDULE = "NoSchedule", NO_EXECUTE = "NoExecute", PREFER_NO_SCHEDULE = "PreferNoSchedule" }
+  autoscaler_tags = merge({}, [for pool, p in local.pools : merge(
+    { "${pool}/label/posttrain.io/pool" = { pool = pool, key = "k8s.io/cluster-autoscaler/node-template/label/posttrain.io/pool", value = pool } },
+    { for t in p.taints : "${pool}/taint/${t.key}" => {
+      pool  = pool
+      key   = "k8s.io/cluster-autoscaler/node-template/taint/${t.key}"
+      value = "${t.value}:${local.taint_effects[t.effect]}"
+    } },
+  )]...)
 }
 
 data "aws_iam_policy_document" "node_trust" {
@@ -121,4 +137,18 @@ resource "aws_eks_node_group" "pool" {
   }
 
   depends_on = [aws_iam_role_policy_attachment.node]
+}
+
+# Tags on the Auto Scaling group EKS made for each managed node group (a node group's own
+# tags do not reach it); not copied to the instances.
+resource "aws_autoscaling_group_tag" "node_template" {
+  for_each = local.autoscaler_tags
+
+  autoscaling_group_name = aws_eks_node_group.pool[each.value.pool].resources[0].autoscaling_groups[0].name
+
+  tag {
+    key                 = each.value.key
+    value               = each.value.value
+    propagate_at_launch = false
+  }
 }

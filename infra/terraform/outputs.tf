@@ -43,6 +43,14 @@ output "stage_service_account" {
   value       = kubernetes_service_account_v1.stage.metadata[0].name
 }
 
+output "kfp_run" {
+  description = "Where and as whom to submit Kubeflow runs of the pipeline (create_run_from_pipeline_package's namespace and service_account); null without kfp_namespace."
+  value = local.kfp_enabled ? {
+    namespace       = var.kfp_namespace
+    service_account = kubernetes_service_account_v1.kfp[0].metadata[0].name
+  } : null
+}
+
 output "mlflow_tracking_uri" {
   description = "MLFLOW_TRACKING_URI inside the cluster."
   value       = local.mlflow_uri

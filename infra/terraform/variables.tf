@@ -57,7 +57,7 @@ variable "gpu_instance_types" {
 }
 
 variable "gpu_scaling" {
-  description = "min, desired and max size of the GPU pool; min 0 lets it scale to zero between iterations."
+  description = "min, desired and max size of the GPU pool; min 0 lets it scale to zero between iterations, which needs a node autoscaler on the cluster (README: GPU pool) to scale it up again."
   type        = object({ min = number, desired = number, max = number })
   default     = { min = 0, desired = 0, max = 4 }
 }
@@ -96,6 +96,23 @@ variable "stage_service_account" {
   description = "Kubernetes service account the stage pods run as; IRSA binds it to the stage IAM role."
   type        = string
   default     = "posttrain-stage"
+}
+
+variable "kfp_namespace" {
+  description = "Namespace Kubeflow Pipelines runs the pipeline in, which must exist and not be var.namespace: a Kubeflow Profile's namespace (multi-user KFP) or KFP's own, e.g. kubeflow (standalone KFP). The run service account, its Role and a copy of the stage config map go there. Empty: no Kubeflow setup."
+  type        = string
+  default     = ""
+
+  validation {
+    condition     = var.kfp_namespace == "" || can(regex("^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", var.kfp_namespace))
+    error_message = "kfp_namespace must be a Kubernetes namespace name (at most 63 lowercase letters, digits and '-') or empty."
+  }
+}
+
+variable "kfp_service_account" {
+  description = "Service account Kubeflow runs of the pipeline are submitted with (create_run_from_pipeline_package(..., service_account=...)), in var.kfp_namespace: its token mounted for KFP's driver and launcher and Argo's executor; IRSA binds it to the stage IAM role."
+  type        = string
+  default     = "posttrain-kfp"
 }
 
 variable "store_prefix" {

@@ -21,7 +21,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -83,6 +83,25 @@ def test_base_image_from_a_build_argument_non_root_and_marked_as_an_image():
     assert "--no-install-recommends" in apt and "rm -rf /var/lib/apt/lists/*" in apt
     assert any(op == "RUN" and '"$VENV_PYTHON" -m venv /opt/venv' in args for op, args in steps)
     assert [args for op, args in steps if op == "ENTRYPOINT"] == ['["/usr/bin/tini", "-s", "--", "posttrain"]']
+
+
+def test_the_default_recipe_is_one_the_image_holds():
+    """``components/core/settings.py``'s default recipe is ``recipes/demo.yaml`` beside the
+    package, which the image's non-editable install puts in site-packages, without recipes/
+    (not package data): before, ``posttrain ...`` in an image without ``--recipe`` failed
+    with "no such recipe file" naming site-packages. The image names its own copy instead."""
+    steps = _instructions(BASE)
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(args for op, args in steps if op == "ENV")))
+    recipe = PurePosixPath(env["POSTTRAIN_RECIPE"])
+    workdir = PurePosixPath(next(args for op, args in steps if op == "WORKDIR"))
+    copied = {workdir / dest: src for op, args in steps if op == "COPY" and not args.startswith("--")
+              for *sources, dest in [args.split()] for src in sources}
+    folder = recipe.parent
+    assert copied.get(folder) == "recipes", f"{recipe}: the Dockerfile copies no recipes/ to {folder}"
+    assert (REPO / "recipes" / recipe.name).is_file() and recipe.suffix == ".yaml"
+    assert recipe.is_absolute()  # the same file from any working directory
+    context = re.search(r"^CONTEXT_PATHS=\((.*)\)$", (CONTAINERS / "build.sh").read_text(), flags=re.M)
+    assert context and "recipes" in context.group(1).split()  # build.sh's staged context has it
 
 
 def test_sandbox_install_check_is_the_last_run_step_and_runs_as_the_sandbox_user():

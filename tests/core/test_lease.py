@@ -129,6 +129,25 @@ def test_held_by_lists_a_holders_iterations_newest_first(store_uri: str) -> None
     assert lease.held_by(store, "other-pipeline", "alice") == []
 
 
+def test_last_held_finds_a_holders_iteration_after_it_was_handed_back_and_taken(store_uri: str) -> None:
+    """A failed DAG run hands its lease back and another run takes it: ``held_by`` no longer
+    names it, the chain still does (a cleared run's plan looks there)."""
+    store = Store(store_uri)
+    assert lease.last_held(store, PIPE, "alice") is None
+    for k, holder in ((1, "alice"), (2, "alice"), (3, "bob")):
+        lease.acquire(store, PIPE, k, holder, ttl_s=3600)
+    assert lease.last_held(store, PIPE, "alice") == (2, "")  # the newest, still its own
+    lease.release(store, PIPE, 2, "alice")
+    lease.acquire(store, PIPE, 2, "carol", ttl_s=3600)
+    lease.renew(store, PIPE, 2, "carol", ttl_s=3600)
+    assert lease.held_by(store, PIPE, "alice") == [1]
+    assert lease.last_held(store, PIPE, "alice") == (2, "carol")  # handed back, then taken
+    assert lease.last_held(store, PIPE, "carol") == (2, "")
+    assert lease.last_held(store, PIPE, "bob") == (3, "")
+    assert lease.last_held(store, PIPE, "dave") is None
+    assert lease.last_held(store, "other-pipeline", "alice") is None
+
+
 GOOD = {"iteration": 1, "holder": "x", "generation": 0, "acquired_at": 1.0, "expires_at": 2.0}
 
 

@@ -134,6 +134,43 @@ def test_a_stage_task_retakes_a_handed_back_lease_and_is_refused_when_it_is_anot
         planner.check_current(store, "tiny", 1, "airflow:run-a")  # a cleared task of run-a: its plan did not run
 
 
+def test_a_cleared_failed_run_whose_iteration_another_run_finished_is_over(store_uri: str, recipe) -> None:
+    """run-a fails and hands iteration 1 back; run-b takes it and finishes it; clearing
+    run-a as a whole then planned iteration 2 on run-a's (old) conf instead of replaying 1."""
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 1
+    assert lease.release(store, "tiny", 1, "airflow:run-a")  # run-a failed: its callback handed the lease back
+    assert planner.plan(store, recipe, "airflow:run-b", replay=True) == 1  # the next run resumes it
+    finish(store, 1)  # and finishes it
+    with pytest.raises(UserError) as err:
+        planner.plan(store, recipe, "airflow:run-a", replay=True, cleared=True)
+    assert err.value.line() == (
+        "iteration=1: iteration 1 of pipeline 'tiny' is over: 'airflow:run-b' took it after this run handed it back "
+        "and finished it, and re-running its stages on this run's recipe and today's code could move the champion "
+        "back; fix: trigger a new run (its plan picks the iteration to work on) instead of clearing this one's tasks")
+    assert lease.current(store, "tiny", 1).holder == "airflow:run-b"  # nothing taken or released
+    assert planner.started_after(store, "tiny", 1) is None  # no iteration 2 was planned
+    assert planner.plan(store, recipe, "airflow:run-c", replay=True) == 2  # a new run does plan it
+
+
+def test_a_cleared_failed_run_resumes_its_handed_back_iteration(store_uri: str, recipe) -> None:
+    store = Store(store_uri)
+    assert planner.plan(store, recipe, "airflow:never-leased", replay=True, cleared=True) == 1  # its plan had failed
+    assert lease.release(store, "tiny", 1, "airflow:never-leased")
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True) == 1
+    assert lease.release(store, "tiny", 1, "airflow:run-a")
+    assert planner.plan(store, recipe, "airflow:run-b", replay=True) == 1  # run-b took it and is on it
+    with pytest.raises(UserError, match=r"^iteration=1: iteration 1 of pipeline 'tiny' is held by 'airflow:run-b', "
+                                        r"not by this run \('airflow:run-a'\)"):
+        planner.plan(store, recipe, "airflow:run-a", replay=True, cleared=True)
+    assert lease.release(store, "tiny", 1, "airflow:run-b")  # run-b failed too
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True, cleared=True) == 1  # resumed, not a new one
+    assert lease.current(store, "tiny", 1).holder == "airflow:run-a"
+    finish(store, 1)
+    assert lease.release(store, "tiny", 1, "airflow:run-a")  # it finished 1, then failed (announce_champion)
+    assert planner.plan(store, recipe, "airflow:run-a", replay=True, cleared=True) == 1  # replays its own k
+
+
 def test_expired_lease_is_taken_over_on_the_same_iteration(store_uri: str, recipe) -> None:
     store = Store(store_uri)
     assert planner.plan(store, recipe, "dead-worker", ttl_s=1.0) == 1

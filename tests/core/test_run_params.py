@@ -28,6 +28,7 @@ HOLDER_FIX = "leave holder empty: the run then holds its own lease and hands it 
     ({"holder": "local:/h" + "x" * 70_000}, [], "is set by posttrain run"),  # past 64 KiB: a lease no one could read
     ({"holder": "airflow:manual__1"}, [], "is set by posttrain run"),  # another run's lease
     ({"holder": "local:/a\u0000b"}, [], "is set by posttrain run"),
+    ({"holder": 5}, [], "holder=5: is set by posttrain run"),  # no form field types it since: was an AttributeError
 ])
 def test_run_params_a_run_cannot_use_are_one_line(params, given, line) -> None:
     with pytest.raises(UserError) as info:

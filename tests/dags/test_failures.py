@@ -83,6 +83,7 @@ def test_a_tasks_user_error_ends_posttrain_run_with_its_line_and_exit_2(tmp_path
     ("local:/home", "stage taskgen exited 2: posttrain: error: LINE", "INFO"),  # a stage container's
     ("", "LINE", "ERROR"),  # a DAG run of a scheduler: the task log is where it is said
     ("local:/home", "another shard's other mistake", "ERROR"),
+    ("local:/elsewhere", "LINE", "ERROR"),  # a holder typed into a conf: no posttrain run here prints it
 ])
 def test_a_task_failure_posttrain_run_prints_is_logged_below_error(holder: str, message: str, level: str,
                                                                     monkeypatch) -> None:
@@ -92,8 +93,9 @@ def test_a_task_failure_posttrain_run_prints_is_logged_below_error(holder: str, 
     from airflow.sdk.exceptions import AirflowFailException
 
     from components.core.errors import UserError
-    from dags import wiring
+    from dags import orchestrate, wiring
 
+    monkeypatch.setattr(orchestrate, "_LOCKED_HOMES", {"/home"})  # posttrain run of /home, in this process
     said: list[tuple[str, str]] = []
 
     class Log:
@@ -109,7 +111,7 @@ def test_a_task_failure_posttrain_run_prints_is_logged_below_error(holder: str, 
     monkeypatch.setattr(wiring, "FAILED_TASKS", [])
     ti = SimpleNamespace(task_id="taskgen", xcom_pull=lambda task_ids: {})
     exception = AirflowFailException(message.replace("LINE", error.line()))
-    wiring.stage_failed({"ti": ti, "exception": exception, "params": {"holder": holder}})
+    wiring.stage_failed({"ti": ti, "exception": exception, "dag_run": SimpleNamespace(conf={"holder": holder})})
     assert said == [(level, f"posttrain task taskgen failed: AirflowFailException: {exception}")]
 
 
@@ -242,12 +244,16 @@ def test_a_refused_plan_task_makes_no_run_root(tmp_path: Path) -> None:
     ({"recipie": "/x.yaml"}, "params='recipie': is not a parameter of this pipeline"),
     ({"run_root": "relrr"}, "run_root='relrr': is a relative path"),
     ({"holder": " "}, "holder=' ': is set by posttrain run and posttrain kfp-local only"),
+    # a posttrain run's holder, copied from a "busy" line: the run worked on that command's iteration
+    ({"holder": "local:/not/running"}, "holder='local:/not/running': is posttrain run's own, for the DAG run it "
+     "drives in its own process, and no posttrain run of that home drives this one"),
     ({"recipe": "/no/such.yaml"}, "recipe='/no/such.yaml': no such recipe file"),  # it said --recipe=
 ])
 def test_a_run_conf_the_dag_cannot_use_fails_the_plan_with_one_line(conf: dict, line: str, tmp_path: Path) -> None:
     """Before: a typo ran the default recipe; a relative run root was resolved against
     each process's own folder (the failure callback missed the lease); a hand-typed holder
-    kept its lease for 6 hours. The failure callback says one line, not a traceback."""
+    kept its lease for 6 hours. The failure callback says one line, not a traceback. Nothing
+    is leased: no run root is made."""
     run = dag_run(tmp_path / ".posttrain", TINY, TEST_RUN_CONF=json.dumps(conf))
     assert run["state"] == "failed"
     assert f"AirflowFailException: {line}" in run["log"]
@@ -297,3 +303,50 @@ def test_posttrain_runs_recipe_sets_the_tasks_time_limits(tmp_path: Path) -> Non
         "posttrain: error: timeouts.bootstrap=1: the stage ran past its time limit, and a retry would run as long "
         "again; fix: raise timeouts.bootstrap in the recipe (seconds), or give the stage less work"), proc.stderr[-3000:]
     assert "iter 0 | bootstrap |" not in out  # no attempt finished
+
+
+def test_the_failure_callback_with_airflows_minimal_context_hands_the_lease_back(tmp_path: Path, posttrain_home: Path,
+                                                                                 monkeypatch) -> None:
+    """Airflow's DAG processor calls the DAG's failure callback with ``{"dag", "run_id",
+    "reason"}`` alone when no task is to blame (a deadlocked run): it was ``KeyError:
+    'dag_run'``, the lease held for 6 hours and the iteration's MLflow run left RUNNING.
+    A conf holder no ``posttrain run`` of this process drives is the run's own: its
+    callback leaves that command's iteration alone."""
+    from types import SimpleNamespace
+
+    from components.core import lease, planner, tracking
+    from components.core.recipe import load_recipe
+    from components.core.storage import Store
+    from dags import wiring
+
+    said: list[str] = []
+
+    class Log:
+        def info(self, fmt: str, *args: object) -> None:
+            said.append(fmt % args)
+
+        warning = info
+
+    monkeypatch.setattr(wiring, "log", Log())
+    monkeypatch.setenv("POSTTRAIN_RECIPE", str(TINY))
+    monkeypatch.setenv("POSTTRAIN_RUN_ROOT", str(tmp_path / "store"))
+    store = Store(str(tmp_path / "store"))
+    recipe = load_recipe(str(TINY))
+    assert planner.plan(store, recipe, "local:/home/u/.posttrain") == 1  # a posttrain run's iteration
+    parent = tracking.iteration_run("tiny", 1, store.uri, "posttrain-run")
+    copied = SimpleNamespace(conf={"holder": "local:/home/u/.posttrain"}, run_id="manual__y")
+    wiring.run_failed({"dag": None, "run_id": "manual__y", "dag_run": copied, "params": {}})
+    assert lease.current(store, "tiny", 1).holder == "local:/home/u/.posttrain"  # that command's: untouched
+    assert tracking.client().get_run(parent).info.status == "RUNNING"  # before: ended FAILED under that command
+    assert said == []
+
+    assert lease.release(store, "tiny", 1, "local:/home/u/.posttrain")
+    assert planner.plan(store, recipe, "airflow:scheduled__x", replay=True) == 1
+    assert tracking.iteration_run("tiny", 1, store.uri, "scheduled__x") == parent
+    wiring.run_failed({"dag": None, "run_id": "scheduled__x", "reason": "all_tasks_deadlocked"})
+    cur = lease.current(store, "tiny", 1)
+    assert cur.holder == "" and cur.generation == 3  # handed back: the next run resumes iteration 1 at once
+    assert tracking.client().get_run(parent).info.status == "FAILED"
+    assert said[0] == ("run failed (all_tasks_deadlocked) with no run conf at hand: its lease is looked for under "
+                       "POSTTRAIN_RECIPE's pipeline in POSTTRAIN_RUN_ROOT")
+    assert "run failed: released the lease on iteration 1 of tiny: True" in said

