@@ -330,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     -m components.cli``), where ``stage`` and ``run`` also run ``gcpolicy``'s collector policy."""
     policy = False
     try:
-        args = parse(_joined_negative_shard(sys.argv[1:] if argv is None else argv))
+        try:  # the parser lists the registered stages: a broken stage plug-in is one line here, --help too
+            args = parse(_joined_negative_shard(sys.argv[1:] if argv is None else argv))
+        except UserError as exc:
+            print(f"posttrain: error: {exc.line()}", file=sys.stderr)
+            return EXIT_USER_ERROR
         for name in ("botocore.credentials", "aiobotocore.credentials"):  # "Found credentials in ...": said at info
             logging.getLogger(name).setLevel(logging.WARNING)               # level on every S3 client, by no one's wish
         handlers = {"stage": _stage, "run": _run, "kfp-local": _kfp_local}  # the commands SIGTERM stops as one

@@ -3,7 +3,9 @@
 Built-ins are listed here as lazy ``"module:Attribute"`` references (nothing is imported
 until used); plug-ins add entries through the entry-point group named beside each
 registry. A recipe's names are checked against these tables when it is loaded, so a
-misspelt engine fails at once, not half-way through an iteration.
+misspelt engine fails at once, not half-way through an iteration; a plug-in's entry is
+loaded then too, so one whose package is missing or broken (or a domain that is not a
+concrete ``Domain`` subclass) fails as early, as one line naming the recipe field.
 
 To add a built-in domain: write ``components/domains/<name>.py`` with a ``Domain``
 subclass whose ``name`` is the same string, and add one line to ``DOMAINS`` below.
@@ -21,7 +23,7 @@ DOMAINS = Registry("domain", "domains", {
     "terminal-interactive": "components.domains.terminal:TerminalInteractive",
     "extraction": "components.domains.extraction:Extraction",
     "structured": "components.domains.structured:Structured",
-}, group="posttrain.domains")
+}, group="posttrain.domains", base="components.domains.base:Domain")
 """Task domains (``Domain`` subclasses)."""
 
 ENGINES = Registry("rollout engine", "rollout.engine", {

@@ -8,57 +8,114 @@ A name given twice (a plug-in that shadows a built-in, or two plug-ins) is refus
 with an error naming both sources, never silently resolved by load order. An unknown
 name is a ``UserError`` that lists what is registered.
 
+An entry is loaded as its entry point would be (``EntryPoint.load``: ``module:attr.attr``,
+or a module alone). An entry that cannot be loaded (its package missing or broken, an
+attribute it lacks) or is not what the registry holds (``base``: a non-abstract subclass of
+that class; else anything callable) is a ``UserError`` naming the field and the name, never
+a traceback. ``check`` loads a plug-in's entry too (never a built-in's), so a recipe naming
+a broken plug-in is refused when it is loaded, before any stage.
+
 The registries themselves are declared in :mod:`components.core.plugins`. Not covered:
 unregistering, or versioned entries.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
-from importlib import import_module
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from components.core.errors import UserError
+from components.core.errors import UserError, exc_line, value_text
 
 
 class Registry:
     """Names -> lazily imported objects (classes or factories)."""
 
-    def __init__(self, kind: str, field: str, builtins: Mapping[str, str], group: str) -> None:
+    def __init__(self, kind: str, field: str, builtins: Mapping[str, str], group: str, base: str = "") -> None:
         self.kind = kind  # e.g. "domain", for messages
         self.field = field  # the recipe field that names an entry, e.g. "rollout.engine"
         self.group = group  # entry-point group for plug-ins
+        self.base = base  # "module:Class" every entry must be a non-abstract subclass of ("": anything callable)
         self._builtins = dict(builtins)
         self._table: dict[str, str] | None = None
+        self._dists: dict[str, str] = {}  # plug-in name -> the distribution that declares it
         self._loaded: dict[str, Any] = {}
 
     def _entries(self) -> dict[str, str]:
         if self._table is None:
             table = dict(self._builtins)
             source = {name: "built-in" for name in table}
+            dists: dict[str, str] = {}
             for ep in entry_points(group=self.group):
+                package = _package(ep)
                 if ep.name in table:
                     raise UserError(f"entry point {self.group}", ep.name,
                                     f"{self.kind} name already registered by {source[ep.name]} ({table[ep.name]})",
-                                    f"rename the entry point {ep.value!r} in its package's metadata")
+                                    f"rename the entry point {ep.name!r} ({ep.value}) in the metadata of {package}")
                 table[ep.name] = ep.value
-                source[ep.name] = f"the package providing {ep.value!r}"
-            self._table = table
+                source[ep.name] = package
+                if ep.dist is not None:
+                    dists[ep.name] = ep.dist.name
+            self._table, self._dists = table, dists
         return self._table
 
     def names(self) -> list[str]:
         return sorted(self._entries())
 
-    def check(self, name: str, field: str | None = None) -> None:
-        """A UserError unless ``name`` is registered (imports nothing)."""
+    def _known(self, name: str, field: str | None) -> None:
         if name not in self._entries():
             raise UserError(field or self.field, name, f"unknown {self.kind}", f"use one of {self.names()}")
 
+    def check(self, name: str, field: str | None = None) -> None:
+        """A UserError unless ``name`` is registered and, for a plug-in, loads (a built-in
+        is not imported)."""
+        self._known(name, field)
+        if name not in self._builtins:
+            self.load(name, field)
+
     def load(self, name: str, field: str | None = None) -> Any:
-        """The object registered as ``name``, imported on first use."""
-        self.check(name, field)
+        """The object registered as ``name``, imported on first use; a UserError naming
+        ``field`` when a plug-in cannot be loaded or is not a usable entry."""
+        self._known(name, field)
+        if name not in self._loaded and name in self._builtins:  # our own code: its failure is a bug, a traceback
+            self._loaded[name] = EntryPoint(name, self._builtins[name], self.group).load()
         if name not in self._loaded:
-            module, _, attr = self._entries()[name].partition(":")
-            self._loaded[name] = getattr(import_module(module), attr)
+            value = self._entries()[name]
+            fix = "install or fix the package providing it" + (f" ({self._dists[name]!r})" if name in self._dists else "")
+            try:
+                loaded = EntryPoint(name, value, self.group).load()
+            except Exception as exc:  # noqa: BLE001 - whatever a plug-in's import raises is its package's to fix
+                problem = f"cannot be loaded: {value_text(exc_line(exc))}"
+            else:
+                problem = self._unusable(loaded)
+            if problem is not None:
+                raise UserError(field or self.field, name, f"{self.kind} plug-in {value!r} {problem}", fix) from None
+            self._loaded[name] = loaded
         return self._loaded[name]
+
+    def _unusable(self, obj: Any) -> str | None:
+        """Why ``obj`` cannot serve as an entry of this registry, or None."""
+        if not self.base:
+            return None if callable(obj) else f"is {_what(obj)}, not a class or factory"
+        base = EntryPoint("base", self.base, self.group).load()
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            return f"is {_what(obj)}, not a subclass of {base.__module__}.{base.__qualname__}"
+        if inspect.isabstract(obj):
+            return f"is an abstract class (it does not implement {', '.join(sorted(obj.__abstractmethods__))})"
+        return None
+
+
+def _what(obj: Any) -> str:
+    """``obj`` in a few words: ``a module``, ``the class X``, ``a function``, ``an int``."""
+    if inspect.ismodule(obj):
+        return "a module"
+    if isinstance(obj, type):
+        return f"the class {obj.__qualname__}"
+    name = type(obj).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
+def _package(ep: EntryPoint) -> str:
+    """The distribution that declares ``ep``, as a message names it."""
+    return f"the package {ep.dist.name!r}" if ep.dist is not None else f"the package providing {ep.value!r}"

@@ -13,7 +13,10 @@ tests.
 
 Adding a stage is one module plus one ``StageSpec`` here (or, from another package, an
 entry point in the ``posttrain.stages`` group that names a ``StageSpec``, whose
-``before`` splices it in front of existing stages). Time limits come from here unless
+``before`` splices it in front of existing stages; a ``before`` stage that must itself
+finish before the plug-in's upstream would be a cycle, and is refused). A plug-in that
+cannot be loaded, or is refused, is a ``UserError`` naming its entry point, which every
+``posttrain`` command (``--help`` too) prints as one line. Time limits come from here unless
 the recipe's ``timeouts`` overrides them (``resources`` likewise the cluster requests).
 
 Not covered: conditional stages (every registered stage runs every iteration) and
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib.metadata import entry_points
 
-from components.core.errors import UserError
+from components.core.errors import UserError, exc_line, value_text
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,20 @@ def _splice(specs: list[StageSpec], extra: StageSpec) -> list[StageSpec]:
     for name in (*extra.upstream, *extra.before):
         if name not in known:
             raise UserError(f"stage {extra.id}", name, "names an unknown stage", f"use one of {sorted(known)}")
+    upstream_of = {s.id: s.upstream for s in specs}
+    for first in extra.upstream:  # the plug-in's upstream stages and theirs, transitively: each finishes before it
+        ahead, todo = {first}, [first]
+        while todo:
+            for u in upstream_of[todo.pop()]:
+                if u not in ahead:
+                    ahead.add(u)
+                    todo.append(u)
+        for b in extra.before:
+            if b in ahead:
+                where = "its upstream too" if b == first else f"upstream of its upstream {first!r}"
+                raise UserError("entry point posttrain.stages", extra.id,
+                                f"its 'before' stage {b!r} is {where}: each would wait for the other (a cycle)",
+                                f"name in 'before' only stages that run after {first!r}, or drop {b!r} from it")
     out = []
     for s in specs:
         if s.id in extra.before:  # s now waits for the plug-in instead of the plug-in's own upstream
@@ -88,7 +105,12 @@ def registered() -> tuple[StageSpec, ...]:
     """Every stage in run order: the built-ins plus plug-ins from ``posttrain.stages``."""
     specs = list(BUILTIN)
     for ep in sorted(entry_points(group="posttrain.stages"), key=lambda e: e.name):
-        extra = ep.load()
+        try:
+            extra = ep.load()
+        except Exception as exc:  # noqa: BLE001 - whatever a plug-in's import raises is its package's to fix
+            package = f"the package {ep.dist.name!r}" if ep.dist is not None else f"the package that provides {ep.value}"
+            raise UserError("entry point posttrain.stages", ep.name, f"{ep.value} cannot be loaded "
+                            f"({value_text(exc_line(exc))})", f"install or fix {package}, or remove it") from None
         if not isinstance(extra, StageSpec) or extra.id != ep.name:
             raise UserError("entry point posttrain.stages", ep.name, f"{ep.value} is not a StageSpec with id {ep.name!r}",
                             "point the entry point at a StageSpec whose id is the entry point's name")

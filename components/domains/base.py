@@ -14,8 +14,9 @@ Verifiers are total: model output of any size, depth or encoding gets a verdict.
 ``malformed(completion)`` turns text no verifier should read (not UTF-8, longer than
 ``MAX_COMPLETION_CHARS``) into score 0 with status ``malformed``; JSON is parsed only after
 ``json_depth_ok`` and a size check. Callers go through ``judge(domain, task, completion,
-result)``, which also turns a verifier's own exception (or a score outside [0, 1], or a
-``passed`` that is not a bool) into status ``verifier_error``. ``reference_problem`` checks
+result)``, which also turns a verifier's own exception (or a score outside [0, 1], a
+``passed`` that is not a bool, or ``components`` that are not finite numbers under names an
+MLflow metric can carry, ``COMPONENT_NAME``) into status ``verifier_error``. ``reference_problem`` checks
 a task's reference shape when a task file is parsed, so a wrong-shaped reference never
 reaches a verifier.
 
@@ -39,13 +40,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from components.core.errors import UserError, value_text
 from components.core.jobs import Job, Outcome, SessionJob
 from components.core.records import Task
 
@@ -174,7 +179,7 @@ class Domain(ABC):
     def draw(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
         """One task that is not in ``exclude`` (``excluded``) (repeats allowed across calls)."""
         for _ in range(1000):
-            task = self.make_task(rng, split)
+            task = self._made(rng, split)
             if not excluded(task, exclude):
                 return task
         raise RuntimeError(f"domain {self.name}: could not draw a task outside the eval set in 1000 tries")
@@ -184,7 +189,7 @@ class Domain(ABC):
         seen = set(exclude)
         tasks = []
         for _ in range(n * 50):
-            task = self.make_task(rng, split)
+            task = self._made(rng, split)
             if not excluded(task, seen):
                 seen.add(task.task_id)
                 if one_per_prompt:
@@ -193,6 +198,21 @@ class Domain(ABC):
                 if len(tasks) == n:
                     return tasks
         raise TooFewTasks(self.name, len(tasks), n)
+
+    def _made(self, rng: random.Random, split: str) -> Task:
+        """``make_task``'s task, refused (a UserError naming the domain) unless it is a
+        ``Task`` of this domain's registered name: a plug-in class that hard-codes its name is
+        served under its entry point's (``registry.get``), and a task under another name
+        would be judged by, or counted for, a domain the recipe never named."""
+        task = self.make_task(rng, split)
+        where = f"{type(self).__module__}:{type(self).__qualname__}"
+        if not isinstance(task, Task):
+            raise UserError("domain", self.name, f"{where}.make_task returned {type(task).__name__!r}, not a Task",
+                            "return make_task(self.name, split, ...) (components.domains.base.make_task)")
+        if task.domain != self.name:
+            raise UserError("domain", self.name, f"{where} made a task of domain {value_text(task.domain, 60)!r}",
+                            "pass self.name (the name the domain is registered under) to make_task")
+        return task
 
 
 class TooFewTasks(RuntimeError):
@@ -244,11 +264,35 @@ def json_depth_ok(text: str, max_depth: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
+COMPONENT_NAME = re.compile(r"[\w.\- ]{1,100}")
+"""A verdict component's name: it becomes the last part of an MLflow metric
+(``reward/<domain>/component/<name>``), so only the characters MLflow allows on every
+platform (letters, digits, ``_ . -`` and space; no ``/`` or ``:``), at most 100, and not
+``.`` or ``..`` (MLflow refuses a name that is a different path once normalised)."""
+
+
+def component_problem(components: object) -> str | None:
+    """Why a verdict's ``components`` cannot be logged and summed, or None: they must be a
+    mapping of ``COMPONENT_NAME`` names to finite numbers (an int or float, not a bool, as a
+    score)."""
+    if not isinstance(components, Mapping):
+        return f"components {type(components).__name__!r}, not a mapping"
+    for key, value in components.items():
+        if not isinstance(key, str) or not COMPONENT_NAME.fullmatch(key) or key in (".", ".."):
+            return (f"component name {value_text(key, 60)!r}: not 1-100 letters, digits, '_', '.', '-' or spaces"
+                    if isinstance(key, str) else f"component name {key!r:.60}, not a string")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"component {key!r} = {value!r:.60}, not a finite number"
+    return None
+
+
 def judge(domain: Domain, task: Task, completion: object, result: Outcome | None) -> Verdict:
     """``domain.verify`` made total: a completion no verifier should read is ``malformed``
     (score 0); an exception from the verifier, or a verdict whose score is not a number in
-    [0, 1] or whose ``passed`` is not a bool (``np.bool_`` is made a ``bool``), is
-    ``verifier_error`` (score 0, detail says what). Never raises an Exception."""
+    [0, 1], whose ``passed`` is not a bool (``np.bool_`` is made a ``bool``) or whose
+    ``components`` are not finite numbers under ``COMPONENT_NAME`` names (``component_problem``;
+    the numbers are made ``float``), is ``verifier_error`` (score 0, detail says what). Never
+    raises an Exception."""
     bad = malformed(completion)
     if bad is not None:
         return bad
@@ -259,9 +303,10 @@ def judge(domain: Domain, task: Task, completion: object, result: Outcome | None
             return Verdict(0.0, False, status="verifier_error", detail=f"verifier returned score {score!r:.60}")
         if not isinstance(passed, (bool, np.bool_)):
             return Verdict(0.0, False, status="verifier_error", detail=f"verifier returned passed {passed!r:.60}")
-        if type(passed) is not bool:
-            verdict = replace(verdict, passed=bool(passed))
-        return verdict
+        if (problem := component_problem(verdict.components)) is not None:
+            return Verdict(0.0, False, status="verifier_error", detail=f"verifier returned {problem}")
+        return replace(verdict, passed=bool(passed),
+                       components={key: float(value) for key, value in verdict.components.items()})
     except Exception as exc:  # noqa: BLE001 - a verifier's bug is recorded per sample, never fatal
         return Verdict(0.0, False, status="verifier_error", detail=error_text(exc))
 

@@ -48,7 +48,7 @@ def handle_verify(args: argparse.Namespace) -> int:
     from components.domains import registry
     from components.domains.taskfile import parse_task, printable, read_rows, short
 
-    domain = registry.get(args.domain)  # unknown name -> UserError listing the registered ones
+    domain = registry.get(args.domain, "--domain")  # unknown name -> UserError listing the registered ones
     rows = read_rows(args.task, limit=1)
     if not rows:
         raise UserError("--task", args.task, "holds no task", "write one task object into the file")
@@ -77,7 +77,8 @@ def handle_verify(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise UserError("--timeout", args.timeout, str(exc.errors()[0]["msg"]).lower(),
                         "pass a number of seconds, at least 0.1 and at most 86400") from None
-    print(json.dumps(verdict_json(domain, task, completion, config), indent=2, sort_keys=True))
+    # judge() makes every number finite: allow_nan=False keeps a NaN from ever being printed as JSON
+    print(json.dumps(verdict_json(domain, task, completion, config), indent=2, sort_keys=True, allow_nan=False))
     return 0
 
 

@@ -102,3 +102,58 @@ def test_a_refused_stage_leaves_no_run_root_it_made(args, tmp_path, capsys) -> N
     assert main(["stage", *args, "--recipe", str(TINY_RECIPE), "--run-root", str(root)]) == 2
     assert capsys.readouterr().err.startswith("posttrain: error: ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plugin_stage_before_its_own_upstream_is_refused() -> None:
+    """``_splice`` accepted it: a cycle, and the DAG failed to import with a bare KeyError."""
+    cycle = StageSpec("cyc", "mypkg.cyc", ("reward",), before=("rollout",))
+    with pytest.raises(UserError) as info:
+        _splice(list(BUILTIN), cycle)
+    assert info.value.line() == (
+        "entry point posttrain.stages='cyc': its 'before' stage 'rollout' is upstream of its upstream 'reward': each "
+        "would wait for the other (a cycle); fix: name in 'before' only stages that run after 'reward', or drop "
+        "'rollout' from it")
+    with pytest.raises(UserError, match="its 'before' stage 'reward' is its upstream too"):
+        _splice(list(BUILTIN), StageSpec("cyc", "mypkg.cyc", ("reward",), before=("reward",)))
+
+
+SHADOW = StageSpec("reward", "mypkg.shadow", ("sandbox",))
+ELSEWHERE = StageSpec("other", "mypkg.dedup", ("reward",))
+
+
+@pytest.fixture
+def stage_plugins(monkeypatch):
+    """Install ``posttrain.stages`` entry points (name -> value) for one test; the registry re-reads them."""
+    from importlib.metadata import EntryPoint
+
+    from components.core import stages
+
+    def install(entries: dict[str, str]) -> None:
+        eps = [EntryPoint(name, value, "posttrain.stages") for name, value in entries.items()]
+        monkeypatch.setattr(stages, "entry_points", lambda group: eps if group == "posttrain.stages" else [])
+        stages.registered.cache_clear()
+
+    yield install
+    monkeypatch.undo()
+    stages.registered.cache_clear()
+
+
+@pytest.mark.parametrize(("entries", "line"), [
+    ({"reward": f"{__name__}:SHADOW"}, "entry point posttrain.stages='reward': stage id already registered; fix: give "
+                                       "the plug-in stage another id"),
+    ({"dedup": "posttrain_nosuch.mod:X"}, "entry point posttrain.stages='dedup': posttrain_nosuch.mod:X cannot be loaded "
+     "(ModuleNotFoundError: No module named 'posttrain_nosuch'); fix: install or fix the package that provides "
+     "posttrain_nosuch.mod:X, or remove it"),
+    ({"dedup": f"{__name__}:ELSEWHERE"}, f"entry point posttrain.stages='dedup': {__name__}:ELSEWHERE is not a "
+     "StageSpec with id 'dedup'; fix: point the entry point at a StageSpec whose id is the entry point's name"),
+])
+@pytest.mark.parametrize("argv", [["sandbox", "doctor", "--installed"], ["--help"], ["stage", "--help"]])
+def test_a_bad_stage_plugin_is_one_line_and_exit_2_for_every_command(stage_plugins, entries, line, argv, capsys) -> None:
+    """The parser lists the stages: a bad plug-in was a traceback (exit 1, retried) from
+    every command, ``--help`` and ``sandbox doctor`` too."""
+    from components.cli import main
+
+    stage_plugins(entries)
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [f"posttrain: error: {line}"] and out.out == ""

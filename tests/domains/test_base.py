@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from components.domains import registry
+from components.domains.arithmetic import Arithmetic
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "code"])
@@ -116,3 +118,76 @@ def test_a_long_passed_value_is_cut_in_the_detail():
     domain = SimpleNamespace(name="x", verify=lambda t, c, r: Verdict(1.0, "y" * 10_000))
     verdict = judge(domain, None, "ok", None)  # type: ignore[arg-type]
     assert verdict.status == "verifier_error" and len(verdict.detail) == len("verifier returned passed ") + 60
+
+
+@pytest.mark.parametrize(("components", "detail"), [
+    ({"a": "yes"}, "verifier returned component 'a' = 'yes', not a finite number"),
+    ({"a": None}, "verifier returned component 'a' = None, not a finite number"),
+    ({"a": True}, "verifier returned component 'a' = True, not a finite number"),
+    ({"a": float("nan")}, "verifier returned component 'a' = nan, not a finite number"),
+    ({"a": float("inf")}, "verifier returned component 'a' = inf, not a finite number"),
+    ({"x?": 1.0}, "verifier returned component name 'x?': not 1-100 letters, digits, '_', '.', '-' or spaces"),
+    ({"a/b": 1.0}, "verifier returned component name 'a/b': not 1-100 letters, digits, '_', '.', '-' or spaces"),
+    ({"..": 1.0}, "verifier returned component name '..': not 1-100 letters, digits, '_', '.', '-' or spaces"),
+    ({"": 1.0}, "verifier returned component name '': not 1-100 letters, digits, '_', '.', '-' or spaces"),
+    ({1: 1.0}, "verifier returned component name 1, not a string"),
+    ([("a", 1.0)], "verifier returned components 'list', not a mapping"),
+])
+def test_components_a_metric_cannot_carry_are_a_verifier_error(components, detail):
+    """They were not checked: the reward stage's sums raised TypeError, MLflow refused the
+    metric name after the rewards were written (a traceback every retry), and ``posttrain
+    verify`` printed ``NaN`` (not JSON) with status ok."""
+    from components.domains.base import Verdict, judge
+
+    domain = SimpleNamespace(name="x", verify=lambda t, c, r: Verdict(1.0, True, components=components))
+    verdict = judge(domain, None, "ok", None)  # type: ignore[arg-type]
+    assert (verdict.status, verdict.score, verdict.passed, verdict.components) == ("verifier_error", 0.0, False, {})
+    assert verdict.detail == detail
+
+
+def test_components_are_made_floats_and_their_names_are_metric_names():
+    from mlflow.utils.validation import _validate_metric_name
+
+    from components.domains.base import COMPONENT_NAME, Verdict, judge
+
+    given = {"exact": 1, "well formed": np.float64(0.5), "tests-passed.ratio_2": 0.25}
+    domain = SimpleNamespace(name="x", verify=lambda t, c, r: Verdict(1.0, True, components=given))
+    verdict = judge(domain, None, "ok", None)  # type: ignore[arg-type]
+    assert verdict.status == "ok" and verdict.components == {"exact": 1.0, "well formed": 0.5, "tests-passed.ratio_2": 0.25}
+    assert all(type(v) is float for v in verdict.components.values())
+    for name in [*given, "a" * 100, "é"]:  # what judge accepts, MLflow logs
+        assert COMPONENT_NAME.fullmatch(name)
+        _validate_metric_name(f"reward/some-domain/component/{name}")
+
+
+class _Named(Arithmetic):
+    """Arithmetic whose tasks carry a hard-coded name, or are not Tasks."""
+
+    name = "named"
+    made = "arithmetic"
+
+    def make_task(self, rng, split):
+        task = super().make_task(rng, split)
+        return dataclasses.replace(task, domain=self.made) if isinstance(self.made, str) else self.made
+
+
+@pytest.mark.parametrize(("made", "problem", "fix"), [
+    ("arithmetic", f"{__name__}:_Named made a task of domain 'arithmetic'",
+     "pass self.name (the name the domain is registered under) to make_task"),
+    ({"prompt": "1+1="}, f"{__name__}:_Named.make_task returned 'dict', not a Task",
+     "return make_task(self.name, split, ...) (components.domains.base.make_task)"),
+])
+def test_a_task_not_of_the_domains_registered_name_is_refused(monkeypatch, made, problem, fix):
+    """A plug-in class that hard-codes its name (the README's example did) made tasks of a
+    domain the recipe never named, refused later as an unknown domain whose fix did not
+    help; a make_task returning a dict was an AttributeError traceback."""
+    from components.core.errors import UserError
+
+    monkeypatch.setattr(_Named, "made", made)
+    for make in (lambda d: d.eval_set(2, 0), lambda d: d.train_tasks(random.Random(0), 2, set()),
+                 lambda d: d.draw(random.Random(0), "train", set())):
+        with pytest.raises(UserError) as info:
+            make(_Named())
+        assert (info.value.field, info.value.value, info.value.problem, info.value.fix) == ("domain", "named", problem, fix)
+    monkeypatch.setattr(_Named, "made", "named")
+    assert {t.domain for t in _Named().eval_set(3, 0)} == {"named"}

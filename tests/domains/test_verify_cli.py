@@ -96,3 +96,25 @@ def test_console_script_exit_2_for_missing_task_file(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot be read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_unknown_domain_names_the_flag(tmp_path, capsys):
+    code = main(["verify", "--domain", "nope", "--task", write(tmp_path, "t.json", json.dumps(MATH_TASK)),
+                 "--completion", write(tmp_path, "c.txt", "1")])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert line.startswith("posttrain: error: --domain='nope': unknown domain; fix: use one of [")
+
+
+def test_a_verifier_component_that_is_nan_prints_valid_json(tmp_path, capsys, monkeypatch):
+    """It printed ``"exact": NaN`` (not JSON) with status ok."""
+    from components.domains.base import Verdict
+    from components.domains.math import Math
+
+    monkeypatch.setattr(Math, "verify", lambda self, t, c, r: Verdict(1.0, True, components={"exact": float("nan")}))
+    code = main(["verify", "--domain", "math", "--task", write(tmp_path, "t.json", json.dumps(MATH_TASK)),
+                 "--completion", write(tmp_path, "c.txt", "0.75")])
+    text = capsys.readouterr().out
+    out = json.loads(text, parse_constant=lambda name: pytest.fail(f"printed {name}"))
+    assert code == 0 and "NaN" not in text
+    assert (out["status"], out["score"], out["components"]) == ("verifier_error", 0.0, {})
