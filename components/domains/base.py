@@ -179,7 +179,7 @@ class Domain(ABC):
     def draw(self, rng: random.Random, split: str, exclude: set[str]) -> Task:
         """One task that is not in ``exclude`` (``excluded``) (repeats allowed across calls)."""
         for _ in range(1000):
-            task = self._made(rng, split)
+            task = self.checked_task(rng, split)
             if not excluded(task, exclude):
                 return task
         raise RuntimeError(f"domain {self.name}: could not draw a task outside the eval set in 1000 tries")
@@ -189,7 +189,7 @@ class Domain(ABC):
         seen = set(exclude)
         tasks = []
         for _ in range(n * 50):
-            task = self._made(rng, split)
+            task = self.checked_task(rng, split)
             if not excluded(task, seen):
                 seen.add(task.task_id)
                 if one_per_prompt:
@@ -199,7 +199,7 @@ class Domain(ABC):
                     return tasks
         raise TooFewTasks(self.name, len(tasks), n)
 
-    def _made(self, rng: random.Random, split: str) -> Task:
+    def checked_task(self, rng: random.Random, split: str) -> Task:
         """``make_task``'s task, refused (a UserError naming the domain) unless it is a
         ``Task`` of this domain's registered name: a plug-in class that hard-codes its name is
         served under its entry point's (``registry.get``), and a task under another name

@@ -442,15 +442,17 @@ def parse_task(row: Any, where: str, count: Callable[[str], int] = len) -> Task:
         raise UserError(f"{where}: metadata.{HIDDEN_REFERENCE}", short(metadata[HIDDEN_REFERENCE]),
                         "must be true or false without quotes (a JSON boolean: true when the prompt does not "
                         "determine the reference)", "write true or false, or leave the key out")
-    problem = registry.get(row["domain"]).task_problem(reference, metadata)
+    domain = registry.get(row["domain"])
+    problem = domain.task_problem(reference, metadata)
     if problem is not None:
+        source = type(domain).__module__.replace(".", "/") + ".py"  # components/domains/terminal.py, or a plug-in's module
         name, what = problem
         if name.startswith("metadata."):  # a metadata value the domain reads (terminal's metadata.multi_step)
             raise UserError(f"{where}: {name}", short(metadata.get(name.removeprefix("metadata."))),
                             f"{what} for domain {row['domain']}",
-                            f"see the metadata keys in components/domains/{row['domain']}.py")
+                            f"see the metadata keys in {source}")
         raise UserError(f"{where}: reference.{name}", short(field_value(reference, name)), f"{what} for domain {row['domain']}",
-                        f"see the reference shape in components/domains/{row['domain']}.py")
+                        f"see the reference shape in {source}")
     task_id_value = row.get("task_id")
     if task_id_value is not None and (isinstance(task_id_value, bool) or not isinstance(task_id_value, (str, int))
                                       or len(str(task_id_value)) > 200

@@ -133,7 +133,7 @@ def draw(domain: Domain, rng: random.Random, n: int, exclude: set[str], weights:
     tasks: list[Task] = []
     idle = 0
     while len(tasks) < n:
-        task = domain.make_task(rng, "train")
+        task = domain.checked_task(rng, "train")
         if need.get(task.difficulty, 0) > 0 and not excluded(task, seen):
             seen.add(task.task_id)
             tasks.append(task)

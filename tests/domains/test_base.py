@@ -184,8 +184,11 @@ def test_a_task_not_of_the_domains_registered_name_is_refused(monkeypatch, made,
     from components.core.errors import UserError
 
     monkeypatch.setattr(_Named, "made", made)
+    from components.taskgen import curriculum
+
     for make in (lambda d: d.eval_set(2, 0), lambda d: d.train_tasks(random.Random(0), 2, set()),
-                 lambda d: d.draw(random.Random(0), "train", set())):
+                 lambda d: d.draw(random.Random(0), "train", set()),
+                 lambda d: curriculum.draw(d, random.Random(0), 2, set(), {1: 1.0, 2: 1.0})):  # the adaptive draw
         with pytest.raises(UserError) as info:
             make(_Named())
         assert (info.value.field, info.value.value, info.value.problem, info.value.fix) == ("domain", "named", problem, fix)
