@@ -9,9 +9,11 @@ The checked-in YAML uses unprefixed image names (``posttrain-<stage>:<version>``
 ``posttrain-stage-env``, GPU nodes labelled ``posttrain.io/pool=gpu``) plus the optional
 secret ``posttrain-s3``; a cluster that differs compiles its own copy with the options
 below. Each option is checked before anything is written, with the DAG's own checks of the
-same settings (``dags/execution/cluster.py``, ``dags.execution.image_for``): a bad one is
-one line naming it and exit 2, as the DAG refuses ``POSTTRAIN_STAGE_CONFIGMAP``,
-``POSTTRAIN_STAGE_SECRET``, ``POSTTRAIN_GPU_NODE_SELECTOR`` or ``POSTTRAIN_IMAGE_PREFIX``.
+same settings (``dags/execution/cluster.py``'s ``check_config_map``, ``check_secret`` and
+``parse_node_selector``, ``dags.execution.check_image_prefix``), given the option's value
+(no environment variable is read or set): a bad one is one line naming the option and exit
+2, as the DAG refuses ``POSTTRAIN_STAGE_CONFIGMAP``, ``POSTTRAIN_STAGE_SECRET``,
+``POSTTRAIN_GPU_NODE_SELECTOR`` or ``POSTTRAIN_IMAGE_PREFIX``.
 The YAML is written to a temporary file beside ``--output`` and renamed onto it, so an
 interrupted compile leaves the old file whole. This writes a file and nothing else: it
 does not upload or submit the pipeline (use the KFP UI or
@@ -32,14 +34,8 @@ from kfp import compiler
 
 from components import STAGES
 from components.core.errors import UserError
-from pipelines.post_training_iteration import (
-    CONFIG_MAP,
-    GPU_NODE_SELECTOR,
-    S3_SECRET,
-    cluster_names,
-    make_pipeline,
-    stage_image,
-)
+from dags.execution import check_image_prefix, cluster
+from pipelines.post_training_iteration import CONFIG_MAP, GPU_NODE_SELECTOR, S3_SECRET, make_pipeline
 
 COMPILED = Path(__file__).resolve().parent / "post_training_iteration.yaml"
 SUFFIXES = (".yaml", ".yml")  # kfp writes YAML by the name's suffix; its JSON cannot hold the platform settings
@@ -82,17 +78,19 @@ def _mode(path: Path) -> int:
 
 
 def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every option as the DAG checks the same setting, one ``parser.error`` line naming the
-    option (exit 2), before anything is written."""
+    """Every option as the DAG checks the same setting (its check, given the option's value
+    and name), one ``parser.error`` line naming the option (exit 2), before anything is written."""
     if args.image_prefix and not IMAGE_PREFIX.fullmatch(args.image_prefix):
         parser.error(f"--image-prefix={args.image_prefix!r}: not a registry path ending in '/' (lowercase letters, "
                      "digits, '.', '_', '-', ':' and '/'); e.g. registry.example.com/ml/")
     try:
         for stage in STAGES:  # plan, shards and hand-back run in taskgen's image
-            stage_image(stage, args.image_prefix)
-        cluster_names(args.config_map, args.s3_secret, args.gpu_node_selector)
-    except UserError as exc:  # named after make_pipeline's parameter: image_prefix, config_map, ...
-        parser.error(UserError(f"--{exc.field.replace('_', '-')}", exc.value, exc.problem, exc.fix).line())
+            check_image_prefix("--image-prefix", args.image_prefix, stage)
+        cluster.check_config_map("--config-map", args.config_map)
+        cluster.parse_node_selector("--gpu-node-selector", args.gpu_node_selector)
+        cluster.check_secret("--s3-secret", args.s3_secret)
+    except UserError as exc:
+        parser.error(exc.line())
     output = Path(args.output)
     if output.is_dir():
         parser.error(f"--output={args.output!r}: is a folder; name the file to write in it, e.g. "

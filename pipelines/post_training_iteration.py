@@ -105,10 +105,7 @@ Choices, and what this does not do:
 """
 
 # No ``from __future__ import annotations``: KFP reads the component signatures' real types.
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import TypeVar
+from dataclasses import dataclass
 
 from kfp import dsl, kubernetes
 
@@ -118,8 +115,6 @@ from components.core.stages import registered
 from components.core.stages import spec as stage_spec
 from dags import execution
 from dags.execution import cluster
-
-T = TypeVar("T")
 
 RETRIES = 2
 BACKOFF = "10s"
@@ -276,62 +271,37 @@ def hand_back(recipe: str, run_root: str, run_id: str, holder: str, status: dsl.
         print(f"run failed: {line}", flush=True)
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in ``os.environ`` for the block, then what was there before (set or unset)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def checked_as_the_dag(check: Callable[[], T], settings: dict[str, str], fields: dict[str, str]) -> T:
-    """``check()``, one of the DAG's own checks of its settings (``dags/execution/cluster.py``,
-    ``dags.execution.image_for``), which read them from the environment, run on ``settings``
-    ({variable: value}; the environment is restored afterwards), so a compiled pipeline takes
-    exactly the names a DAG would. Its UserError names ``fields[variable]`` (the pipeline's
-    option) instead of the variable. Not thread-safe: it sets process-wide variables for
-    the duration of the check (the compile and import of this module are single-threaded)."""
-    with _environment(settings):
-        try:
-            return check()
-        except UserError as exc:
-            raise UserError(fields.get(exc.field, exc.field), exc.value, exc.problem, exc.fix) from None
-
-
 def stage_image(stage: str, image_prefix: str = "") -> str:
     """The stage's container image, as ``containers/build.sh`` tags it; a UserError naming
-    ``image_prefix`` when the prefix makes no image reference (the DAG's check,
-    ``dags.execution.image_for``: a pod with such an image fails only on the cluster)."""
-    return checked_as_the_dag(lambda: execution.image_for(stage),
-                              {execution.IMAGE_PREFIX_VAR: image_prefix, execution.IMAGE_TAG_VAR: __version__},
-                              {execution.IMAGE_PREFIX_VAR: "image_prefix"})
+    ``image_prefix`` when the prefix makes no image reference (the DAG's own check,
+    ``dags.execution.check_image_prefix``: a pod with such an image fails only on the cluster)."""
+    return f"{execution.check_image_prefix('image_prefix', image_prefix, stage)}:{__version__}"
+
+
+@dataclass(frozen=True)
+class ClusterNames:
+    config_map: str
+    secret: str  # "" = none
+    gpu_node_selector: dict[str, str]
 
 
 def cluster_names(config_map: str = CONFIG_MAP, s3_secret: str = S3_SECRET,
-                  gpu_node_selector: str = GPU_NODE_SELECTOR) -> cluster.ClusterSettings:
+                  gpu_node_selector: str = GPU_NODE_SELECTOR) -> ClusterNames:
     """The pipeline's cluster names checked as the DAG's kubernetes mode checks its
     ``POSTTRAIN_STAGE_CONFIGMAP``, ``POSTTRAIN_STAGE_SECRET`` and
-    ``POSTTRAIN_GPU_NODE_SELECTOR`` (``dags.execution.cluster.cluster_settings``; the
-    mode's other settings at their defaults): the config map a Kubernetes name, the secret
-    one or '' (none), the selector node labels ``key=value[,key=value]`` or '' (none). A
-    UserError naming ``config_map``, ``s3_secret`` or ``gpu_node_selector``."""
-    settings = {**cluster.DEFAULTS, cluster.CONFIGMAP_VAR: config_map, cluster.SECRET_VAR: s3_secret,
-                cluster.GPU_NODE_SELECTOR_VAR: gpu_node_selector}
-    return checked_as_the_dag(cluster.cluster_settings, settings, {
-        cluster.CONFIGMAP_VAR: "config_map", cluster.SECRET_VAR: "s3_secret", cluster.GPU_NODE_SELECTOR_VAR: "gpu_node_selector"})
+    ``POSTTRAIN_GPU_NODE_SELECTOR`` (the same functions of ``dags/execution/cluster.py``):
+    the config map a Kubernetes name, the secret one or '' (none), the selector node labels
+    ``key=value[,key=value]`` or '' (none). A UserError naming ``config_map``, ``s3_secret``
+    or ``gpu_node_selector``."""
+    return ClusterNames(config_map=cluster.check_config_map("config_map", config_map),
+                        gpu_node_selector=parse_node_selector(gpu_node_selector),
+                        secret=cluster.check_secret("s3_secret", s3_secret))
 
 
 def parse_node_selector(value: str) -> dict[str, str]:
     """``"key=value[,key=value]"`` (empty: none) as {key: value}; a UserError naming
-    ``gpu_node_selector`` where a pair is not a node label (``cluster_names``)."""
-    return cluster_names(gpu_node_selector=value).gpu_node_selector
+    ``gpu_node_selector`` where a pair is not a node label (``cluster.parse_node_selector``)."""
+    return cluster.parse_node_selector("gpu_node_selector", value)
 
 
 GPU_NODE_SELECTOR_DEFAULT = parse_node_selector(GPU_NODE_SELECTOR)

@@ -220,22 +220,34 @@ def _image_name(name: str) -> bool:
     return bool(_PATH.fullmatch(name))
 
 
+def check_image_tag(var: str, value: str) -> str:
+    """``value`` as an image tag; a UserError naming ``var`` otherwise."""
+    if not IMAGE_TAG.fullmatch(value):
+        raise UserError(var, value, "is not an image tag (ASCII letters, digits, '_', '.' and '-', at most "
+                        "128, not starting with '.' or '-')", f"set it to e.g. '{__version__}', or unset it for the "
+                        "package version")
+    return value
+
+
+def check_image_prefix(var: str, value: str, stage: str) -> str:
+    """The image name ``<value>posttrain-<stage>`` (without its tag); a UserError naming
+    ``var`` and the prefix when it is not an image name (lowercase path parts after an
+    optional registry host[:port]). Reads no environment: ``pipelines/compile.py`` checks
+    its ``--image-prefix`` with it."""
+    name = f"{value}posttrain-{stage}"
+    if not _image_name(name):
+        raise UserError(var, value, f"makes {value_text(name)!r}, which is not an image name (lowercase path parts "
+                        f"after an optional registry host[:port], at most {MAX_IMAGE_NAME} characters)",
+                        "set it to e.g. 'registry.example.com:5000/ml/' (ending in '/'), or unset it")
+    return name
+
+
 def image_for(stage: str) -> str:
     """The image a stage runs in: ``<prefix>posttrain-<stage>:<tag>``; a UserError naming
     ``POSTTRAIN_IMAGE_PREFIX`` or ``POSTTRAIN_IMAGE_TAG`` when the two do not make an image
     reference (a pod with one fails on the cluster only, as InvalidImageName)."""
-    prefix = os.environ.get(IMAGE_PREFIX_VAR, "")
-    tag = os.environ.get(IMAGE_TAG_VAR) or __version__
-    if not IMAGE_TAG.fullmatch(tag):
-        raise UserError(IMAGE_TAG_VAR, tag, "is not an image tag (ASCII letters, digits, '_', '.' and '-', at most "
-                        "128, not starting with '.' or '-')", f"set it to e.g. '{__version__}', or unset it for the "
-                        "package version")
-    name = f"{prefix}posttrain-{stage}"
-    if not _image_name(name):
-        raise UserError(IMAGE_PREFIX_VAR, prefix, f"makes {value_text(name)!r}, which is not an image name (lowercase path parts "
-                        f"after an optional registry host[:port], at most {MAX_IMAGE_NAME} characters)",
-                        "set it to e.g. 'registry.example.com:5000/ml/' (ending in '/'), or unset it")
-    return f"{name}:{tag}"
+    tag = check_image_tag(IMAGE_TAG_VAR, os.environ.get(IMAGE_TAG_VAR) or __version__)
+    return f"{check_image_prefix(IMAGE_PREFIX_VAR, os.environ.get(IMAGE_PREFIX_VAR, ''), stage)}:{tag}"
 
 
 def stage_arguments(plan: dict[str, Any], run_id: str, shard: str = "") -> list[str]:

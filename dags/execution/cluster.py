@@ -2,7 +2,10 @@
 Airflow (``dags/execution/kubernetes.py`` builds the pods from them; ``posttrain run``
 checks them before any work through ``dags.execution.check_settings``). Each bad value is
 a UserError naming the variable, the value and the fix. The table of variables is in
-``dags/execution/kubernetes.py``."""
+``dags/execution/kubernetes.py``. The check of each value (``check_name``,
+``check_config_map``, ``check_secret``, ``parse_node_selector``, ``parse_positive_int``)
+takes it as an argument with the name to give it in the error, and reads no environment:
+the Kubeflow pipeline (``pipelines/``) checks its compile options with the same ones."""
 
 from __future__ import annotations
 
@@ -53,8 +56,17 @@ def _env(name: str) -> str:
     return (SECRET_DEFAULT if name == SECRET_VAR else DEFAULTS[name]) if value is None else value.strip()
 
 
-def _name(var: str, pattern: re.Pattern, max_len: int, example: str, allow_empty: bool = False) -> str:
-    value = _env(var)
+# The checks of one value each, named after where it came from (``var``: a variable, or a
+# compile option of ``pipelines/compile.py``), so the pipeline takes exactly the names the
+# DAG does without going through the environment. White space around a value is not part of it.
+
+
+def check_name(var: str, value: str, pattern: re.Pattern, max_len: int, example: str,
+               allow_empty: bool = False) -> str:
+    """``value`` as a Kubernetes name matching ``pattern`` (``DNS_LABEL`` or
+    ``DNS_SUBDOMAIN``) of at most ``max_len`` characters, or '' where ``allow_empty``; a
+    UserError naming ``var``, the value and ``example`` otherwise."""
+    value = value.strip()
     if allow_empty and not value:
         return ""
     if len(value) > max_len or not pattern.match(value):
@@ -64,8 +76,20 @@ def _name(var: str, pattern: re.Pattern, max_len: int, example: str, allow_empty
     return value
 
 
-def _node_selector(var: str) -> dict[str, str]:
-    value = _env(var)
+def check_config_map(var: str, value: str) -> str:
+    """The stage pods' config map (``POSTTRAIN_STAGE_CONFIGMAP``): a Kubernetes name, required."""
+    return check_name(var, value, DNS_SUBDOMAIN, 253, DEFAULTS[CONFIGMAP_VAR])
+
+
+def check_secret(var: str, value: str) -> str:
+    """The stage pods' optional secret (``POSTTRAIN_STAGE_SECRET``): a Kubernetes name, or '' for none."""
+    return check_name(var, value, DNS_SUBDOMAIN, 253, SECRET_DEFAULT, allow_empty=True)
+
+
+def parse_node_selector(var: str, value: str) -> dict[str, str]:
+    """``"key=value[,key=value]"`` (empty: none) as {key: value}; a UserError naming ``var``
+    where a pair is not a node label."""
+    value = value.strip()
     selector: dict[str, str] = {}
     for pair in filter(None, (p.strip() for p in value.split(","))):
         key, sep, label = pair.partition("=")
@@ -81,8 +105,10 @@ def _node_selector(var: str) -> dict[str, str]:
 MAX_WAIT_S = 86400  # a pod that has not started in a day will not: a longer wait only hides it
 
 
-def _positive_int(var: str, example: int) -> int:
-    value = _env(var)
+def parse_positive_int(var: str, value: str, example: int) -> int:
+    """``value`` as a whole number of seconds from 1 to ``MAX_WAIT_S``; a UserError naming
+    ``var`` and ``example`` otherwise."""
+    value = value.strip()
     try:
         number = int(value)
     except ValueError:
@@ -96,11 +122,11 @@ def _positive_int(var: str, example: int) -> int:
 def cluster_settings() -> ClusterSettings:
     """The deployment's cluster settings from the environment; a UserError naming the variable and the fix."""
     return ClusterSettings(
-        namespace=_name(NAMESPACE_VAR, DNS_LABEL, 63, "posttrain"),
-        service_account=_name(SERVICE_ACCOUNT_VAR, DNS_SUBDOMAIN, 253, "posttrain-stage"),
-        config_map=_name(CONFIGMAP_VAR, DNS_SUBDOMAIN, 253, "posttrain-stage-env"),
-        runtime_class=_name(RUNTIME_CLASS_VAR, DNS_SUBDOMAIN, 253, "gvisor", allow_empty=True),
-        gpu_node_selector=_node_selector(GPU_NODE_SELECTOR_VAR),
-        startup_timeout_s=_positive_int(STARTUP_TIMEOUT_VAR, 600),
-        secret=_name(SECRET_VAR, DNS_SUBDOMAIN, 253, SECRET_DEFAULT, allow_empty=True),
+        namespace=check_name(NAMESPACE_VAR, _env(NAMESPACE_VAR), DNS_LABEL, 63, "posttrain"),
+        service_account=check_name(SERVICE_ACCOUNT_VAR, _env(SERVICE_ACCOUNT_VAR), DNS_SUBDOMAIN, 253, "posttrain-stage"),
+        config_map=check_config_map(CONFIGMAP_VAR, _env(CONFIGMAP_VAR)),
+        runtime_class=check_name(RUNTIME_CLASS_VAR, _env(RUNTIME_CLASS_VAR), DNS_SUBDOMAIN, 253, "gvisor", allow_empty=True),
+        gpu_node_selector=parse_node_selector(GPU_NODE_SELECTOR_VAR, _env(GPU_NODE_SELECTOR_VAR)),
+        startup_timeout_s=parse_positive_int(STARTUP_TIMEOUT_VAR, _env(STARTUP_TIMEOUT_VAR), 600),
+        secret=check_secret(SECRET_VAR, _env(SECRET_VAR)),
     )

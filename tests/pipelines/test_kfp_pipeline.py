@@ -14,11 +14,13 @@ Dockerfiles only.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import threading
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ import yaml
 from components import SHARDED_STAGES, STAGES, __version__
 from components.core.stages import registered
 from pipelines.compile import COMPILED, compile_pipeline, main
-from pipelines.post_training_iteration import CONFIG_MAP_KEYS, CONFIG_MAP_OPTIONAL_KEYS
+from pipelines.post_training_iteration import CONFIG_MAP, CONFIG_MAP_KEYS, CONFIG_MAP_OPTIONAL_KEYS, GPU_NODE_SELECTOR, S3_SECRET
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -243,41 +245,117 @@ def test_a_name_the_dag_refuses_is_refused_before_anything_is_written(option, va
 
 
 def test_the_same_values_the_dag_refuses(monkeypatch):
-    """The checks are the DAG's (dags/execution/cluster.py, dags.execution.image_for), not a
-    copy: the pipeline's names and the DAG's settings accept and refuse alike, and a check
-    leaves the environment as it found it."""
+    """The checks are the DAG's (dags/execution/cluster.py, dags.execution.check_image_prefix),
+    not a copy: the pipeline's names and the DAG's settings accept and refuse alike."""
     from components.core.errors import UserError
     from dags.execution import cluster, image_for
     from pipelines.post_training_iteration import cluster_names, parse_node_selector, stage_image
 
-    monkeypatch.setenv(cluster.GPU_NODE_SELECTOR_VAR, "set=by-the-user")
-    monkeypatch.delenv(cluster.CONFIGMAP_VAR, raising=False)
-    before = dict(os.environ)
-    for selector in ("", "posttrain.io/pool=gpu", "a=b, c=", "bad key=v", "=v", "k"):
+    def dag_reads(var: str, value: str, setting):
         with monkeypatch.context() as env:
-            env.setenv(cluster.GPU_NODE_SELECTOR_VAR, selector)
+            env.setenv(var, value)
             try:
-                expected = cluster.cluster_settings().gpu_node_selector
+                return setting()
             except UserError:
-                expected = None
+                return None
+
+    for selector in ("", "posttrain.io/pool=gpu", "a=b, c=", "bad key=v", "=v", "k", f"pool={'x' * 64}"):
+        expected = dag_reads(cluster.GPU_NODE_SELECTOR_VAR, selector, lambda: cluster.cluster_settings().gpu_node_selector)
         try:
             assert parse_node_selector(selector) == expected, selector
         except UserError as exc:
             assert expected is None and exc.field == "gpu_node_selector", selector
-    for prefix in ("", "registry.example.com/ml/", "UPPER/", "reg:port/"):
-        with monkeypatch.context() as env:
-            env.setenv("POSTTRAIN_IMAGE_PREFIX", prefix)
-            env.setenv("POSTTRAIN_IMAGE_TAG", __version__)
+    for field, var, attr in (("config_map", cluster.CONFIGMAP_VAR, "config_map"), ("s3_secret", cluster.SECRET_VAR, "secret")):
+        for name in ("", "stage-env", " stage-env ", "Stage_Env", "a.b", "a" * 254):
+            expected = dag_reads(var, name, lambda attr=attr: getattr(cluster.cluster_settings(), attr))
             try:
-                expected = image_for("trainer")
-            except UserError:
-                expected = None
+                assert getattr(cluster_names(**{field: name}), attr) == expected, (field, name)
+            except UserError as exc:
+                assert expected is None and exc.field == field, (field, name)
+    for prefix in ("", "registry.example.com/ml/", "UPPER/", "reg:port/", "a" * 250 + "/"):
+        with monkeypatch.context() as env:
+            env.setenv("POSTTRAIN_IMAGE_TAG", __version__)
+            expected = dag_reads("POSTTRAIN_IMAGE_PREFIX", prefix, lambda: image_for("trainer"))
         try:
             assert stage_image("trainer", prefix) == expected, prefix
         except UserError as exc:
             assert expected is None and exc.field == "image_prefix", prefix
-    assert cluster_names("stage-env", "", "").config_map == "stage-env"
-    assert dict(os.environ) == before
+    assert cluster_names("stage-env", "", "") == cluster_names(" stage-env ", " ", " ")
+
+
+class _WatchedEnviron(MutableMapping):
+    """``os.environ`` that records every name read or written through it."""
+
+    def __init__(self, real):
+        self.real, self.touched = real, []
+
+    def __getitem__(self, name):
+        self.touched.append(("read", name))
+        return self.real[name]
+
+    def __setitem__(self, name, value):
+        self.touched.append(("write", name))
+        self.real[name] = value
+
+    def __delitem__(self, name):
+        self.touched.append(("write", name))
+        del self.real[name]
+
+    def __iter__(self):
+        self.touched.append(("read", "*"))
+        return iter(self.real)
+
+    def __len__(self):
+        return len(self.real)
+
+
+@pytest.mark.parametrize(("option", "value", "refused"), [
+    (None, None, False),  # all defaults
+    ("--image-prefix", "registry.example.com/ml/", False),
+    ("--image-prefix", "a//", True),
+    ("--config-map", "stage-env", False),
+    ("--config-map", "Stage_Env", True),
+    ("--s3-secret", "", False),
+    ("--s3-secret", "Not_A Secret", True),
+    ("--gpu-node-selector", "karpenter.sh/nodepool=gpu, accel=h100", False),
+    ("--gpu-node-selector", "gpu", True),
+])
+def test_compile_checks_neither_read_nor_set_the_environment(option, value, refused, tmp_path, monkeypatch):
+    """Before, compile.py checked its options by setting POSTTRAIN_STAGE_CONFIGMAP & co. in
+    os.environ around the DAG's checks, which read them from there (and restored them after):
+    not thread-safe. Now the checks take the option's value, and nothing reads the
+    environment: the variables the DAG would read, set to values it refuses, change nothing."""
+    from components.core.errors import UserError
+    from dags.execution import cluster
+    from pipelines import compile as compile_module
+
+    for var in (cluster.CONFIGMAP_VAR, cluster.SECRET_VAR, cluster.GPU_NODE_SELECTOR_VAR, "POSTTRAIN_IMAGE_PREFIX",
+                "POSTTRAIN_IMAGE_TAG", cluster.NAMESPACE_VAR):
+        monkeypatch.setenv(var, "Refused By_The DAG!")
+
+    class Refused(Exception):
+        pass
+
+    class Parser:
+        def error(self, message):
+            raise Refused(message)
+
+    args = argparse.Namespace(output=str(tmp_path / "p.yaml"), image_prefix="", config_map=CONFIG_MAP,
+                              s3_secret=S3_SECRET, gpu_node_selector=GPU_NODE_SELECTOR)
+    if option:
+        setattr(args, option[2:].replace("-", "_"), value)
+    watched = _WatchedEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", watched)
+    if refused:
+        with pytest.raises(Refused) as exc:
+            compile_module._check_options(Parser(), args)
+        assert str(exc.value).startswith(f"{option}={value!r}: ") and "; fix: " in str(exc.value), exc.value
+    else:
+        compile_module._check_options(Parser(), args)
+    assert watched.touched == []  # nothing read, nothing set
+    with pytest.raises(UserError, match=r"^POSTTRAIN_NAMESPACE="):  # the DAG's own reading, through the same watch
+        cluster.cluster_settings()
+    assert ("read", cluster.NAMESPACE_VAR) in watched.touched
 
 
 def test_a_plug_in_stage_is_refused_rather_than_skipped(tmp_path, monkeypatch, capsys):
