@@ -53,8 +53,8 @@ baseline first, the order reversed on each further repeat. It reports each stage
 iteration-1 eval pass rates, writes ``benchmarks/results/iteration_baseline.json``/``.md``
 and ends with ``iteration vs baseline: N.NNx`` (current / baseline process wall time,
 medians over repeats). A REF that names no commit is one error line and exit status 2.
-``--quick`` is a smoke run through the same four ways on ``recipes/tiny.yaml`` with 5 SFT
-steps: it prints the same tables and summary line and writes no results unless ``--out``
+``--quick`` is a smoke run through the first three ways (one real scheduler, preloading)
+on ``recipes/tiny.yaml`` with 5 SFT steps: it prints the same tables and summary line and writes no results unless ``--out``
 is given. Not covered: Postgres, Celery or
 Kubernetes executors, and more than one iteration per server start.
 """
@@ -212,7 +212,8 @@ def median(values: list[float]) -> float:
 
 
 def report(result: dict) -> str:
-    cols, wall, timing = COLUMNS, result["wall_s"], result["tasks"]
+    wall, timing = result["wall_s"], result["tasks"]
+    cols = [c for c in COLUMNS if c in wall]  # --quick runs no "scheduler, no preload"
     lines = ["| stage | " + " | ".join(f"{c} (s)" for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for stage in STAGES:
         lines.append(f"| {stage} | " + " | ".join(f"{result['stage_s'][c].get(stage, 0):.2f}" for c in cols) + " |")
@@ -240,6 +241,8 @@ def report(result: dict) -> str:
     lines.append(f"| **all** | **{sum(result['imports_s'].values()):.2f}** |")
     out += ["What a task process imports when nothing is preloaded (each stage needs a part of it):", "",
             "\n".join(lines), ""]
+    if "scheduler, no preload" not in wall:
+        return "\n".join(out)
     stage_sum = {c: sum(result["stage_s"][c].values()) for c in ("scheduler", "scheduler, no preload")}
     out += [f"Preloading saves {wall['scheduler, no preload'] - wall['scheduler']:.1f} s of this iteration. Without it "
             "most of the start-up cost sits inside the stages, where transformers, MLflow's SQL store and Great "
@@ -531,7 +534,8 @@ def main() -> None:
     timed([*posttrain, "stage", "bootstrap", "--recipe", str(recipe), "--run-root", str(active / "store")], work,
           env_for(active))
     shutil.move(active, base)
-    homes = {name: work / name.replace(", ", "-").replace(" ", "-").replace(".", "-") for name in COLUMNS}
+    ways = COLUMNS[:3] if args.quick else COLUMNS  # --quick: one real scheduler (its start-up is most of the run)
+    homes = {name: work / name.replace(", ", "-").replace(" ", "-").replace(".", "-") for name in ways}
 
     def fresh() -> Path:
         shutil.copytree(base, active)
@@ -555,7 +559,7 @@ def main() -> None:
     timing["dag.test"] = {"process_s": process_s, **task_timings(home / "airflow" / "airflow.db", home / "store", pipeline)}
     wall["dag.test"] = process_s
     shutil.move(home, homes["dag.test"])
-    for name, preload in (("scheduler", True), ("scheduler, no preload", False)):
+    for name, preload in (("scheduler", True), ("scheduler, no preload", False))[:len(ways) - 2]:
         print(f"iteration 1 through a real scheduler ({'preloading' if preload else 'plain'} LocalExecutor) ...", flush=True)
         home = fresh()
         timing[name] = run_scheduler(home, recipe, preload)
@@ -590,15 +594,17 @@ def write(out: Path | None, result: dict, load: list[float]) -> None:
     timing, wall = result["tasks"], result["wall_s"]
     table = report(result)
     span = result.get("scheduler_over_dag_test_span", span_ratio(wall, timing))  # results from before it was kept
+    plain = timing.get("scheduler, no preload")  # not run by --quick
+    no_preload = f"no preload: {result['median_overhead_s']['scheduler, no preload']:.2f} s, " if plain else ""
+    plain_startup = f" ({plain['startup_s']:.1f} s without preload)" if plain else ""
     summary = (f"real scheduler / dag.test(), DAG run span vs DAG run span (queued -> end, start-up excluded on both "
                f"sides): {span:.2f}x ({wall['scheduler']:.1f} s vs {timing['dag.test']['queued_to_end_s']:.1f} s); "
                f"against the whole `posttrain run` process, its start-up included ({wall['dag.test']:.1f} s): "
                f"{result['scheduler_over_dag_test']:.2f}x; "
                f"median task start-up overhead {result['median_overhead_s']['scheduler']:.2f} s "
-               f"(no preload: {result['median_overhead_s']['scheduler, no preload']:.2f} s, "
-               f"dag.test: {result['median_overhead_s']['dag.test']:.2f} s); "
+               f"({no_preload}dag.test: {result['median_overhead_s']['dag.test']:.2f} s); "
                f"dag.test / direct: {result['dag_test_over_direct']:.2f}x. Scheduler start-up (not in its wall time): "
-               f"{timing['scheduler']['startup_s']:.1f} s ({timing['scheduler, no preload']['startup_s']:.1f} s without preload)")
+               f"{timing['scheduler']['startup_s']:.1f} s{plain_startup}")
     print(table)
     print(summary)
     if out is None:

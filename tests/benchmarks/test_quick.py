@@ -39,8 +39,8 @@ def assert_line(output: str, pattern: str) -> None:
     assert re.search(pattern, output), f"no line matching {pattern!r} in:\n{output[-4000:]}"
 
 
-# Four iterations, two of them behind a real Airflow scheduler that starts up first (about
-# 3-5 minutes on 2 busy cores): the longest of these.
+# Three iterations, one behind a real Airflow scheduler that starts up first (about 1.5-3
+# minutes on 2 busy cores): the longest of these.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_iteration(tmp_path):
