@@ -23,7 +23,8 @@ both aliases move to the new version, and its line says which version was champi
 With any other ``model.source`` (a Hugging Face folder, a store URI, or a registry URI
 ``models:/<name>@<alias>`` / ``models:/<name>/<version>``) it skips SFT and
 registers that model as it is. Deterministic from the recipe seed; a second call is a
-cache hit.
+cache hit, unless the source holds other files now (``source_fingerprint``: new weights
+in the folder, an alias moved to another version, another version of a GGUF package).
 
 Interactive tasks (``Domain.interactive``) with a reference episode
 (``reference["episode"]``) are learnt from that episode: actions and their EOS are
@@ -39,15 +40,21 @@ LoRA/PEFT warm starts and multi-GPU SFT.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
 from collections import Counter
+from pathlib import Path
 
-from components.core import models
+from components.core import gguf, models
+from components.core.checkpoint import LOADED_FOLDERS
 from components.core.context import StageContext
+from components.core.errors import InfraError, outage
 from components.core.facts import Scored
-from components.core.manifest import WEIGHTS
+from components.core.manifest import WEIGHTS, InputRef
 from components.core.policy import (
     EOS,
+    TRAINER_STATE,
     Policy,
     build_model,
     build_tokenizer,
@@ -59,6 +66,7 @@ from components.core.policy import (
 from components.core.progress import say
 from components.core.records import Task
 from components.core.seeds import seed_everything
+from components.core.storage import Store, normalize_uri, sha256_bytes
 from components.domains import registry
 from components.domains.base import exclusion
 from components.evalsuite.decision import record_decision, unpaired
@@ -71,8 +79,81 @@ SECTIONS = ("model", "bootstrap", "evaluation", "rollout", "sandbox")
 """Recipe sections read: the model and SFT settings, and what scoring on the eval suite needs."""
 
 
+FIELD = "model.source"
+
+
 def inputs(ctx: StageContext) -> None:
-    return None  # bootstrap depends only on its config (and model.source, part of it)
+    """Bootstrap depends on its config and, for a pretrained ``model.source``, on what the
+    source holds now (input ``model_source``, ``source_fingerprint``): other weights behind
+    the same source re-run it. A scratch model depends on its config alone."""
+    source = ctx.recipe.model.source
+    if source != "scratch":
+        ctx.inputs["model_source"] = source_fingerprint(source)
+
+
+def source_fingerprint(source: str) -> InputRef:
+    """What ``model.source`` points at now, without reading any weights:
+
+    - a folder or file (a path, ``file://``, ``s3://``): the files a load copies (those at
+      its top and in ``checkpoint.LOADED_FOLDERS``, not ``trainer_state.pt``), each by its
+      relative name and size, and its ``mtime_ns`` on a local disk or ETag in a store;
+    - ``models:/<name>@<alias>`` or ``models:/<name>/<version>``: the version it resolves
+      to now and the weights digest that version was registered with;
+    - ``gguf:<package>/<file>.gguf``: the version of the distribution holding the package
+      (the file's ``mtime_ns`` for a package no distribution declares) and the file's size.
+
+    A source that is not there (nothing at the path, no such version, package or file)
+    fingerprints as such, or raises the load's own UserError, so bootstrap refuses it as
+    it always did; an unreachable store or tracking server is an outage."""
+    if gguf.is_gguf(source):
+        path = gguf.locate(source, FIELD)  # a missing package or file: the UserError the load raises
+        return InputRef(uri=path.as_uri(), digest=_gguf_digest(source, path))
+    if source.startswith("models:/"):
+        mv = models.registry_version(source, FIELD)  # a missing version or alias: the UserError the load raises
+        weights = dict(mv.tags).get(models.TAG_WEIGHTS, "")
+        return InputRef(uri=models.checkpoint_of(mv), digest=f"version:{mv.version} weights:{weights}")
+    uri = normalize_uri(source, FIELD)
+    return InputRef(uri=uri, digest=_listing_digest(uri))
+
+
+def _gguf_digest(source: str, path: Path) -> str:
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    package = source[len(gguf.PREFIX):].partition("/")[0]
+    found = []
+    for dist in sorted(set(packages_distributions().get(package, []))):
+        try:
+            found.append(f"{dist}=={version(dist)}")
+        except PackageNotFoundError:
+            continue
+    stat = path.stat()
+    return f"{', '.join(found) or f'mtime_ns {stat.st_mtime_ns}'}; size {stat.st_size}"
+
+
+def _listing_digest(uri: str) -> str:
+    """sha256 of the (name, size, mtime_ns or ETag) of each file a load of ``uri`` copies;
+    that of an empty list when nothing is there (the load then refuses it)."""
+    store = Store(uri, FIELD)
+    base = store.root.rstrip("/")
+    local = uri.startswith("file://")
+    try:
+        found = store.fs.find(base, detail=True)
+        rows = []
+        for path, info in found.items():
+            name = path[len(base) + 1:]
+            folder = name.rpartition("/")[0]
+            if name == TRAINER_STATE or (folder and folder not in LOADED_FOLDERS):
+                continue  # what the load does not copy (policy.load_policy)
+            if local:
+                stat = os.stat(path)
+                rows.append((name, stat.st_size, stat.st_mtime_ns))
+            else:
+                rows.append((name, int(info.get("size") or 0), str(info.get("ETag", info.get("LastModified", "")))))
+    except Exception as exc:  # noqa: BLE001 - unreadable now: the load says why, as it always did
+        if isinstance(exc, InfraError) or outage(exc) is not None:
+            raise
+        return f"unreadable ({type(exc).__name__})"
+    return sha256_bytes(json.dumps(sorted(rows)).encode())
 
 
 Example = tuple[list[int], list[int], list[int]]

@@ -8,9 +8,13 @@ Layout under a run root::
 
 A manifest records the stage, iteration, shard, input URIs with digests, the config
 digest, the code version, each output file with its row count and sha256, summary
-metrics, timings and the MLflow run id. Its ``content_digest`` covers only what
-determines downstream work (outputs, inputs, the config digest and the stage's facts), not timings, so a reproduced re-run
-has the same digest and does not invalidate later stages.
+metrics, timings and the MLflow run id. Its ``content_digest`` is what a later stage keys
+on: the data the stage hands on (its outputs and facts) and the digests of the inputs it
+was made from (so a change upstream of it, in facts a later stage reads past it, still
+reaches that stage). Not the config digest, the code version, metrics or timings: a
+re-run under another config (another ``sandbox.concurrency``, ``evaluation.*`` field,
+code version) that reproduces the same outputs has the same digest and does not
+invalidate later stages, whose own config and code version are in their own keys.
 
 Every output records its sha256 and size; readers and cache hits check them (see
 ``expectations``). An output whose path has no extension is a folder (a checkpoint): its
@@ -124,11 +128,12 @@ class Manifest:
 
     @property
     def content_digest(self) -> str:
+        """The digest later stages key on (module docstring): inputs, outputs and facts;
+        not the config digest or code version, each already in every stage's own key."""
         body = {
             "inputs": {k: asdict(v) for k, v in sorted(self.inputs.items())},
             # size is left out: the sha256 already fixes it, and manifests from before sizes keep their digest
             "outputs": {k: {"path": v.path, "rows": v.rows, "sha256": v.sha256} for k, v in sorted(self.outputs.items())},
-            "config": self.config_digest,
             "info": self.info,
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()

@@ -15,6 +15,10 @@ that class; else anything callable) is a ``UserError`` naming the field and the 
 a traceback. ``check`` loads a plug-in's entry too (never a built-in's), so a recipe naming
 a broken plug-in is refused when it is loaded, before any stage.
 
+``distribution(name)`` names the distribution (and its version) that provides a plug-in:
+the runner puts it in the cache key of the stages that can use it
+(``runner.stage_code_version``), so upgrading a plug-in package re-runs them.
+
 The registries themselves are declared in :mod:`components.core.plugins`. Not covered:
 unregistering, or versioned entries.
 """
@@ -39,14 +43,14 @@ class Registry:
         self.base = base  # "module:Class" every entry must be a non-abstract subclass of ("": anything callable)
         self._builtins = dict(builtins)
         self._table: dict[str, str] | None = None
-        self._dists: dict[str, str] = {}  # plug-in name -> the distribution that declares it
+        self._dists: dict[str, tuple[str, str]] = {}  # plug-in name -> (name, version) of the distribution declaring it
         self._loaded: dict[str, Any] = {}
 
     def _entries(self) -> dict[str, str]:
         if self._table is None:
             table = dict(self._builtins)
             source = {name: "built-in" for name in table}
-            dists: dict[str, str] = {}
+            dists: dict[str, tuple[str, str]] = {}
             for ep in entry_points(group=self.group):
                 package = _package(ep)
                 if ep.name in table:
@@ -56,12 +60,20 @@ class Registry:
                 table[ep.name] = ep.value
                 source[ep.name] = package
                 if ep.dist is not None:
-                    dists[ep.name] = ep.dist.name
+                    dists[ep.name] = (ep.dist.name, ep.dist.version)
             self._table, self._dists = table, dists
         return self._table
 
     def names(self) -> list[str]:
         return sorted(self._entries())
+
+    def distribution(self, name: str) -> tuple[str, str] | None:
+        """(name, version) of the installed distribution whose entry point registers
+        ``name``, as read when the entry points were (the code a load runs); None for a
+        built-in (posttrain's own code) or an unknown name."""
+        if name in self._builtins or name not in self._entries():
+            return None
+        return self._dists.get(name)
 
     def _known(self, name: str, field: str | None) -> None:
         if name not in self._entries():
@@ -82,7 +94,7 @@ class Registry:
             self._loaded[name] = EntryPoint(name, self._builtins[name], self.group).load()
         if name not in self._loaded:
             value = self._entries()[name]
-            fix = "install or fix the package providing it" + (f" ({self._dists[name]!r})" if name in self._dists else "")
+            fix = "install or fix the package providing it" + (f" ({self._dists[name][0]!r})" if name in self._dists else "")
             try:
                 loaded = EntryPoint(name, value, self.group).load()
             except Exception as exc:  # noqa: BLE001 - whatever a plug-in's import raises is its package's to fix

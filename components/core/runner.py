@@ -6,6 +6,9 @@ calls. Each stage package has a ``stage`` module with:
 - ``SECTIONS``: the recipe sections the stage reads (besides ``recipe.COMMON_FIELDS``:
   pipeline, seed, domains, timeouts and resources); they make its cache key, and
   ``ctx.recipe`` refuses any other section;
+- optionally ``FIELDS``: single fields of other sections (``"evaluation.max_new_tokens"``)
+  the stage reads through ``ctx.recipe.whole``; each is in its cache key too, and the rest
+  of that section is not (``keyed_config``);
 - ``inputs(ctx)``: declare inputs (upstream manifests, policy URI) on ``ctx.inputs``;
 - ``run(ctx) -> dict[str, float]``: do the work, write outputs through ``ctx`` (and its
   facts on ``ctx.facts``), return summary metrics (namespaced ``<stage>/...`` when logged);
@@ -15,7 +18,8 @@ calls. Each stage package has a ``stage`` module with:
   nothing: no manifest, no outputs, no MLflow run, no sweep of the stage's prefix. A
   follower whose stage is already a cache hit does nothing.
 
-If a manifest already exists with the same inputs, config digest and code version, and
+If a manifest already exists with the same inputs, config digest and code version (with
+the name and version of each plug-in package the stage can run: ``stage_code_version``), and
 every output it lists still has its recorded size and sha256, the stage is a cache hit
 and returns that manifest without doing anything; an output that no longer matches is a
 ``UserError`` naming the file and the stage to re-run (nothing runs on bad data).
@@ -44,6 +48,8 @@ cache does all of it again, idempotently.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import signal
@@ -81,14 +87,64 @@ def code_version() -> str:
     return value
 
 
+def plugin_distributions(recipe: Recipe, stage: str) -> list[tuple[str, str]]:
+    """(name, version) of each installed distribution whose plug-in ``stage`` can run under
+    ``recipe``, sorted: the domains the recipe lists (every stage may read ``domains``), its
+    ``rollout.engine`` and ``sandbox.backend`` for a stage that declares that section (no
+    other stage can read the field that names them), and ``stage`` itself when it is a
+    plug-in stage (``posttrain.stages``). Built-ins are posttrain's own code, covered by
+    ``code_version``: a recipe of built-ins only has none."""
+    from importlib.metadata import entry_points
+
+    from components.core.plugins import BACKENDS, DOMAINS, ENGINES
+    from components.core.stages import BUILTIN
+
+    sections = stage_module(stage).SECTIONS
+    named = [(DOMAINS, name) for name in recipe.domains]
+    if "rollout" in sections:
+        named.append((ENGINES, recipe.rollout.engine))
+    if "sandbox" in sections:
+        named.append((BACKENDS, recipe.sandbox.backend))
+    found = {dist for registry, name in named if (dist := registry.distribution(name)) is not None}
+    if stage not in {s.id for s in BUILTIN}:
+        found |= {(ep.dist.name, ep.dist.version) for ep in entry_points(group="posttrain.stages", name=stage)
+                  if ep.dist is not None}
+    return sorted(found)
+
+
+def stage_code_version(recipe: Recipe, stage: str) -> str:
+    """The code version in ``stage``'s cache key and manifest: ``code_version()``, followed
+    by ``with <distribution>==<version>, ...`` for the plug-in packages the stage can run
+    (``plugin_distributions``), so upgrading one re-runs the stages that can use it instead
+    of reusing what its old code made. Only ``code_version()`` for a recipe of built-ins."""
+    version = code_version()
+    if dists := plugin_distributions(recipe, stage):
+        version += " with " + ", ".join(f"{name}=={v}" for name, v in dists)
+    return version
+
+
 def stage_module(stage: str) -> ModuleType:
     """The ``components.<stage>.stage`` module (``inputs``, ``run``, ``SECTIONS``)."""
     return import_module(spec(stage).module)
 
 
+def keyed_config(recipe: Recipe, stage: str) -> dict[str, Any]:
+    """The config in ``stage``'s cache key (and its MLflow run's params): the common fields,
+    its ``SECTIONS`` whole, and each of its ``FIELDS`` (``"section.field"``: one field of a
+    section it does not declare, read through ``ctx.recipe.whole``)."""
+    module = stage_module(stage)
+    config = recipe.section(module.SECTIONS)
+    for dotted in getattr(module, "FIELDS", ()):
+        section, name = dotted.split(".")
+        if section not in module.SECTIONS:
+            config.setdefault(section, {})[name] = getattr(recipe, section).model_dump()[name]
+    return config
+
+
 def config_digest(recipe: Recipe, stage: str) -> str:
-    """The digest of the config ``stage`` reads: the config half of its cache key."""
-    return recipe.digest(stage_module(stage).SECTIONS)
+    """The digest of the config ``stage`` reads: the config half of its cache key (for a
+    stage without ``FIELDS``, ``recipe.digest(SECTIONS)``)."""
+    return hashlib.sha256(json.dumps(keyed_config(recipe, stage), sort_keys=True).encode()).hexdigest()
 
 
 def make_context(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None = None) -> StageContext:
@@ -355,8 +411,9 @@ def headline(named: dict[str, float], most: int = 4) -> str:
 
 def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration: int, shard: str | None,
                orchestrator_run_id: str, in_order: bool = False) -> Manifest | None:
-    version = code_version()  # a bad POSTTRAIN_CODE_VERSION before any work, not when the manifest is written
+    code_version()  # a bad POSTTRAIN_CODE_VERSION before any work, not when the manifest is written
     ctx = make_context(stage, recipe, run_root, iteration, shard)
+    version = stage_code_version(ctx.recipe.whole, stage)  # with the plug-in packages the stage can run
     if in_order and stage == "taskgen":
         _check_in_order(ctx)
     label = f"{stage}[{ctx.shard}]" if ctx.sharded else stage
@@ -396,7 +453,7 @@ def _run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration
     tags = {tracking.TAG_ITERATION: str(ctx.iteration), tracking.TAG_RUN_ROOT: ctx.store.uri,
             tracking.TAG_ORCH: orchestrator_run_id, **({tracking.TAG_SHARD: str(ctx.shard)} if ctx.sharded else {})}
     name = tracking.stage_run_name(label, ctx.iteration)
-    with tracking.stage_run(ctx.pipeline, stage, name, ctx.parent_run_id or None, ctx.recipe.whole.section(module.SECTIONS),
+    with tracking.stage_run(ctx.pipeline, stage, name, ctx.parent_run_id or None, keyed_config(ctx.recipe.whole, stage),
                             tags=tags) as run_id:
         ctx.mlflow_run_id = run_id
         metrics = module.run(ctx)

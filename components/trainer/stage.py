@@ -112,6 +112,12 @@ SECTIONS = ("trainer", "rollout", "taskgen")
 """Recipe sections read: the optimizer settings, the sampling temperature of the rollouts,
 and taskgen's tasks per iteration (the steps dynamic sampling aims at)."""
 
+FIELDS = ("evaluation.max_new_tokens",)
+"""Single fields read from other sections (part of the cache key, the rest of the section
+not): the completion length evaluation scores with, registered as the new version's
+serving default. Not the whole ``evaluation`` section: its decision settings
+(``bootstrap_resamples``, ``confidence``) would re-run the trainer for nothing."""
+
 
 def inputs(ctx: StageContext) -> None:
     ctx.depend_on("validation")
@@ -205,8 +211,7 @@ def run(ctx: StageContext) -> dict[str, float]:
     ctx.add_output("trainer_state", f"{rel}/{STATE_FILE}", rows=position, digest=trained.state_digest)
     uri = ctx.store.url(rel)
     # The served model's default completion length is evaluation's (what the version is
-    # scored on): a serving default, not part of the checkpoint, so read past the declared
-    # sections rather than making evaluation's settings part of the trainer's cache key.
+    # scored on): declared in FIELDS, so that one field is in the cache key, not the section.
     version = models.register_checkpoint(ctx.pipeline, uri, run_id, {
         "posttrain.iteration": str(ctx.iteration), "posttrain.parent_version": start.policy_version,
         "posttrain.run_root": ctx.store.uri,
