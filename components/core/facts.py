@@ -58,6 +58,9 @@ class StartingPolicy:
     # this field existed (evaluation then falls back to a tag on the candidate's version).
     baseline_version: str = ""
     baseline_pass_rates: dict[str, float] = field(default_factory=dict)
+    # The ``rollout.policy`` it was resolved from: a re-run of taskgen keeps this start
+    # unless that setting changed. "" in manifests written before this field existed.
+    policy_spec: str = ""
 
 
 class Moments(TypedDict):

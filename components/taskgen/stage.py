@@ -90,9 +90,15 @@ def inputs(ctx: StageContext) -> None:
     # The same holds for the baseline evaluation will judge the candidate against: it is
     # fixed here, before any stage of the iteration can move the champion alias, so an
     # evaluation retried after it promoted (a kill, an outage) compares with the same one.
+    # Only a changed ``rollout.policy`` resolves them again: any other change (a task count)
+    # re-runs taskgen from the same start, where resolving "champion" again would pick up
+    # this very iteration's promoted candidate. (Manifests from before ``policy_spec`` kept
+    # the start only under the same config.)
     earlier = read_manifest(ctx.store, ctx.prefix)
-    if earlier is not None and earlier.config_digest == ctx.recipe.whole.digest(SECTIONS):
-        start = earlier.facts(StartingPolicy)
+    start = earlier.facts(StartingPolicy) if earlier is not None else None
+    spec = ctx.recipe.rollout.policy
+    if start is not None and (start.policy_spec == spec if start.policy_spec
+                              else earlier.config_digest == ctx.recipe.whole.digest(SECTIONS)):
         version, uri = start.policy_version, start.policy_uri
         baseline_version, baseline_rates = start.baseline_version, dict(start.baseline_pass_rates)
     else:
@@ -100,7 +106,7 @@ def inputs(ctx: StageContext) -> None:
         baseline_version, baseline_rates = starting_baseline(ctx.pipeline, version)
     ctx.inputs["policy"] = InputRef(uri=uri, digest=f"version:{version}")
     ctx.facts = StartingPolicy(policy_version=version, policy_uri=uri, baseline_version=baseline_version,
-                               baseline_pass_rates=baseline_rates)
+                               baseline_pass_rates=baseline_rates, policy_spec=spec)
     if ctx.recipe.taskgen.task_file:
         source = ctx.recipe.taskgen.task_file
         uri = source if "://" in source else Path(source).resolve().as_uri()

@@ -82,3 +82,23 @@ def test_evaluation_killed_after_promoting_reruns_to_the_same_report(undisturbed
     assert aliases(home) == aliases(undisturbed.home)
     assert {v: s.replace(str(home), "") for v, s in registry_versions(home).items()} == \
         {v: s.replace(str(undisturbed.home), "") for v, s in registry_versions(undisturbed.home).items()}
+
+
+def test_taskgen_rerun_under_another_task_count_keeps_the_iterations_start(undisturbed: Finished, tmp_path: Path) -> None:
+    """Last in this module: it re-runs the shared run's taskgen. Iteration 1 promoted its
+    candidate (version 2); a re-run of its taskgen under a changed taskgen setting resolved
+    "champion" again and started iteration 1 from its own candidate, with that as its
+    baseline. Only a changed ``rollout.policy`` resolves the start again."""
+    import yaml
+
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["taskgen"]["tasks_per_iteration"] += 2
+    changed = tmp_path / "tiny-more-tasks.yaml"
+    changed.write_text(yaml.safe_dump(recipe))
+    assert aliases(undisturbed.home)["champion"] == "2"
+    rerun = run_posttrain(["stage", "taskgen", "--recipe", str(changed), "--run-root", undisturbed.store.uri,
+                           "--iteration", "1"], tmp_path, cli_env(undisturbed.home))
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    taskgen = Manifest.from_json(json.loads(undisturbed.store.read_bytes("tiny/iter-000001/taskgen/_MANIFEST.json")))
+    start = taskgen.facts(StartingPolicy)
+    assert (start.policy_version, start.baseline_version, start.policy_spec) == ("1", "1", "champion")
