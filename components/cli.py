@@ -33,7 +33,6 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, NoReturn
 
 from components import startup  # first: Ctrl-C during the imports below is one line, not a traceback
@@ -258,28 +257,13 @@ def _release_lease(store: Store, pipeline: str, iteration: int, holder: str) -> 
           "would have expired)")
 
 
-@contextlib.contextmanager
-def _reachable_store(run_root: str) -> Iterator[Store]:
-    """The run root's store, once it has answered and taken a write (``check_reachable``):
-    wrong keys, a missing bucket or a folder that cannot be written are one UserError
-    naming the run root (exit 2), a store that does not answer one InfraError (exit 1,
-    retried), and so is an outage inside the body (the store gone after the check); never
-    a traceback from the first read. A local run root this made is removed again if the
-    body refuses (a release with no lease to release leaves no folder behind)."""
-    from components.core.errors import outage
-    from components.core.storage import Store, removed_if_refused
+def _reachable_store(run_root: str) -> contextlib.AbstractContextManager[Store]:
+    """``storage.reachable_store`` for ``--run-root``: wrong keys, a missing bucket or a
+    folder that cannot be written are one UserError (exit 2), a store that does not answer,
+    before or inside the body, one InfraError (exit 1, retried); never a traceback."""
+    from components.core.storage import reachable_store
 
-    store = Store(run_root, "--run-root")
-    with removed_if_refused(store):
-        store.check_reachable()
-        try:
-            yield store
-        except (UserError, InfraError, DataQualityError, LeaseHeld):
-            raise
-        except Exception as exc:
-            if (down := outage(exc)) is None:
-                raise
-            raise InfraError("store", store.uri, down) from exc
+    return reachable_store(run_root, "--run-root")
 
 
 def _render_pytorchjob(args: argparse.Namespace) -> int:

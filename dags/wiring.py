@@ -257,13 +257,16 @@ def run_stage_task(stage: str, plan: dict[str, Any], shard: str = "") -> dict[st
 def _check_current(plan: dict[str, Any]) -> None:
     """``planner.check_current`` for the plan's iteration and holder (a plan from before
     holders were handed on checks nothing): a cleared task of an old run, whose plan task
-    did not run again, is refused at once."""
+    did not run again, is refused at once. The store is probed first (``reachable_store``,
+    as ``posttrain stage`` does): wrong keys or a missing bucket are one UserError naming
+    ``run_root`` (the task fails at once), a store that does not answer, then or during the
+    check, one InfraError (retried); never a botocore traceback."""
     from components.core import planner
-    from components.core.storage import Store
+    from components.core.storage import reachable_store
 
     if plan.get("holder") and plan.get("pipeline"):
-        planner.check_current(Store(plan["run_root"], "run_root"), plan["pipeline"], int(plan["iteration"]),
-                              plan["holder"])
+        with reachable_store(plan["run_root"], "run_root") as store:
+            planner.check_current(store, plan["pipeline"], int(plan["iteration"]), plan["holder"])
 
 
 def _lease_renewed(plan: dict[str, Any]):

@@ -19,7 +19,21 @@ streamed; a difference is a one-line ``UserError`` naming the file and the stage
 
 ``check_reachable`` sorts failures: a store that does not answer, or answers 5xx / "busy"
 (a server starting or restarting) is an ``InfraError`` (retried); no such bucket, access
-denied or not a folder is a ``UserError``.
+denied or not a folder is a ``UserError``. ``reachable_store`` is a Store that has passed
+it, for a command or a DAG task that reads and writes one right after.
+
+Time limits on S3: a small operation (``exists``, ``isdir``, ``size``, ``listdir``, a
+read or write of an object of at most ``SMALL_OBJECT_BYTES``, ``create`` of one, the
+probe of ``check_reachable``, a delete of one object: leases, manifests, the recipe) goes
+through a client with short timeouts (``SMALL_S3_CONFIG``: 5 s to connect, 10 s to wait
+for an answer, 2 attempts) and ends within ``SMALL_OP_DEADLINE_S`` (30 s) in all: a store
+that accepts connections and never answers is then one
+``InfraError("store", uri, "no answer within 30 s")``, not many minutes of retries
+(s3fs retries a timed-out request 5 times, each of botocore's attempts waiting 60 s, and
+a PUT waits for its "100 Continue" with no limit at all). Larger reads and writes,
+checkpoint folders (``upload_dir``, ``download_dir``, ``hash_file``) and recursive
+deletes keep the generous client (``S3_CONFIG``: 60 s per wait, 4 attempts) and no
+overall limit.
 Not covered: listing consistency across buckets in other regions, and object locking.
 Two writers of the same path race; the stage contract (deterministic output paths,
 manifest last) makes that harmless because both write the same bytes.
@@ -37,6 +51,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlparse, urlsplit
@@ -44,8 +59,9 @@ from urllib.parse import urlparse, urlsplit
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.exceptions import FSTimeoutError
 
-from components.core.errors import InfraError, UserError, outage
+from components.core.errors import DataQualityError, InfraError, UserError, outage
 from components.core.files import Unreadable, read_regular
 from components.core.manifest import WEIGHTS
 
@@ -367,16 +383,43 @@ def _s3_options() -> dict[str, Any]:
             raise UserError(var, endpoint, "an S3 endpoint needs its scheme", f"write http://{endpoint} or https://{endpoint}")
         _check_endpoint(var, endpoint)
         client_kwargs["endpoint_url"] = endpoint
-    # Fail fast on an unreachable endpoint instead of botocore's long default retries.
-    config_kwargs = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
-    return {"client_kwargs": client_kwargs, "config_kwargs": config_kwargs}
+    return {"client_kwargs": client_kwargs, "config_kwargs": dict(S3_CONFIG)}
+
+
+S3_CONFIG: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
+"""botocore's settings for transfers (checkpoints, large objects): fail fast on an endpoint
+that refuses connections, but wait long for a busy server's answer."""
+SMALL_S3_CONFIG: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 10, "retries": {"total_max_attempts": 2}}
+"""botocore's settings for small operations: a request that goes unanswered (a pooled
+connection the server dropped) is sent once more after 10 s."""
+SMALL_S3_TRIES = 2
+"""s3fs's own tries of a timed-out small request (its default is 5, each with botocore's
+attempts inside): enough that a server which never answers meets ``SMALL_OP_DEADLINE_S``
+first, so its error always reads the same."""
+SMALL_OP_DEADLINE_S = 30
+"""Most seconds a small S3 operation takes in all (every attempt and retry inside it)."""
+SMALL_OBJECT_BYTES = 1 << 20
+"""Objects of at most this many bytes are read and written as small operations."""
 
 
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem and in-filesystem path of an absolute URI."""
+    """The fsspec filesystem and in-filesystem path of an absolute URI (on S3, the client
+    for transfers: ``S3_CONFIG``)."""
     options = _s3_options() if scheme(uri) == "s3" else {}
     fs, path = fsspec.core.url_to_fs(uri, **options)
     return fs, path
+
+
+def small_filesystem(uri: str) -> fsspec.AbstractFileSystem:
+    """The fsspec filesystem for small operations on an absolute URI: on S3 a client of its
+    own (``SMALL_S3_CONFIG``, ``SMALL_S3_TRIES``), elsewhere ``filesystem``'s."""
+    if scheme(uri) != "s3":
+        return filesystem(uri)[0]
+    options = _s3_options()
+    options["config_kwargs"] = dict(SMALL_S3_CONFIG)
+    fs = fsspec.core.url_to_fs(uri, **options)[0]
+    fs.retries = SMALL_S3_TRIES  # no constructor argument: fsspec's cache hands back this same object
+    return fs
 
 
 def join(uri: str, *parts: str) -> str:
@@ -521,12 +564,31 @@ def _conditional_refusal(exc: BaseException) -> str | None:
 
 
 class Store:
-    """An fsspec filesystem rooted at ``uri``; paths passed to methods are relative to it."""
+    """An fsspec filesystem rooted at ``uri``; paths passed to methods are relative to it.
+    ``fs`` serves small operations, ``bulk`` transfers (two S3 clients with other time
+    limits; one local filesystem)."""
 
     def __init__(self, uri: str, field: str = "run_root") -> None:
         self.uri = normalize_uri(uri, field)
         self.field = field
-        self.fs, self.root = filesystem(self.uri)
+        self.bulk, self.root = filesystem(self.uri)
+        self.fs = small_filesystem(self.uri) if self.uri.startswith("s3://") else self.bulk
+
+    def _small(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.fs.<method>(*args, **kwargs)``; on S3 cut off after ``SMALL_OP_DEADLINE_S``
+        (fsspec's ``timeout``: the request is cancelled), which is then an InfraError
+        naming the store: it accepted the connection and did not answer."""
+        if not self.uri.startswith("s3://"):
+            return getattr(self.fs, method)(*args, **kwargs)
+        try:
+            return getattr(self.fs, method)(*args, timeout=SMALL_OP_DEADLINE_S, **kwargs)
+        except FSTimeoutError:
+            raise InfraError("store", self.uri, f"no answer within {SMALL_OP_DEADLINE_S} s") from None
+
+    def _get(self, path: str, size: int) -> bytes:
+        """The object at ``path``, ``size`` bytes long by its HEAD: a small operation, or a
+        transfer for a larger one."""
+        return self._small("cat_file", path) if size <= SMALL_OBJECT_BYTES else self.bulk.cat_file(path)
 
     # -- paths ---------------------------------------------------------------------------
     def url(self, rel: str = "") -> str:
@@ -546,7 +608,7 @@ class Store:
             else:  # some servers (SeaweedFS) create a missing bucket on the first PUT: ask first
                 bucket = urlparse(self.uri).netloc
                 try:
-                    self.fs.call_s3("head_bucket", Bucket=bucket)
+                    self._small("call_s3", "head_bucket", Bucket=bucket)
                 except PermissionError:
                     pass  # may write objects without listing the bucket: the probe below decides
                 except FileNotFoundError as exc:  # said "(FileNotFoundError: Not Found)", naming no bucket
@@ -573,14 +635,15 @@ class Store:
         finished stage), and ``exists`` could answer from a stale listing."""
         if not self.uri.startswith("file://"):
             stripped = path.rstrip("/")
-            for key in [k for k in list(self.fs.dircache) if k == stripped or k.startswith(stripped + "/")]:
-                self.fs.dircache.pop(key, None)
-            self.fs.invalidate_cache(stripped)
+            for fs in (self.fs, self.bulk):  # each S3 client keeps listings of its own
+                for key in [k for k in list(fs.dircache) if k == stripped or k.startswith(stripped + "/")]:
+                    fs.dircache.pop(key, None)
+                fs.invalidate_cache(stripped)
         return path
 
     # -- bytes ---------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._fresh(self._path(rel))))
+        return bool(self._small("exists", self._fresh(self._path(rel))))
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         path = self._path(rel)
@@ -601,8 +664,10 @@ class Store:
             except BaseException:  # disk full, killed mid-write: leave no half file behind
                 _unlink_quietly(tmp)
                 raise
+        elif len(data) <= SMALL_OBJECT_BYTES:
+            self._small("pipe_file", path, data)
         else:
-            self.fs.pipe_file(path, data)
+            self.bulk.pipe_file(path, data)
 
     def sweep_temporary(self, rel: str) -> list[str]:
         """Remove the ``.tmp-`` files under ``rel`` that interrupted writes left (a process
@@ -644,9 +709,10 @@ class Store:
             _sync_folder(path)
             forget(self.url(rel))
             return True
+        put = partial(self._small, "pipe_file") if len(data) <= SMALL_OBJECT_BYTES else self.bulk.pipe_file
         for _ in range(CONDITIONAL_CONFLICT_TRIES):
             try:
-                self.fs.pipe_file(path, data, mode="create")
+                put(path, data, mode="create")
             except FileExistsError:
                 return False
             except OSError as exc:
@@ -668,15 +734,17 @@ class Store:
         if expected is None:
             if self.uri.startswith("file://"):  # not a FIFO or a device: an OSError, as for a missing file
                 return self.read_small(rel, MAX_UNSIZED_READ)
-            return self.fs.cat_file(self._path(rel))
+            path = self._fresh(self._path(rel))
+            return self._get(path, int(self._small("size", path)))  # a HEAD first: small or a transfer
         path = self._fresh(self._path(rel))
         try:
             if self.uri.startswith("file://"):  # a FIFO or /dev/zero in its place: refused, not waited on or read on
                 data = read_regular(path, expected.size if expected.size is not None else MAX_UNSIZED_READ)
             else:
-                if expected.size is not None and (found := int(self.fs.size(path))) != expected.size:
+                found = int(self._small("size", path))  # a HEAD: how to read it, if at all
+                if expected.size is not None and found != expected.size:
                     raise mismatch(url, expected, found, None)  # not read: it may be any size
-                data = self.fs.cat_file(path)
+                data = self._get(path, found)
         except FileNotFoundError:
             raise mismatch(url, expected, None, None) from None
         except Unreadable as exc:
@@ -701,21 +769,21 @@ class Store:
             if len(data) > limit:
                 raise OSError(f"more than {limit} bytes, the most read here")
             return data
-        if (size := int(self.fs.size(path))) > limit:  # not read: it may be any size
+        if (size := int(self._small("size", path))) > limit:  # not read: it may be any size
             raise OSError(f"{size} bytes, more than the {limit} read here")
-        return self.fs.cat_file(path)
+        return self._get(path, size)
 
     def size(self, rel: str) -> int:
-        return int(self.fs.size(self._fresh(self._path(rel))))
+        return int(self._small("size", self._fresh(self._path(rel))))
 
     def isdir(self, rel: str) -> bool:
-        return bool(self.fs.isdir(self._fresh(self._path(rel))))
+        return bool(self._small("isdir", self._fresh(self._path(rel))))
 
     def hash_file(self, rel: str, sink: IO[bytes] | None = None) -> tuple[int, str]:
         """(size, sha256) of a stored file, streamed in chunks (copied to ``sink`` on the
         way when given); FileNotFoundError if it is not there."""
         h, size = hashlib.sha256(), 0
-        with self.fs.open(self._fresh(self._path(rel)), "rb", block_size=CHUNK) as fh:
+        with self.bulk.open(self._fresh(self._path(rel)), "rb", block_size=CHUNK) as fh:
             while chunk := fh.read(CHUNK):
                 h.update(chunk)
                 size += len(chunk)
@@ -758,7 +826,7 @@ class Store:
                 self.fs.rm(path, recursive=recursive)
             return
         for key in self._objects(path, recursive):
-            self.fs.rm_file(key)
+            self._small("rm_file", key)
 
     def _objects(self, path: str, recursive: bool) -> list[str]:
         """The S3 objects a delete of ``path`` removes, each by its full name: the object at
@@ -767,16 +835,17 @@ class Store:
         delete be skipped without a word)."""
         try:
             if recursive:
-                return list(self.fs.find(path))
-            return [path] if self.fs.info(path)["type"] == "file" else []
+                return list(self.bulk.find(path))
+            return [path] if self._small("info", path)["type"] == "file" else []
         except FileNotFoundError:
             return []
 
     def listdir(self, rel: str = "") -> list[str]:
         path = self._fresh(self._path(rel))
-        if not self.fs.exists(path):
+        if not self._small("exists", path):
             return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False) if p.rstrip("/") != path.rstrip("/"))
+        listed = self._small("ls", path, detail=False)
+        return sorted(posixpath.basename(p.rstrip("/")) for p in listed if p.rstrip("/") != path.rstrip("/"))
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths under the root matching ``pattern``."""
@@ -841,7 +910,7 @@ class Store:
 
         wanted = {k: v for k, v in (expected or {}).items() if kept(k)}
         listed = set(expected or {}) - {WEIGHTS}  # the folder's files, not only its weights
-        for path in self.fs.find(base):
+        for path in self.bulk.find(base):
             name = path[len(base) + 1:]
             if name in skip or not kept(name):
                 continue
@@ -857,7 +926,7 @@ class Store:
             if self.uri.startswith("file://") and not os.path.isfile(path):  # a FIFO or device: never copied
                 raise UserError("file", self.url(inner), "is not a regular file (a FIFO, a device or a socket)",
                                 want.remedy if want else f"remove it from {self.url(rel)}")
-            if want is not None and want.size is not None and (found := int(self.fs.size(path))) != want.size:
+            if want is not None and want.size is not None and (found := int(self.bulk.size(path))) != want.size:
                 raise mismatch(self.url(inner), want, found, None)  # not copied: it may be any size
             with open(target, "wb") as out:
                 size, digest = self.hash_file(inner, sink=out)
@@ -867,3 +936,28 @@ class Store:
         for name, want in wanted.items():  # a manifested file that is not there at all
             raise mismatch(self.url(f"{rel}/{name}".strip("/")), want, None, None)
         return digests
+
+
+@contextmanager
+def reachable_store(run_root: str, field: str = "--run-root") -> Iterator[Store]:
+    """The run root's store, once it has answered and taken a write (``check_reachable``):
+    wrong keys, a missing bucket or a folder that cannot be written are one UserError
+    naming ``field`` and the run root (exit 2, never retried), a store that does not answer
+    one InfraError (exit 1, retried), and so is an outage inside the body (the store gone
+    after the check); never a traceback from the first read. A local run root this made
+    is removed again if the body refuses (a release with no lease to release leaves no
+    folder behind). The CLI's ``--run-root`` and the DAG's stage tasks (``run_root``)
+    use it."""
+    from components.core.lease import LeaseHeld  # imports this module
+
+    store = Store(run_root, field)
+    with removed_if_refused(store):
+        store.check_reachable()
+        try:
+            yield store
+        except (UserError, InfraError, DataQualityError, LeaseHeld):
+            raise
+        except Exception as exc:
+            if (down := outage(exc)) is None:
+                raise
+            raise InfraError("store", store.uri, down) from exc
