@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from components.core.errors import UserError
+from components.core.errors import InfraError, UserError, outage
 from components.core.storage import Store
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,11 @@ def current(store: Store, pipeline: str, iteration: int) -> Lease | None:
         lease = _parse(store.read_small(rel, MAX_LEASE_BYTES))
     except FileNotFoundError:
         raise
-    except (ValueError, TypeError, RecursionError, OSError):  # not a lease's JSON: written by something else
+    except OSError as exc:  # s3fs raises a 5xx answer as an OSError: an outage, not a bad record
+        if (down := outage(exc)) is not None:
+            raise InfraError("store", store.uri, down) from exc
+        lease = None  # past MAX_LEASE_BYTES, a FIFO in its place: written by something else
+    except (ValueError, TypeError, RecursionError):  # not a lease's JSON: written by something else
         lease = None
     if lease is not None and (lease.iteration, lease.generation) != (iteration, int(rel.rsplit("/", 1)[1][:-5])):
         lease = None  # another slot's record: a taker would write a generation that is already there, for ever

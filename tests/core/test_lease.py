@@ -187,6 +187,25 @@ def test_a_corrupted_lease_is_one_line_naming_the_object(garbage: bytes | str, t
         "another tool); fix: stop any run of this pipeline, then delete that object; the next run takes the lease anew")
 
 
+def test_a_store_outage_while_reading_a_lease_is_an_outage_not_a_bad_record(tmp_path: Path, monkeypatch) -> None:
+    """s3fs raises a 5xx answer (503 Service Unavailable, SlowDown) as an OSError: read as
+    "not a lease record", it was a UserError telling the operator to delete the lease, and
+    the orchestrator did not retry. Fault injection: a real server gives no 503 on demand."""
+    from components.core.errors import InfraError
+
+    store = Store(str(tmp_path / "store"))
+    lease.acquire(store, "p", 1, "me")
+
+    def unavailable(rel: str, limit: int) -> bytes:
+        raise OSError("An error occurred (ServiceUnavailable) when calling the GetObject operation: Service Unavailable")
+
+    monkeypatch.setattr(store, "read_small", unavailable)
+    with pytest.raises(InfraError) as info:
+        lease.current(store, "p", 1)
+    assert (info.value.what, info.value.where) == ("store", store.uri)
+    assert "Service Unavailable" in info.value.reason
+
+
 @pytest.mark.timeout(60)
 def test_a_lease_is_renewed_while_its_stage_runs(tmp_path: Path) -> None:
     """A stage may outlive the lease's lifetime (6 hours, the trainer's own limit): the
