@@ -32,7 +32,6 @@ reusing a running server for another checkpoint (each checkpoint is a new server
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -48,6 +47,7 @@ from pathlib import Path
 
 from components.core import settings
 from components.core.checkpoint import LOADED_FOLDERS
+from components.core.children import die_with_parent
 from components.core.errors import InfraError, UserError
 from components.core.policy import TRAINER_STATE, checkpoint_expectations
 from components.core.storage import Store
@@ -112,14 +112,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the starting process dies (Linux prctl)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux/glibc: stop() and the finalizer still apply
-        pass
 
 
 def server_command(python: str, folder: Path, port: int) -> list[str]:
@@ -196,7 +188,7 @@ class VLLMServer:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(server_command(python, folder, self.port), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+                                          preexec_fn=die_with_parent(signal.SIGTERM))
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
         try:
             self._wait_ready(start_timeout_s)

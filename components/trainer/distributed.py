@@ -38,9 +38,21 @@ Each worker (``main``):
 
 Failures come back as one error: a worker's ``UserError`` is re-raised as it is; a crashed
 worker, a collective that timed out or no result within ``timeout_s`` is an
-``InfraError`` with the worker's last error line (the workers are killed, never left
-hanging). ``processes`` above the samples of some step, or CUDA asked for on a machine
-without enough GPUs, is a UserError before anything starts.
+``InfraError`` with the worker's last error line, or, for a worker that a signal ended
+without an error of its own (the OOM killer's SIGKILL), ``rank R killed by SIGKILL``
+rather than the connection errors of its peers. A step with no samples, or CUDA asked
+for on a machine without enough GPUs, is a UserError before anything starts; a step with
+fewer samples than processes trains, the processes without a sample of it taking part
+at weight 0.
+
+No worker outlives the call: torchrun runs in a process group of its own and gets
+SIGTERM from the kernel when the launching process dies (``PR_SET_PDEATHSIG``,
+``components/core/children.py``; its agent then stops the workers), each worker gets
+SIGKILL when torchrun dies, and any exception out of the wait (the timeout,
+``Terminated`` from SIGTERM, Ctrl-C) sends the group SIGTERM, SIGKILL after
+``STOP_GRACE_S``, and reaps it before it propagates. The stage trains in
+``work_folder()``, ``<tmp>/posttrain-trainer-<pid>-*``, removed on the way out; the
+folders whose owner pid is dead (a SIGKILLed stage's) are swept when the next one starts.
 
 Not covered: starting the nodes (a cluster engine does: the Kubeflow Training Operator's
 PyTorchJob, ``dags/execution/pytorchjob.py``), elastic node counts, tensor or pipeline
@@ -52,15 +64,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from components.core.children import die_with_parent, set_death_signal
 from components.core.errors import InfraError, UserError
 from components.core.nodes import ONE_NODE, Node
 from components.core.progress import bar
@@ -72,6 +89,8 @@ PROGRESS = "steps_done"
 process reads it into its progress bar while it waits (the workers' own output goes to
 ``workers.log``)."""
 POLL_S = 1.0
+STOP_GRACE_S = 10.0  # torchrun's time to stop its workers on SIGTERM before it gets SIGKILL
+WORK_PREFIX = "posttrain-trainer-"
 COLLECTIVE_TIMEOUT_S = 600  # a collective waiting longer than this on a peer fails instead of hanging
 
 
@@ -104,20 +123,18 @@ def split_step(samples: list[Sample], world: int) -> list[list[int]]:
 
 
 def check_launch(batches: list[list[Sample]], cfg, node: Node = ONE_NODE) -> str:
-    """The backend for ``cfg`` (gloo or nccl); a UserError for a width the batches or the
-    machine cannot serve."""
+    """The backend for ``cfg`` (gloo or nccl); a UserError for a step with no samples or a
+    width the machine cannot serve. A step with fewer samples than processes trains: the
+    processes without a sample of it take part at weight 0 (``grpo.grpo_step``)."""
     import torch
 
     from components.trainer.device import resolve_device
 
     device = resolve_device(cfg.device)
-    smallest = min((len(b) for b in batches), default=0)
-    if cfg.processes * node.count > smallest:
-        on, fewer = (f"x {node.count} nodes ", "use fewer nodes, ") if node.multi else ("", "")
-        raise UserError("trainer.processes", cfg.processes, f"{on}is more than the {smallest} samples of the smallest "
-                        "step, so some process would have nothing to train on",
-                        f"set trainer.processes to at most {smallest // node.count}, {fewer}or train more "
-                        "samples per step (trainer.prompts_per_step)")
+    empty = next((i for i, b in enumerate(batches) if not b), None)
+    if empty is not None:
+        raise UserError("trainer step", empty, "has no samples, so there is nothing to train on in it",
+                        "leave steps without samples out of the batches")
     if device.type == "cuda" and cfg.processes > torch.cuda.device_count():
         raise UserError("trainer.processes", cfg.processes, f"needs one GPU per process (nccl) but "
                         f"{torch.cuda.device_count()} are visible", "set trainer.processes to at most the GPU count")
@@ -154,6 +171,49 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
                    trainer_state=out / "trainer_state.pt", parameters=int(result["parameters"]))
 
 
+@contextmanager
+def work_folder() -> Iterator[Path]:
+    """A new work folder for one ``train``, ``<tmp>/posttrain-trainer-<pid>-<random>``
+    (``pid``: this process, its owner), removed on the way out, an exception included
+    (``_launch`` has stopped the workers by then). The folders of owners that died without
+    removing theirs (SIGKILL, the OOM killer: a copy of the starting checkpoint and the
+    results each) are swept first (``sweep_work_folders``)."""
+    sweep_work_folders()
+    path = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep_work_folders(root: Path | None = None) -> list[Path]:
+    """Remove this user's work folders under ``root`` (the temporary folder) whose owner
+    process is gone; returns them. Folders of a live owner, of another user and names
+    without an owner pid are left alone."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{WORK_PREFIX}*"):
+        owner, sep, _ = path.name[len(WORK_PREFIX):].partition("-")
+        try:
+            mine = path.is_dir() and not path.is_symlink() and path.lstat().st_uid == os.getuid()
+        except OSError:  # removed meanwhile
+            continue
+        if not (sep and owner.isdigit() and int(owner) > 0 and mine) or _alive(int(owner)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def launch_args(processes: int, node: Node) -> list[str]:
     """torchrun's placement arguments: a standalone rendezvous on one node, else the job's
     static one (global rank = node rank x processes + local rank)."""
@@ -164,31 +224,89 @@ def launch_args(processes: int, node: Node) -> list[str]:
 
 
 def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NODE, steps: int = 0) -> None:
+    """Run torchrun on ``workdir`` and wait for it. torchrun gets SIGTERM from the kernel if
+    this process dies (``die_with_parent``; its agent then stops the workers, which in turn
+    get SIGKILL if torchrun dies: ``main``), and any exception out of the wait (a timeout,
+    ``Terminated`` from SIGTERM, Ctrl-C) stops its process group and reaps it first
+    (``_stop``), so no worker outlives the call."""
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "POSTTRAIN_TORCH_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch_args(processes, node),
            "-m", "components.trainer.distributed", str(workdir)]
     with open(workdir / "workers.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-        deadline, shown = time.monotonic() + timeout_s, 0
-        with bar(f"trainer ({processes} processes)", steps) as advance:
-            while True:
-                try:
-                    code = proc.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
-                    break
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() >= deadline:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                        raise InfraError("trainer workers", str(workdir), f"no result within {timeout_s:.0f}s; killed") from None
-                shown = _advanced(workdir, shown, advance)
-            _advanced(workdir, shown, advance)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root,
+                                start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
+        try:
+            deadline, shown = time.monotonic() + timeout_s, 0
+            with bar(f"trainer ({processes} processes)", steps) as advance:
+                while True:
+                    try:
+                        code = proc.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+                        break
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() >= deadline:
+                            raise InfraError("trainer workers", str(workdir),
+                                             f"no result within {timeout_s:.0f}s; killed") from None
+                    shown = _advanced(workdir, shown, advance)
+                _advanced(workdir, shown, advance)
+        except BaseException:
+            _stop(proc)
+            raise
     for error in sorted(workdir.glob("error-*.json")):
         raise UserError.from_json(error.read_text())
     if code != 0 or (node.leader and not (workdir / OUT / STATS).exists()):
         failed = sorted(workdir.glob("failed-*.txt"))
-        why = failed[0].read_text() if failed else _last_error(workdir / "workers.log")
+        why = _killed(workdir) or (failed[0].read_text() if failed else _last_error(workdir / "workers.log"))
         raise InfraError("trainer workers", str(workdir), f"torchrun exited with {code}: {why}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to torchrun's process group (its agent stops the workers), SIGKILL after
+    ``STOP_GRACE_S`` or when a second signal cuts the wait short (the workers then get
+    SIGKILL as torchrun dies), and reap it."""
+    try:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):  # already gone
+        pass
+
+
+FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-\d+)")
+"""A worker torchrun saw end by a signal, in the failure summary it prints (global rank, -signal)."""
+
+
+def _killed(workdir: Path) -> str | None:
+    """``rank R killed by SIGNAL`` for each worker that torchrun's failure summary shows ended
+    by a signal without an error file of its own (the OOM killer's SIGKILL, a segfault);
+    None when there is none. The survivors' errors (a peer's connection reset) are what
+    followed, not the cause."""
+    try:
+        text = (workdir / "workers.log").read_text(errors="replace")
+    except OSError:
+        return None
+    found = []
+    for rank, code in dict(FAILURE.findall(text)).items():
+        if (workdir / f"failed-{rank}.txt").exists() or (workdir / f"error-{rank}.json").exists():
+            continue
+        try:
+            name = signal.Signals(-int(code)).name
+        except ValueError:
+            name = f"signal {-int(code)}"
+        hint = " (out of memory? see the kernel log)" if name == "SIGKILL" else ""
+        found.append(f"rank {rank} killed by {name}{hint}")
+    return "; ".join(found) or None
 
 
 def _advanced(workdir: Path, shown: int, advance) -> int:
@@ -353,6 +471,7 @@ def _run(workdir: Path) -> None:
 
 def main(argv: list[str]) -> int:
     workdir = Path(argv[0])
+    set_death_signal(signal.SIGKILL)  # torchrun starts the workers in sessions of their own: none outlives it
     try:
         _run(workdir)
     except UserError as exc:

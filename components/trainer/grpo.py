@@ -31,8 +31,10 @@ every forward pass. Under torchrun each process passes a ``StepPart`` (its share
 step's samples, chosen by ``distributed.split_step``): token weights still come from
 the whole step, the loss is scaled by the number of processes against the wrappers'
 gradient averaging (so gradients are summed), every process runs the same number of
-micro-batches (extra ones at weight 0), clipping sees the global norm, and the step's
-statistics are summed over the processes: the step equals the one-process step.
+micro-batches (extra ones at weight 0; a process with no sample of a step that has fewer
+samples than processes runs the step's first sample at weight 0), clipping sees the
+global norm, and the step's statistics are summed over the processes: the step equals
+the one-process step.
 
 Not covered here: PPO value functions (GRPO needs none), a separate reference model for
 the KL, and packing under attention implementations other than sdpa and eager (what the
@@ -222,7 +224,7 @@ class StepPart:
     """One process's part of a step trained by several (``distributed.py``).
 
     ``indices``: the step's samples this process scores; ``world``: how many processes
-    share the step; ``micro_batches``: how many forward/backward passes every process
+    share the step (may be empty); ``micro_batches``: how many forward/backward passes every process
     runs (the most any of them needs: the collectives inside DDP and FSDP must pair up,
     so a process with fewer passes runs extra ones at weight 0); ``all_reduce``: sums a
     list of floats over the processes (the step's statistics)."""
@@ -260,8 +262,12 @@ def grpo_step(model, optimizer, samples: list[Sample], *, pad_id: int, clip_eps:
     layouts = [([mine[i] for i in idx], rows, 1.0)
                for idx, rows in plan_micro_batches([samples[i] for i in mine], micro_batch_size, micro_batch_tokens, packing)]
     if part:
-        # Passes at weight 0 (the first micro-batch again) so that every process runs as many.
-        layouts += [(layouts[0][0], layouts[0][1], 0.0)] * (part.micro_batches - len(layouts))
+        # Passes at weight 0 so that every process runs as many: its first micro-batch again,
+        # or the step's first sample for a process with none of this step (fewer samples
+        # than processes).
+        pad = layouts[0][:2] if layouts else ([0], plan_micro_batches(samples[:1], micro_batch_size,
+                                                                      micro_batch_tokens, packing)[0][1])
+        layouts += [(*pad, 0.0)] * (part.micro_batches - len(layouts))
     scale = float(part.world) if part else 1.0
     for idx, rows, keep in layouts:
         chunk = [samples[i] for i in idx]

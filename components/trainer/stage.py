@@ -49,7 +49,9 @@ every step's global batch split between the processes by tokens, with the same r
 as one process. Rank 0 writes one consolidated Hugging Face checkpoint and the full
 optimizer state; this stage uploads, registers and logs them exactly as the
 one-process path does. A worker's bad setting is a UserError, a crashed or stuck worker
-an InfraError, within the stage's timeout.
+an InfraError, within the stage's timeout. A stopped or killed stage leaves no worker
+running (torchrun dies with it), and its work folder (``posttrain-trainer-<pid>-*`` in
+the temporary folder) is removed, or, after a SIGKILL, swept by the next trainer stage.
 
 LoRA (``trainer.lora.rank`` > 0, ``lora.py``): adapters are added after loading (and in
 each torchrun worker before wrapping), only they train, and they are merged into the
@@ -78,10 +80,8 @@ global batch.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from components.core import models, stages, tracking
 from components.core.context import StageContext
@@ -170,15 +170,16 @@ def follow(ctx: StageContext) -> None:
         say(f"iter {ctx.iteration} | trainer | node {node.rank} of {node.count} | no steps to train; node 0 stores the policy")
         return
     carried = _carried(p.start.policy_uri, cfg)
-    with tempfile.TemporaryDirectory(prefix="posttrain-trainer-") as tmp:
+    with distributed.work_folder() as tmp:
         say(f"iter {ctx.iteration} | trainer | node {node.rank} of {node.count} | {len(p.batches)} steps under torchrun, "
             f"{cfg.processes} processes here ({cfg.parallelism})")
         distributed.train(p.policy, p.batches, cfg, temperature=ctx.recipe.rollout.temperature, seed=ctx.seed(),
-                          iteration=ctx.iteration, workdir=Path(tmp), carried=carried, timeout_s=_timeout(ctx), node=node)
+                          iteration=ctx.iteration, workdir=tmp, carried=carried, timeout_s=_timeout(ctx), node=node)
     say(f"iter {ctx.iteration} | trainer | node {node.rank} of {node.count} | done; node 0 stores the checkpoint")
 
 
 def run(ctx: StageContext) -> dict[str, float]:
+    distributed.sweep_work_folders()  # a SIGKILLed earlier trainer's, whichever path this one takes
     cfg = ctx.recipe.trainer
     temperature = ctx.recipe.rollout.temperature  # the rollouts' sampling distribution, for the ratio
     run_id = ctx.mlflow_run_id
@@ -350,13 +351,13 @@ def _train_distributed(ctx: StageContext, policy, batches, start_uri: str, rel: 
     the trainer state uploaded beside each other as the in-process path stores them."""
     cfg = ctx.recipe.trainer
     carried = _carried(start_uri, cfg)
-    with tempfile.TemporaryDirectory(prefix="posttrain-trainer-") as tmp:
+    with distributed.work_folder() as tmp:
         on = f" x {node.count} nodes" if node.multi else ""
         say(f"iter {ctx.iteration} | trainer | {len(batches)} steps under torchrun, {cfg.processes} processes{on} "
             f"({cfg.parallelism})")
         started = time.perf_counter()
         result = distributed.train(policy, batches, cfg, temperature=temperature, seed=ctx.seed(),
-                                   iteration=ctx.iteration, workdir=Path(tmp), carried=carried,
+                                   iteration=ctx.iteration, workdir=tmp, carried=carried,
                                    timeout_s=_timeout(ctx), node=node)
         assert result is not None  # node 0 gets the results
         seconds = time.perf_counter() - started

@@ -31,10 +31,11 @@ wrote it: one process, DDP ranks (replicas) or FSDP2 ranks (gathered by
 
 What is loaded is checked first, whoever loads it (one process, DDP, FSDP): each saved
 AdamW moment has its parameter's shape and dtype and is finite, the step counts are whole,
-the scheduler's keys are a fresh scheduler's and its ``last_epoch`` is the position's
-``global_step``; only the moments, step counts and that position are taken (the groups'
-settings and the rates are the optimizer's own and the recipe's). Anything else is a
-UserError naming the file, never a negative rate or a traceback at the first step.
+the position's numbers are whole and below ``MAX_POSITION`` (2**53), the scheduler's
+``last_epoch`` is the position's ``global_step`` (its other keys, which differ between
+torch versions, are not read); only the moments, step counts and that position are taken
+(the groups' settings and the rates are the optimizer's own and the recipe's). Anything
+else is a UserError naming the file, never a negative rate or a traceback at the first step.
 
 Not covered: sharded optimizer state files (an FSDP run gathers the full state to rank 0
 to save it), other optimizers than AdamW, and state files written by a model with the
@@ -123,6 +124,9 @@ def save_trainer_state(store: Store, rel_dir: str, optimizer, scheduler, positio
 
 
 STATE_FIX = "re-run the trainer stage that wrote it, or set trainer.carry_optimizer_state: false"
+MAX_POSITION = 2**53
+"""The position's numbers are below this (exact as floats; far below what MLflow's SQL
+store takes as a step, where a larger ``global_step`` raised a generic exception)."""
 
 
 def read_trainer_state(data: bytes, where: str) -> dict:
@@ -141,9 +145,9 @@ def read_trainer_state(data: bytes, where: str) -> dict:
     position = state["position"]
     for key in ("iteration", "steps_done", "global_step"):
         value = position.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_POSITION:
             raise UserError("trainer_state", where, f"is not a trainer state file (its position's {key} is "
-                            f"{value_text(value, 40)!r}, not a whole number)", STATE_FIX)
+                            f"{value_text(value, 40)!r}, not a whole number from 0 to 2**53 - 1)", STATE_FIX)
     return state
 
 
@@ -159,18 +163,17 @@ def _params(optimizer) -> list:
 
 def _scheduler_state(saved: object, scheduler, global_step: int, where: str) -> dict:
     """The state to load into ``scheduler``: a fresh one's, at the saved position. The
-    saved dict must have a fresh scheduler's keys and ``last_epoch`` equal to the
-    position's ``global_step`` (the trainer steps the schedule once per optimizer step,
-    a skipped update included); nothing else of it is taken."""
+    saved dict must hold ``last_epoch`` equal to the position's ``global_step`` (the
+    trainer steps the schedule once per optimizer step, a skipped update included);
+    nothing else of it is read or taken, so a state written under another torch version,
+    whose ``LambdaLR`` keeps other keys (``verbose``, ``_is_initial``), loads."""
     fresh = scheduler.state_dict()
     if not isinstance(saved, dict):
         raise UserError("trainer_state", where, f"is not a trainer state file (its scheduler state is a "
                         f"{type(saved).__name__}, not a dict)", STATE_FIX)
-    extra, lacking = sorted(map(str, set(saved) - set(fresh)))[:5], sorted(set(fresh) - set(saved))[:5]
-    if extra or lacking:
-        what = f"holds {', '.join(map(repr, extra))}, which the trainer never writes" if extra else \
-            f"lacks {', '.join(map(repr, lacking))}"
-        raise UserError("trainer_state", where, f"is not a trainer state file (its scheduler state {what})", STATE_FIX)
+    if "last_epoch" not in saved:
+        raise UserError("trainer_state", where, "is not a trainer state file (its scheduler state lacks 'last_epoch')",
+                        STATE_FIX)
     last = saved["last_epoch"]
     if isinstance(last, bool) or not isinstance(last, int) or last != global_step:
         raise UserError("trainer_state", where, f"is not a trainer state file (its scheduler's last_epoch is "
@@ -233,7 +236,7 @@ def restore_trainer_state(state: dict, optimizer, scheduler, cfg, restore_rng: b
 
     What is loaded is checked first (``_optimizer_state``, ``_scheduler_state``): a state
     of another model's shapes, a schedule position other than the saved global step, or
-    keys the trainer never writes are a UserError naming the file, on every path (one
+    optimizer keys the trainer never writes are a UserError naming the file, on every path (one
     process, DDP, FSDP), never a traceback at the first step or a negative rate."""
     p = state["position"]
     position = DataPosition(iteration=int(p["iteration"]), steps_done=int(p["steps_done"]),

@@ -47,8 +47,8 @@ def make_batches(policy) -> list[list[Sample]]:
     return batches
 
 
-def one_process(cfg: TrainerConfig = CFG):
-    """The same steps in this process, the trainer stage's in-process path."""
+def one_process(cfg: TrainerConfig = CFG, batches: list[list[Sample]] | None = None):
+    """The same steps (``make_batches`` unless given) in this process, the trainer stage's in-process path."""
     policy = tiny_policy()
     optimizer = build_optimizer(policy.model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
@@ -56,7 +56,7 @@ def one_process(cfg: TrainerConfig = CFG):
     stats = [grpo_step(policy.model, optimizer, b, pad_id=policy.pad_id, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                        temperature=TEMPERATURE, micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                        loss_aggregation=cfg.loss_aggregation, scheduler=scheduler, packing=cfg.packing)
-             for b in make_batches(tiny_policy())]
+             for b in (batches or make_batches(tiny_policy()))]
     return policy, optimizer, stats
 
 
@@ -128,13 +128,33 @@ def test_the_split_is_deterministic_and_balanced_by_tokens() -> None:
     assert split_step(s, 5) == [[0], [4], [2], [1], [3]]
 
 
-def test_more_processes_than_samples_is_a_user_error(tmp_path) -> None:
+def test_a_step_without_samples_is_a_user_error(tmp_path) -> None:
     policy = tiny_policy()
     batches = make_batches(policy)
-    with pytest.raises(UserError, match=r"trainer.processes=11: is more than the 10 samples of the smallest step"):
-        train(policy, batches, CFG.model_copy(update={"processes": 11}), temperature=1.0, seed=0, iteration=1,
-              workdir=tmp_path)
+    with pytest.raises(UserError, match=r"^trainer step=1: has no samples, so there is nothing to train on in it"):
+        train(policy, [batches[0], []], CFG, temperature=1.0, seed=0, iteration=1, workdir=tmp_path)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_step_with_fewer_samples_than_processes_trains(parallelism, tmp_path) -> None:
+    """A step of 1 sample under 2 processes was refused (exit 2: "trainer.processes=2: is
+    more than the 1 samples of the smallest step"), so a recipe that ran for k iterations
+    stopped at the one whose last step kept a single trainable sample. The process without
+    a sample now takes part at weight 0: the same steps as one process."""
+    full, one = make_batches(tiny_policy())[:2]
+    batches = [full, one[:1]]
+    policy, _, stats = one_process(batches=batches)
+    trained = train(tiny_policy(), batches, CFG.model_copy(update={"parallelism": parallelism}),
+                    temperature=TEMPERATURE, seed=SEED, iteration=1, workdir=tmp_path)
+    expected, start = policy.model.state_dict(), tiny_policy().model.state_dict()
+    for name, value in trained.state_dict().items():
+        assert not torch.equal(value, start[name]), name
+        assert torch.allclose(value, expected[name], atol=1e-5, rtol=0), (parallelism, name)
+    assert [s.tokens for s in trained.stats] == [s.tokens for s in stats]
+    for got, want in zip(trained.stats, stats):
+        for key in ("loss", "clip_frac", "kl", "entropy", "grad_norm"):
+            assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-4, abs=1e-6), (parallelism, key)
 
 
 def test_rank_0_reports_each_step_to_the_launching_process(two, tmp_path) -> None:
