@@ -7,7 +7,12 @@ plus a start line (``  <label> 0/<total> started``, for more than one item) and 
 whenever an item finishes ``HEARTBEAT_S`` or more after the last line, so a job of a few
 slow items is not silent until its end.
 
-Not covered: a line while one item runs (lines are printed as items finish).
+``heartbeat`` is for a wait with nothing to count (a trainer node other than the leader,
+which cannot see the steps done): it yields a ``beat()`` to call as the wait polls, which
+prints ``  <label> <doing>, <elapsed>`` every ``every_s`` (on a terminal too), so a long
+wait is not silent.
+
+Not covered: a line while one item of a ``bar`` runs (lines are printed as items finish).
 """
 
 from __future__ import annotations
@@ -63,3 +68,35 @@ def bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
             next_mark = done + step
 
     yield advance
+
+
+HEARTBEAT_WAIT_S = HEARTBEAT_S * 10
+"""``heartbeat``'s default interval: a line every 5 minutes of a wait."""
+
+
+def _elapsed(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    if minutes < 1:
+        return f"{seconds:.0f}s"
+    return f"{minutes // 60}h {minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+
+
+@contextmanager
+def heartbeat(label: str, every_s: float = HEARTBEAT_WAIT_S, doing: str = "still running") -> Iterator[Callable[[], None]]:
+    """Yields ``beat()``: called as a wait polls, it prints ``  <label> <doing>, <elapsed>``
+    once ``every_s`` has passed since the start or the last such line. ``every_s`` <= 0:
+    a no-op."""
+    if every_s <= 0:
+        yield lambda: None
+        return
+    start = _clock()
+    next_at = start + every_s
+
+    def beat() -> None:
+        nonlocal next_at
+        now = _clock()
+        if now >= next_at:
+            say(f"  {label} {doing}, {_elapsed(now - start)}")
+            next_at = now + every_s
+
+    yield beat

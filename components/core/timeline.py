@@ -160,6 +160,22 @@ def reward_history(store: Store, pipeline: str, upto: int) -> list[tuple[int, di
     return out
 
 
+MAX_TICKED_ITERATIONS = 15
+"""Up to this many iterations, the plots label each one; beyond, about ten integer ticks."""
+
+
+def _iteration_ticks(ax, iterations: list[int]) -> None:
+    """One x tick per iteration while they fit (``MAX_TICKED_ITERATIONS``); beyond, matplotlib's
+    integer ticks, so the labels of a long-running pipeline do not run into each other."""
+    distinct = sorted(set(iterations))
+    if len(distinct) <= MAX_TICKED_ITERATIONS:
+        ax.set_xticks(distinct)
+        return
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_rewards(points: list[tuple[int, dict[str, float]]], pipeline: str):
     """A matplotlib figure: the mean raw training reward per domain over iterations."""
     import matplotlib
@@ -173,7 +189,7 @@ def plot_rewards(points: list[tuple[int, dict[str, float]]], pipeline: str):
         ax.plot([k for k, _ in mine], [v for _, v in mine], marker="o", label=domain)
     ax.set_xlabel("iteration")
     ax.set_ylabel("mean training reward")
-    ax.set_xticks([k for k, _ in points])
+    _iteration_ticks(ax, [k for k, _ in points])
     ax.set_title(f"{pipeline}: mean reward of the trained samples by domain")
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
@@ -202,8 +218,8 @@ def plot(points: list[Scores], pipeline: str):
                             color=line.get_color(), alpha=0.15, linewidth=0)
     ax.set_xlabel("iteration (0: bootstrap)")
     ax.set_ylabel("eval pass@1")
-    ax.set_ylim(0, 1)
-    ax.set_xticks([p.iteration for p in points])
+    ax.set_ylim(-0.02, 1.02)  # a domain at 0 or 1 stays visible, off the frame
+    _iteration_ticks(ax, [p.iteration for p in points])
     ax.set_title(f"{pipeline}: eval pass@1 by domain, 95% Wilson bands")
     if points:
         ax.legend(loc="best", fontsize=8)

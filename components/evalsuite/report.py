@@ -78,8 +78,14 @@ def weakest(rows: list[dict[str, Any]], min_tasks: int = MIN_SLICE) -> dict[str,
     return min(big, key=lambda r: (r["pass_rate"], -r["tasks"], slice_name(r)))
 
 
+SLICE_WIDTH_IN = 0.16
+"""Inches of the report plot's width per slice once the slices fill its 9-inch panel (56 or
+more): the slices' panel, and the figure, grow with their count."""
+
+
 def plot(rows: list[dict[str, Any]]):
-    """A matplotlib figure: per-domain pass rate (left), every slice (right)."""
+    """A matplotlib figure: per-domain pass rate (left), every slice (right; 9 inches wide,
+    wider by ``SLICE_WIDTH_IN`` a slice beyond 56, so the 7-pt labels stay apart)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +95,8 @@ def plot(rows: list[dict[str, Any]]):
     for r in rows:
         by_domain[r["domain"]][0] += r["passed"]
         by_domain[r["domain"]][1] += r["tasks"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 3]})
+    wide = max(9.0, SLICE_WIDTH_IN * len(rows))  # the slices' panel grows with them: labels never overlap
+    fig, (left, right) = plt.subplots(1, 2, figsize=(3.0 + wide, 4), gridspec_kw={"width_ratios": [3.0, wide]})
     domains = sorted(by_domain)
     left.bar(domains, [by_domain[d][0] / by_domain[d][1] for d in domains], color="tab:blue")
     left.set_ylim(0, 1)
@@ -100,8 +107,10 @@ def plot(rows: list[dict[str, Any]]):
     rates = np.array([r["pass_rate"] for r in rows])
     spread = np.clip([rates - [r["ci_low"] for r in rows], [r["ci_high"] for r in rows] - rates], 0, 1) if rows else None
     right.bar(range(len(rows)), rates, color="tab:orange", yerr=spread, ecolor="grey", capsize=2)
-    right.set_xticks(range(len(rows)), names, rotation=75, fontsize=7)
+    right.set_xticks(range(len(rows)), names, rotation=75, fontsize=7, ha="right", rotation_mode="anchor")
+    right.set_xlim(-0.6, len(rows) - 0.4)  # not matplotlib's 5% margins: 4 slices' room on each side at 85
     right.set_ylim(0, 1)
+    right.set_ylabel("pass@1")
     right.set_title("by domain / difficulty / context bucket")
     fig.tight_layout()
     return fig

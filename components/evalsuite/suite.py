@@ -6,7 +6,9 @@ pipeline is scored on exactly the same tasks (more than a domain has distinct is
 UserError naming ``evaluation.tasks_per_domain``). ``run_suite`` scores greedy pass@1 (what
 promotion compares); ``pass_rates`` averages per domain. ``sampled_pass_at_k`` draws k
 completions per task at a temperature (seeded) and returns the unbiased pass@k per
-domain, a report figure that never decides promotion.
+domain, a report figure that never decides promotion. Generation shows progress as the
+rollout stage's does (``progress.bar``: a bar on a terminal, plain lines in a log), labelled
+``<label> generate``, before the sandbox's own bar or lines.
 
 Context lengths are counted in the scored policy's tokens: ``run_suite`` buckets a
 one-shot task (``EvalResult.context_bucket``) by the length of its prompt as the policy
@@ -27,20 +29,22 @@ Not covered: pass@k from more samples than k (n > k), or per-slice pass@k.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
 from components.core.errors import UserError
 from components.core.policy import Policy
+from components.core.progress import bar
 from components.core.recipe import Recipe
 from components.core.records import EvalResult, Task
 from components.core.seeds import derive_seed
 from components.domains import registry
 from components.domains.base import TooFewTasks, judge
 from components.domains.execute import execute, refuse_outages
-from components.evalsuite.episodes import score_episodes
+from components.evalsuite.episodes import judge_episodes, play_episodes
 from components.evalsuite.stats import pass_at_k
-from components.rollout.engines import Engine, get_engine
+from components.rollout.engines import Engine, Generation, get_engine
 from components.rollout.interactive import interactive_specs
 from components.sandbox.executor import Executor
 
@@ -76,21 +80,34 @@ def engine_of(recipe: Recipe) -> Engine:
 
 def run_suite(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, label: str = "eval") -> list[EvalResult]:
     """Greedy pass@1 of every task, in the tasks' order (interactive tasks as episodes);
-    one-shot tasks are bucketed by their prompt's length in ``policy``'s tokens."""
+    one-shot tasks are bucketed by their prompt's length in ``policy``'s tokens. Generation
+    (episodes, then completions) shows one ``<label> generate`` bar (plain lines outside a
+    terminal) before the sandbox scores any of it."""
     specs = interactive_specs(tasks)
     played = [t for t in tasks if t.task_id in specs]
-    by_id = {r.task_id: r for r in score_episodes(policy, played, recipe, executor, policy.version, f"{label} episodes")}
-    by_id.update({r.task_id: r for r in _one_shot(policy, [t for t in tasks if t.task_id not in specs], recipe,
-                                                 executor, label)})
+    one_shot = [t for t in tasks if t.task_id not in specs]
+    with bar(f"{label} generate", len(tasks)) as advance:
+        episodes = play_episodes(policy, played, recipe, advance)
+        samples = _generate(policy, one_shot, recipe, advance)
+    by_id = {r.task_id: r for r in judge_episodes(played, episodes, recipe, executor, policy.version,
+                                                  f"{label} episodes")}
+    by_id.update({r.task_id: r for r in _one_shot(policy, one_shot, samples, recipe, executor, label)})
     return [by_id[t.task_id] for t in tasks]
 
 
-def _one_shot(policy: Policy, tasks: list[Task], recipe: Recipe, executor: Executor, label: str) -> list[EvalResult]:
+def _generate(policy: Policy, tasks: list[Task], recipe: Recipe, progress: Callable[[int], None]) -> list[Generation]:
     if not tasks:
         return []
-    samples = engine_of(recipe).generate(
+    return engine_of(recipe).generate(
         policy, [t.prompt for t in tasks], recipe.evaluation.max_new_tokens, 1.0, 0, recipe.rollout.batch_size, greedy=True,
+        progress=progress,
     )
+
+
+def _one_shot(policy: Policy, tasks: list[Task], samples: list[Generation], recipe: Recipe, executor: Executor,
+              label: str) -> list[EvalResult]:
+    if not tasks:
+        return []
     results = execute([(t.task_id, t, s.text) for t, s in zip(tasks, samples)], executor, recipe.sandbox.concurrency, label,
                       recipe.sandbox.dedupe)
     refuse_outages(results, executor, label)
@@ -122,9 +139,11 @@ def sampled_pass_at_k(policy: Policy, tasks: list[Task], recipe: Recipe, executo
     if not tasks:
         return {}
     prompts = [t.prompt for t in tasks for _ in range(k)]
-    samples = engine_of(recipe).generate(
-        policy, prompts, recipe.evaluation.max_new_tokens, temperature, seed, recipe.rollout.batch_size,
-    )
+    with bar(f"{label} generate", len(prompts)) as advance:
+        samples = engine_of(recipe).generate(
+            policy, prompts, recipe.evaluation.max_new_tokens, temperature, seed, recipe.rollout.batch_size,
+            progress=advance,
+        )
     jobs = [(f"{t.task_id}#{j}", t, samples[i * k + j].text) for i, t in enumerate(tasks) for j in range(k)]
     results = execute(jobs, executor, recipe.sandbox.concurrency, label, recipe.sandbox.dedupe)
     refuse_outages(results, executor, label)

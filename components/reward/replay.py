@@ -209,7 +209,7 @@ def print_report(report: dict) -> None:
     for d, v in report["domains"].items():
         table.add_row(d, f"{v['before']['mean']:.3f}", f"{v['after']['mean']:.3f}",
                       f"{v['before']['pass_rate']:.3f}", f"{v['after']['pass_rate']:.3f}")
-    console = Console(width=120)
+    console = Console(width=120, markup=False, highlight=False)  # "[failed -> ok]" is text, not a markup tag
     console.print(table)
     for c in report["changed"][:20]:
         console.print(f"changed {c['rollout_id']} ({c['domain']}): {c['raw_before']:.3f} -> {c['raw_after']:.3f}"

@@ -19,6 +19,9 @@ On several nodes (``node``, from the ``PET_*`` variables a PyTorchJob gives ever
 torchrun joins the job's static rendezvous instead (``--nnodes N --node_rank R
 --master_addr A --master_port P``): N x P workers, global rank 0 on node 0. Only node 0
 gets results back (``Trained``); the other nodes get ``None`` once their workers are done.
+Node 0 shows the steps done (a bar, or plain lines in a log); the others, which cannot see
+them, print ``trainer (node R of N, P processes) still training, <elapsed>`` every
+``progress.HEARTBEAT_WAIT_S`` (5 minutes) while they wait.
 Each worker (``main``):
 
 - joins the process group (gloo on CPU, nccl on CUDA, one GPU per local rank), loads the
@@ -80,7 +83,7 @@ from pathlib import Path
 from components.core.children import die_with_parent, set_death_signal
 from components.core.errors import InfraError, UserError
 from components.core.nodes import ONE_NODE, Node
-from components.core.progress import bar
+from components.core.progress import HEARTBEAT_WAIT_S, bar, heartbeat
 from components.trainer.grpo import Sample, StepStats
 
 START, OUT, CHECKPOINT, STATS = "start", "out", "checkpoint", "stats.json"
@@ -238,7 +241,11 @@ def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NO
                                 start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         try:
             deadline, shown = time.monotonic() + timeout_s, 0
-            with bar(f"trainer ({processes} processes)", steps) as advance:
+            # a node other than the leader cannot see the steps done (rank 0's PROGRESS file is
+            # on the leader's disk): it says it is still training every HEARTBEAT_WAIT_S instead
+            with bar(f"trainer ({processes} processes)", steps) as advance, \
+                    heartbeat(f"trainer (node {node.rank} of {node.count}, {processes} processes)",
+                              0 if steps else HEARTBEAT_WAIT_S, "still training") as beat:
                 while True:
                     try:
                         code = proc.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
@@ -248,6 +255,7 @@ def _launch(workdir: Path, processes: int, timeout_s: float, node: Node = ONE_NO
                             raise InfraError("trainer workers", str(workdir),
                                              f"no result within {timeout_s:.0f}s; killed") from None
                     shown = _advanced(workdir, shown, advance)
+                    beat()
                 _advanced(workdir, shown, advance)
         except BaseException:
             _stop(proc)

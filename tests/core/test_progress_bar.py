@@ -70,3 +70,22 @@ def test_one_item_has_no_start_line_and_an_empty_job_prints_nothing(clock) -> No
     run("eval", [40.0], clock)
     run("none", [], clock)
     assert lines(clock) == ["  eval 1/1 (40.0s)"]
+
+
+def test_a_heartbeat_says_the_wait_goes_on_every_interval_and_is_quiet_in_between(clock) -> None:
+    with progress.heartbeat("trainer (node 1 of 2, 2 processes)", 300.0, "still training") as beat:
+        for t in range(0, 3700, 1):  # a poll a second for just over an hour
+            clock.now = float(t)
+            beat()
+    said = lines(clock)
+    assert said[:2] == ["  trainer (node 1 of 2, 2 processes) still training, 5m",
+                        "  trainer (node 1 of 2, 2 processes) still training, 10m"]
+    assert said[-1] == "  trainer (node 1 of 2, 2 processes) still training, 1h 00m"
+    assert len(said) == 12
+
+
+def test_a_heartbeat_of_no_interval_says_nothing(clock) -> None:
+    with progress.heartbeat("x", 0) as beat:
+        clock.now = 1e6
+        beat()
+    assert lines(clock) == []

@@ -276,3 +276,15 @@ def test_a_re_run_iteration_replays_into_another_folder(stored):
     assert second["uri"] != first["uri"] and second["inputs"] != first["inputs"]
     folder = first["rewards"]["path"].rsplit("/", 1)[0]
     assert store.read_json(f"{folder}/report.json")["rewards"] == first["rewards"]
+
+
+@pytest.mark.parametrize(("before", "after"), [("failed", "ok"), ("ok", "failed"), ("timeout", "ok"), ("infra_error", "ok")])
+def test_a_changed_line_keeps_its_status_change(capsys, before, after):
+    """rich read ``[failed -> ok]`` as a markup tag and dropped it from every "changed" line."""
+    print_report({"iteration": 3, "changed": [{"rollout_id": "code-ab12-i3-g0", "domain": "code", "raw_before": 0.0,
+                                               "raw_after": 1.0, "status_before": before, "status_after": after}],
+                  "domains": {"code": {"before": {"mean": .1, "pass_rate": .1}, "after": {"mean": .2, "pass_rate": .2}}},
+                  "control_seeds": {}, "reward_config": {"control": "none"}, "uri": "file:///x/[run]"})
+    out = capsys.readouterr().out
+    assert f"changed code-ab12-i3-g0 (code): 0.000 -> 1.000 [{before} -> {after}]" in out
+    assert "replay written to file:///x/[run]" in out
