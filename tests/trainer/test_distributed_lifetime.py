@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -96,11 +97,17 @@ def _started(workdir: Path) -> bool:
 
 
 @pytest.fixture
-def child():
+def child(tmp_path, monkeypatch):
     """``CHILD`` running ``train`` in a process of its own; its workers are SIGKILLed at the
-    end whatever the test saw, so a failing test leaves nothing running."""
+    end whatever the test saw, so a failing test leaves nothing running. The child and this
+    process share a temporary folder of their own: a trainer of a test running beside this
+    one sweeps the shared /tmp, and would remove a dead owner's folder before this test
+    looks at it."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(private)})
     workdir = Path(_report(proc)["workdir"])
     yield proc, workdir
     for pid in naming(workdir):
