@@ -26,6 +26,7 @@ the terminal's process group. Not covered: a task's own children other than the 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -73,8 +74,11 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     error.unlink(missing_ok=True)  # only this run's tasks speak for its failure
     # kfp.local swaps the root logger's handlers per task, from several threads at once
     # under a ParallelFor, and can leave one of its own behind: put back what was there.
+    # The same race leaves ``builtins.print`` wrapped in its ``indented_print`` (4 spaces
+    # before every print, to stdout even for ``file=sys.stderr``, 4 more per leaked wrap):
+    # put that back too.
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, printer = root.handlers[:], root.level, builtins.print
     before = os.environ.get(USER_ERROR_VAR)
     os.environ[USER_ERROR_VAR] = str(error)  # the task subprocesses inherit it; put back after the run
     try:
@@ -89,6 +93,7 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+        builtins.print = printer
         if before is None:
             os.environ.pop(USER_ERROR_VAR, None)
         else:

@@ -764,3 +764,36 @@ def test_a_resubmitted_run_ends_its_iteration_run_finished(tmp_path, monkeypatch
     [again] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
     assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"  # reopened, then finished
     assert client.search_runs([experiment], "attributes.status = 'RUNNING'") == []
+
+
+def test_a_run_puts_back_the_print_kfp_local_wrapped(tmp_path, monkeypatch, capsys):
+    """kfp.local wraps ``builtins.print`` per task (``indented_print``: spaces before every
+    print, on stdout even for ``file=sys.stderr``), from several threads at once under a
+    ParallelFor, and a wrap restored out of order stays: every later print of the process
+    (an in-process test run's, ``posttrain kfp-local``'s own) began with 4 spaces per leaked
+    wrap (124 were seen). The leak is made here as that race leaves it."""
+    import builtins
+    import sys
+
+    import pipelines.post_training_iteration as pti
+    from pipelines import local
+
+    original = builtins.print
+    monkeypatch.setattr(builtins, "print", original)  # put back after the test even if the run does not
+
+    def leaks_a_wrap(**_: str) -> None:
+        wrapped = builtins.print
+
+        def indented(*args, **kwargs):
+            wrapped("    ", end="")
+            return wrapped(*args, **kwargs)
+
+        builtins.print = indented  # never put back
+
+    monkeypatch.setattr(pti, "post_training_iteration", leaks_a_wrap)
+    local.prepare(tmp_path / "home", 1)
+    assert local.run_iteration(str(TINY), str(tmp_path / "store"), "") == "success"
+    assert builtins.print is original
+    capsys.readouterr()
+    print("posttrain: error: a line", file=sys.stderr)
+    assert capsys.readouterr() == ("", "posttrain: error: a line\n")
