@@ -15,6 +15,7 @@ the test files that use podman (the image build, stage containers) run as one un
 one worker, so the images are built once and two builds never race for podman's storage.
 """
 
+import builtins
 import functools
 import os
 import signal
@@ -45,11 +46,12 @@ _WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @pytest.fixture(autouse=True)
 def _process_state_restored(request: pytest.FixtureRequest):
-    """A test that leaves ``sys.stdout``/``sys.stderr`` replaced or a SIGINT/SIGTERM handler
-    changed would change every later test of its worker (a wrapped stdout put a run of
-    spaces before each line other tests read back; an ignored SIGINT reaches every child):
-    put back, and named in a warning so the test that did it can be fixed."""
-    streams = (sys.stdout, sys.stderr)
+    """A test that leaves ``sys.stdout``/``sys.stderr`` or ``builtins.print`` replaced or a
+    SIGINT/SIGTERM handler changed would change every later test of its worker (kfp.local's
+    leaked ``indented_print`` put a run of spaces before every later print; an ignored
+    SIGINT reaches every child): put back, and named in a warning so the test that did it
+    can be fixed."""
+    streams, printer = (sys.stdout, sys.stderr), builtins.print
     main = threading.current_thread() is threading.main_thread()
     handlers = {s: signal.getsignal(s) for s in _WATCHED_SIGNALS} if main else {}
     yield
@@ -60,6 +62,9 @@ def _process_state_restored(request: pytest.FixtureRequest):
     if sys.stderr is not streams[1]:
         leaked.append(f"sys.stderr ({type(sys.stderr).__module__}.{type(sys.stderr).__name__})")
         sys.stderr = streams[1]
+    if builtins.print is not printer:
+        leaked.append(f"builtins.print ({getattr(builtins.print, '__qualname__', builtins.print)!r:.80})")
+        builtins.print = printer
     for sig, handler in handlers.items():
         if signal.getsignal(sig) is not handler:
             leaked.append(f"the {sig.name} handler ({signal.getsignal(sig)!r:.80})")
