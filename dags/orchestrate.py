@@ -41,6 +41,7 @@ from pathlib import Path
 from types import ModuleType
 
 from components.core import lease, preflight, runner, settings, tracking
+from components.core.children import alive
 from components.core.context import read_manifest
 from components.core.errors import UserError
 from components.core.facts import Decision, Scored, Slice
@@ -98,16 +99,6 @@ def holder_text(home: Path) -> str:
 _HOLDER = re.compile(r"^posttrain run on host (?P<host>\S+) pid (?P<pid>\d+) started (?P<started>\S+) home (?P<home>.+)$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def stale_on_this_host(home: Path) -> Callable[[lease.Lease], bool]:
     """Judge a live writer lease: its holder is gone if it ran on this host and its
     process no longer exists, or it used this home (whose lock this run now holds, so
@@ -118,7 +109,7 @@ def stale_on_this_host(home: Path) -> Callable[[lease.Lease], bool]:
         m = _HOLDER.match(cur.holder)
         if m is None or m["host"] != socket.gethostname():
             return False
-        return m["home"] == str(home) or not _alive(int(m["pid"]))
+        return m["home"] == str(home) or not alive(int(m["pid"]))
 
     return stale
 

@@ -53,3 +53,15 @@ def set_death_signal(sig: signal.Signals = signal.SIGKILL) -> bool:
     """This process gets ``sig`` when its parent dies; False where that cannot be set."""
     prctl = _prctl()
     return prctl is not None and prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's too: signal 0 is refused, not
+    answered with "no such process")."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -80,7 +80,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from components.core.children import die_with_parent, set_death_signal
+from components.core.children import alive, die_with_parent, set_death_signal
 from components.core.errors import InfraError, UserError
 from components.core.nodes import ONE_NODE, Node
 from components.core.progress import HEARTBEAT_WAIT_S, bar, heartbeat
@@ -200,21 +200,11 @@ def sweep_work_folders(root: Path | None = None) -> list[Path]:
             mine = path.is_dir() and not path.is_symlink() and path.lstat().st_uid == os.getuid()
         except OSError:  # removed meanwhile
             continue
-        if not (sep and owner.isdigit() and int(owner) > 0 and mine) or _alive(int(owner)):
+        if not (sep and owner.isdigit() and int(owner) > 0 and mine) or alive(int(owner)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def launch_args(processes: int, node: Node) -> list[str]:

@@ -9,49 +9,17 @@ not how long it took: the pytest timeout is the bound.
 
 from __future__ import annotations
 
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 
 from components.core import storage
 from components.core.errors import InfraError, outage
 from components.core.storage import SMALL_OBJECT_BYTES, SMALL_OP_DEADLINE_S, Expected, Store, sha256_bytes
+from tests.fixtures.silent import silent_endpoint
 
 ROOT = "s3://bucket/x"
-
-
-@contextmanager
-def silent_endpoint() -> Iterator[tuple[list[socket.socket], int]]:
-    """A loopback port that accepts every connection and never answers (as in
-    tests/dags/test_post_training_iteration.py); yields the connections it took and the port."""
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(64)
-    silent.settimeout(0.2)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                held.append(silent.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield held, silent.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        for conn in held:
-            conn.close()
-        silent.close()
 
 
 def _point_at(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
