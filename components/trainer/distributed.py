@@ -125,7 +125,7 @@ def split_step(samples: list[Sample], world: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def check_launch(batches: list[list[Sample]], cfg, node: Node = ONE_NODE) -> str:
+def check_launch(batches: list[list[Sample]], cfg) -> str:
     """The backend for ``cfg`` (gloo or nccl); a UserError for a step with no samples or a
     width the machine cannot serve. A step with fewer samples than processes trains: the
     processes without a sample of it take part at weight 0 (``grpo.grpo_step``)."""
@@ -150,7 +150,7 @@ def train(policy, batches: list[list[Sample]], cfg, *, temperature: float, seed:
     """Run ``batches`` (one list of samples per optimizer step) from ``policy`` with
     ``cfg.processes`` processes under torchrun, on this node of ``node.count``; ``None``
     on a node other than 0. See the module docstring."""
-    backend = check_launch(batches, cfg, node)
+    backend = check_launch(batches, cfg)
     workdir = Path(workdir)
     for stale in (OUT, f"{OUT}.partial"):  # a workdir used before: only this run's results count
         shutil.rmtree(workdir / stale, ignore_errors=True)
