@@ -36,7 +36,7 @@ from components.core.recipe import COMMON_FIELDS, Recipe
 from components.core.records import from_table, to_table
 from components.core.seeds import derive_seed
 from components.core.stages import shard_count, spec
-from components.core.storage import Expected, Store, expect, parquet_table
+from components.core.storage import Expected, Store, expect, parquet_bytes, parquet_table, sha256_bytes
 
 R = TypeVar("R")
 F = TypeVar("F")
@@ -101,15 +101,18 @@ class StageContext:
         return self.store.url(f"{self.prefix}/{name}")
 
     # -- writing -------------------------------------------------------------------------
-    def write_records(self, name: str, records: list[Any], cls: type) -> str:
+    def write_records(self, name: str, records: list[Any], cls: type, measured: tuple[str, ...] = ()) -> str:
+        """Write ``records`` as output ``name``. ``measured``: fields that are measurements a
+        re-run never reproduces (durations, memory) and no reader judges by; the output's
+        ``content`` digest leaves them out, so later stages key on the rest (OutputFile)."""
         rel = f"{self.prefix}/{name}.parquet"
-        data, digest = self.store.write_table(rel, to_table(records, cls))
-        self.outputs[name] = OutputFile(path=rel, rows=len(records), sha256=digest, size=len(data))
+        table = to_table(records, cls)
+        data, digest = self.store.write_table(rel, table)
+        content = sha256_bytes(parquet_bytes(table.drop_columns(list(measured)))) if measured else None
+        self.outputs[name] = OutputFile(path=rel, rows=len(records), sha256=digest, size=len(data), content=content)
         return self.store.url(rel)
 
     def write_json(self, name: str, obj: Any) -> str:
-        from components.core.storage import sha256_bytes
-
         rel = f"{self.prefix}/{name}.json"
         data = self.store.write_json(rel, obj)
         self.outputs[name] = OutputFile(path=rel, rows=1, sha256=sha256_bytes(data), size=len(data))

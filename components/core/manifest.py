@@ -14,7 +14,9 @@ was made from (so a change upstream of it, in facts a later stage reads past it,
 reaches that stage). Not the config digest, the code version, metrics or timings: a
 re-run under another config (another ``sandbox.concurrency``, ``evaluation.*`` field,
 code version) that reproduces the same outputs has the same digest and does not
-invalidate later stages, whose own config and code version are in their own keys.
+invalidate later stages, whose own config and code version are in their own keys. An
+output may carry a ``content`` digest that leaves measurements out (the sandbox's
+durations); the digest uses it in place of the file's sha256.
 
 Every output records its sha256 and size; readers and cache hits check them (see
 ``expectations``). An output whose path has no extension is a folder (a checkpoint): its
@@ -98,6 +100,11 @@ class OutputFile:
     rows: int
     sha256: str
     size: int | None = None  # bytes; None in manifests written before sizes were recorded
+    content: str | None = None
+    """A digest of the records without their measurements (``write_records(measured=...)``:
+    the sandbox's durations, CPU time and memory), which a re-run never reproduces and no
+    reader judges by. ``content_digest`` uses it in place of ``sha256``, so a re-run that
+    gives every job the same result keys later stages the same. None: the file's sha256."""
 
     @property
     def digested(self) -> str:
@@ -133,7 +140,8 @@ class Manifest:
         body = {
             "inputs": {k: asdict(v) for k, v in sorted(self.inputs.items())},
             # size is left out: the sha256 already fixes it, and manifests from before sizes keep their digest
-            "outputs": {k: {"path": v.path, "rows": v.rows, "sha256": v.sha256} for k, v in sorted(self.outputs.items())},
+            "outputs": {k: {"path": v.path, "rows": v.rows, "sha256": v.content or v.sha256}
+                        for k, v in sorted(self.outputs.items())},
             "info": self.info,
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
@@ -204,8 +212,9 @@ _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "timings": (dict,), "mlflow_run_id": (str,),
 }
 _INPUT_FIELDS: dict[str, tuple[type, ...]] = {"uri": (str,), "digest": (str,)}
-_OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {"path": (str,), "rows": (int,), "sha256": (str,), "size": (int, type(None))}
-_OPTIONAL = {"outputs", "metrics", "info", "timings", "mlflow_run_id", "size"}
+_OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {"path": (str,), "rows": (int,), "sha256": (str,), "size": (int, type(None)),
+                                                "content": (str, type(None))}
+_OPTIONAL = {"outputs", "metrics", "info", "timings", "mlflow_run_id", "size", "content"}
 
 
 def _path_problem(path: str) -> str | None:

@@ -437,6 +437,13 @@ def parquet_table(data: bytes) -> pa.Table:
     return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
 
 
+def parquet_bytes(table: pa.Table) -> bytes:
+    """``table`` as the Parquet file a stage writes (the same bytes for the same table and pyarrow)."""
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -858,9 +865,7 @@ class Store:
     # -- tables --------------------------------------------------------------------------
     def write_table(self, rel: str, table: pa.Table) -> tuple[bytes, str]:
         """Write a Parquet file; returns (bytes, sha256) for the manifest."""
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd")
-        data = buf.getvalue()
+        data = parquet_bytes(table)
         self.write_bytes(rel, data)
         return data, sha256_bytes(data)
 

@@ -24,6 +24,11 @@ from components.core.records import Execution, Rollout, Task
 from components.domains.execute import execute, runs
 from components.sandbox.executor import get_executor
 
+MEASURED = ("duration_s", "cpu_time_s", "peak_memory_mb")
+"""Execution fields a re-run never reproduces and no verifier reads: left out of what the
+reward stage keys on, so a sandbox re-run (another ``sandbox.concurrency``, a retried
+shard) that gives every job the same result re-runs nothing after it."""
+
 SECTIONS = ("sandbox",)
 """Recipe sections read: the backend, its limits and concurrency."""
 
@@ -44,7 +49,7 @@ def run(ctx: StageContext) -> dict[str, float]:
         results = execute([(r.rollout_id, tasks[r.task_id], r.completion) for r in rollouts], executor,
                           ctx.recipe.sandbox.concurrency, f"sandbox[{ctx.shard}]", ctx.recipe.sandbox.dedupe)
     executions = [to_execution(r, results[r.rollout_id]) for r in rollouts if r.rollout_id in results]
-    ctx.write_records("executions", executions, Execution)
+    ctx.write_records("executions", executions, Execution, measured=MEASURED)
     status = Counter(e.status for e in executions)
     n = max(1, len(executions))
     metrics = {"jobs": float(len(executions)), "jobs_run": float(runs(results)), **{f"status/{s}": float(c) for s, c in sorted(status.items())}}

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import io
 import sys
@@ -23,8 +24,8 @@ import pytest
 import yaml
 
 from components.core import stages
-from components.core.context import read_output_records
-from components.core.manifest import InputRef, Manifest, OutputFile
+from components.core.context import RecipeView, StageContext, read_output_records
+from components.core.manifest import InputRef, Manifest, OutputFile, Shard
 from components.core.plugins import BACKENDS, DOMAINS, ENGINES
 from components.core.recipe import load_recipe, parse_recipe
 from components.core.records import Reward
@@ -234,6 +235,48 @@ def test_a_rollout_rerun_with_the_same_records_keeps_its_content_digest(booted: 
         assert second[shard].config_digest != first[shard].config_digest
         assert second[shard].outputs == first[shard].outputs
         assert second[shard].content_digest == first[shard].content_digest
+
+
+def test_a_sandbox_rerun_with_the_same_results_reruns_nothing_after_it(booted: Booted) -> None:
+    """A sandbox re-run measures other durations, CPU times and memory, so its file's
+    sha256 changes; the results it hands the reward stage do not, and the reward shards,
+    validation and the trainer (the iteration's most expensive stage) stay cache hits."""
+    first = booted.run(TINY_RECIPE, 3)
+    second = booted.run(booted.recipe("concurrency", sandbox={"concurrency": 1}), 3)
+    assert ran(first, second) == {"rollout[0/2]", "rollout[1/2]", "sandbox[0/2]", "sandbox[1/2]"}
+    for shard in ("sandbox[0/2]", "sandbox[1/2]"):
+        before, after = first[shard].outputs["executions"], second[shard].outputs["executions"]
+        assert before.rows == after.rows > 0
+        assert after.sha256 != before.sha256  # the measurements differ ...
+        assert after.content == before.content  # ... what the reward stage reads does not
+        assert second[shard].content_digest == first[shard].content_digest
+
+
+def test_a_content_digest_leaves_only_the_measured_fields_out(tmp_path: Path) -> None:
+    """Two writes of one Execution that differ in a measurement share a content digest;
+    one that differs in what a verifier reads (stdout) does not, and an output written
+    without ``measured`` keys on its sha256 as before."""
+    from components.core.records import Execution
+    from components.sandbox.stage import MEASURED
+
+    recipe = load_recipe(TINY_RECIPE)
+    ctx = StageContext(stage="sandbox", recipe=RecipeView(recipe, "sandbox", ("sandbox",)),
+                       store=Store(f"file://{tmp_path}"), iteration=1, shard=Shard(0, 1))
+
+    def written(**changes) -> OutputFile:
+        record = Execution(rollout_id="r", task_id="t", domain="code", backend="bwrap", isolation="x", status="ok",
+                           exit_code=0, signal=0, stdout="3\n", stderr="", duration_s=0.5, cpu_time_s=0.1,
+                           peak_memory_mb=12.0, result={"passed": 2})
+        ctx.write_records("executions", [dataclasses.replace(record, **changes)], Execution, measured=MEASURED)
+        return ctx.outputs["executions"]
+
+    base = written()
+    assert written(duration_s=9.0, cpu_time_s=3.0, peak_memory_mb=99.0).content == base.content
+    assert written(stdout="4\n").content != base.content
+    assert written(result={"passed": 1}).content != base.content
+    assert base.content != base.sha256
+    plain = _manifest(outputs={"rollouts": OutputFile("p/x.parquet", 4, "s2", 10)})
+    assert plain.content_digest == _manifest(outputs={"rollouts": OutputFile("p/x.parquet", 4, "s2", 10, None)}).content_digest
 
 
 PAL = '''
