@@ -79,8 +79,11 @@ _CODE_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}", re.ASCII)
 def code_version() -> str:
     """``POSTTRAIN_CODE_VERSION`` (an image's build sets it; default: the package
     version), part of every stage's cache key and manifest: a version or commit, not any
-    text (a UserError for control characters, spaces or more than 128 characters)."""
-    value = os.environ.get("POSTTRAIN_CODE_VERSION", __version__)
+    text (a UserError for control characters, spaces or more than 128 characters). An
+    empty setting is an unset one, as for every setting."""
+    from components.core.settings import env_text
+
+    value = env_text("POSTTRAIN_CODE_VERSION") or __version__
     if not _CODE_VERSION.fullmatch(value):
         raise UserError("POSTTRAIN_CODE_VERSION", value, "is not a version (letters, digits, '.', '_', '+', '-'; at "
                         "most 128)", f"set it to the code's version or commit, e.g. {__version__}, or unset it")

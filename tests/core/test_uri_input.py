@@ -475,7 +475,7 @@ def test_a_file_colon_recipe_is_the_file_it_names(tmp_path: Path) -> None:
     assert resolve(f"file:{tmp_path / 'r.yaml'}", str(tmp_path / "rr")).recipe == f"file://{tmp_path / 'r.yaml'}"
 
 
-@pytest.mark.parametrize("value", ["1.0 beta", "v\n1", "x" * 129, ""])
+@pytest.mark.parametrize("value", ["1.0 beta", "v\n1", "x" * 129, " 0.1.0"])
 def test_a_code_version_that_is_no_version_is_named(value: str, monkeypatch) -> None:
     """It goes into every cache key and manifest; any text went there unchecked."""
     from components.core.runner import code_version
@@ -486,3 +486,13 @@ def test_a_code_version_that_is_no_version_is_named(value: str, monkeypatch) -> 
     assert info.value.field == "POSTTRAIN_CODE_VERSION"
     monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "0.1.0+g1a2b3c4")
     assert code_version() == "0.1.0+g1a2b3c4"
+
+
+def test_an_empty_code_version_is_an_unset_one(monkeypatch) -> None:
+    """As for every setting (``POSTTRAIN_CODE_VERSION=$(git describe)`` outside a checkout,
+    a template exporting an empty value): the package version, not exit 2."""
+    from components import __version__
+    from components.core.runner import code_version
+
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "")
+    assert code_version() == __version__
