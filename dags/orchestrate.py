@@ -50,7 +50,7 @@ from components.core.planner import finished, plan
 from components.core.progress import say
 from components.core.recipe import Recipe, load_recipe
 from components.core.storage import Store, removed_if_refused
-from components.domains.taskfile import check_task_file
+from components.domains.taskfile import check_task_file, check_weighted, train_pools
 from dags import execution, stagehost
 
 
@@ -275,7 +275,22 @@ def check_sandbox_python(recipe: Recipe) -> None:
         resolve_python(recipe.sandbox)
 
 
-def check_before_run(recipe: Recipe, store: Store, sandbox_here: bool = True) -> None:
+def weight_schedule(recipe: Recipe, first: int, last: int) -> list[tuple[str, dict[str, float]]]:
+    """The domain weights of iterations ``first``..``last``, one ``(when, weights)`` pair a
+    curriculum step (and one for ``taskgen.domain_weights`` after the last step), ``when``
+    as ``"in iterations 3-5"``; only the steps those iterations fall in."""
+    cfg, domains = recipe.taskgen, list(recipe.domains)
+    edges = [(lo, step.until) for lo, step in zip([1] + [s.until + 1 for s in cfg.curriculum], cfg.curriculum)]
+    edges.append((cfg.curriculum[-1].until + 1 if cfg.curriculum else 1, last))
+    schedule = []
+    for lo, hi in edges:
+        lo, hi = max(lo, first), min(hi, last)
+        if lo <= hi:
+            schedule.append((f"in iteration {lo}" if lo == hi else f"in iterations {lo}-{hi}", cfg.weights_for(lo, domains)))
+    return schedule
+
+
+def check_before_run(recipe: Recipe, store: Store, sandbox_here: bool = True, iterations: int | None = None) -> None:
     """What ``run_local`` checks before any work, each a UserError (exit 2) or an
     InfraError. First what needs neither the store nor MLflow: the sandbox's interpreter
     where the sandbox stage runs on this machine (``sandbox_here``: not in the docker or
@@ -286,16 +301,22 @@ def check_before_run(recipe: Recipe, store: Store, sandbox_here: bool = True) ->
     is opened), and last what reads the registry: the registered model's owner (another
     run root's model is refused before any work, and before its champion is read), that
     a bootstrapped run root's model is in this database, and the starting policy's alias
-    or ``models:/`` source. ``run_local`` removes a run root made here if a later
-    check refuses the run (``removed_if_refused``)."""
+    or ``models:/`` source. With ``iterations`` (the run's target), after the store's probe
+    tells which iterations are left to run: each domain weighted above 0 in one of them
+    has train rows in the task file (``taskfile.check_weighted``). ``run_local`` removes a
+    run root made here if a later check refuses the run (``removed_if_refused``)."""
     if sandbox_here:
         check_sandbox_python(recipe)
     preflight.tracking_uri()
     preflight.tracking_vs_run_root(store.uri)
     preflight.task_file(recipe)
-    check_task_file(recipe.taskgen.task_file, list(recipe.domains))
+    tasks = check_task_file(recipe.taskgen.task_file, list(recipe.domains))
     preflight.policy_source(recipe, registry=False)
     store.check_reachable()
+    if tasks and iterations is not None:  # a weighted domain without rows: taskgen would drop it without a word
+        pools = train_pools(tasks)
+        for when, weights in weight_schedule(recipe, max(finished(store, recipe.pipeline), default=0) + 1, iterations):
+            check_weighted(tasks, pools, weights, recipe.taskgen.task_file, when)
     preflight.registry_owner(recipe, store.uri)  # before the champion is read: another run root's is not ours to read
     preflight.registered_here(recipe, store)
     preflight.policy_source(recipe)
@@ -399,7 +420,7 @@ def run_local(recipe_arg: str | None, run_root_arg: str | None, iterations: int,
         # The checks before the writer lease, so a refused run leaves nothing in the store (the
         # home's lock already keeps a second run on this home away from its SQLite MLflow).
         with removed_if_refused(store):
-            check_before_run(recipe, store, sandbox_here=sandbox_here)
+            check_before_run(recipe, store, sandbox_here=sandbox_here, iterations=iterations)
         with writer_lease(store, recipe.pipeline, home):
             return _iterate(store, recipe, conf.recipe, holder, iterations, driver, home)
 

@@ -3,8 +3,9 @@
 Prompt ``"47+38="``, reference completion ``"85"``. Difficulty 1 adds two one-digit
 numbers, difficulty 2 a one-digit number to a two-digit one, difficulty 3 two two-digit
 numbers (a quarter, a half and a quarter of the tasks). The verifier reads the first
-line of the completion, strips spaces and compares the integer exactly; anything that
-is not an integer scores 0. Nothing runs in the sandbox.
+line of the completion, strips spaces and compares the integer exactly (an optional
+leading ``+`` or ``-``, as the math domain reads one: ``+85`` is 85); anything that is not
+an integer scores 0. Nothing runs in the sandbox.
 
 Trap tasks (``metadata["trap"] = True``): difficulty-2 and -3 sums with a carry out of the
 units digit (``"47+38="``: 85; a difficulty-1 carry such as ``"1+9="`` is not marked). The shortcut "add digit by digit, drop the carry" (75) passes every
@@ -25,7 +26,7 @@ from components.core.jobs import Outcome
 from components.core.records import Task
 from components.domains.base import Domain, Verdict, first_line, is_int, make_task, malformed
 
-_INT = re.compile(r"-?[0-9]{1,100}")  # ASCII digits only (as extraction reads numbers), whole text (fullmatch)
+_INT = re.compile(r"[+-]?[0-9]{1,100}")  # ASCII digits only (as extraction reads numbers), whole text (fullmatch); a sign as math reads one
 MAX_ANSWER = 10**100 - 1  # the largest answer _INT reads (100 digits): a longer one could never match
 
 

@@ -46,13 +46,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def handle_verify(args: argparse.Namespace) -> int:
     from components.core.errors import UserError
     from components.domains import registry
-    from components.domains.taskfile import parse_task, printable, read_rows, short
+    from components.domains.taskfile import parse_task, printable, read_labelled_rows, short
 
     domain = registry.get(args.domain, "--domain")  # unknown name -> UserError listing the registered ones
-    rows = read_rows(args.task, limit=1)
+    rows = read_labelled_rows(args.task, limit=1)  # ("line <n>" in a JSON Lines file, else "row 0", row)
     if not rows:
         raise UserError("--task", args.task, "holds no task", "write one task object into the file")
-    row = rows[0]
+    label, row = rows[0]
     if isinstance(row, dict):
         row = {"domain": args.domain, **row}
         if row["domain"] != args.domain:
@@ -61,7 +61,7 @@ def handle_verify(args: argparse.Namespace) -> int:
             fix = (f"pass --domain {theirs} or a task of domain {args.domain}" if isinstance(theirs, str) and theirs in registry.names()
                    else f"set the task's domain to {args.domain!r} (or drop it: --domain fills it in)")
             raise UserError("--domain", args.domain, f"the task's domain is {shown}", fix)
-    task = parse_task(row, f"{printable(args.task, limit=10_000)} row 0")
+    task = parse_task(row, f"{printable(args.task, limit=10_000)} {label}")
     completion = read_completion(args.completion)
     from pydantic import ValidationError
 

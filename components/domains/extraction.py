@@ -13,9 +13,12 @@ context length: 1 is one short period (under 40 characters; a trap's estimate ad
 completion). ``Task.context_tokens`` is the prompt length in the policy's tokens (per character for the demo tokenizer),
 so evaluation buckets these tasks by context length.
 
-Verifier: field-level accuracy. Each value is normalised (spaces, a leading ``$``, a
-trailing ``.0`` dropped) and compared exactly; score = correct fields / max(asked,
-given), so padding the answer with extra values does not pay; a pass needs all.
+Verifier: field-level accuracy. Each value is normalised (spaces and one leading ``$``
+dropped: ``$$412`` is no number); two values that are both plain decimal numbers
+(an optional sign, ASCII digits, at most one ``.``) are compared as numbers
+(``decimal.Decimal``: ``412`` = ``412.0`` = ``412.00``, ``2.5`` = ``2.50``), other values
+exactly as text. Score = correct fields / max(asked, given), so padding the answer with
+extra values does not pay; a pass needs all.
 Component ``fields_correct`` counts correct fields, ``well_formed`` says whether the
 answer had the asked number of values.
 
@@ -28,7 +31,9 @@ A task file's answer (``reference_problem``) is a list of strings, each one a co
 could match: no ``,`` (a completion is split at commas: write 1,000 as 1000), no control
 characters (one line is read), not empty once normalised.
 
-Not covered: prose statements, units and scales (thousands, millions), negative values,
+Not covered: prose statements, units and scales (thousands, millions, ``412k``), thousands
+separators (``1,000`` is two values), exponents (``4.12e2``), rounding (``412.004`` is not
+``412``), currency symbols other than one leading ``$``, accounting negatives (``(412)``),
 tables spanning pages, or contexts longer than the policy's positions (raise
 ``MAX_PROMPT_CHARS`` with ``model.max_positions``).
 """
@@ -36,6 +41,8 @@ tables spanning pages, or contexts longer than the policy's positions (raise
 from __future__ import annotations
 
 import random
+import re
+from decimal import Decimal
 
 from components.core.jobs import Outcome
 from components.core.records import Task
@@ -47,9 +54,23 @@ MAX_FIELDS = 64  # most values an answer is read as (more: one extra, enough to 
 LENGTH_CAP = {1: 40, 2: 128, 3: MAX_PROMPT_CHARS}
 
 
+_NUMBER = re.compile(r"[+-]?(?:[0-9]{1,256}(?:\.[0-9]{0,256})?|\.[0-9]{1,256})")
+"""A plain decimal number (``412``, ``412.00``, ``.5``, ``-3``), ASCII digits only; bounded
+(a reference value has at most 256 characters), so a huge completion value is compared as
+text, never parsed."""
+
+
 def normalise(value: str) -> str:
-    text = value.strip().replace(" ", "").lstrip("$")
-    return text[:-2] if text.endswith(".0") else text
+    """``value`` without spaces and without one leading ``$`` (``$$412`` keeps one)."""
+    return value.strip().replace(" ", "").removeprefix("$")
+
+
+def same(got: str, want: str) -> bool:
+    """Whether two normalised values match: as numbers when both are plain decimal
+    numbers (``412.00`` = ``412``, ``2.5`` = ``2.50``, ``-0`` = ``0``), else as text."""
+    if got == want:
+        return True
+    return bool(_NUMBER.fullmatch(got) and _NUMBER.fullmatch(want)) and Decimal(got) == Decimal(want)
 
 
 Period = tuple[str, dict[str, int]]  # (label, {field: value}) in printed order
@@ -115,8 +136,8 @@ class Extraction(Domain):
                 return f"answer[{i}]", (f"is {value!r:.40}, which holds a control character (newline, tab, ...): a "
                                         "completion is read from its first line; write the value on one line without them")
             if normalise(value) == "":
-                return f"answer[{i}]", (f"is {value!r:.40}, which is empty once spaces, a leading '$' and a trailing "
-                                        "'.0' are dropped, so no value matches it; write the value (e.g. '412')")
+                return f"answer[{i}]", (f"is {value!r:.40}, which is empty once spaces and a leading '$' are dropped, "
+                                        "so no value matches it; write the value (e.g. '412')")
         fields = reference.get("fields", [])
         if not (isinstance(fields, list) and all(is_text(v, 256) for v in fields)):
             return "fields", "must be a list of field names (e.g. ['rev', 'tax'])"
@@ -129,7 +150,7 @@ class Extraction(Domain):
         line = first_line(completion)
         parts = line.split(",", MAX_FIELDS) if line else []  # bounded: a huge answer scores 0, not a huge list
         got = [normalise(v) for v in parts]
-        correct = sum(g == w for g, w in zip(got, want))
+        correct = sum(same(g, w) for g, w in zip(got, want))
         score = correct / max(len(want), len(got))
         return Verdict(
             score=score,

@@ -14,7 +14,9 @@ when the taskgen stage loads the file) and
 reads, as terminal's boolean ``multi_step`` and ``interactive``). Unknown columns are rejected, so a misspelt field is caught.
 
 Every problem is one ``UserError`` naming the file, the row, the field, the value and
-the fix. Each domain checks its reference's shape here (``Domain.reference_problem``), so
+the fix. A row is named by its line in a JSON Lines file (``line 3``: 1-based, blank lines
+counted, as an editor numbers them) and by its 0-based index in a JSON array or a Parquet
+file (``row 0``). Each domain checks its reference's shape here (``Domain.reference_problem``), so
 a wrong-shaped reference is an error at load time, not a verifier crash mid-run. Bounds:
 a file of at most ``MAX_FILE_BYTES`` (a ``.json`` file, one document parsed whole, at most
 ``MAX_JSON_FILE_BYTES``; JSON Lines and Parquet rows are parsed and checked one at a
@@ -29,7 +31,10 @@ encoding, a string that is not valid Unicode (a lone ``\ud800`` escape) and an i
 of more than 4300 digits are each a ``UserError``. A Parquet file's nulls are absent keys:
 a struct column gives each row every key any row has (null where the row has none), so
 null struct fields are left out at any depth and a null top-level field is left out (a
-JSON null inside an object can be written only in a JSON string column).
+JSON null inside an object can be written only in a JSON string column). A Parquet file
+with a column name given twice is refused (as a JSON key given twice is), and so is a
+value Python cannot represent (a timestamp or date past year 9999, a time zone unknown to
+this machine, a struct with a field name given twice), naming its row and column.
 Not covered: checking that a reference is *correct* for its prompt (only its shape),
 that a prompt fits the policy's positions (taskgen counts its tokens), CSV, and files
 larger than memory.
@@ -245,6 +250,14 @@ def read_rows(path_or_uri: str, limit: int | None = None) -> list[Any]:
         return list(iter_rows(uri, limit))
 
 
+def read_labelled_rows(path_or_uri: str, limit: int | None = None) -> list[tuple[str, Any]]:
+    """``read_rows`` with each row's place for messages (``labelled_rows``: ``line <n>`` in
+    a JSON Lines file, ``row <i>`` in a JSON or Parquet file)."""
+    uri = str(path_or_uri)
+    with _memory_guard(uri):
+        return list(labelled_rows(uri, limit))
+
+
 @contextlib.contextmanager
 def _memory_guard(uri: str) -> Iterator[None]:
     """A MemoryError in the body (parsing a file too large for this machine's memory) as
@@ -262,7 +275,16 @@ def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
     """``read_rows``, one row at a time: a JSON Lines or Parquet file's rows are parsed
     as they are taken, so a caller that stops at a bad row parses no further. Wrap a
     caller in ``_memory_guard`` (``read_rows`` and ``load_tasks`` do)."""
+    for _, row in labelled_rows(path_or_uri, limit):
+        yield row
+
+
+def labelled_rows(path_or_uri: str, limit: int | None = None) -> Iterator[tuple[str, Any]]:
+    """``iter_rows`` with where each row is, for messages: ``line <n>`` in a JSON Lines
+    file (1-based, counting blank lines, as an editor does) and ``row <i>`` in a JSON or
+    Parquet file (0-based)."""
     uri = str(path_or_uri)
+    shown = printable(uri, limit=10_000)
     suffix = next((s for s in FORMATS if uri.lower().endswith(s)), None)
     if suffix is None:
         raise UserError("task file", uri, "unknown file type", f"use one of {list(FORMATS)}")
@@ -279,8 +301,15 @@ def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise UserError("task file", uri, f"not a readable Parquet file ({str(exc)[:80]})",
                             "write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
+        names = table.column_names
+        if (twice := next((name for i, name in enumerate(names) if name in names[:i]), None)) is not None:
+            # to_pylist keeps the last one without a word (and JSON's duplicate keys are refused too)
+            raise UserError("task file", uri, f"has the column {printable(str(twice), 60)!r} twice",
+                            "keep one of them (Parquet readers disagree on which one wins)")
+        start = 0
         for batch in batches:  # a batch's rows as Python objects at a time, not the whole table's
-            yield from (without_nulls(row) for row in batch.to_pylist())
+            yield from ((f"row {start + i}", without_nulls(row)) for i, row in enumerate(_batch_rows(batch, uri, start)))
+            start += batch.num_rows
         return
     text = decode(data, uri)
     del data  # the file's bytes: the text holds them now
@@ -294,7 +323,7 @@ def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
             raise UserError("task file", uri, exc.problem, exc.fix) from None
         del text
         rows = obj if isinstance(obj, list) else [obj]
-        yield from (rows if limit is None else rows[:limit])
+        yield from ((f"row {i}", row) for i, row in enumerate(rows if limit is None else rows[:limit]))
         return
     count = 0
     for n, line in enumerate(_lines(text), start=1):
@@ -306,12 +335,44 @@ def iter_rows(path_or_uri: str, limit: int | None = None) -> Iterator[Any]:
         try:
             row = loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"task file line {n}", line[:60], f"not valid JSON ({exc.msg})",
+            raise UserError(f"{shown} line {n}", line[:60], f"not valid JSON ({exc.msg})",
                             "write one JSON object per line") from None
         except JSONLimit as exc:
-            raise UserError(f"task file line {n}", line[:60], exc.problem, exc.fix) from None
+            raise UserError(f"{shown} line {n}", line[:60], exc.problem, exc.fix) from None
         count += 1
-        yield row
+        yield f"line {n}", row
+
+
+def _batch_rows(batch: Any, uri: str, start: int) -> list[dict[str, Any]]:
+    """A Parquet record batch's rows as Python dicts, or one UserError naming the file, the
+    row and the column when a value has no Python form: a timestamp or date past year
+    9999, a time zone this machine does not know, a struct with a field name given twice."""
+    import pyarrow as pa
+
+    try:
+        return batch.to_pylist()
+    except (pa.ArrowException, ValueError, OverflowError) as exc:
+        cause = exc
+    what = f"{type(cause).__name__}: {printable(str(cause), 100)}"
+    fix = ("give each field of the struct its own name" if "duplicate field names" in str(cause)
+           else "store dates and times as ISO 8601 strings (e.g. '2024-05-01T12:00:00Z'), with a UTC offset or a "
+                "time zone name this machine's tz database knows")
+    for name, values in zip(batch.schema.names, batch.columns, strict=True):  # which column, then which row
+        if _unconvertible(values):
+            row = next((i for i in range(len(values)) if _unconvertible(values.slice(i, 1))), 0)
+            raise UserError(f"{printable(uri, limit=10_000)} row {start + row}: {printable(str(name), 60)}",
+                            str(values.type)[:80], f"holds a value Python cannot represent ({what})", fix) from None
+    raise UserError("task file", uri, f"has a value Python cannot represent ({what})", fix) from None
+
+
+def _unconvertible(values: Any) -> bool:
+    import pyarrow as pa
+
+    try:
+        values.to_pylist()
+    except (pa.ArrowException, ValueError, OverflowError):
+        return True
+    return False
 
 
 def without_nulls(value: Any, depth: int = 0) -> Any:
@@ -524,16 +585,16 @@ def load_tasks(path_or_uri: str | Path, count: Callable[[str], int] = len) -> li
     uri = str(path_or_uri)
     shown = printable(uri, limit=10_000)
     with _memory_guard(uri):  # each row is checked as it is parsed: a bad row 0 of a huge file ends the read there
-        tasks = [parse_task(row, f"{shown} row {i}", count) for i, row in enumerate(iter_rows(uri))]
-    if not tasks:
+        labelled = [(label, parse_task(row, f"{shown} {label}", count)) for label, row in labelled_rows(uri)]
+    if not labelled:
         raise UserError("task file", uri, "holds no tasks", "add at least one row")
-    seen: dict[str, int] = {}
-    for i, t in enumerate(tasks):
+    seen: dict[str, str] = {}
+    for label, t in labelled:
         if t.task_id in seen:
-            raise UserError(f"{shown} row {i}: task_id", t.task_id, f"duplicates row {seen[t.task_id]}",
+            raise UserError(f"{shown} {label}: task_id", t.task_id, f"duplicates {seen[t.task_id]}",
                             "give each task its own id (or drop task_id to derive it from the prompt)")
-        seen[t.task_id] = i
-    return tasks
+        seen[t.task_id] = label
+    return [t for _, t in labelled]
 
 
 def check_domains(tasks: list[Task], domains: list[str], path: str) -> None:
@@ -544,10 +605,44 @@ def check_domains(tasks: list[Task], domains: list[str], path: str) -> None:
                             f"add {t.domain!r} to 'domains' or remove those rows")
 
 
-def check_task_file(source: str, domains: list[str]) -> None:
+def train_pools(tasks: list[Task], exclude: set[str] = frozenset()) -> dict[str, list[Task]]:
+    """Each domain's train rows: rows marked ``split: "eval"`` left out, and so are train rows
+    sharing an id or prompt with one of them or with a task in ``exclude`` (the eval suite's
+    ``exclusion``). A domain without such rows is absent."""
+    from components.domains.base import excluded, exclusion
+
+    exclude = set(exclude) | exclusion([t for t in tasks if t.split == "eval"])
+    pools: dict[str, list[Task]] = {}
+    for t in tasks:
+        if t.split == "train" and not excluded(t, exclude):
+            pools.setdefault(t.domain, []).append(t)
+    return pools
+
+
+def check_weighted(tasks: list[Task], pools: dict[str, list[Task]], weights: dict[str, float], path: str,
+                   when: str = "in this iteration") -> None:
+    """A UserError naming the first domain of ``weights`` with weight > 0 (``when``) that has
+    no train rows in ``pools``: its share would silently go to the other domains. A domain
+    of weight 0 needs no rows."""
+    for name, weight in weights.items():
+        if weight > 0 and not pools.get(name):
+            rows = sum(t.domain == name for t in tasks)
+            which = "its only row is split 'eval' or repeats" if rows == 1 else f"all its {rows} rows are split 'eval' or repeat"
+            problem = (f"has no rows of domain {name!r}" if not rows else
+                       f"has no train tasks of domain {name!r} ({which} an eval task's id or prompt)")
+            raise UserError("taskgen.task_file", path, f"{problem}, which has weight {weight:g} {when}",
+                            f"add train rows of domain {name!r} to the file, or give it weight 0 (taskgen.domain_weights "
+                            "or the curriculum step) or remove it from 'domains'")
+
+
+def check_task_file(source: str, domains: list[str]) -> list[Task]:
     """Every row of a recipe's task file, as taskgen will read it, before any work: a bad
     row is one UserError at the orchestrator's preflight, not a failed taskgen after the
     bootstrap. Prompt lengths are counted in characters here; taskgen counts the policy's
-    tokens. No task file (``""``) is nothing to check."""
-    if source:
-        check_domains(load_tasks(source), domains, source)
+    tokens. No task file (``""``) is nothing to check. The tasks ([] without a file), for
+    ``check_weighted`` once the iterations to run are known."""
+    if not source:
+        return []
+    tasks = load_tasks(source)
+    check_domains(tasks, domains, source)
+    return tasks

@@ -7,7 +7,9 @@ editing the file re-runs taskgen) instead of generated: each domain's share is d
 without replacement while the file has enough tasks of it, then with replacement (a
 repeat gets its own id, ``<task_id>~r<k>``, so it is a group of its own; k is bumped past
 any id the file already holds). Rows marked ``split: "eval"`` are never trained on, nor
-are train rows with an eval row's id or prompt; a file of eval rows only is a UserError.
+are train rows with an eval row's id or prompt; a file of eval rows only is a UserError,
+and so is a domain weighted above 0 in this iteration that has no train rows left in the
+file (its share would silently go to the other domains; a domain of weight 0 needs none).
 
 It draws ``round(tasks_per_iteration * oversample)`` tasks (``taskgen.oversample``, 1 by
 default): the surplus is what ``trainer.dynamic_sampling`` refills from. Within a domain
@@ -54,8 +56,8 @@ from components.core.records import Task
 from components.core.seeds import rng
 from components.core.storage import sha256_bytes
 from components.domains import registry
-from components.domains.base import TooFewTasks, excluded, exclusion
-from components.domains.taskfile import check_domains, load_tasks, read_bytes
+from components.domains.base import TooFewTasks, exclusion
+from components.domains.taskfile import check_domains, check_weighted, load_tasks, read_bytes, train_pools
 from components.evalsuite.score import tagged_rates
 from components.evalsuite.suite import eval_tasks
 from components.taskgen import curriculum
@@ -147,25 +149,24 @@ def from_file(path: str, domains: list[str], weights: dict[str, float], total: i
     each domain's share is split across the difficulties its rows have. ``count`` gives
     the ``context_tokens`` of rows that do not state it. Rows marked ``split: "eval"`` are
     left out, and so are train rows sharing an id or prompt with one of them (as with the
-    eval suite's tasks); a file holding only eval rows is a UserError."""
-    pools: dict[str, list[Task]] = defaultdict(list)
+    eval suite's tasks); a file holding only eval rows is a UserError, and so is a domain
+    of weight > 0 without train rows (``taskfile.check_weighted``)."""
     loaded = load_tasks(path, count)
     check_domains(loaded, domains, path)
     held_out = [t for t in loaded if t.split == "eval"]
     if len(held_out) == len(loaded):
         raise UserError("taskgen.task_file", path, f"has split 'eval' on every row ({len(loaded)}), and eval rows "
                         "are never trained on", "mark the rows to train on split 'train' (or leave split out)")
-    exclude = exclude | exclusion(held_out)
-    for t in loaded:
-        # never train on an eval task: by id, and by prompt for a row that names its own id
-        if t.split == "train" and not excluded(t, exclude):
-            pools[t.domain].append(t)
-    present = [d for d in domains if pools[d] and weights.get(d, 0.0) > 0]
+    # never train on an eval task: by id, and by prompt for a row that names its own id
+    pools = train_pools(loaded, exclude)
+    present = [d for d in domains if pools.get(d) and weights.get(d, 0.0) > 0]
     if not present:
         wanted = sorted(d for d in domains if weights.get(d, 0.0) > 0)
         raise UserError("taskgen.task_file", path, f"has no train tasks for the weighted domains {wanted}",
                         "add tasks of those domains (rows marked split 'eval' and tasks equal to eval tasks are "
                         "skipped) or change the weights")
+    # a weighted domain without rows: its share silently went to the others
+    check_weighted(loaded, pools, {d: weights.get(d, 0.0) for d in domains}, path)
     taken = {t.task_id for t in loaded}  # a repeat's id must be none of these
     tasks: list[Task] = []
     for name, n in domain_counts(present, weights, total).items():

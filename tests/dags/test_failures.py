@@ -200,7 +200,7 @@ GOOD_ROW = '{"domain": "arithmetic", "prompt": "1+1=", "reference": {"answer": "
 
 @pytest.mark.parametrize(("content", "needles"), [
     (GOOD_ROW + "{bad json\n", ["line 2='{bad json'", "not valid JSON"]),
-    ('{"domain": "arithmetic", "prompt": "1+1="}\n', ["row 0", "reference"]),
+    ('{"domain": "arithmetic", "prompt": "1+1="}\n', ["line 1", "reference"]),
     ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n',
      ["has tasks of domain 'math', which is not in 'domains'", "fix: add 'math' to 'domains'"]),
 ])

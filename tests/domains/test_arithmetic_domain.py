@@ -22,6 +22,9 @@ TASK = make_task("arithmetic", "eval", 3, "47+38=", {"answer": "85"})
         ("8 5", 1.0, 1.0),  # spaces inside are ignored
         ("84", 0.0, 1.0),
         ("-85", 0.0, 1.0),
+        ("+85", 1.0, 1.0),  # a leading '+', as the math domain reads one (before: not well formed, 0)
+        ("+-85", 0.0, 0.0),
+        ("++85", 0.0, 0.0),
         ("085", 1.0, 1.0),  # the same integer
         ("85.0", 0.0, 0.0),  # not an integer
         ("eighty-five", 0.0, 0.0),

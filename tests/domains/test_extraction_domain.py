@@ -27,6 +27,12 @@ TRAP = task("Q1 est rev 300 rev 412 cost 120\nrev?\n", ["rev"], ["412"], trap=Tr
     (ONE, " 30 ", 1.0),
     (ONE, "$30", 1.0),
     (ONE, "30.0", 1.0),
+    (ONE, "30.00", 1.0),  # compared as numbers: before, only one trailing ".0" was dropped ("30." scored 0)
+    (ONE, "30.000", 1.0),
+    (ONE, "$$30", 0.0),  # one leading '$' only: "$$$412" was read as 412
+    (ONE, "$$$30", 0.0),
+    (ONE, "3e1", 0.0),  # no exponents
+    (ONE, "30.01", 0.0),
     (ONE, "31", 0.0),
     (ONE, "30,30", 0.5),  # padding with a second value does not pay
     (TWO, "412,30", 1.0),
@@ -78,12 +84,40 @@ def test_generated_traps_defeat_the_first_occurrence_shortcut():
                               "from its first line; write the value on one line without them")),
     (["4\t12"], ("answer[0]", "is '4\\t12', which holds a control character (newline, tab, ...): a completion is read "
                               "from its first line; write the value on one line without them")),
-    ([" $ "], ("answer[0]", "is ' $ ', which is empty once spaces, a leading '$' and a trailing '.0' are dropped, so no "
-                            "value matches it; write the value (e.g. '412')")),
-    ([""], ("answer[0]", "is '', which is empty once spaces, a leading '$' and a trailing '.0' are dropped, so no value "
-                         "matches it; write the value (e.g. '412')")),
+    ([" $ "], ("answer[0]", "is ' $ ', which is empty once spaces and a leading '$' are dropped, so no value "
+                            "matches it; write the value (e.g. '412')")),
+    ([""], ("answer[0]", "is '', which is empty once spaces and a leading '$' are dropped, so no value matches "
+                         "it; write the value (e.g. '412')")),
 ])
 def test_an_answer_no_completion_can_match_is_refused(answer, problem):
     """Before, these loaded; "1,000" and "41\\n2" then scored 0 whatever the completion."""
     assert EXTRACTION.reference_problem({"fields": ["rev"] * len(answer), "answer": answer}) == problem
     assert EXTRACTION.reference_problem({"fields": ["rev"], "answer": ["$1000.0"]}) is None
+
+
+@pytest.mark.parametrize(("answer", "completion", "score"), [
+    (["412"], "412.00", 1.0),
+    (["412"], "412.000", 1.0),
+    (["2.50"], "2.5", 1.0),  # before, a task file's "2.50" failed the completion "2.5" and vice versa
+    (["2.5"], "2.50", 1.0),
+    (["$412.00"], "412", 1.0),
+    (["2.50"], "2.05", 0.0),
+    (["412"], "$$$412", 0.0),
+    (["Q3"], "Q3", 1.0),  # not a number: compared as text
+    (["Q3"], "q3", 0.0),
+])
+def test_numbers_are_compared_as_decimals(answer, completion, score):
+    t = task("Q1 rev 412 cost 120 tax 30\nrev?\n", ["rev"], answer)
+    assert EXTRACTION.reference_problem(t.reference) is None
+    assert EXTRACTION.verify(t, completion, None).score == score
+
+
+def test_a_huge_number_is_compared_as_text_in_bounded_time():
+    import time
+
+    t = task("Q1 rev 412\nrev?\n", ["rev"], ["1" * 200])  # a reference value has at most 256 characters
+    start = time.perf_counter()
+    assert EXTRACTION.verify(t, "1" * 200 + ".00", None).score == 1.0
+    assert EXTRACTION.verify(t, "1" * 1_000_000, None).score == 0.0  # past the bound: compared as text, never parsed
+    assert EXTRACTION.verify(t, "1" * 200 + "." + "0" * 1_000_000, None).score == 0.0
+    assert time.perf_counter() - start < 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -75,7 +76,7 @@ def test_wrong_shaped_reference_is_one_error_naming_task_and_field(tmp_path, cap
     path = write(tmp_path, "tasks.jsonl", json.dumps(row) + "\n")
     with pytest.raises(UserError) as err:
         load_tasks(path)
-    assert "row 0" in err.value.field and f"reference.{field}" in err.value.field, err.value.line()
+    assert f"{path} line 1" in err.value.field and f"reference.{field}" in err.value.field, err.value.line()
     assert domain in err.value.problem
     code, _ = verify(tmp_path, capsys, domain, json.dumps(row), "1")
     assert code == 2
@@ -190,7 +191,7 @@ def test_verify_reads_a_task_file_no_further_than_row_0(tmp_path, capsys, monkey
     assert code in (0, None) and json.loads(capsys.readouterr().out)["score"] == 1.0
     assert parsed == [first]
     assert len(taskfile.read_rows(jsonl, limit=1)) == 1
-    with pytest.raises(UserError, match="task file line 3"):
+    with pytest.raises(UserError, match=f"{re.escape(jsonl)} line 3="):
         taskfile.read_rows(jsonl)  # every row is still read where every row is used
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"domain": ["math"] * 3, "prompt": ["1+1=", "2+2=", "3+3="],

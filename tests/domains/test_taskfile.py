@@ -35,16 +35,16 @@ def test_jsonl_and_parquet_load_the_same_tasks(tmp_path):
 
 @pytest.mark.parametrize(("content", "field", "problem"), [
     ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n{"domain": "chess"}',
-     "row 1: prompt", "missing required task field"),
-    ('{"domain": "chess", "prompt": "e4", "reference": {}}', "row 0: domain", "unknown domain"),
-    ('{"domain": "math", "prompt": "1+1=", "reference": "2"}', "row 0: reference", "must be an object"),
-    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "difficulty": 0}', "row 0: difficulty",
+     "line 2: prompt", "missing required task field"),
+    ('{"domain": "chess", "prompt": "e4", "reference": {}}', "line 1: domain", "unknown domain"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": "2"}', "line 1: reference", "must be an object"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "difficulty": 0}', "line 1: difficulty",
      "must be an integer >= 1"),
-    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "split": "test"}', "row 0: split", "unknown split"),
-    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "promt": "x"}', "row 0: promt",
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "split": "test"}', "line 1: split", "unknown split"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}, "promt": "x"}', "line 1: promt",
      "unknown task field"),
     ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n'
-     '{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}', "row 1: task_id", "duplicates row 0"),
+     '{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}', "line 2: task_id", "duplicates line 1"),
     ('[1, 2', "line 1", "not valid JSON"),
     ("", "task file", "holds no tasks"),
 ])
@@ -100,7 +100,7 @@ def test_a_reference_json_string_past_a_bound_says_which(tmp_path, reference, pr
     path.write_text(json.dumps({"domain": "math", "prompt": "1+1=", "reference": reference}))
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert (err.value.field, err.value.problem) == (f"{path} row 0: reference", problem)
+    assert (err.value.field, err.value.problem) == (f"{path} line 1: reference", problem)
 
 
 def test_a_row_whose_prompt_hides_its_reference_gets_an_id_of_both(tmp_path):
@@ -121,4 +121,32 @@ def test_a_row_whose_prompt_hides_its_reference_gets_an_id_of_both(tmp_path):
     path.write_text(json.dumps(row("a", "yes")))
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert (err.value.field, err.value.value) == (f"{path} row 0: metadata.hidden_reference", "yes")
+    assert (err.value.field, err.value.value) == (f"{path} line 1: metadata.hidden_reference", "yes")
+
+
+@pytest.mark.parametrize(("second", "field", "problem"), [
+    ('{"domain": "math",', "line 3", "not valid JSON"),
+    ('{"domain": "mth", "prompt": "2+2=", "reference": {"answer": "4"}}', "line 3: domain", "unknown domain"),
+    ('{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}', "line 3: task_id", "duplicates line 2"),
+])
+def test_a_jsonl_problem_names_the_file_and_its_line(tmp_path, second, field, problem):
+    """A syntax error's message named no file ("task file line 2"), and a schema error
+    counted rows from 0 over the non-blank lines ("row 1" for the row on line 3)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('\n{"domain": "math", "prompt": "1+1=", "reference": {"answer": "2"}}\n' + second + "\n")
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.field == f"{path} {field}" and err.value.problem.startswith(problem)
+
+
+def test_json_and_parquet_rows_keep_their_0_based_index(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([ROWS[0], {**ROWS[0], "domain": "mth"}]))
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert err.value.field == f"{path} row 1: domain"
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{**ROWS[0], "reference": '{"answer": "7"}'}] * 2), parquet)
+    with pytest.raises(UserError) as err:
+        load_tasks(str(parquet))
+    assert (err.value.field, err.value.problem) == (f"{parquet} row 1: task_id", "duplicates row 0")

@@ -94,7 +94,7 @@ def test_a_bad_row_0_of_a_large_jsonl_file_ends_the_load_there(tmp_path, monkeyp
     monkeypatch.setattr(taskfile, "loads", lambda text: parsed.append(text) or real(text))
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert str(err.value) == (f"{path} row 0='[]': a task must be a JSON object; "
+    assert str(err.value) == (f"{path} line 1='[]': a task must be a JSON object; "
                               "fix: write an object with ['domain', 'prompt', 'reference']")
     assert parsed == ["[]"]
 
@@ -227,6 +227,70 @@ def test_a_terminal_expected_entry_longer_than_a_reference_text_names_the_limit(
                                 "reference": {"start": {}, "expected": {"d": "d" * (MAX_REFERENCE_CHARS + 1)}}}) + "\n")
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert err.value.field == f"{path} row 0: reference.expected['d']"
+    assert err.value.field == f"{path} line 1: reference.expected['d']"
     assert err.value.value == "d" * 80 + "..."
     assert err.value.problem == "is 10,001 characters, more than 10,000 (the longest text a reference holds) for domain terminal"
+
+
+# -- Parquet values Python cannot represent, columns given twice --------------------------------
+
+
+def _parquet_with_metadata(path: Path, metadata) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_arrays(
+        [pa.array(["math", "math"]), pa.array(["1+1=", "2+2="]), pa.array(['{"answer": "2"}', '{"answer": "4"}']), metadata],
+        names=["domain", "prompt", "reference", "metadata"]), path)
+    return str(path)
+
+
+def _unrepresentable(kind: str, row: int):
+    """A metadata column whose value in ``row`` (0 or 1) has no Python form."""
+    import pyarrow as pa
+
+    if kind == "duplicate-field":  # no row of it converts
+        return pa.StructArray.from_arrays([pa.array(["a", "b"]), pa.array(["c", "d"])], names=["tag", "tag"])
+    typ, bad = {"timestamp-past-9999": (pa.timestamp("s"), 10**13), "date-past-9999": (pa.date32(), 2**31 - 1),
+                "unknown-time-zone": (pa.timestamp("s", tz="Mars/Olympus"), 1)}[kind]
+    values = [{"when": None}, {"when": None}]
+    values[row] = {"when": bad}
+    return pa.array(values, pa.struct([("when", typ)]))
+
+
+@pytest.mark.parametrize(("kind", "fix"), [
+    ("timestamp-past-9999", "store dates and times as ISO 8601 strings"),
+    ("date-past-9999", "store dates and times as ISO 8601 strings"),
+    ("unknown-time-zone", "store dates and times as ISO 8601 strings"),
+    ("duplicate-field", "give each field of the struct its own name"),
+])
+def test_a_parquet_value_python_cannot_represent_is_one_error_naming_file_row_and_column(tmp_path, capsys, kind, fix):
+    """Before, converting the batch to Python raised OverflowError, ArrowInvalid or
+    ValueError outside the Parquet ``try``: a traceback and exit 1 from ``load_tasks``,
+    ``posttrain verify --task`` and the run's preflight."""
+    path = _parquet_with_metadata(tmp_path / "t.parquet", _unrepresentable(kind, 1))
+    with pytest.raises(UserError) as err:
+        load_tasks(path)
+    assert err.value.field == (f"{path} row 0: metadata" if kind == "duplicate-field" else f"{path} row 1: metadata")
+    assert err.value.problem.startswith("holds a value Python cannot represent (")
+    assert err.value.fix.startswith(fix)
+    path = _parquet_with_metadata(tmp_path / "first.parquet", _unrepresentable(kind, 0))  # verify reads row 0
+    line = error_line(capsys, verify(tmp_path, path))
+    assert line.startswith(f"posttrain: error: {path} row 0: metadata=") and "cannot represent" in line
+
+
+def test_a_parquet_column_given_twice_is_refused_naming_it(tmp_path, capsys):
+    """Before, the second ``reference`` column silently won (JSON refuses a key given twice)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["math"]), pa.array(["1+1="]), pa.array(['{"answer": "2"}']),
+                                         pa.array(['{"answer": "3"}'])],
+                                        names=["domain", "prompt", "reference", "reference"]), path)
+    with pytest.raises(UserError) as err:
+        load_tasks(str(path))
+    assert (err.value.field, err.value.value, err.value.problem) == (
+        "task file", str(path), "has the column 'reference' twice")
+    assert error_line(capsys, verify(tmp_path, str(path))).startswith(
+        f"posttrain: error: task file='{path}': has the column 'reference' twice; fix: keep one of them")

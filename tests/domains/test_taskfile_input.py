@@ -129,7 +129,7 @@ def test_a_lone_surrogate_anywhere_in_a_row_is_named(tmp_path, text, field, valu
     path.write_text(text + "\n")
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert (err.value.field, err.value.value) == (f"{path} row 0: {field}", value)
+    assert (err.value.field, err.value.value) == (f"{path} line 1: {field}", value)
     assert err.value.problem.startswith("is not valid Unicode text")
 
 
@@ -210,7 +210,7 @@ def test_a_newline_in_the_task_file_path_stays_on_one_line(tmp_path, capsys):
     with pytest.raises(UserError) as err:  # load_tasks' duplicate-id message names the path the same way
         path.write_text((json.dumps(ROW) + "\n") * 2)
         load_tasks(str(path))
-    assert err.value.field == f"{tmp_path}/a\\nb/t.jsonl row 1: task_id"
+    assert err.value.field == f"{tmp_path}/a\\nb/t.jsonl line 2: task_id"
 
 
 def test_an_s3_task_file_is_read_one_byte_past_the_limit_at_most(s3_env, monkeypatch) -> None:
@@ -282,7 +282,7 @@ def test_a_terminal_start_state_the_sandbox_cannot_lay_out_is_refused(tmp_path, 
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert err.value.field.startswith(f"{path} row 0: reference.{field}")
+    assert err.value.field.startswith(f"{path} line 1: reference.{field}")
     assert err.value.problem.startswith(problem)
 
 
@@ -317,7 +317,7 @@ def test_a_terminal_mode_flag_that_is_not_a_boolean_is_named_with_its_value(tmp_
     row = {"domain": "terminal", "prompt": "p", "metadata": {"interactive": "no"},
            "reference": {"start": {"a": "file:x"}, "expected": {"a": "file:x"}}}
     assert refused_line(tmp_path, row) == (
-        f"{tmp_path}/t.jsonl row 0: metadata.interactive='no': must be true or false without quotes (a JSON boolean: the string "
+        f"{tmp_path}/t.jsonl line 1: metadata.interactive='no': must be true or false without quotes (a JSON boolean: the string "
         "'no' would turn the mode on) for domain terminal; fix: see the metadata keys in components/domains/terminal.py")
     row["metadata"] = {"interactive": False, "multi_step": True}
     assert load_tasks(written(tmp_path, row))[0].metadata == {"interactive": False, "multi_step": True}
@@ -329,7 +329,7 @@ def test_a_trap_flag_that_is_not_a_boolean_is_named_with_its_value(domain, tmp_p
     reference = {"answer": "7"} if domain == "math" else {"start": {"a": "file:x"}, "expected": {"a": "file:x"}}
     row = {"domain": domain, "prompt": "p", "metadata": {"trap": "no"}, "reference": reference}
     assert refused_line(tmp_path, row) == (
-        f"{tmp_path}/t.jsonl row 0: metadata.trap='no': must be true or false without quotes (a JSON boolean: the eval reports "
+        f"{tmp_path}/t.jsonl line 1: metadata.trap='no': must be true or false without quotes (a JSON boolean: the eval reports "
         "would count the string 'no' as a trap task); fix: write true or false, or leave the key out")
     row["metadata"] = {"trap": False}
     assert load_tasks(written(tmp_path, row))[0].metadata == {"trap": False}
@@ -339,7 +339,7 @@ def test_an_extraction_answer_no_completion_matches_is_named_with_its_value(tmp_
     """Before, ``"1,000"`` loaded, and every completion scored 0 (a completion is split at commas)."""
     row = {"domain": "extraction", "prompt": "Q1 rev 1000\nrev?\n", "reference": {"fields": ["rev"], "answer": ["1,000"]}}
     assert refused_line(tmp_path, row) == (
-        f"{tmp_path}/t.jsonl row 0: reference.answer[0]='1,000': is '1,000', which holds a ',': a completion is split at commas, so "
+        f"{tmp_path}/t.jsonl line 1: reference.answer[0]='1,000': is '1,000', which holds a ',': a completion is split at commas, so "
         "it never matches; write the number without separators (1,000 as 1000) for domain extraction; fix: see the "
         "reference shape in components/domains/extraction.py")
 
@@ -361,7 +361,7 @@ def test_a_falsy_or_control_character_field_is_named_not_defaulted(tmp_path, fie
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(UserError) as err:
         load_tasks(str(path))
-    assert err.value.field == f"{path} row 0: {field}" and err.value.problem.startswith(problem)
+    assert err.value.field == f"{path} line 1: {field}" and err.value.problem.startswith(problem)
 
 
 def test_a_task_id_of_0_is_the_id_0(tmp_path):

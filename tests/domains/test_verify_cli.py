@@ -118,3 +118,12 @@ def test_a_verifier_component_that_is_nan_prints_valid_json(tmp_path, capsys, mo
     out = json.loads(text, parse_constant=lambda name: pytest.fail(f"printed {name}"))
     assert code == 0 and "NaN" not in text
     assert (out["status"], out["score"], out["components"]) == ("verifier_error", 0.0, {})
+
+
+def test_a_jsonl_task_is_named_by_its_line(tmp_path, capsys):
+    """As ``load_tasks`` names a JSON Lines row (1-based, blank lines counted), not ``row 0``."""
+    task = write(tmp_path, "t.jsonl", '\n{"domain": "math", "prompt": "1+1="}\n')
+    code = main(["verify", "--domain", "math", "--task", task, "--completion", write(tmp_path, "c.txt", "2")])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert line.startswith(f"posttrain: error: {task} line 2: reference=")

@@ -80,9 +80,9 @@ def test_taskgen_samples_from_the_task_file(tmp_path):
                                                                              "max_side": 1000, "solution": [2, 2, 2]}}]
     path = tmp_path / "mine.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    tasks = run_taskgen(tmp_path, recipe(task_file=str(path), domain_weights={"math": 3.0}), 1)
+    tasks = run_taskgen(tmp_path, recipe(task_file=str(path), domain_weights={"math": 3.0, "arithmetic": 0.0}), 1)
     by = Counter(t.domain for t in tasks)
-    assert by == {"math": 15, "structured": 5}  # arithmetic has no rows in the file: its share is redistributed
+    assert by == {"math": 15, "structured": 5}  # arithmetic, weight 0, needs no rows in the file
     assert {t.prompt for t in tasks if t.domain == "math"} == {r["prompt"] for r in rows[:6]}  # all 6, then repeats
     assert all(t.split == "train" for t in tasks)
     # A repeat is its own GRPO group: the same task drawn twice had the same id, so its
@@ -196,3 +196,82 @@ def test_more_tasks_than_a_domain_has_is_a_user_error_naming_the_recipe_field(mo
     assert (err.value.field, err.value.value, err.value.problem, err.value.fix) == (
         "taskgen.tasks_per_iteration", 5, "domain arithmetic gave only 3 distinct train tasks outside the eval suite",
         "ask for fewer tasks of arithmetic (lower tasks_per_iteration, oversample or its domain weight)")
+
+
+NO_ROWS_FIX = ("add train rows of domain 'arithmetic' to the file, or give it weight 0 (taskgen.domain_weights or the "
+               "curriculum step) or remove it from 'domains'")
+
+
+def test_a_weighted_domain_without_rows_in_the_task_file_is_a_user_error(tmp_path):
+    """Before, its share silently went to the other domains: arithmetic weight 3, math 1,
+    and a math-only file gave 40 math tasks (each row 4 times) without a word."""
+    path = rows_file(tmp_path, [math_row(i) for i in range(30, 40)])
+    with pytest.raises(UserError) as err:
+        taskgen.from_file(path, ["math", "arithmetic"], {"math": 1.0, "arithmetic": 3.0}, 40, random.Random(0), set())
+    assert (err.value.field, err.value.value, err.value.problem, err.value.fix) == (
+        "taskgen.task_file", path, "has no rows of domain 'arithmetic', which has weight 3 in this iteration", NO_ROWS_FIX)
+
+
+def test_a_domain_of_weight_0_needs_no_rows(tmp_path):
+    path = rows_file(tmp_path, [math_row(i) for i in range(30, 40)])
+    tasks = taskgen.from_file(path, ["math", "arithmetic"], {"math": 1.0, "arithmetic": 0.0}, 10, random.Random(0), set())
+    assert Counter(t.domain for t in tasks) == {"math": 10}
+
+
+def test_a_weighted_domain_whose_rows_are_all_eval_tasks_is_a_user_error(tmp_path):
+    """Rows held out (split "eval") or equal to an eval-suite task are never trained on:
+    a domain with only those has no train tasks."""
+    arith = {"domain": "arithmetic", "prompt": "40+2=", "reference": {"answer": "42"}}
+    path = rows_file(tmp_path, [math_row(30), {**arith, "split": "eval"}])
+    with pytest.raises(UserError) as err:
+        taskgen.from_file(path, ["math", "arithmetic"], {"math": 1.0, "arithmetic": 1.0}, 4, random.Random(0), set())
+    assert err.value.problem == ("has no train tasks of domain 'arithmetic' (its only row is split 'eval' or repeats an "
+                                 "eval task's id or prompt), which has weight 1 in this iteration")
+    path = rows_file(tmp_path, [math_row(30), arith, {**arith, "prompt": "41+2=", "reference": {"answer": "43"}}])
+    from components.domains.base import exclusion
+    from components.domains.taskfile import load_tasks
+
+    suite = exclusion([t for t in load_tasks(path) if t.domain == "arithmetic"])  # as if the eval suite held them
+    with pytest.raises(UserError) as err:
+        taskgen.from_file(path, ["math", "arithmetic"], {"math": 1.0, "arithmetic": 1.0}, 4, random.Random(0), suite)
+    assert err.value.problem.startswith("has no train tasks of domain 'arithmetic' (all its 2 rows are split 'eval'")
+
+
+def test_taskgen_refuses_a_weighted_domain_the_task_file_lacks(tmp_path):
+    """Through the stage, with the curriculum's weights of the iteration: arithmetic alone
+    in iterations 1-2 (the file has no arithmetic row), math and arithmetic in 3-4."""
+    path = rows_file(tmp_path, [math_row(i) for i in range(30, 40)])
+    r = recipe(task_file=path, curriculum=[{"until": 2, "weights": {"math": 1.0}},
+                                           {"until": 4, "weights": {"arithmetic": 1.0, "math": 3.0}}],
+               domain_weights={"arithmetic": 0.0, "structured": 0.0})
+    assert Counter(t.domain for t in run_taskgen(tmp_path, r, 2)) == {"math": 20}
+    with pytest.raises(UserError) as err:
+        run_taskgen(tmp_path, r, 3)
+    assert err.value.problem == "has no rows of domain 'arithmetic', which has weight 1 in this iteration"
+
+
+def test_run_preflight_refuses_a_weighted_domain_the_task_file_lacks(tmp_path, monkeypatch):
+    """``posttrain run`` checks the task file before any work: each iteration left to run
+    whose weights give a domain without rows is refused then, not at that iteration's
+    taskgen; iterations already finished are not checked."""
+    from types import SimpleNamespace
+
+    from dags import orchestrate
+
+    monkeypatch.setattr(orchestrate, "preflight", SimpleNamespace(**{name: lambda *a, **k: None for name in (
+        "tracking_uri", "tracking_vs_run_root", "task_file", "policy_source", "registry_owner", "registered_here")}))
+    path = rows_file(tmp_path, [math_row(i) for i in range(30, 40)])
+    r = recipe(task_file=path, curriculum=[{"until": 2, "weights": {"math": 1.0}},
+                                           {"until": 4, "weights": {"arithmetic": 1.0, "math": 3.0}}],
+               domain_weights={"arithmetic": 0.0, "structured": 0.0})
+    store = Store(str(tmp_path / "store"))
+    orchestrate.check_before_run(r, store, sandbox_here=False, iterations=2)  # iterations 1-2: math only
+    with pytest.raises(UserError) as err:
+        orchestrate.check_before_run(r, store, sandbox_here=False, iterations=9)
+    assert (err.value.field, err.value.problem, err.value.fix) == (
+        "taskgen.task_file", "has no rows of domain 'arithmetic', which has weight 1 in iterations 3-4", NO_ROWS_FIX)
+    monkeypatch.setattr(orchestrate, "finished", lambda store, pipeline: [1, 2, 3])
+    with pytest.raises(UserError, match="which has weight 1 in iteration 4;"):
+        orchestrate.check_before_run(r, store, sandbox_here=False, iterations=9)
+    monkeypatch.setattr(orchestrate, "finished", lambda store, pipeline: [1, 2, 3, 4])
+    orchestrate.check_before_run(r, store, sandbox_here=False, iterations=9)  # 3-4 finished: 5-9 weigh arithmetic 0
