@@ -16,8 +16,8 @@ compared as a check that both paths compute the same thing. Tokens/s counts trai
 step times. On a shared machine wall-clock rates swing with its load; the rates per CPU
 second of this process (one torch thread) are printed beside them.
 
-    python benchmarks/trainer/packing.py           # full run, writes packing_results.md/json here
-    python benchmarks/trainer/packing.py --quick   # smoke run (< 1 minute), writes nothing
+    python benchmarks/trainer/packing.py [--out DIR]   # full run, writes packing_results.md/json here (or into DIR)
+    python benchmarks/trainer/packing.py --quick [--out DIR]   # smoke run (< 1 minute), writes nothing unless --out
 
 Not covered: GPUs (the packed path's attention is sdpa with a block-diagonal mask, not a
 varlen flash kernel), other model sizes, and the rest of the trainer stage (loading,
@@ -120,12 +120,16 @@ def layout(batches: list) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats of 1 step (the warm-up batch), no results files")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 2 repeats of 1 step (the warm-up batch); writes results only with --out")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats (full run)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per repeat and path (full run)")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default=None, help="folder for packing_results.json/.md (default: beside this script; "
+                    "with --quick: none written unless given)")
     args = ap.parse_args()
     repeats, steps = (2, 1) if args.quick else (args.repeats, args.steps)
+    out_dir = Path(args.out) if args.out else (None if args.quick else HERE)
 
     import torch
     import transformers
@@ -184,7 +188,7 @@ def main() -> None:
     print("| path | best tokens/s | median tokens/s |\n|---|---:|---:|")
     for m in ("packed", "padded"):
         print(f"| {m} | {best[m]:.0f} | {median[m]:.0f} |")
-    if not args.quick:
+    if out_dir is not None:
         results = {
             "date": dt.date.today().isoformat(), "machine": platform.machine(), "processor": platform.processor(),
             "cpus": os.cpu_count(), "load_average_before_after": load,
@@ -201,10 +205,11 @@ def main() -> None:
             "ratio_median_cpu_time": round(ratio_cpu, 3), "goal_ratio": 1.3,
             "provenance": provenance(torch.get_num_threads(), *load),
         }
-        (HERE / "packing_results.json").write_text(json.dumps(results, indent=2) + "\n")
-        (HERE / "packing_results.md").write_text(
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "packing_results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (out_dir / "packing_results.md").write_text(
             f"# Trainer: packed vs padded micro-batches\n\n"
-            f"`python benchmarks/trainer/packing.py`, {results['date']}, {results['machine']}, torch "
+            f"`python benchmarks/trainer/packing.py{' --quick' if args.quick else ''}`, {results['date']}, {results['machine']}, torch "
             f"{results['torch']} on {results['torch_threads']} thread, transformers {results['transformers']}. "
             f"Demo shapes: {results['model']}; {PROMPTS_PER_STEP} groups x {GROUP} completions (up to "
             f"{MAX_NEW_TOKENS} tokens) of {', '.join(DOMAINS)} tasks per step; micro_batch_size {MICRO_BATCH}. "

@@ -7,6 +7,7 @@ checked instead (one line, exit status 2).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -43,3 +44,5 @@ def test_one_iteration_with_vllm_rollout_and_bf16_fsdp_trainer(tmp_path):
     match = re.fullmatch(r"gpu check: rollout (\d+) tok/s, trainer (\d+) tok/s, MFU (\d+\.\d)%", line)
     assert match, line
     assert int(match[1]) > 0 and int(match[2]) > 0 and float(match[3]) > 0.0
+    provenance = json.loads((tmp_path / "check.json").read_text()).get("provenance")  # benchmarks/provenance.py
+    assert isinstance(provenance, dict) and "commit" in provenance, provenance
