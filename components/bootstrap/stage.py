@@ -12,7 +12,8 @@ target_high]``, or above it: then the overshoot rule below picks the snapshot)
 ``max(0.05, target_high - pass rate)`` from the last check, so weak domains get the steps) — SFT
 accuracy jumps suddenly, so it checks often and keeps the previous snapshot when a jump
 overshoots, whichever lies closer to the band. The result is saved in Hugging Face
-format, scored on the fixed eval suite, registered as a version of
+format, scored on the fixed eval suite (its facts record the settings it was scored under,
+``evalsuite.suite.eval_settings``, for promotion to compare like for like), registered as a version of
 ``<pipeline>-policy`` and aliased ``champion`` and ``candidate``. A re-run (after its
 ``bootstrap``, ``evaluation``, ``rollout`` or ``sandbox`` section, the domains or the code
 version changed) moves no alias while the champion's line (``models.lineage_root``)
@@ -72,7 +73,7 @@ from components.domains.base import exclusion
 from components.evalsuite.decision import record_decision, unpaired
 from components.evalsuite.episodes import episode_example
 from components.evalsuite.score import eval_tags, evaluate_and_log
-from components.evalsuite.suite import eval_tasks, pass_rates, run_suite
+from components.evalsuite.suite import eval_settings, eval_tasks, pass_rates, run_suite
 from components.sandbox.executor import get_executor
 
 SECTIONS = ("model", "bootstrap", "evaluation", "rollout", "sandbox")
@@ -316,6 +317,7 @@ def run(ctx: StageContext) -> dict[str, float]:
         models.set_alias(ctx.pipeline, "candidate", version, run_root=ctx.store.uri)
         moved = f" (was version {champion[0]}, trained from another model)" if champion and champion[0] != version else ""
         say(f"{scores} | registered version {version} as champion{moved}")
-    ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst)
+    ctx.facts = Scored(checkpoint_uri=uri, version=version, pass_rates=rates, weakest_slice=worst,
+                       eval_settings=eval_settings(recipe))  # what evaluation's promotion checks its own against
     metrics.update({f"{d}/pass_at_1": v for d, v in rates.items()})
     return metrics

@@ -104,6 +104,9 @@ class Scored:
     version: str
     pass_rates: dict[str, float]
     weakest_slice: Slice | None
+    # The settings its eval results were scored under (``evalsuite.suite.eval_settings``);
+    # empty in manifests written before they were recorded (unknown: promotion re-scores).
+    eval_settings: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class Decision:
     # The rule that decided ("statistical" or "strict", see evaluation.promotion); "" in
     # manifests written before the rule was recorded (the strict rule decided those).
     rule: str = ""
+    # The settings the candidate's eval results were scored under, as on ``Scored``.
+    eval_settings: dict[str, str] = field(default_factory=dict)
+    # Why the baseline was re-scored in this stage (its ``baseline_eval_results``): the
+    # settings its own scoring differs in ("evaluation.max_new_tokens 32->256"); "" when not.
+    baseline_rescored: str = ""
 
 
 @cache

@@ -14,6 +14,15 @@ promotion rule pairs a candidate's results with them.
 ``log_pass_at_k(ctx, policy, k)`` samples k completions per eval task and returns the
 unbiased pass@k per domain (``evaluation.pass_k``; greedy pass@1 still decides).
 
+Every scoring records the settings it was scored under (``suite.eval_settings``) in its
+manifest's facts (``eval_settings`` of bootstrap's ``Scored``, evaluation's ``Decision``);
+``scoring_of`` reads them back (``Scoring.settings``, empty for manifests written before:
+unknown), and ``settings_changes`` says how they differ from the recipe's now. A baseline
+scored under other settings is re-scored by the evaluation stage (``rescore``) and its
+results written as that stage's ``baseline_eval_results`` with the record
+``baseline_eval`` (version, settings, suite), which a retried evaluation reuses
+(``earlier_rescore``) instead of generating again.
+
 Not covered: results of versions scored under another run root or by other tools.
 """
 
@@ -21,18 +30,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from components.core import models, tracking
 from components.core.context import StageContext, read_manifest, read_output_records
-from components.core.errors import UserError, exc_line
+from components.core.errors import InfraError, UserError, exc_line, outage
 from components.core.facts import Slice
 from components.core.manifest import Manifest, stage_prefix
+from components.core.policy import load_policy
 from components.core.progress import say
-from components.core.records import EvalResult
-from components.core.storage import Store
+from components.core.records import EvalResult, Task, from_table
+from components.core.storage import Store, parquet_table, sha256_bytes
 from components.evalsuite.report import log_layered
-from components.evalsuite.suite import eval_tasks, pass_rates, run_suite, sampled_pass_at_k
+from components.evalsuite.suite import eval_settings, eval_tasks, pass_rates, run_suite, sampled_pass_at_k
 from components.sandbox.executor import get_executor
 
 EVAL_TAG = "posttrain.eval."
@@ -112,6 +122,9 @@ class Scoring:
     version: str
     manifest: Manifest | None
     missing: str = ""
+    # The settings it was scored under (``suite.eval_settings``); empty when its manifest
+    # records none (written before they were recorded): unknown.
+    settings: dict[str, str] = field(default_factory=dict)
 
 
 def scoring_of(store: Store, pipeline: str, version: str) -> Scoring:
@@ -139,7 +152,26 @@ def scoring_of(store: Store, pipeline: str, version: str) -> Scoring:
     manifest = read_manifest(store, prefix)
     if manifest is None or "eval_results" not in manifest.outputs:
         return Scoring(version, None, f"no eval_results of version {version} under {store.url(prefix)}")
-    return Scoring(version, manifest)
+    return Scoring(version, manifest, settings=recorded_settings(manifest.info))
+
+
+def recorded_settings(info: dict) -> dict[str, str]:
+    """The ``eval_settings`` a manifest's facts record; {} (unknown) when they record none
+    or something that is not a mapping of names to JSON text (an edited manifest)."""
+    found = info.get("eval_settings") if isinstance(info, dict) else None
+    if not isinstance(found, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+        return {}
+    return dict(found)
+
+
+def settings_changes(recorded: dict[str, str], current: dict[str, str]) -> str:
+    """How the settings a scoring recorded differ from ``current`` (the recipe's now), as
+    "evaluation.max_new_tokens 32->256, rollout.prompt_format \"raw\"->\"chat\""; a
+    setting it did not record reads "unrecorded"; "" when they agree. A scoring with no
+    record at all: "its scoring recorded no eval settings"."""
+    if not recorded:
+        return "its scoring recorded no eval settings"
+    return ", ".join(f"{k} {recorded.get(k, 'unrecorded')}->{v}" for k, v in current.items() if recorded.get(k) != v)
 
 
 def scored_results(store: Store, scoring: Scoring) -> tuple[list[EvalResult], str]:
@@ -151,3 +183,56 @@ def scored_results(store: Store, scoring: Scoring) -> tuple[list[EvalResult], st
     if any(r.policy_version != scoring.version for r in rows):
         return [], f"the eval_results under {store.url(scoring.manifest.prefix)} are not version {scoring.version}'s"
     return rows, ""
+
+
+RESCORED = "baseline_eval_results"
+RESCORED_RECORD = "baseline_eval"
+
+
+def suite_digest(tasks: list[Task]) -> str:
+    """sha256 of the suite's tasks as scored (ids, prompts, references)."""
+    return sha256_bytes(json.dumps([[t.task_id, t.prompt, t.reference] for t in tasks], sort_keys=True,
+                                   default=str).encode())
+
+
+def rescore(ctx: StageContext, version: str, tasks: list[Task]) -> list[EvalResult]:
+    """Greedy results of registry version ``version`` of this pipeline on ``tasks`` under
+    the recipe's settings now (its checkpoint from the registry, its weights checked)."""
+    uri = models.resolve_model_uri(f"models:/{models.model_name(ctx.pipeline)}/{version}", f"baseline version {version}")
+    policy = load_policy(uri, version, field=f"baseline version {version}", prompt_format=ctx.recipe.rollout.prompt_format)
+    with get_executor(ctx.recipe.sandbox) as executor:
+        return run_suite(policy, tasks, ctx.recipe, executor, label=f"{ctx.stage} baseline eval")
+
+
+def _record(version: str, tasks: list[Task], settings: dict[str, str]) -> dict:
+    return {"version": version, "settings": settings, "suite": suite_digest(tasks)}
+
+
+def earlier_rescore(ctx: StageContext, version: str, tasks: list[Task]) -> list[EvalResult] | None:
+    """The re-scored results an earlier attempt of this stage left under its prefix (killed
+    before its manifest, or re-run), when its record ``baseline_eval`` names the same
+    version, settings and suite and the results still hold what it recorded; None otherwise."""
+    try:
+        record = ctx.store.read_json(f"{ctx.prefix}/{RESCORED_RECORD}.json")
+        if not isinstance(record, dict) or {k: record.get(k) for k in ("version", "settings", "suite")} != \
+                _record(version, tasks, eval_settings(ctx.recipe)):
+            return None
+        data = ctx.store.read_bytes(f"{ctx.prefix}/{RESCORED}.parquet")
+        if sha256_bytes(data) != record.get("results_sha256"):
+            return None
+        rows = from_table(EvalResult, parquet_table(data))
+    except Exception as exc:  # noqa: BLE001 - nothing (or nothing usable) there: score again
+        if isinstance(exc, InfraError) or outage(exc) is not None:
+            raise
+        return None
+    if [r.task_id for r in rows] != [t.task_id for t in tasks] or any(r.policy_version != version for r in rows):
+        return None
+    return rows
+
+
+def write_rescore(ctx: StageContext, version: str, tasks: list[Task], results: list[EvalResult], why: str) -> None:
+    """The re-scored baseline as this stage's outputs: ``baseline_eval_results`` and, after
+    it, the record ``baseline_eval`` that ``earlier_rescore`` checks."""
+    ctx.write_records(RESCORED, results, EvalResult)
+    record = _record(version, tasks, eval_settings(ctx.recipe))
+    ctx.write_json(RESCORED_RECORD, {**record, "why": why, "results_sha256": ctx.outputs[RESCORED].sha256})

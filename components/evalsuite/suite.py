@@ -23,11 +23,18 @@ Interactive tasks (``Domain.interactive``) are scored as greedy episodes
 (``components/evalsuite/episodes.py``), never as one-shot completions, and report as
 their own ``multi_turn`` slices; ``sampled_pass_at_k`` leaves them out.
 
-Not covered: pass@k from more samples than k (n > k), or per-slice pass@k.
+``eval_settings(recipe)`` are the recipe settings that shape a greedy eval result (the
+generation cap, the prompt format, the engine, the episode limits, the sandbox's limits
+and interpreter; not the suite's size or domains, which choose the tasks): every scoring
+records them, and promotion re-scores a baseline scored under others.
+
+Not covered: pass@k from more samples than k (n > k), or per-slice pass@k; settings of a
+plug-in engine or backend beyond those named in ``EVAL_SETTINGS``.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -47,6 +54,26 @@ from components.evalsuite.stats import pass_at_k
 from components.rollout.engines import Engine, Generation, get_engine
 from components.rollout.interactive import interactive_specs
 from components.sandbox.executor import Executor
+
+EVAL_SETTINGS = (
+    "evaluation.max_new_tokens", "rollout.prompt_format", "rollout.engine", "rollout.max_turns",
+    "rollout.observation_chars", "sandbox.backend", "sandbox.timeout_s", "sandbox.memory_mb",
+    "sandbox.output_cap_bytes", "sandbox.python",
+)
+"""The recipe fields whose value changes what a greedy eval of the same policy on the same
+task gives: the completion cap (a truncated answer fails), how prompts are put to the
+policy, the engine, an episode's turns and observation size, and how the sandbox runs a
+job (backend, time, memory, output cap, interpreter)."""
+
+
+def eval_settings(recipe: Recipe) -> dict[str, str]:
+    """``EVAL_SETTINGS`` of ``recipe`` (or a stage's view of it), each value as JSON text
+    (``32``, ``"raw"``): what a scoring records beside its results."""
+    out = {}
+    for key in EVAL_SETTINGS:
+        section, name = key.split(".")
+        out[key] = json.dumps(getattr(getattr(recipe, section), name))
+    return out
 
 
 def eval_tasks(recipe: Recipe, per_domain: int | None = None) -> list[Task]:

@@ -44,14 +44,30 @@ on the candidate's registry version (``posttrain.baseline_version``); iterations
 taskgen manifest predates the field fall back to that tag (and to the strict rule).
 
 The candidate sees its prompts in ``rollout.prompt_format`` (``components.core.prompts``),
-as rollout gave them. Not covered: corrections for comparing several domains at once (each interval is at
-``evaluation.confidence`` on its own).
+as rollout gave them.
+
+Like for like: every scoring records the settings that shape a greedy eval result
+(``components.evalsuite.suite.eval_settings``: ``evaluation.max_new_tokens``,
+``rollout.prompt_format``, the engine, the episode limits, the sandbox's limits) in its
+manifest's facts. When the baseline's scoring recorded other settings than the recipe's
+now, or none (a manifest written before they were recorded), this stage re-scores the
+baseline version (its registry checkpoint) on the same suite under the recipe's settings
+and both rules judge against those results (``rescored_baseline``); the reason and
+``report.json`` name the settings and both values, and the results are this stage's
+output ``baseline_eval_results`` (a retried evaluation reuses them: greedy, so the
+decision is the same either way). Under the same settings nothing more is generated. A
+baseline whose results are not found at all is not re-scored: the strict rule on its
+tags decides, as above. Not covered: re-scoring a champion held over several iterations
+once only (each iteration's evaluation re-scores it again until a candidate scored under
+the new settings is promoted); corrections for comparing several domains at once (each
+interval is at ``evaluation.confidence`` on its own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from dataclasses import dataclass
 
 from components.core import models, tracking
 from components.core.context import StageContext
@@ -70,7 +86,20 @@ from components.evalsuite.decision import (
     strict_rule,
     unpaired,
 )
-from components.evalsuite.score import Scoring, eval_tags, evaluate_and_log, log_pass_at_k, scored_results, scoring_of, tagged_rates
+from components.evalsuite.score import (
+    Scoring,
+    earlier_rescore,
+    eval_tags,
+    evaluate_and_log,
+    log_pass_at_k,
+    rescore,
+    scored_results,
+    scoring_of,
+    settings_changes,
+    tagged_rates,
+    write_rescore,
+)
+from components.evalsuite.suite import eval_settings, eval_tasks, pass_rates
 
 SECTIONS = ("evaluation", "rollout", "sandbox")
 """Recipe sections read: the suite's size and generation settings, the engine, the sandbox."""
@@ -126,20 +155,63 @@ def baseline_scoring(ctx: StageContext) -> Scoring | None:
     return scoring_of(ctx.store, ctx.pipeline, start.baseline_version) if start.baseline_version else None
 
 
+@dataclass(frozen=True)
+class Rescored:
+    """The baseline re-scored in this stage under the recipe's eval settings now."""
+
+    version: str
+    results: list[EvalResult]
+    why: str  # how its own scoring's settings differ: "evaluation.max_new_tokens 32->256"
+
+    def note(self) -> str:
+        return f"baseline version {self.version} re-scored under this recipe's eval settings ({self.why})"
+
+
+def rescored_baseline(ctx: StageContext, baseline_version: str) -> Rescored | None:
+    """The baseline's results under the recipe's eval settings when the scoring they were
+    found in recorded other settings or none (``Scoring.settings``); None when they agree
+    (nothing generated), or when there is no baseline or no scoring of it to pair with
+    (the strict fallback says why). Written as ``baseline_eval_results``; an earlier
+    attempt's results for the same version, settings and suite are reused."""
+    scoring = baseline_scoring(ctx) if baseline_version else None
+    if scoring is None or scoring.manifest is None:
+        return None
+    why = settings_changes(scoring.settings, eval_settings(ctx.recipe))
+    if not why:
+        return None
+    tasks = eval_tasks(ctx.recipe)
+    results = earlier_rescore(ctx, scoring.version, tasks)
+    if results is None:
+        say(f"iter {ctx.iteration} | evaluation | re-scoring baseline version {scoring.version} ({why})")
+        results = rescore(ctx, scoring.version, tasks)
+    else:
+        say(f"iter {ctx.iteration} | evaluation | baseline version {scoring.version} re-scored by an earlier attempt "
+            f"({why}): reused")
+    write_rescore(ctx, scoring.version, tasks, results, why)
+    return Rescored(scoring.version, results, why)
+
+
 NO_BASELINE = "no baseline: the starting policy is external and no champion is set"
 
 
 def comparisons(ctx: StageContext, results: list[EvalResult], rates: dict[str, float],
-                baseline: dict[str, float], baseline_version: str | None = None) -> tuple[list[Comparison], str]:
-    """(per-domain rows, "") paired with the baseline's results, or (rows without
-    intervals, why) when those results are missing or do not cover the candidate's tasks.
-    ``baseline_version`` "" is no baseline at all (``NO_BASELINE``): every domain is new."""
+                baseline: dict[str, float], baseline_version: str | None = None,
+                rescored: Rescored | None = None) -> tuple[list[Comparison], str]:
+    """(per-domain rows, "") paired with the baseline's results (``rescored``'s when
+    given, else those of the stage that scored it), or (rows without intervals, why) when
+    those results are missing or do not cover the candidate's tasks. ``baseline_version``
+    "" is no baseline at all (``NO_BASELINE``): every domain is new."""
     if baseline_version == "":
         return unpaired(rates, {}, Counter(r.domain for r in results)), NO_BASELINE
-    scoring = baseline_scoring(ctx)
-    base, missing = scored_results(ctx.store, scoring) if scoring else ([], "taskgen's manifest records no baseline version")
+    scoring = baseline_scoring(ctx) if rescored is None else None
+    if rescored is not None:
+        version, base, missing = rescored.version, rescored.results, ""
+    elif scoring is not None:
+        version, (base, missing) = scoring.version, scored_results(ctx.store, scoring)
+    else:
+        version, base, missing = "", [], "taskgen's manifest records no baseline version"
     if not missing and (n := missing_pairs(results, base)):
-        missing = f"the results of version {scoring.version} lack {n} of the candidate's {len(results)} eval tasks"
+        missing = f"the results of version {version} lack {n} of the candidate's {len(results)} eval tasks"
     if missing:
         return unpaired(rates, baseline, Counter(r.domain for r in results)), missing
     cfg = ctx.recipe.evaluation
@@ -159,6 +231,34 @@ def decide(ctx: StageContext, rows: list[Comparison], missing: str, rates: dict[
     paired = sum(r.tasks for r in rows if r.baseline is not None)
     why = f"paired bootstrap over {paired} eval tasks both versions answered"
     return ("statistical", why, *statistical_rule(rows, cfg.confidence, sorted(set(baseline) - set(domains))))
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """``promotion``'s decision: the per-domain rows, the rule and why, the verdict."""
+
+    rows: list[Comparison]
+    rule: str
+    why: str
+    promoted: bool
+    reason: str
+    baseline: dict[str, float]  # the baseline's rates judged against (re-scored ones where it was)
+    rescored: Rescored | None
+
+
+def promotion(ctx: StageContext, results: list[EvalResult], rates: dict[str, float], baseline_version: str,
+              baseline: dict[str, float]) -> Promotion:
+    """The decision on the candidate's ``results`` against the baseline, like for like: the
+    baseline re-scored first where its scoring's settings differ (``rescored_baseline``;
+    the rule's why and the reason then say so, naming the settings)."""
+    rescored = rescored_baseline(ctx, baseline_version)
+    if rescored is not None:  # the recipe's domains re-scored; a domain it dropped keeps its recorded rate (left out)
+        baseline = {**baseline, **pass_rates(rescored.results)}
+    rows, missing = comparisons(ctx, results, rates, baseline, baseline_version, rescored)
+    rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
+    if rescored is not None:
+        why, reason = f"{why}; {rescored.note()}", f"{reason}; {rescored.note()}"
+    return Promotion(rows, rule, why, promoted, reason, baseline, rescored)
 
 
 def settle_champion(pipeline: str, candidate: str, promoted: bool, baseline_version: str) -> None:
@@ -191,8 +291,9 @@ def run(ctx: StageContext) -> dict[str, float]:
     results, rates, worst = evaluate_and_log(ctx, candidate)
     pass_k = log_pass_at_k(ctx, candidate, cfg.pass_k) if cfg.pass_k else {}
     baseline_version, baseline = iteration_baseline(ctx, trainer)
-    rows, missing = comparisons(ctx, results, rates, baseline, baseline_version)
-    rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
+    judged = promotion(ctx, results, rates, baseline_version, baseline)
+    rows, rule, why, promoted, reason = judged.rows, judged.rule, judged.why, judged.promoted, judged.reason
+    baseline, rescored = judged.baseline, judged.rescored
     models.set_version_tags(ctx.pipeline, trainer.version, eval_tags(rates))  # the decision: record_decision below
     trained = ctx.upstream("trainer")[0]
     described = record_decision(ctx.pipeline, trainer.version, promoted=promoted, reason=reason, rows=rows,
@@ -201,11 +302,14 @@ def run(ctx: StageContext) -> dict[str, float]:
                     checkpoint_uri=trainer.checkpoint_uri, datasets={k: v.uri for k, v in trained.inputs.items()})
     settle_champion(ctx.pipeline, trainer.version, promoted, baseline_version)
     ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,
-                         reason=reason, baseline=baseline, baseline_version=baseline_version, rule=rule)
+                         reason=reason, baseline=baseline, baseline_version=baseline_version, rule=rule,
+                         eval_settings=eval_settings(ctx.recipe), baseline_rescored=rescored.why if rescored else "")
     report = {"candidate": trainer.version, "baseline": baseline_version,
               "parent": trainer.parent_version, "pass_rates": rates,
               "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
               "rule": rule, "rule_why": why, "confidence": cfg.confidence,
+              "baseline_rescored": {"version": rescored.version, "why": rescored.why,
+                                    "settings": eval_settings(ctx.recipe)} if rescored else None,
               "domains": {r.domain: {k: v for k, v in dataclasses.asdict(r).items() if k != "domain"}
                           for r in rows},
               "pass_at_k": {"k": cfg.pass_k, "rates": pass_k} if cfg.pass_k else None,

@@ -6,7 +6,9 @@ process (as tests/core/test_lineage.py does): the candidate's version carries th
 decision, reason, baseline and parent, and a description linking the runs, the
 checkpoint and the trainer's inputs; report.json carries the rule and the per-domain
 intervals; pass@k is logged beside pass@1, and the same evaluation with ``pass_k: 0``
-logs none of it.
+logs none of it. Both scorings record their eval settings, so the evaluation re-scores
+nothing; under another ``evaluation.max_new_tokens`` it re-scores the baseline, and a
+retry after a kill reuses those results.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import pytest
 import yaml
 
 from components.core import models, tracking
-from components.core.facts import Checkpoint, Decision, StartingPolicy
-from components.core.manifest import Manifest
+from components.core.context import read_output_records
+from components.core.facts import Checkpoint, Decision, Scored, StartingPolicy
+from components.core.manifest import MANIFEST, Manifest
 from components.core.recipe import Recipe, parse_recipe
+from components.core.records import EvalResult
 from components.core.runner import run_stage
 from components.core.storage import Store
 from components.evalsuite.decision import Comparison, record_decision, unpaired
+from components.evalsuite.suite import eval_settings, pass_rates
 from tests.fixtures.home import TINY_RECIPE, reset_tracking_clients, use_home
 
 ITERATION = [("taskgen", None), ("rollout", "0/2"), ("rollout", "1/2"), ("sandbox", "0/2"), ("sandbox", "1/2"),
@@ -142,6 +147,17 @@ def test_the_report_carries_rule_intervals_and_the_baseline_input(iteration: Ite
     assert [r["ci_high"] for r in layered] == [pytest.approx(wilson[r["tasks"]]) for r in layered]
 
 
+def test_both_scorings_record_their_settings_and_the_same_settings_rescore_nothing(iteration: Iteration) -> None:
+    settings = eval_settings(tiny())
+    assert settings["evaluation.max_new_tokens"] == "8" and settings["rollout.prompt_format"] == '"auto"'
+    assert iteration.manifests["bootstrap"].facts(Scored).eval_settings == settings
+    evaluation = iteration.manifests["evaluation"]
+    assert (evaluation.facts(Decision).eval_settings, evaluation.facts(Decision).baseline_rescored) == (settings, "")
+    assert "baseline_eval_results" not in evaluation.outputs and "baseline_eval" not in evaluation.outputs
+    report = json.loads(iteration.store.read_bytes("tiny/iter-000001/evaluation/report.json"))
+    assert report["baseline_rescored"] is None and "re-scored" not in report["reason"]
+
+
 def test_pass_at_k_is_logged_beside_pass_at_1_and_only_when_asked(iteration: Iteration) -> None:
     evaluation = iteration.manifests["evaluation"]
     with_k = {k: v for k, v in evaluation.metrics.items() if "pass_at" in k}
@@ -162,6 +178,36 @@ def test_pass_at_k_is_logged_beside_pass_at_1_and_only_when_asked(iteration: Ite
     assert off.facts(Decision).promoted == evaluation.facts(Decision).promoted
     again = run_stage("evaluation", tiny(pass_k=4), iteration.store.uri, 1)  # seeded: the same pass@k
     assert {k: v for k, v in again.metrics.items() if "pass_at" in k} == with_k
+
+
+def test_another_cap_rescores_the_baseline_and_a_retry_reuses_it(iteration: Iteration, monkeypatch) -> None:
+    """Last of the module's iteration tests: it re-runs evaluation under another recipe."""
+    from components.evaluation import stage
+
+    calls = []
+    real = stage.rescore
+    monkeypatch.setattr(stage, "rescore", lambda ctx, version, tasks: calls.append(version) or real(ctx, version, tasks))
+    shorter = tiny(max_new_tokens=4)
+    why = "evaluation.max_new_tokens 8->4"
+    m = run_stage("evaluation", shorter, iteration.store.uri, 1)
+    decision = m.facts(Decision)
+    assert calls == ["1"]
+    assert (decision.baseline_rescored, decision.eval_settings) == (why, eval_settings(shorter))
+    assert decision.reason.endswith(f"; baseline version 1 re-scored under this recipe's eval settings ({why})")
+    rescored = read_output_records(iteration.store, m, "baseline_eval_results", EvalResult)
+    assert len(rescored) == 16 and {r.policy_version for r in rescored} == {"1"}
+    rel = "tiny/iter-000001/evaluation/report.json"
+    report = json.loads(iteration.store.read_bytes(rel))
+    assert report["baseline_rescored"] == {"version": "1", "why": why, "settings": eval_settings(shorter)}
+    assert report["baseline_pass_rates"] == pass_rates(rescored) == decision.baseline
+    assert report["rule_why"].endswith(f"; baseline version 1 re-scored under this recipe's eval settings ({why})")
+    # killed before its manifest, then run again: the same decision and report, nothing generated again
+    written = iteration.store.read_bytes(rel)
+    iteration.store.delete(f"tiny/iter-000001/evaluation/{MANIFEST}")
+    again = run_stage("evaluation", shorter, iteration.store.uri, 1)
+    assert calls == ["1"]
+    assert again.facts(Decision) == decision and iteration.store.read_bytes(rel) == written
+    assert again.outputs["baseline_eval_results"] == m.outputs["baseline_eval_results"]
 
 
 def test_a_description_fits_the_registry_however_many_inputs():
