@@ -60,10 +60,20 @@ Choices, and what this does not do:
   it exists (optional: on EKS the service account's IRSA role grants the store
   instead), and runs as uid/gid 10001, non-root. Each stage task asks for its registry
   ``cpu``/``memory`` (``components/core/stages.py``; a recipe's ``resources`` cannot
-  reach a compiled pipeline), gets the registry's ``timeout_s`` as its pod's deadline and
+  reach a compiled pipeline), gets ``emptyDir`` volumes at ``/tmp`` and ``/home/posttrain``
+  with the registry's ``scratch`` as their ``sizeLimit`` (``dags/execution/cluster.py``'s
+  ``SCRATCH_MOUNTS``, as the DAG's pods), the registry's ``timeout_s`` as its pod's deadline and
   the label ``posttrain.io/stage``; GPU stages add ``nvidia.com/gpu`` (accelerator limit),
   a toleration for the ``nvidia.com/gpu`` NoSchedule taint and the node selector
   ``posttrain.io/pool=gpu``. Names are compile-time options of ``pipelines/compile.py``.
+- What kfp-kubernetes 2.17 cannot set, of the DAG pods' hardening: ``readOnlyRootFilesystem``
+  (``kubernetes.set_security_context`` takes only ``runAsUser``, ``runAsGroup`` and
+  ``runAsNonRoot``) and an ``ephemeral-storage`` request or limit (``PipelineTask`` has
+  setters for CPU, memory and accelerators only). So a stage task's root filesystem stays
+  writable and unbounded: the ``sizeLimit`` of its two ``emptyDir`` volumes bounds what it
+  writes under ``/tmp`` and its home (the kubelet evicts a pod past it), not what it
+  writes elsewhere in its image; nothing here pretends otherwise. A cluster policy
+  (Kyverno, Gatekeeper) mutating the pods, or the DAG's ``kubernetes`` mode, gives both.
 - What kfp-kubernetes cannot set: the service account and namespace. Submit the run with
   ``kfp.Client().create_run_from_pipeline_package(..., namespace=<kfp_namespace>,
   service_account="posttrain-kfp")``, the account ``infra/terraform`` creates when its
@@ -320,6 +330,8 @@ def on_cluster(task: dsl.PipelineTask, stage: str = "", config_map: str = CONFIG
         return task
     spec = stage_spec(stage)
     task.set_cpu_request(spec.cpu).set_memory_request(spec.memory).set_memory_limit(spec.memory)
+    for volume, path in cluster.SCRATCH_MOUNTS:  # sized scratch; the root stays writable (see the module docstring)
+        kubernetes.empty_dir_mount(task, volume, path, size_limit=spec.scratch)
     kubernetes.add_pod_label(task, "posttrain.io/stage", stage)
     kubernetes.set_timeout(task, spec.timeout_s)
     if spec.gpus:

@@ -329,11 +329,16 @@ class EvaluationConfig(_Section):
 
 
 class StageResources(_Section):
-    """A stage's cluster request (``resources: {trainer: {gpus: 2, memory: 64Gi}}``); unset fields keep the registry's."""
+    """A stage's cluster request (``resources: {trainer: {gpus: 2, memory: 64Gi, scratch: 100Gi}}``); unset fields keep
+    the registry's."""
 
     cpu: str | None = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request, e.g. '4' or '500m'")
     memory: str | None = Field(default=None, pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)?$", description="memory request and limit, e.g. '16Gi'")
     gpus: int | None = Field(default=None, ge=0, le=64, description="accelerators per task (0: CPU only)")
+    scratch: str | None = Field(default=None, pattern=r"^[1-9][0-9]{0,5}(Ki|Mi|Gi|Ti)$",
+                                description="local disk a task may write, e.g. '50Gi': the size of its /tmp and home "
+                                            "folder (the container's root is read-only) and its ephemeral-storage "
+                                            "request and limit")
 
 
 class Recipe(_Section):
@@ -374,10 +379,15 @@ COMMON_FIELDS: tuple[str, ...] = ("pipeline", "seed", "domains", "timeouts", "re
 orchestrator's, in no cache key); every other field is a section a stage declares."""
 
 
+_SCRATCH_FIX = ("set '{loc}' to a Kubernetes storage quantity: a whole number from 1 to 999999 with a Ki, Mi, Gi or Ti "
+                "suffix, e.g. 50Gi (not 50GB or lots)")
+
 WORDED_FIXES: tuple[tuple[re.Pattern[str], str, str], ...] = (
     (re.compile(r"resources\.[^.]+\.memory"), "should match pattern",
      "set '{loc}' to a Kubernetes memory quantity: a whole number with an optional Ki, Mi, Gi or Ti suffix, "
      "e.g. 16Gi (not 16GB or 16gi)"),
+    (re.compile(r"resources\.[^.]+\.scratch"), "should match pattern", _SCRATCH_FIX),
+    (re.compile(r"resources\.[^.]+\.scratch"), "should be a valid string", _SCRATCH_FIX),  # a bare number: 50
     (re.compile(r"resources\.[^.]+\.cpu"), "should match pattern",
      "set '{loc}' to a Kubernetes CPU quantity: cores such as 4 or 0.5, or millicores such as 500m"),
     (re.compile(r"model\.num_heads"), "not divisible",

@@ -4,8 +4,8 @@ A ``StageSpec`` says where a stage's code lives (``module``, with ``SECTIONS``,
 ``inputs`` and ``run``), which stages must finish before it (``upstream``), whether it
 fans out over shards and how wide (``fanout``: the recipe field holding the shard
 count), which orchestrator pool caps it, its default time limit, and what one task
-asks of a cluster in the container modes (``gpus``, ``cpu``, ``memory``, and
-``sandboxed``: it runs policy-written code, so its container gets the sandbox's
+asks of a cluster in the container modes (``gpus``, ``cpu``, ``memory``, ``scratch``,
+and ``sandboxed``: it runs policy-written code, so its container gets the sandbox's
 security settings). The DAG builds
 one task per spec, mapped over ``shard_list(recipe, id)`` for sharded stages; the
 Kubeflow pipeline and ``containers/build.sh`` are checked against the same list by
@@ -45,6 +45,7 @@ class StageSpec:
     sandboxed: bool = False  # runs policy-written code through the sandbox: its container needs the sandbox's security settings
     cpu: str = "2"  # CPU request of one task on a cluster (Kubernetes quantity)
     memory: str = "8Gi"  # memory request and limit of one task on a cluster
+    scratch: str = "4Gi"  # local disk one task may write (its /tmp and home; the container's root is read-only)
 
     @property
     def sharded(self) -> bool:
@@ -53,18 +54,26 @@ class StageSpec:
 
 SANDBOX_POOL = "posttrain_sandbox"
 
+# ``scratch`` is sized for what a task writes locally, all under /tmp and the home folder
+# (the stages' own files go to the store): the policy copied in and out (components/core/policy.py's
+# and models.py's temporary folders), torch's and Triton's compile caches, Hugging Face
+# downloads, vLLM's caches and folders (rollout), torchrun's work folders and the trainer's
+# checkpoints before upload, the sandbox's per-job folders. GPU nodes hold one such pod per
+# GPU on a 200 GB disk (infra/terraform/node_pools.tf), so the sharded GPU stage stays smaller.
 BUILTIN: tuple[StageSpec, ...] = (
-    StageSpec("bootstrap", "components.bootstrap.stage", (), timeout_s=4 * 3600, sandboxed=True, gpus=1, memory="16Gi"),
+    StageSpec("bootstrap", "components.bootstrap.stage", (), timeout_s=4 * 3600, sandboxed=True, gpus=1, memory="16Gi",
+              scratch="50Gi"),  # the base model downloaded, converted and checkpointed locally
     StageSpec("taskgen", "components.taskgen.stage", ("bootstrap",), timeout_s=1800),
     StageSpec("rollout", "components.rollout.stage", ("taskgen",), fanout="rollout.shards", timeout_s=4 * 3600,
-              gpus=1, memory="16Gi", sandboxed=True),  # multi-turn episodes run commands in sandbox sessions
+              gpus=1, memory="16Gi", sandboxed=True, scratch="30Gi"),  # multi-turn episodes run commands in sandbox sessions
     StageSpec("sandbox", "components.sandbox.stage", ("rollout",), fanout="sandbox.shards", pool=SANDBOX_POOL,
-              timeout_s=2 * 3600, sandboxed=True, cpu="4"),
+              timeout_s=2 * 3600, sandboxed=True, cpu="4", scratch="8Gi"),
     StageSpec("reward", "components.reward.stage", ("sandbox",), fanout="rollout.shards", timeout_s=1800),
     StageSpec("validation", "components.validation.stage", ("reward",), timeout_s=1800),
-    StageSpec("trainer", "components.trainer.stage", ("validation",), timeout_s=6 * 3600, gpus=1, memory="32Gi"),
+    StageSpec("trainer", "components.trainer.stage", ("validation",), timeout_s=6 * 3600, gpus=1, memory="32Gi",
+              scratch="50Gi"),  # checkpoints (weights and optimizer state) and torchrun work folders under /tmp
     StageSpec("evaluation", "components.evaluation.stage", ("trainer",), timeout_s=4 * 3600, sandboxed=True, gpus=1,
-              memory="16Gi"),
+              memory="16Gi", scratch="30Gi"),
 )
 
 
@@ -150,6 +159,7 @@ class Resources:
     cpu: str
     memory: str
     gpus: int
+    scratch: str = StageSpec.scratch  # local disk (Kubernetes quantity) for /tmp and the home folder
 
 
 def resources(stage: str, recipe=None) -> Resources:
@@ -158,4 +168,5 @@ def resources(stage: str, recipe=None) -> Resources:
     s = spec(stage)
     override = (getattr(recipe, "resources", None) or {}).get(stage)
     pick = lambda name, default: default if override is None or getattr(override, name) is None else getattr(override, name)
-    return Resources(cpu=pick("cpu", s.cpu), memory=pick("memory", s.memory), gpus=pick("gpus", s.gpus))
+    return Resources(cpu=pick("cpu", s.cpu), memory=pick("memory", s.memory), gpus=pick("gpus", s.gpus),
+                     scratch=pick("scratch", s.scratch))

@@ -28,6 +28,13 @@ it), as the Kubeflow pipeline's ``posttrain-s3`` (``pipelines/post_training_iter
 e.g. ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` where no IRSA grants the store. Not
 in ``DEFAULTS`` (the settings ``infra/terraform`` sets): EKS grants the store through IRSA."""
 
+SCRATCH_MOUNTS = (("scratch-tmp", "/tmp"), ("scratch-home", "/home/posttrain"))
+"""(volume, mount path) of a stage pod's scratch space, ``emptyDir`` volumes sized by the
+stage's ``scratch``: ``/tmp`` and the images' home (``containers/base.Dockerfile``: HOME,
+holding ``POSTTRAIN_HOME``), the only places its container can write besides the store
+(its root filesystem is read-only). The DAG's ``kubernetes`` mode and the Kubeflow
+pipeline mount the same."""
+
 DEFAULTS = {NAMESPACE_VAR: "posttrain", SERVICE_ACCOUNT_VAR: "posttrain-stage", CONFIGMAP_VAR: "posttrain-stage-env",
             RUNTIME_CLASS_VAR: "", GPU_NODE_SELECTOR_VAR: "posttrain.io/pool=gpu", STARTUP_TIMEOUT_VAR: "600"}
 

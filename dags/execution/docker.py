@@ -23,7 +23,16 @@ What a stage container gets:
 - its CPU request as CPU shares (``resources.<stage>.cpu`` x 1024, the weight the kubelet
   gives a pod's request; no CPU limit, as on the pod), its memory as the memory limit, and,
   on the stages whose pod gets ``/dev/shm`` in memory (``gpus`` > 0: torch, vLLM), a
-  ``/dev/shm`` as large as that limit (it counts against it), not the engine's 64 MiB.
+  ``/dev/shm`` as large as that limit (it counts against it), not the engine's 64 MiB;
+- a read-only root filesystem (``read_only``), as its pod has, and its scratch space
+  instead: a tmpfs at ``/tmp`` and one at the images' home ``/home/posttrain`` (where
+  ``POSTTRAIN_HOME`` and the Hugging Face, matplotlib and MLflow caches are), each of
+  ``resources.<stage>.scratch`` (the registry's unless the recipe overrides it), executable
+  (torch's compiled kernels are loaded from there), the home one owned by the images' uid
+  (podman's ``U`` option; on another engine mode 1777, its default). Unlike the pod's
+  node-disk ``emptyDir``, a tmpfs is memory: what a stage writes there counts against its
+  memory limit, which a stage that writes more than it can hold reaches first. The run
+  root's bind mount stays writable.
 
 ``unmask=ALL`` in the default flags is podman's: a Docker Engine refuses it. ``posttrain
 run`` asks the engine what it is before any work (``check_engine_here``), and a sandboxed
@@ -51,6 +60,7 @@ from typing import Any
 
 from components.core.errors import UserError
 from components.core.stages import Resources, StageSpec
+from dags.execution.cluster import SCRATCH_MOUNTS
 
 ARGS_FIELD = "command"
 FLAGS_VAR = "POSTTRAIN_CONTAINER_FLAGS"
@@ -58,6 +68,7 @@ NETWORK_VAR = "POSTTRAIN_DOCKER_NETWORK"
 DEFAULT_FLAGS = Path(__file__).resolve().parents[2] / "containers" / "podman-run-flags"
 PASSED_PREFIXES = ("POSTTRAIN_", "MLFLOW_", "AWS_")
 IMAGE_UID = 10001  # the user the images run as (containers/base.Dockerfile)
+SCRATCH = tuple(path for _, path in SCRATCH_MOUNTS)  # /tmp and the images' HOME: a stage's writable places, as on its pod
 KEPT_ON_WORKER = ("POSTTRAIN_EXECUTION", "POSTTRAIN_HOME", "POSTTRAIN_RECIPE", "POSTTRAIN_SCHEDULE", "POSTTRAIN_IMAGE_PREFIX",
                   "POSTTRAIN_IMAGE_TAG", "POSTTRAIN_CONTAINER_FLAGS", "POSTTRAIN_DOCKER_NETWORK", "POSTTRAIN_RETRY_DELAY_S",
                   "POSTTRAIN_VLLM_PYTHON")
@@ -209,19 +220,38 @@ def _operator_class():
         timeout, so the task was retried with the container still running) stops the
         container (SIGTERM, SIGKILL after the engine's grace period) and removes it."""
 
-        def __init__(self, client, security_opt: list[str], runtime: str | None) -> None:
+        def __init__(self, client, security_opt: list[str], runtime: str | None, read_only: bool = False,
+                     scratch: dict[str, int] | None = None) -> None:
             self._client, self._security_opt, self._runtime = client, security_opt, runtime
+            self._read_only, self._scratch = read_only, dict(scratch or {})
+            self._version: dict[str, Any] | None = None
             self.status: int | None = None
             self.removed: str | None = None  # the container stopped and removed on an interruption
 
         def __getattr__(self, name: str):
             return getattr(self._client, name)
 
+        def version(self, *args, **kwargs) -> dict[str, Any]:
+            if self._version is None:  # asked once per container: the engine check and the tmpfs options
+                self._version = self._client.version(*args, **kwargs)
+            return self._version
+
+        def podman(self) -> bool:
+            """Whether the engine is podman; an engine that does not say counts as another."""
+            try:
+                return "podman" in engine_name(self.version()).lower()
+            except Exception:  # noqa: BLE001 - unreachable or silent: creating the container then fails with the engine's reason
+                return False
+
         def create_host_config(self, **kwargs):
             if self._security_opt:
                 kwargs["security_opt"] = list(self._security_opt)
             if self._runtime:
                 kwargs["runtime"] = self._runtime
+            if self._read_only:
+                kwargs["read_only"] = True
+            if self._scratch:
+                kwargs["tmpfs"] = tmpfs_options(self._scratch, self.podman())
             return self._client.create_host_config(**kwargs)
 
         def wait(self, *args, **kwargs):
@@ -256,16 +286,19 @@ def _operator_class():
         the task as stopped (``dags.execution.run_stoppably``); a sandboxed stage on an
         engine that refuses its podman-only options fails at once, with one line."""
 
-        def __init__(self, *, security_opt: list[str] | None = None, runtime: str | None = None, **kwargs) -> None:
+        def __init__(self, *, security_opt: list[str] | None = None, runtime: str | None = None, read_only: bool = False,
+                     scratch: dict[str, int] | None = None, **kwargs) -> None:
             super().__init__(**kwargs)
             self.security_opt = security_opt or []
             self.runtime = runtime
+            self.read_only = read_only
+            self.scratch = dict(scratch or {})  # tmpfs path -> its size in bytes
             self._engine = None
 
         @property
         def cli(self):
             if self._engine is None:
-                self._engine = _Engine(self.hook.api_client, self.security_opt, self.runtime)
+                self._engine = _Engine(self.hook.api_client, self.security_opt, self.runtime, self.read_only, self.scratch)
             return self._engine
 
         def execute(self, context):
@@ -292,6 +325,16 @@ def _operator_class():
             super().on_kill()
 
     return StageContainer
+
+
+def tmpfs_options(scratch: dict[str, int], podman: bool) -> dict[str, str]:
+    """docker-py's ``tmpfs`` host config for the scratch space: each path's size, ``exec``
+    (the engines' ``--tmpfs`` default is ``noexec``, and torch loads the kernels it compiles
+    there), and a home the images' uid can write: podman's ``U`` (it chowns the tmpfs to
+    the container's user; podman 4 ignores ``mode`` on a tmpfs over a folder of the
+    image), else mode 1777 (Docker's default for a tmpfs; podman refuses ``uid=``)."""
+    home = "U" if podman else "mode=1777"
+    return {path: f"size={size},exec,{'mode=1777' if path == '/tmp' else home}" for path, size in scratch.items()}
 
 
 def local_folder(run_root: str) -> str | None:
@@ -374,6 +417,8 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
         "labels": {"posttrain.stage": spec.id},
         "mem_limit": _bytes(res.memory),
         "cpus": cpu_count(res.cpu),  # CPU shares, 1024 per CPU: the weight a pod's CPU request gets
+        "read_only": True,  # as the pod's readOnlyRootFilesystem: a stage writes only its scratch and the run root
+        "scratch": {path: _bytes(res.scratch) for path in SCRATCH},
     }
     if res.gpus > 0:  # the stages whose pod gets /dev/shm in memory (torch, vLLM), up to its memory limit
         kwargs["shm_size"] = _bytes(res.memory)
@@ -381,7 +426,7 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
 
 
 def _bytes(quantity: str) -> int:
-    """A Kubernetes memory quantity (``16Gi``) in bytes, for Docker's memory limit."""
+    """A Kubernetes memory or storage quantity (``16Gi``) in bytes, for Docker's memory limit and tmpfs sizes."""
     units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
     for suffix, factor in units.items():
         if quantity.endswith(suffix):

@@ -11,12 +11,24 @@ What a stage pod gets (``operator(spec, res)``):
   ``memory`` and a ``memory`` limit from ``res``, and the Pod Security Standards'
   *restricted* profile: uid/gid 10001, non-root, no privilege escalation, every capability
   dropped, seccomp ``RuntimeDefault``;
+- every stage: a read-only root filesystem (``readOnlyRootFilesystem``), and its scratch
+  space instead (``SCRATCH_MOUNTS``): node-disk ``emptyDir`` volumes at ``/tmp`` (temporary
+  folders, torch's and torchrun's, the sandbox's per-job folders; ``TMPDIR`` is unset, so
+  Python's ``tempfile`` uses it) and at the images' home ``/home/posttrain``
+  (``POSTTRAIN_HOME``, the Hugging Face, matplotlib, MLflow and Triton caches), each with
+  ``sizeLimit`` ``res.scratch``, and an ``ephemeral-storage`` request and limit of
+  ``res.scratch`` (the registry's ``scratch`` unless the recipe's
+  ``resources.<stage>.scratch`` overrides it), which bounds both together: a stage that
+  writes more is evicted (the task fails and is retried) instead of filling the node's disk;
 - GPU stages (``res.gpus`` > 0; the registry's ``gpus`` unless the recipe's ``resources``
   overrides it): a ``nvidia.com/gpu`` limit, a toleration for the ``nvidia.com/gpu``
   NoSchedule taint, the node selector ``POSTTRAIN_GPU_NODE_SELECTOR``, and ``/dev/shm`` in
   memory (torch and vLLM share tensors between processes there);
 - sandboxed stages (``spec.sandboxed``): the sandbox's security context instead (below),
-  ``hostUsers: false``, and ``runtimeClassName`` ``POSTTRAIN_SANDBOX_RUNTIME_CLASS`` when set.
+  ``hostUsers: false``, and ``runtimeClassName`` ``POSTTRAIN_SANDBOX_RUNTIME_CLASS`` when set;
+  their root is read-only too: bubblewrap builds each job's root on a fresh tmpfs in its own
+  mount namespace, and what the sandbox writes on the container's side (the subprocess
+  backend's job folders, the seccomp filter's file) goes through ``tempfile`` to ``/tmp``.
 
 Settings, read at DAG parse (``dags/execution/cluster.py``; a bad value is a DAG import
 error, and ``posttrain run`` refuses it before any work: one line naming the variable and
@@ -82,6 +94,7 @@ from dags.execution.cluster import (  # noqa: F401 - the settings, read by this 
     GPU_NODE_SELECTOR_VAR,
     NAMESPACE_VAR,
     RUNTIME_CLASS_VAR,
+    SCRATCH_MOUNTS,
     SECRET_VAR,
     SERVICE_ACCOUNT_VAR,
     STARTUP_TIMEOUT_VAR,
@@ -93,6 +106,7 @@ ARGS_FIELD = "arguments"
 
 GPU_RESOURCE = "nvidia.com/gpu"
 STAGE_UID = 10001  # the images' user "posttrain" (containers/base.Dockerfile)
+EPHEMERAL_STORAGE = "ephemeral-storage"
 
 
 def security_contexts(sandboxed: bool) -> tuple[k8s.V1PodSecurityContext, k8s.V1SecurityContext]:
@@ -102,12 +116,24 @@ def security_contexts(sandboxed: bool) -> tuple[k8s.V1PodSecurityContext, k8s.V1
     pod = k8s.V1PodSecurityContext(run_as_non_root=True, run_as_user=STAGE_UID, run_as_group=STAGE_UID,
                                    fs_group=STAGE_UID, seccomp_profile=seccomp)
     container = k8s.V1SecurityContext(run_as_non_root=True, run_as_user=STAGE_UID, run_as_group=STAGE_UID,
-                                      allow_privilege_escalation=False, privileged=False,
+                                      allow_privilege_escalation=False, privileged=False, read_only_root_filesystem=True,
                                       capabilities=k8s.V1Capabilities(drop=["ALL"]), seccomp_profile=seccomp)
     if sandboxed:
         container.app_armor_profile = k8s.V1AppArmorProfile(type="Unconfined")
         container.proc_mount = "Unmasked"
     return pod, container
+
+
+def volumes(res: Resources) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
+    """(volumes, the container's mounts): the scratch space, ``emptyDir`` on the node's disk
+    capped at ``res.scratch`` each, and on GPU stages ``/dev/shm`` in memory."""
+    vols = [k8s.V1Volume(name=name, empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=res.scratch))
+            for name, _ in SCRATCH_MOUNTS]
+    mounts = [k8s.V1VolumeMount(name=name, mount_path=path) for name, path in SCRATCH_MOUNTS]
+    if res.gpus > 0:  # torch and vLLM share tensors between processes through /dev/shm (64 MiB by default)
+        vols.append(k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory")))
+        mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
+    return vols, mounts
 
 
 def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
@@ -116,7 +142,9 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
     conf = cluster_settings()
     gpu = res.gpus > 0
     pod_security, container_security = security_contexts(spec.sandboxed)
-    limits = {"memory": res.memory, **({GPU_RESOURCE: str(res.gpus)} if gpu else {})}
+    limits = {"memory": res.memory, EPHEMERAL_STORAGE: res.scratch, **({GPU_RESOURCE: str(res.gpus)} if gpu else {})}
+    requests = {"cpu": res.cpu, "memory": res.memory, EPHEMERAL_STORAGE: res.scratch}
+    vols, mounts = volumes(res)
     labels = {"app.kubernetes.io/part-of": "posttrain", "app.kubernetes.io/component": spec.id, "posttrain.io/stage": spec.id}
     if spec.sharded:
         labels["posttrain.io/shard"] = "{{ ti.map_index }}"
@@ -133,7 +161,9 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
         "env_from": [k8s.V1EnvFromSource(config_map_ref=k8s.V1ConfigMapEnvSource(name=conf.config_map)),
                      *([k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=conf.secret, optional=True))]
                        if conf.secret else [])],
-        "container_resources": k8s.V1ResourceRequirements(requests={"cpu": res.cpu, "memory": res.memory}, limits=limits),
+        "container_resources": k8s.V1ResourceRequirements(requests=requests, limits=limits),
+        "volumes": vols,
+        "volume_mounts": mounts,
         "security_context": pod_security,
         "container_security_context": container_security,
         "labels": labels,
@@ -149,9 +179,6 @@ def operator(spec: StageSpec, res: Resources) -> tuple[type, dict[str, Any]]:
     if gpu:
         kwargs["tolerations"] = [k8s.V1Toleration(key=GPU_RESOURCE, operator="Exists", effect="NoSchedule")]
         kwargs["node_selector"] = dict(conf.gpu_node_selector)
-        # torch and vLLM share tensors between processes through /dev/shm (64 MiB by default)
-        kwargs["volumes"] = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory"))]
-        kwargs["volume_mounts"] = [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
     return StagePod, kwargs
 
 

@@ -20,8 +20,11 @@ iteration ``iteration``'s trainer stage on ``nodes`` nodes::
   ``--recipe <recipe_uri> --run-root <run_root> --iteration <k>``, the namespace, service
   account and config map of the deployment's settings, the recipe's ``resources.trainer``
   (CPU and memory requests, memory limit and, per node, the ``nvidia.com/gpu`` limit, the
-  GPU toleration, node selector and ``/dev/shm`` in memory), and the *restricted* security
-  context. The container is named ``pytorch``, as the operator requires.
+  GPU toleration, node selector and ``/dev/shm`` in memory; ``scratch``: the
+  ``ephemeral-storage`` request and limit and the size of the ``emptyDir`` volumes at
+  ``/tmp`` and ``/home/posttrain``, where torchrun's work folders and the checkpoints
+  before upload go), and the *restricted* security context with a read-only root
+  filesystem. The container is named ``pytorch``, as the operator requires.
 
 The pods must read the recipe from the store: a local recipe file is given to them as the
 URI that ``components.core.recipe.publish_recipe`` gives it under the run root

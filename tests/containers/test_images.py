@@ -15,6 +15,11 @@ Builds (or reuses, when the inputs did not change) every image through the
   /proc, or a Docker-like profile that denies user namespaces;
 - real code-domain jobs (strict and warm) run sandboxed in the container, the right
   solution passes, a wrong one fails, and nothing is left behind as a zombie;
+- under a read-only root with only ``/tmp`` and the home writable (``READ_ONLY``: what a
+  stage pod gets, ``readOnlyRootFilesystem`` and two ``emptyDir`` volumes, and the docker
+  mode's tmpfs), the doctor still reports the strong isolation, the code jobs run, and a
+  whole tiny iteration (every stage, the trainer under torchrun with two processes) runs
+  in process in the base image: nothing a stage writes lands elsewhere in the image;
 - ``TORCH`` other than cpu/cuda fails the build with a message naming both.
 
 A cold build takes about 4 minutes here (containers/README.md); a reused one seconds.
@@ -31,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from components import STAGES
+from dags.execution.cluster import SCRATCH_MOUNTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -38,6 +44,11 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data"
 UNDER_TINI = '["/usr/bin/tini", "-s", "--"]'
 STRONG = "bwrap:user,pid,net,ipc,uts,mount,cgroup-ns+uid:unprivileged+caps:none+rlimits+tmpfs:/work,/tmp,/dev/shm+seccomp"
+READ_ONLY = ["--read-only", "--read-only-tmpfs=false",
+             *(arg for _, path in SCRATCH_MOUNTS for arg in ("--tmpfs", f"{path}:U,size=2g"))]
+"""A stage pod's file system: the image read-only, writable only the pod's scratch mounts,
+/tmp and the home (podman's --read-only alone would also give /run and /var/tmp, which a
+pod does not get; ``U`` gives them to the image's uid, as the pod's emptyDir is writable by it)."""
 
 
 def run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -148,6 +159,45 @@ def test_code_domain_jobs_run_sandboxed_in_the_container(stage_images):
         assert report[mode]["wrong"] == [["ok", False, f"{STRONG}+no-cgroup+mode:{mode}"]]
     # tini is PID 1 and reaps: nothing of the 80 sandboxes is left (was one zombie per job).
     assert len(report["processes_left"]) <= 2, report["processes_left"]
+
+
+def test_under_a_read_only_root_the_sandbox_keeps_its_strong_isolation(stage_images):
+    code, report, err = doctor(stage_images, [*stage_images.run_flags, *READ_ONLY])
+    assert code == 0, err
+    assert report["missing"] == [] and report["causes"] == []
+    assert report["isolation"].startswith(STRONG) and "WEAK" not in report["isolation"]
+    argv = stage_images.run_argv("sandbox", "python", "/data/code_job.py", entrypoint=UNDER_TINI,
+                                 volumes=(f"{DATA}:/data:ro",), flags=[*stage_images.run_flags, *READ_ONLY])
+    out = run(argv)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout.splitlines()[-1])
+    for mode in ("strict", "warm"):
+        assert report[mode]["right"] == [["ok", True, f"{STRONG}+no-cgroup+mode:{mode}"]]
+        assert report[mode]["wrong"] == [["ok", False, f"{STRONG}+no-cgroup+mode:{mode}"]]
+
+
+def test_a_whole_iteration_runs_under_a_read_only_root(stage_images, tmp_path):
+    """Every stage of the tiny recipe, in process in the base image, writing only the run root
+    (a bind mount), /tmp and the home: the model and tokenizer folders, the sandbox's jobs,
+    torchrun's work folders and checkpoints, torch's compile cache, MLflow's and matplotlib's
+    files. A write anywhere else fails with 'Read-only file system'."""
+    recipes, root = tmp_path / "recipes", tmp_path / "root"
+    recipes.mkdir()
+    root.mkdir()
+    root.chmod(0o777)  # the image's uid 10001 writes it
+    recipes.chmod(0o755)
+    text = (REPO / "recipes" / "tiny.yaml").read_text()
+    assert "trainer: {prompts_per_step: 4}" in text
+    (recipes / "tiny.yaml").write_text(text.replace("trainer: {prompts_per_step: 4}",
+                                                    "trainer: {prompts_per_step: 4, processes: 2, parallelism: fsdp}"))
+    (recipes / "tiny.yaml").chmod(0o644)
+    argv = stage_images.run_argv(stage_images.base, "run", "--recipe", "/recipes/tiny.yaml", "--iterations", "1",
+                                 "--run-root", "file:///data/root", volumes=(f"{root}:/data/root", f"{recipes}:/recipes:ro"),
+                                 network_host=False, flags=[*stage_images.run_flags, *READ_ONLY, "--network", "none"])
+    out = run(argv, timeout=1200)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "Read-only file system" not in out.stdout + out.stderr
+    assert "| trainer |" in out.stdout + out.stderr and "2 process(es)" in out.stdout + out.stderr
 
 
 def test_an_unknown_torch_fails_the_build_naming_the_choices(stage_images, tmp_path):

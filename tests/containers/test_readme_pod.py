@@ -30,5 +30,14 @@ def test_the_readme_pod_validates_and_runs_once() -> None:
     assert [c["command"][-3:] for c in spec["initContainers"]] == [["posttrain", "sandbox", "doctor"]]
     stage = spec["containers"][0]
     assert stage["securityContext"] == spec["initContainers"][0]["securityContext"] == {
-        "procMount": "Unmasked", "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        "procMount": "Unmasked", "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True}
+    # the scratch space the DAG's pods get (dags/execution/kubernetes.py), sized as the sandbox stage's
+    from components.core.stages import resources
+    from dags.execution.cluster import SCRATCH_MOUNTS
+
+    scratch = resources("sandbox").scratch
+    assert [(m["name"], m["mountPath"]) for m in stage["volumeMounts"]] == list(SCRATCH_MOUNTS)
+    assert {v["name"]: v["emptyDir"]["sizeLimit"] for v in spec["volumes"]} == {n: scratch for n, _ in SCRATCH_MOUNTS}
+    assert stage["resources"] == {"requests": {"ephemeral-storage": scratch}, "limits": {"ephemeral-storage": scratch}}
     assert "readinessProbe" not in stage

@@ -137,6 +137,32 @@ def test_a_pattern_keeps_its_case_and_memory_gets_a_worded_fix(tmp_path):
                        "Ki, Mi, Gi or Ti suffix, e.g. 16Gi (not 16GB or 16gi)")
 
 
+SCRATCH_FIX = ("set 'resources.trainer.scratch' to a Kubernetes storage quantity: a whole number from 1 to 999999 "
+               "with a Ki, Mi, Gi or Ti suffix, e.g. 50Gi (not 50GB or lots)")
+
+
+@pytest.mark.parametrize(("text", "value"), [("lots", "lots"), ("50GB", "50GB"), ("50gi", "50gi"), ("0Gi", "0Gi"),
+                                             ("1000000Ti", "1000000Ti"), ("'50'", "50"), ("50", 50)])
+def test_a_bad_scratch_is_one_line_naming_the_field_the_value_and_the_fix(tmp_path, text, value):
+    """``resources.<stage>.scratch``, the stage's local disk (its /tmp and home on a read-only
+    root, its ephemeral-storage), is checked as memory is, with a worded fix, not a regular
+    expression; a bare number (bytes, or YAML's integer) or one past int64 bytes is refused too."""
+    err = _error(tmp_path, f"resources: {{trainer: {{scratch: {text}}}}}\n")
+    assert (err.field, err.value, err.fix) == (f"{tmp_path / 'r.yaml'}: resources.trainer.scratch", value, SCRATCH_FIX)
+    assert err.line() == (f"{tmp_path / 'r.yaml'}: resources.trainer.scratch={value!r}: {err.problem}; fix: {SCRATCH_FIX}")
+
+
+def test_a_good_scratch_overrides_the_registrys(tmp_path):
+    from components.core.stages import resources, spec
+
+    path = tmp_path / "r.yaml"
+    path.write_text("pipeline: demo\nresources: {trainer: {scratch: 100Gi}, taskgen: {cpu: '1'}}\n")
+    recipe = load_recipe(path)
+    assert resources("trainer", recipe).scratch == "100Gi"
+    assert resources("taskgen", recipe).scratch == spec("taskgen").scratch == "4Gi"  # unset: the registry's
+    assert resources("trainer").scratch == "50Gi"
+
+
 def test_a_generic_fix_lowers_only_its_first_letter(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("pipeline: Demo\n")

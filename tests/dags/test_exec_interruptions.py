@@ -253,6 +253,38 @@ def test_the_recipes_cpu_reaches_the_container(monkeypatch, tmp_path):
     assert "shm_size" not in kwargs  # as its pod: no GPU, no /dev/shm in memory
 
 
+@pytest.mark.parametrize("stage, size, version, home", [
+    ("trainer", 50 * 2**30, PODMAN_VERSION, "U"), ("taskgen", 4 * 2**30, PODMAN_VERSION, "U"),
+    ("sandbox", 8 * 2**30, PODMAN_VERSION, "U"),  # a Docker Engine refuses the sandboxed stages (unmask=ALL)
+    ("trainer", 50 * 2**30, DOCKER_VERSION, "mode=1777"), ("taskgen", 4 * 2**30, DOCKER_VERSION, "mode=1777"),
+], ids=["trainer-podman", "taskgen-podman", "sandbox-podman", "trainer-docker", "taskgen-docker"])
+def test_a_stage_container_has_a_read_only_root_and_its_scratch_in_tmpfs(stage, size, version, home, monkeypatch,
+                                                                         tmp_path):
+    """As its pod: a read-only root, and /tmp and the images' home as tmpfs of the stage's
+    ``scratch``, executable (torch loads compiled kernels from there), the home writable by
+    uid 10001 (podman's ``U``: podman 4 ignores ``mode`` there; Docker's default 1777
+    elsewhere). Before, a stage could write anywhere in its image without a bound."""
+    engine = FakeEngine(version)
+    engine.ended.set()
+    docker_stage(monkeypatch, tmp_path, engine, stage).execute({})
+    assert engine.host_config["read_only"] is True
+    assert engine.host_config["tmpfs"] == {"/tmp": f"size={size},exec,mode=1777",
+                                           "/home/posttrain": f"size={size},exec,{home}"}
+
+
+def test_the_recipes_scratch_sizes_the_containers_tmpfs(monkeypatch, tmp_path):
+    from components.core.recipe import parse_recipe
+    from dags.execution import docker as docker_mode
+
+    monkeypatch.setenv("POSTTRAIN_RUN_ROOT", "s3://posttrain-nowhere/runs")
+    recipe = parse_recipe({"pipeline": "big", "resources": {"trainer": {"scratch": "100Gi"}}})
+    _, kwargs = docker_mode.operator(spec("trainer"), resources("trainer", recipe))
+    assert kwargs["read_only"] is True
+    assert kwargs["scratch"] == {"/tmp": 100 * 2**30, "/home/posttrain": 100 * 2**30}
+    assert docker_mode.tmpfs_options(kwargs["scratch"], podman=True) == {
+        "/tmp": f"size={100 * 2**30},exec,mode=1777", "/home/posttrain": f"size={100 * 2**30},exec,U"}
+
+
 DOCKER_ENGINE_LINE = (
     "DOCKER_HOST='unix://{sock}': the engine there is Docker Engine - Community, which refuses --security-opt "
     "unmask=ALL (podman's; the sandboxed stages need it for bubblewrap's /proc); fix: point DOCKER_HOST at podman's "

@@ -37,10 +37,18 @@ ENV_VARS = (mode.NAMESPACE_VAR, mode.SERVICE_ACCOUNT_VAR, mode.CONFIGMAP_VAR, mo
             "POSTTRAIN_IMAGE_TAG")
 STAGE_SECRET = {"secretRef": {"name": "posttrain-s3", "optional": True}}
 SANDBOX_CONTAINER = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "allowPrivilegeEscalation": False,
-                     "privileged": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "Unconfined"},
-                     "appArmorProfile": {"type": "Unconfined"}, "procMount": "Unmasked"}
+                     "privileged": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                     "seccompProfile": {"type": "Unconfined"}, "appArmorProfile": {"type": "Unconfined"},
+                     "procMount": "Unmasked"}
 RESTRICTED_CONTAINER = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "allowPrivilegeEscalation": False,
-                        "privileged": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+                        "privileged": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                        "seccompProfile": {"type": "RuntimeDefault"}}
+SCRATCH_MOUNTS = [{"mountPath": "/tmp", "name": "scratch-tmp"}, {"mountPath": "/home/posttrain", "name": "scratch-home"}]
+DSHM_MOUNT = {"mountPath": "/dev/shm", "name": "dshm"}
+
+
+def scratch_volumes(size: str) -> list[dict]:
+    return [{"name": "scratch-tmp", "emptyDir": {"sizeLimit": size}}, {"name": "scratch-home", "emptyDir": {"sizeLimit": size}}]
 
 
 @pytest.fixture(autouse=True)
@@ -107,12 +115,17 @@ def test_pod_fields_follow_the_registry(spec):
     assert podspec["restartPolicy"] == "Never"
 
     gpu = spec.gpus > 0
-    assert container["resources"]["requests"] == {"cpu": res.cpu, "memory": res.memory}
-    assert container["resources"]["limits"] == {"memory": res.memory, **({"nvidia.com/gpu": str(spec.gpus)} if gpu else {})}
+    assert container["resources"]["requests"] == {"cpu": res.cpu, "memory": res.memory, "ephemeral-storage": spec.scratch}
+    assert container["resources"]["limits"] == {"memory": res.memory, "ephemeral-storage": spec.scratch,
+                                                **({"nvidia.com/gpu": str(spec.gpus)} if gpu else {})}
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if gpu else []
     assert podspec.get("tolerations") == tolerations
     assert podspec.get("nodeSelector") == ({"posttrain.io/pool": "gpu"} if gpu else {})
-    assert ({"mountPath": "/dev/shm", "name": "dshm"} in container["volumeMounts"]) == gpu
+    # the root is read-only: /tmp and the home are node-disk emptyDirs of the stage's scratch size (and /dev/shm in
+    # memory on GPU stages, kept beside them)
+    assert container["volumeMounts"] == SCRATCH_MOUNTS + ([DSHM_MOUNT] if gpu else [])
+    assert podspec["volumes"] == scratch_volumes(spec.scratch) + (
+        [{"name": "dshm", "emptyDir": {"medium": "Memory"}}] if gpu else [])
 
     assert container["securityContext"] == (SANDBOX_CONTAINER if spec.sandboxed else RESTRICTED_CONTAINER)
     assert podspec["securityContext"]["runAsNonRoot"] is True
@@ -183,12 +196,42 @@ def test_an_empty_gpu_node_selector_means_none(monkeypatch):
 def test_the_recipes_resources_override_the_registrys():
     """``resources(stage, recipe)`` is what the seam passes: a recipe may take the GPU away."""
     trainer = next(s for s in registered() if s.id == "trainer")
-    pod = stage_pod(trainer, Resources(cpu="500m", memory="3Gi", gpus=0))
+    pod = stage_pod(trainer, Resources(cpu="500m", memory="3Gi", gpus=0, scratch="2Gi"))
     (container,) = pod["spec"]["containers"]
-    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "3Gi", "ephemeral-storage": "2Gi"},
+                                      "limits": {"memory": "3Gi", "ephemeral-storage": "2Gi"}}
     assert pod["spec"]["tolerations"] == [] and pod["spec"]["nodeSelector"] == {}
+    assert pod["spec"]["volumes"] == scratch_volumes("2Gi")  # no GPU: no /dev/shm in memory either
     pod = stage_pod(trainer, Resources(cpu="8", memory="64Gi", gpus=4))
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+def test_the_recipes_scratch_resizes_the_pods_scratch_space():
+    """``resources: {trainer: {scratch: 100Gi}}``: the ephemeral-storage request and limit and
+    both emptyDirs follow it; the GPU's /dev/shm stays."""
+    from components.core.recipe import parse_recipe
+
+    trainer = next(s for s in registered() if s.id == "trainer")
+    recipe = parse_recipe({"pipeline": "big", "resources": {"trainer": {"scratch": "100Gi"}}})
+    pod = stage_pod(trainer, resources("trainer", recipe))
+    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True) == K8S_VERSION
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"]["requests"]["ephemeral-storage"] == "100Gi"
+    assert container["resources"]["limits"]["ephemeral-storage"] == "100Gi"
+    assert pod["spec"]["volumes"] == scratch_volumes("100Gi") + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    assert container["volumeMounts"] == [*SCRATCH_MOUNTS, DSHM_MOUNT]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert stage_pod(trainer)["spec"]["volumes"][0] == {"name": "scratch-tmp", "emptyDir": {"sizeLimit": "50Gi"}}
+
+
+def test_every_stage_has_a_scratch_size_sized_for_what_it_writes():
+    """The registry's: the trainer and bootstrap checkpoint models locally, rollout and
+    evaluation load them (and vLLM caches), the CPU stages write little."""
+    sizes = {s.id: s.scratch for s in registered()}
+    assert sizes == {"bootstrap": "50Gi", "taskgen": "4Gi", "rollout": "30Gi", "sandbox": "8Gi", "reward": "4Gi",
+                     "validation": "4Gi", "trainer": "50Gi", "evaluation": "30Gi"}
+    for stage in sizes:
+        assert resources(stage).scratch == sizes[stage]
 
 
 def test_pod_lifecycle_settings():

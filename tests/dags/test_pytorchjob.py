@@ -23,7 +23,15 @@ from components.core.recipe import load_recipe, parse_recipe, publish_recipe
 from components.core.stages import resources, spec
 from dags.execution import kubernetes as mode
 from dags.execution import pytorchjob
-from tests.dags.test_kubernetes_mode import ENV_VARS, K8S_VERSION, RESTRICTED_CONTAINER, stage_pod
+from tests.dags.test_kubernetes_mode import (
+    DSHM_MOUNT,
+    ENV_VARS,
+    K8S_VERSION,
+    RESTRICTED_CONTAINER,
+    SCRATCH_MOUNTS,
+    scratch_volumes,
+    stage_pod,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_ROOT = "s3://bucket/runs"
@@ -36,13 +44,13 @@ def _clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def recipe(**trainer):
+def recipe(scratch: dict | None = None, **trainer):
     return parse_recipe({"pipeline": "pj", "trainer": {"processes": 2, **trainer},
-                         "resources": {"trainer": {"gpus": 2, "memory": "64Gi", "cpu": "8"}}})
+                         "resources": {"trainer": {"gpus": 2, "memory": "64Gi", "cpu": "8", **(scratch or {})}}})
 
 
-def job(nodes: int = 3, **trainer) -> dict:
-    return pytorchjob.render(recipe(**trainer), RECIPE_URI, RUN_ROOT, 4, nodes)
+def job(nodes: int = 3, scratch: dict | None = None, **trainer) -> dict:
+    return pytorchjob.render(recipe(scratch, **trainer), RECIPE_URI, RUN_ROOT, 4, nodes)
 
 
 def valid(template: dict) -> str:
@@ -87,15 +95,30 @@ def test_the_pod_is_the_kubernetes_modes_trainer_pod() -> None:
     assert container["args"] == ["--recipe", RECIPE_URI, "--run-root", RUN_ROOT, "--iteration", "4"]
     for key in ("securityContext", "resources", "envFrom", "volumeMounts", "imagePullPolicy"):
         assert container[key] == ref_container[key], key
-    assert container["securityContext"] == RESTRICTED_CONTAINER
-    assert container["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
-                                      "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"}}
+    assert container["securityContext"] == RESTRICTED_CONTAINER  # readOnlyRootFilesystem too
+    assert container["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "50Gi"},
+                                      "limits": {"memory": "64Gi", "ephemeral-storage": "50Gi", "nvidia.com/gpu": "2"}}
+    assert container["volumeMounts"] == [*SCRATCH_MOUNTS, DSHM_MOUNT]
+    assert pod["volumes"] == scratch_volumes("50Gi") + [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     for key in ("securityContext", "tolerations", "nodeSelector", "volumes", "serviceAccountName",
                 "automountServiceAccountToken"):
         assert pod[key] == ref_spec[key], key
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {"posttrain.io/pool": "gpu"} and pod["restartPolicy"] == "Never"
     assert template["metadata"]["labels"]["posttrain.io/stage"] == "trainer"
+
+
+def test_the_recipes_scratch_reaches_every_replica() -> None:
+    """``resources: {trainer: {scratch: 100Gi}}``: torchrun's work folders and the checkpoints
+    get 100Gi on every node, bounded by the ephemeral-storage limit; the root stays read-only."""
+    for role, replica in job(nodes=2, scratch={"scratch": "100Gi"})["spec"]["pytorchReplicaSpecs"].items():
+        pod, (container,) = replica["template"]["spec"], replica["template"]["spec"]["containers"]
+        assert container["resources"]["requests"]["ephemeral-storage"] == "100Gi", role
+        assert container["resources"]["limits"]["ephemeral-storage"] == "100Gi", role
+        assert pod["volumes"][:2] == scratch_volumes("100Gi"), role
+        assert container["volumeMounts"][:2] == SCRATCH_MOUNTS, role
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, role
+        assert valid(replica["template"]) == K8S_VERSION, role
 
 
 def test_a_cpu_trainer_gets_no_gpu_and_settings_follow_the_environment(monkeypatch) -> None:
@@ -111,6 +134,7 @@ def test_a_cpu_trainer_gets_no_gpu_and_settings_follow_the_environment(monkeypat
     assert container["image"] == f"registry.example.com/ml/posttrain-trainer:{__version__}"
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
     assert "tolerations" not in template["spec"] and "nodeSelector" not in template["spec"]
+    assert template["spec"]["volumes"] == scratch_volumes("50Gi")  # the scratch space, and no /dev/shm in memory
     assert valid(template) == K8S_VERSION
 
 

@@ -192,9 +192,14 @@ def test_stage_resources_gpus_and_placement_follow_the_registry(compiled):
             assert "tolerations" not in executor and "nodeSelector" not in executor, spec.id
         annotations = executor["podMetadata"].get("annotations", {})
         assert annotations == ({"container.apparmor.security.beta.kubernetes.io/main": "unconfined"} if spec.sandboxed else {})
+        # the registry's scratch as two sized emptyDirs, as the DAG's pods (kfp-kubernetes sets neither a read-only
+        # root nor an ephemeral-storage limit: pipelines/post_training_iteration.py says so)
+        assert executor["emptyDirMounts"] == [
+            {"volumeName": "scratch-tmp", "mountPath": "/tmp", "sizeLimit": spec.scratch},
+            {"volumeName": "scratch-home", "mountPath": "/home/posttrain", "sizeLimit": spec.scratch}], spec.id
     assert {s.id for s in registered() if s.gpus} == {"bootstrap", "rollout", "trainer", "evaluation"}
     for helper in ("exec-plan", "exec-shards", "exec-shards-2", "exec-shards-3"):  # no GPU, no stage deadline
-        assert not {"tolerations", "nodeSelector", "activeDeadlineSeconds"} & set(platform[helper]), helper
+        assert not {"tolerations", "nodeSelector", "activeDeadlineSeconds", "emptyDirMounts"} & set(platform[helper]), helper
         assert "accelerator" not in executors[helper]["container"].get("resources", {}), helper
 
 
