@@ -16,11 +16,17 @@ Every engine refuses a prompt that encodes to no tokens (``check_encoded``), and
 for at most the model's positions left after each prompt (``new_tokens``: ``hf`` per
 batch, ``vllm`` per prompt; ``openai`` only when told the server's context).
 
+Seeds: an engine or episode that needs several random streams from one seed derives
+each with ``sub_seed(seed, kind, index)`` (a hash), never ``seed + index``: offsets from
+one base overlap (batch 1 of seed s was batch 0 of seed s + 1), so episodes of different
+tasks shared a stream.
+
 Not covered here: stop strings other than the EOS token.
 """
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +85,14 @@ def new_tokens(max_new_tokens: int, prompt_tokens: int, context: int | None) -> 
     ``prompt_tokens`` (at least 1, as ``hf`` gives; a prompt that fills the context is the
     server's to refuse); ``max_new_tokens`` when ``context`` is None."""
     return max(1, min(max_new_tokens, context - prompt_tokens)) if context else max_new_tokens
+
+
+def sub_seed(seed: int, kind: str, index: int) -> int:
+    """A 63-bit seed for stream ``index`` of kind ``kind`` under ``seed`` (sha256, as
+    ``components.core.seeds.derive_seed``): unlike ``seed + index``, the streams of two
+    seeds do not run into each other."""
+    key = f"{seed}|{kind}|{index}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
 
 
 def get_engine(name: str) -> Engine:

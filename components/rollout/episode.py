@@ -59,7 +59,7 @@ from components.core.policy import Policy
 from components.core.prompts import observation_ids
 from components.core.records import Turn
 from components.domains.base import Interactive, action_command, observation_text
-from components.rollout.engines import Generation, TokenPromptPolicy
+from components.rollout.engines import Generation, TokenPromptPolicy, sub_seed
 from components.rollout.hf_engine import HFEngine
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -216,11 +216,11 @@ def run_episodes(actor: Policy | Actor, prompts: list[str], session_factory: Cal
                     samples = [Generation([], [], [], t, "stop") for t in texts]
                 elif step == 0 and len(active) == n:
                     samples = engine.generate_groups(policy, prompts, group_size, max_action_tokens, temperature,
-                                                         seed, batch_size, greedy=greedy)
-                else:
+                                                         sub_seed(seed, "turn", step), batch_size, greedy=greedy)
+                else:  # every turn samples from its own hashed seed (seed + 1000 * step met other task batches' seeds)
                     contexts = [episodes[k].prompt_ids + episodes[k].completion_ids for k in active]
                     samples = engine.generate(TokenPromptPolicy(policy), contexts, max_action_tokens,  # type: ignore[arg-type]
-                                                  temperature, seed + 1000 * step, batch_size, greedy=greedy)
+                                                  temperature, sub_seed(seed, "turn", step), batch_size, greedy=greedy)
                 if not scripted:  # an engine gives at most the model's positions left: here, at most the limit's
                     samples = [_cut(policy, sample, room(k)) for k, sample in zip(active, samples)]
                 running = []

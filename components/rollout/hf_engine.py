@@ -17,14 +17,23 @@ what ``generate`` cannot do: continue from a cache that already holds the whole 
 the prefill itself), and drop rows that stopped on EOS from the batch and the cache
 (once a quarter of the rows stopped, since each drop copies the cache), where
 ``generate`` computes every row until the last one stops. The cache is transformers'
-``StaticCache``, preallocated for prompt plus completion: the default ``DynamicCache``
-concatenates, i.e. copies itself, at every step (about 8% of the time on the demo's
-prompts, measured side by side; more under memory contention and for longer
-completions). Greedy decoding (G = 1) goes through the same loop: argmax of the logits
-of the forward passes ``generate`` makes, up to float rounding from the masked cache.
+``StaticCache``: the default ``DynamicCache`` concatenates, i.e. copies itself, at every
+step (about 8% of the time on the demo's prompts, measured side by side; more under
+memory contention and for longer completions). It starts with room for the prompt and
+``CACHE_BLOCK`` (256) new tokens and doubles (one copy) when full, up to prompt plus
+``max_new_tokens``: a cache for the whole completion up front reserved
+rows x (prompt + max_new_tokens) positions however early the rows stopped (about 51 GB,
+calculated, for one ``posttrain serve`` request of 64 prompts near a 32k context of
+Qwen2.5-0.5B in fp32), and each step attended over all of them. The tokens are the same
+either way, the logprobs up to float rounding (a cache of another length sums the
+attention in another order: within 1e-6 on the tests' policy, bit-identical while
+``max_new_tokens`` <= 256; ``tests/rollout/test_cache_growth.py``). Greedy decoding (G = 1) goes through the same
+loop: argmax of the logits of the forward passes ``generate`` makes, up to float
+rounding from the masked cache.
 
 ``workers`` > 1 (``rollout.workers``) spreads the batches over that many processes
-(``forked.forked_map``): each batch is seeded by its index, so the samples are the
+(``forked.forked_map``): each batch is seeded by its index (``sub_seed(seed, "batch", b)``,
+a hash, so batches of nearby seeds never share a stream), so the samples are the
 same as with one process; only the wall time changes. Only with one torch thread
 (``POSTTRAIN_TORCH_THREADS=1``, the default outside ``posttrain run``): a fork of a
 multi-threaded OpenMP pool can hang, so with more threads the batches stay in this
@@ -52,7 +61,7 @@ data-quality gate then stops the iteration.)
 from __future__ import annotations
 
 from components.core.progress import say
-from components.rollout.engines import Engine, Generation, check_encoded
+from components.rollout.engines import Engine, Generation, check_encoded, sub_seed
 from components.rollout.forked import forked_map
 
 
@@ -86,7 +95,9 @@ class HFEngine(Engine):
         def sample_batch(b: int) -> list[tuple[list[int], list[float]]]:
             idx = batches[b]
             width = max(len(encoded[i]) for i in idx)
-            torch.manual_seed(seed + b)  # a batch's samples depend on its index, not on the process that runs it
+            # a batch's samples depend on its index, not on the process that runs it; hashed, so
+            # the batches of two nearby seeds (episode turns, task batches, requests) never share a stream
+            torch.manual_seed(sub_seed(seed, "batch", b))
             with torch.inference_mode():
                 return self._sample(policy, [encoded[i] for i in idx], group_size,
                                     max(1, min(max_new_tokens, limit - width)), temperature, greedy)
@@ -119,9 +130,13 @@ class HFEngine(Engine):
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() sets them
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float().repeat_interleave(group, 0)
-        # The prompt's keys and values, G rows per prompt, in a cache preallocated for the whole
-        # completion (a DynamicCache would concatenate, i.e. copy itself, at every step).
-        length = width + new_tokens
+        # The prompt's keys and values, G rows per prompt, in a static cache with room for
+        # CACHE_BLOCK new tokens, doubled (copied) when full, up to the whole completion: a
+        # DynamicCache would concatenate, i.e. copy itself, at every step, and a cache for the
+        # whole completion up front reserves rows x (prompt + max_new_tokens) positions however
+        # early the rows stop (GBs for one serve request of 64 prompts near the context).
+        full = width + new_tokens
+        length = width + min(new_tokens, CACHE_BLOCK)
         cache = static_cache(model, [(layer.keys.repeat_interleave(group, 0), layer.values.repeat_interleave(group, 0))
                                      for layer in out.past_key_values.layers], length)
         mask = torch.cat([mask, mask.new_ones((len(prompts), new_tokens))], dim=1).repeat_interleave(group, 0)
@@ -150,7 +165,11 @@ class HFEngine(Engine):
                     live, tok, mask, next_pos, done = live[keep], tok[keep], mask[keep], next_pos[keep], done[keep]
             if step + 1 == new_tokens:
                 break
-            out = model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
+            if width + step >= length:  # full: this step writes position width + step
+                length = min(full, 2 * length)
+                cache = static_cache(model, [(layer.keys[:, :, :width + step], layer.values[:, :, :width + step])
+                                             for layer in cache.layers], length)
+            out = model(input_ids=tok.unsqueeze(1), attention_mask=mask[:, :length], position_ids=next_pos.unsqueeze(1),
                         past_key_values=cache, cache_position=torch.tensor([width + step]), use_cache=True)
             logits, next_pos = out.logits[:, -1].float(), next_pos + 1
         return [(tokens[r, :n].tolist(), logps[r, :n].tolist()) for r, n in enumerate(lengths.tolist())]
@@ -178,7 +197,7 @@ class HFEngine(Engine):
                     ids = encoded[i]
                     input_ids[row, width - len(ids):] = torch.tensor(ids)
                     mask[row, width - len(ids):] = 1
-                torch.manual_seed(seed + b)
+                torch.manual_seed(sub_seed(seed, "batch", b))
                 kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
                 out = model.generate(
                     input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=pad,
@@ -195,6 +214,10 @@ class HFEngine(Engine):
                 if progress:
                     progress(len(idx))
         return results  # type: ignore[return-value]
+
+
+CACHE_BLOCK = 256
+"""New tokens a prefix-shared batch's KV cache has room for at first; it doubles when full."""
 
 
 def static_cache(model, layers, max_len: int):

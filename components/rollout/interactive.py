@@ -36,6 +36,7 @@ from components.core.records import Rollout, Task
 from components.core.sessions import SESSIONS
 from components.domains.base import Interactive
 from components.domains.registry import get as get_domain
+from components.rollout.engines import sub_seed
 from components.rollout.episode import Actor, Episode, ReplaySession, TaskSession, run_episodes
 from components.rollout.hf_engine import HFEngine
 
@@ -93,7 +94,7 @@ def play(actor: Policy | Actor, tasks: list[Task], specs: dict[str, Interactive]
                 actor, [t.prompt for t in batch], session,
                 max_steps=[min(s.max_turns, rollout_cfg.max_turns) for s in batch_specs],
                 max_action_tokens=max_action_tokens or rollout_cfg.max_new_tokens, temperature=rollout_cfg.temperature,
-                seed=seed + start, batch_size=rollout_cfg.batch_size, group_size=g,
+                seed=sub_seed(seed, "tasks", start), batch_size=rollout_cfg.batch_size, group_size=g,
                 observation_chars=rollout_cfg.observation_chars, concurrency=int(sandbox_cfg.concurrency),
                 progress=progress, engine=engine, greedy=greedy)
             for k, ep in enumerate(episodes):
