@@ -84,3 +84,58 @@ def test_a_bfloat16_step_on_cuda_follows_the_float32_step_on_cpu() -> None:
     assert stats.tokens == cpu_stats.tokens and torch.isfinite(grads).all()
     assert stats.loss == pytest.approx(cpu_stats.loss, abs=0.02)
     assert (params - cpu_params).abs().max() < 0.05 and not torch.equal(params, cpu_params)
+
+
+def _on_policy(model, n: int = 4):
+    """Samples whose recorded logprobs are the model's own in eval mode, as rollout scores them."""
+    from components.core.policy import pad_batch, token_logprobs
+    from components.trainer.grpo import Sample
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    model.eval()
+    for k in range(n):
+        p, c = torch.randint(3, 50, (5,), generator=g).tolist(), torch.randint(3, 50, (6,), generator=g).tolist()
+        ids, attn, _ = pad_batch([(p, c)], 0)
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, ids, attn, 1.0)
+        out.append(Sample(p, c, lp[0, 4:10].tolist(), [1.0, -1.0, 0.5, -0.5][k]))
+    return out
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_trainer_turns_the_models_own_dropout_off(packing: bool) -> None:
+    """A checkpoint whose config sets ``attention_dropout`` (or Phi-2's ``resid_pdrop``)
+    trained with it on: samples scored as rollout scores them (eval mode) had clipped
+    tokens and a KL from the first step. After ``prepare_model`` the first step on such
+    samples sees ratio 1 and KL 0 everywhere; the saved config keeps its value."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    policy = tiny_policy()
+    llama = policy.model
+    llama.config.attention_dropout = 0.1
+    for layer in llama.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    torch.manual_seed(0)
+    phi = PhiForCausalLM(PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, resid_pdrop=0.1, max_position_embeddings=64,
+                                   initializer_range=0.15))
+    for model in (llama, phi):
+        samples = _on_policy(model)
+        prepare_model(model, torch.device("cpu"), False)
+        stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, pad_id=0, clip_eps=0.2,
+                          kl_coef=0.1, temperature=1.0, micro_batch_size=4, max_grad_norm=1e9, packing=packing)
+        assert stats.clip_frac == 0.0
+        assert abs(stats.kl) < 1e-6
+    assert llama.config.attention_dropout == 0.1 and phi.config.resid_pdrop == 0.1
+
+
+def test_lora_dropout_is_the_recipes_and_stays() -> None:
+    from components.core.recipe import LoraConfig
+    from components.trainer.device import disable_dropout
+    from components.trainer.lora import apply_lora
+
+    model = apply_lora(tiny_policy().model, LoraConfig(rank=4, dropout=0.2))
+    disable_dropout(model)
+    adapters = [m for name, m in model.named_modules() if "lora_dropout" in name and isinstance(m, torch.nn.Dropout)]
+    assert adapters and all(m.p == 0.2 for m in adapters)
