@@ -185,7 +185,9 @@ def _parent_run(ctx: StageContext, orchestrator_run_id: str) -> str | None:
         return None
     if ctx.stage == "taskgen":
         return tracking.iteration_run(ctx.pipeline, ctx.iteration, ctx.store.uri, orchestrator_run_id)
-    return ctx.facts_of("taskgen", StartingPolicy).parent_run_id
+    # taskgen's recorded run, unless it was deleted in the UI: then the iteration's live one
+    return tracking.live_iteration_run(ctx.facts_of("taskgen", StartingPolicy).parent_run_id, ctx.pipeline,
+                                       ctx.iteration, ctx.store.uri, orchestrator_run_id)
 
 
 def _end_iteration(ctx: StageContext, orchestrator_run_id: str) -> None:
@@ -352,8 +354,10 @@ def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration:
               orchestrator_run_id: str = "", in_order: bool = False) -> Manifest | None:
     """Run one stage (or find it cached). An outage anywhere inside (the store, the
     tracking server, an inference endpoint) surfaces as ``InfraError``, which callers
-    retry; a user's mistake stays a ``UserError``. ``None`` on a follower node of a stage
-    placed on several nodes (see the module docstring), which writes no manifest.
+    retry; a user's mistake stays a ``UserError``, and the tracking server refusing
+    MLflow's credentials (HTTP 401/403: ``tracking.credentials_refused``) becomes one.
+    ``None`` on a follower node of a stage placed on several nodes (see the module
+    docstring), which writes no manifest.
 
     ``in_order`` (``posttrain stage``): taskgen of iteration k > 1 is refused until
     iteration k - 1 has finished, so a typed ``--iteration`` cannot open a gap (the
@@ -366,6 +370,8 @@ def run_stage(stage: str, recipe: Recipe | str | Path, run_root: str, iteration:
     except (UserError, InfraError, DataQualityError):
         raise
     except Exception as exc:
+        if (refused := tracking.credentials_refused(exc)) is not None:  # HTTP 401/403 from the tracking server
+            raise refused from exc
         if (down := outage(exc)) is None:  # unreachable, timed out, or an S3 5xx/busy reply
             raise
         raise InfraError(_service(exc), _where(exc, run_root), down) from exc

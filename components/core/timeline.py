@@ -34,6 +34,8 @@ metric's history (MLflow deletes no single value). The plots are overwritten. A 
 whose stage did not record it (an older manifest) is left out.
 An error while drawing or uploading a plot (an artifact store that refuses writes)
 prints one line per plot and is not raised: the metrics are logged before them.
+An iteration run deleted in the MLflow UI takes nothing: the iteration's live parent run
+(found by its tags, or made) gets its metrics and plots instead.
 
     from components.core import timeline
     timeline.headline(store, "tiny", 2)  # {"pass_at_1/code": 0.25, "reward/code": 0.4, ...}
@@ -237,8 +239,11 @@ def log_changed(run_id: str, metrics: dict[str, float], step: int) -> dict[str, 
     that has none there; returns what it logged. The new values are stamped after the
     ones they replace, so they are the latest at that step (and the run's latest value
     when ``step`` is its last). The replaced values stay in the metric's history: MLflow
-    deletes no single value."""
+    deletes no single value. A run that is not ``tracking.live`` (deleted in the UI, which
+    refuses every write to it) gets nothing."""
     c = tracking.client()
+    if not tracking.live(run_id):
+        return {}
     changed: dict[str, float] = {}
     after = 0
     for key, value in metrics.items():
@@ -280,8 +285,12 @@ def record(store: Store, pipeline: str, iteration: int, parent_run_id: str) -> d
     (when given) and on the pipeline's summary run; returns the metrics. The parent's
     plots show iterations up to ``iteration``, the summary run's up to the latest
     finished one (``latest_finished``, at least ``iteration``): re-running an older
-    iteration's stage does not cut the summary's plots short."""
+    iteration's stage does not cut the summary's plots short. A parent run that is gone
+    (deleted in the UI, or unknown here) is replaced by the iteration's live parent,
+    found by its tags or created (``tracking.live_iteration_run``)."""
     metrics = headline(store, pipeline, iteration)
+    if parent_run_id:
+        parent_run_id = tracking.live_iteration_run(parent_run_id, pipeline, iteration, store.uri)
     summary = tracking.pipeline_run(pipeline, store.uri)
     latest = max(iteration, latest_finished(store, pipeline))
     plots: dict[int, list[str]] = {iteration: [parent_run_id] if parent_run_id else []}

@@ -38,8 +38,19 @@ value (a bare path or ``file://``: MLflow's file store; ``databricks``; an in-me
 variable before anything is created (``check_uri``; ``posttrain run`` checks it first).
 Everything goes through ``MlflowClient`` (no fluent global state), so in-process
 orchestrators can run stages side by side.
-Not covered: MLflow authentication set-up (use MLflow's own environment variables), and
-whether a database server accepts the URI's credentials (that is found on first use).
+A run deleted in the MLflow UI (or unknown to this tracking server) is gone for posttrain:
+nothing ends, tags or logs to it (``live``). A stage whose recorded iteration run (taskgen's
+manifest pins it) is gone nests under the iteration's live parent instead, found by its
+tags or created (``live_iteration_run``, which also moves the gone parent's stage runs
+under it), and the iteration's end logs its timeline on and ends that one.
+
+An HTTP(S) server's credentials are MLflow's own environment variables
+(``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``); each
+process checks them with one read after ``/health``, and a 401/403 there or later in a
+stage is a UserError naming them (``credentials_refused``). MLflow's HTTP retries and
+timeout are bounded when unset (``HTTP_DEFAULTS``).
+Not covered: setting up MLflow's authentication itself, and whether a database server
+accepts the URI's credentials (that is found on first use).
 """
 
 from __future__ import annotations
@@ -130,6 +141,68 @@ DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", 
                    "asyncpg": "asyncpg", "pg8000": "pg8000", "oracledb": "oracledb"}
 """The PyPI package of a database driver module SQLAlchemy imports, for the fix of a missing one."""
 PROBE_TIMEOUT_S = 5.0
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+"""MLflow's HTTP client settings posttrain's processes use when the user has not set them
+(MLflow's own: 7 retries, 120 s per attempt, about 20 minutes before a hung server's
+request fails): 3 attempts of at most 30 s each and about 5 s of backoff between them,
+so a request to a server that hangs fails within about 95 s, an outage the orchestrator
+retries. Set either variable to keep MLflow's behaviour or choose another bound."""
+CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+REFUSED_CODES = {"UNAUTHENTICATED": 401, "CUSTOMER_UNAUTHORIZED": 401, "PERMISSION_DENIED": 403}
+"""MLflow error codes (``MlflowException.error_code``) that mean the tracking server refused
+the request's credentials, and the HTTP status each stands for."""
+
+
+def bound_http_waits() -> dict[str, str]:
+    """Set ``HTTP_DEFAULTS`` in this process's environment for each variable that is unset
+    or empty (an empty setting is an unset one); returns what it set. MLflow reads them at
+    every request, so this also bounds the requests of clients made before it."""
+    chosen = {k: v for k, v in HTTP_DEFAULTS.items() if not os.environ.get(k, "").strip()}
+    os.environ.update(chosen)
+    return chosen
+
+
+def refused_credentials(status: int, uri: str | None = None):
+    """The UserError for a tracking server that answered HTTP ``status`` (401: not
+    authenticated, 403: permission denied): one line naming ``MLFLOW_TRACKING_URI``, which of
+    MLflow's credential variables are set, and how to fix them."""
+    from components.core.errors import UserError
+
+    shown = shown_uri(uri if uri is not None else tracking_uri())
+    given = [v for v in CREDENTIAL_VARIABLES if os.environ.get(v)]
+    sent = f"{' and '.join(given)} set" if given else f"none of {', '.join(CREDENTIAL_VARIABLES)} set"
+    if status == 403:
+        return UserError(VARIABLE, shown, f"the tracking server denied these credentials access (HTTP 403, permission "
+                         f"denied; {sent})", "use MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+                         "MLFLOW_TRACKING_TOKEN of a user allowed to edit the pipeline's experiment and registered "
+                         "model, or have the server's admin grant this user that permission")
+    return UserError(VARIABLE, shown, f"the tracking server refused the credentials (HTTP 401, not authenticated; "
+                     f"{sent})", "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic auth) or "
+                     "MLFLOW_TRACKING_TOKEN (a bearer token) to credentials this server accepts")
+
+
+def credentials_refused(exc: BaseException):
+    """``refused_credentials``' UserError if ``exc`` (or anything in its cause chain) is the
+    tracking server refusing the credentials: an MLflow error whose code is one of
+    ``REFUSED_CODES`` (MLflow's client turns an HTTP 401/403 reply into those), or an HTTP
+    401/403 reply from the tracking server's own address (an artifact upload through it);
+    None for anything else (a store's or a model hub's 403 is not the tracking server's)."""
+    from urllib.parse import urlsplit
+
+    uri = os.environ.get(VARIABLE, "")
+    server = urlsplit(uri)._replace(path="", query="", fragment="").geturl() if uri.startswith(("http://", "https://")) else ""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur).__module__.startswith("mlflow") and (code := getattr(cur, "error_code", "")) in REFUSED_CODES:
+            return refused_credentials(REFUSED_CODES[code], uri or None)
+        reply = getattr(cur, "response", None)
+        status, url = getattr(reply, "status_code", None), str(getattr(reply, "url", "") or "")
+        if server and status in (401, 403) and url.startswith(server):
+            return refused_credentials(status, uri)
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return None
 
 
 def shown_uri(uri: str) -> str:
@@ -289,9 +362,10 @@ def _checked(uri: str) -> None:
     """``check_uri``'s UserError for a tracking URI posttrain cannot use; an InfraError, in
     seconds, for an HTTP(S) tracking server that cannot be reached (MLflow's own client
     retries a refused connection for minutes before it says anything). A server that
-    answers, with any status below 500 but 404, passes: only reachability is checked here,
-    not credentials; a 404 at ``/health``, which every MLflow server answers, is a
-    UserError (another web server). The probe goes to the host after any ``user:password@``."""
+    answers, with any status below 500 but 404, is reachable; a 404 at ``/health``, which
+    every MLflow server answers, is a UserError (another web server). The probe goes to the
+    host after any ``user:password@``. Then ``_check_credentials``: credentials the server
+    refuses (HTTP 401/403) are a UserError naming MLflow's credential variables."""
     import urllib.error
     import urllib.request
     from urllib.parse import urlsplit
@@ -307,18 +381,40 @@ def _checked(uri: str) -> None:
     probe = parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host).geturl().rstrip("/") + "/health"
     try:
         with urllib.request.urlopen(probe, timeout=PROBE_TIMEOUT_S):
-            return
+            pass
     except urllib.error.HTTPError as exc:
         if exc.code == 404:  # every MLflow server answers /health (behind a proxy's path prefix too)
             raise UserError(VARIABLE, shown_uri(uri), "answers HTTP 404 at /health: not an MLflow tracking server",
                             "point it at the MLflow server's address (http(s)://host:port, with its path prefix if "
                             "it has one)") from None
-        if exc.code < 500:
-            return
-        reason = f"HTTP {exc.code} from /health"
+        if exc.code >= 500:
+            raise InfraError("tracking server", shown_uri(uri), f"HTTP {exc.code} from /health") from None
     except (OSError, ValueError) as exc:
-        reason = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-    raise InfraError("tracking server", shown_uri(uri), reason)
+        raise InfraError("tracking server", shown_uri(uri), f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") \
+            from None
+    _check_credentials(uri)
+
+
+CREDENTIALS_PROBE = "/api/2.0/mlflow/experiments/search"
+
+
+def _check_credentials(uri: str) -> None:
+    """One cheap authenticated read (``CREDENTIALS_PROBE``, one experiment at most) through
+    MLflow's own request helper, so its credentials (``CREDENTIAL_VARIABLES``, ``user:password@``
+    in the URI, an auth plug-in) are sent as every later call sends them: a 401 or 403 reply
+    is ``refused_credentials``' UserError (``/health`` answers without credentials). Any other
+    reply, or none within ``PROBE_TIMEOUT_S`` (reachability is ``/health``'s), passes: the
+    real calls report it with their own retries."""
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        reply = http_request(get_default_host_creds(uri), CREDENTIALS_PROBE, "GET", max_retries=0, backoff_factor=0,
+                             timeout=PROBE_TIMEOUT_S, raise_on_status=False, params={"max_results": 1})
+    except Exception:  # noqa: BLE001 - not this probe's to report (see the docstring)
+        return
+    if reply.status_code in (401, 403):
+        raise refused_credentials(reply.status_code, uri)
 
 
 def client():
@@ -330,6 +426,7 @@ def client():
     logging.getLogger("alembic").setLevel(logging.WARNING)
     uri = tracking_uri()
     if uri not in _clients:
+        bound_http_waits()
         _checked(uri)
         trackdb.ensure_created(uri)  # never a half-created SQLite schema, even if this process is killed
         trackdb.check_existing(uri)  # one that is there: no empty, foreign or cut-short file
@@ -414,10 +511,86 @@ def find_iteration_run(pipeline: str, iteration: int, run_root: str):
                                            f"{_quoted(run_root)} and tags.`{TAG_STAGE}` = '{ITERATION_STAGE}'")
 
 
+def live(run_id: str) -> bool:
+    """Whether ``run_id`` is a run this tracking server has and that is not deleted (a
+    deleted run takes no status, tag or metric until it is restored)."""
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return False
+    try:
+        run = client().get_run(run_id)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return run.info.lifecycle_stage != "deleted"
+
+
+_replaced: dict[tuple[str, str], str] = {}
+"""{(tracking URI, gone iteration run id): the live parent this process used instead}."""
+
+
+def live_iteration_run(parent_run_id: str, pipeline: str, iteration: int, run_root: str,
+                       orchestrator_run_id: str = "") -> str:
+    """``parent_run_id`` while it is ``live``; else (deleted in the UI, or unknown here) the
+    iteration's live parent run, found by its tags or created (``iteration_run``). The
+    stage runs nested under a deleted parent (not deleted themselves) are moved under the
+    live one, so the UI's walk from the iteration run reaches all of them again."""
+    if live(parent_run_id):
+        return parent_run_id
+    current = iteration_run(pipeline, iteration, run_root, orchestrator_run_id)
+    if parent_run_id:
+        _replaced[(tracking_uri(), parent_run_id)] = current
+        _adopt(parent_run_id, current)
+    return current
+
+
+def _adopt(gone: str, current: str) -> list[str]:
+    """Nest the runs under ``gone`` (a deleted run; they are not deleted) under ``current``
+    instead; returns their ids. Nothing for a run this tracking server does not know."""
+    from mlflow.exceptions import MlflowException
+
+    c = client()
+    try:
+        exp = c.get_run(gone).info.experiment_id
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return []
+        raise
+    moved = []
+    for run in c.search_runs([exp], filter_string=f"tags.`{TAG_PARENT}` = {_quoted(gone)}", max_results=1000):
+        if run.info.run_id != current:
+            c.set_tag(run.info.run_id, TAG_PARENT, current)
+            moved.append(run.info.run_id)
+    return moved
+
+
+def _successor(run_id: str) -> str:
+    """For an iteration run that is not ``live``: the live parent of the same iteration
+    (the one this process used instead, else found by the gone run's tags, which a
+    deleted run keeps); "" when there is none or nothing says which iteration it was."""
+    from mlflow.exceptions import MlflowException
+
+    if (found := _replaced.get((tracking_uri(), run_id))) and live(found):
+        return found
+    try:
+        tags = client().get_run(run_id).data.tags
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            return ""
+        raise
+    if tags.get(TAG_STAGE) != ITERATION_STAGE or not tags.get(TAG_ITERATION, "").isdigit() or TAG_PIPELINE not in tags:
+        return ""
+    run = find_iteration_run(tags[TAG_PIPELINE], int(tags[TAG_ITERATION]), tags.get(TAG_RUN_ROOT, ""))
+    return run.info.run_id if run is not None else ""
+
+
 def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run_id: str = "") -> str:
     """The parent run of an iteration: found by tags, or created under the pipeline's
     summary run. A parent that an earlier attempt ended FAILED or KILLED is set RUNNING
-    again: the resumed iteration goes on in the same run."""
+    again: the resumed iteration goes on in the same run. A deleted one is not found (a
+    new one is made)."""
     c = client()
     found = find_iteration_run(pipeline, iteration, run_root)
     if found is not None:
@@ -437,7 +610,8 @@ def iteration_run(pipeline: str, iteration: int, run_root: str, orchestrator_run
 def end_children(parent_run_id: str, status: str = "KILLED", stage: str = "", shard_index: int = -1) -> list[str]:
     """End with ``status`` the RUNNING runs nested under ``parent_run_id`` (only those of
     ``stage``, and of shard ``shard_index`` when >= 0, if given); returns their ids. A
-    parent this tracking server does not know has none."""
+    parent this tracking server does not know has none; a deleted parent's live children
+    are ended, and a child deleted meanwhile is skipped."""
     from mlflow.exceptions import MlflowException
 
     if not parent_run_id:
@@ -455,19 +629,47 @@ def end_children(parent_run_id: str, status: str = "KILLED", stage: str = "", sh
     if shard_index >= 0:
         flt += f" and tags.`{TAG_SHARD}` LIKE '{shard_index}/%'"
     ended = []
-    for run in c.search_runs([exp], filter_string=flt, max_results=1000):
-        c.set_terminated(run.info.run_id, status)
-        ended.append(run.info.run_id)
+    for run in c.search_runs([exp], filter_string=flt, max_results=1000):  # deleted runs are not found
+        if _terminated(run.info.run_id, status):
+            ended.append(run.info.run_id)
     return ended
+
+
+def _terminated(run_id: str, status: str) -> bool:
+    """``set_terminated``; False, and nothing done, for a run deleted since it was read
+    (MLflow refuses it: "must be in the 'active' state")."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client().set_terminated(run_id, status)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") in ("INVALID_PARAMETER_VALUE", "INVALID_STATE") and not live(run_id):
+            return False
+        raise
+    return True
 
 
 def fail_iteration(parent_run_id: str, stage: str = "", shard_index: int = -1) -> list[str]:
     """The orchestrator gave up on an iteration: its stage runs still RUNNING end KILLED
     (only those of ``stage``, and of shard ``shard_index`` when >= 0, if given) and its
-    parent run ends FAILED (if RUNNING). Returns the ids of the stage runs it ended."""
+    parent run ends FAILED (if RUNNING). Returns the ids of the stage runs it ended. For a
+    parent that is gone (deleted, or unknown here), the same is done to the iteration's
+    live parent (``_successor``), if it has one."""
     ended = end_children(parent_run_id, "KILLED", stage, shard_index)
-    end_if_running(parent_run_id, "FAILED")
+    for current in _current(parent_run_id):
+        if current != parent_run_id:
+            ended += end_children(current, "KILLED", stage, shard_index)
+        end_if_running(current, "FAILED")
     return ended
+
+
+def _current(parent_run_id: str) -> list[str]:
+    """``[parent_run_id]`` while it is ``live``; else its ``_successor``, if any."""
+    if not parent_run_id:
+        return []
+    if live(parent_run_id):
+        return [parent_run_id]
+    return [found] if (found := _successor(parent_run_id)) else []
 
 
 def running_iteration_runs(pipeline: str, run_root: str, status: str = "RUNNING") -> dict[int, str]:
@@ -497,16 +699,21 @@ def finish_iteration(parent_run_id: str) -> list[str]:
     ``kill_stale_runs`` matches neither), and its parent run ends FINISHED, also one an
     orchestrator ended FAILED or KILLED before a later attempt finished the iteration
     (``posttrain stage`` reopens the parent only at taskgen). Returns the ids of the stage
-    runs it ended. A parent this tracking server does not know is left alone."""
+    runs it ended. A parent this tracking server does not know, or one deleted, is left
+    alone; the iteration's live parent that replaced it (``live_iteration_run``) is ended
+    instead, its stage runs with it."""
     ended = end_children(parent_run_id, "KILLED")
-    end_if_running(parent_run_id, "FINISHED", UNFINISHED)
+    for current in _current(parent_run_id):
+        if current != parent_run_id:
+            ended += end_children(current, "KILLED")
+        end_if_running(current, "FINISHED", UNFINISHED)
     return ended
 
 
 def end_if_running(run_id: str, status: str = "FINISHED", ending: tuple[str, ...] = ("RUNNING",)) -> bool:
     """End ``run_id`` with ``status`` if its status is one of ``ending`` (by default: it is
     still RUNNING; True when it was ended); a run id this tracking server does not know is
-    left alone (the manifest came from elsewhere)."""
+    left alone (the manifest came from elsewhere), and so is a deleted run."""
     from mlflow.exceptions import MlflowException
 
     if not run_id:
@@ -517,10 +724,9 @@ def end_if_running(run_id: str, status: str = "FINISHED", ending: tuple[str, ...
         if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
             return False
         raise
-    if run.info.status not in ending:
+    if run.info.status not in ending or run.info.lifecycle_stage == "deleted":
         return False
-    client().set_terminated(run_id, status)
-    return True
+    return _terminated(run_id, status)
 
 
 def run_url(pipeline: str, run_id: str) -> str:
@@ -546,14 +752,17 @@ def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | Non
     manifest write inside it), KILLED if the body was told to stop (``end_status``),
     FAILED if it raised anything else. Earlier attempts of the same stage run (same run
     name, stage, iteration and run root) still marked RUNNING, left so by a killed
-    process, are marked KILLED first."""
+    process, are marked KILLED first. A ``parent_run_id`` that is gone (deleted in the UI,
+    or unknown here) is replaced by the iteration's live parent (``live_iteration_run``)."""
     from mlflow.entities import Param
 
     c = client()
     all_tags = {TAG_PIPELINE: pipeline, TAG_STAGE: stage, **(tags or {})}
+    iteration, run_root = all_tags.get(TAG_ITERATION, ""), all_tags.get(TAG_RUN_ROOT, "")
+    if parent_run_id and iteration.isdigit() and run_root:
+        parent_run_id = live_iteration_run(parent_run_id, pipeline, int(iteration), run_root, all_tags.get(TAG_ORCH, ""))
     if parent_run_id:
         all_tags[TAG_PARENT] = parent_run_id
-    iteration, run_root = all_tags.get(TAG_ITERATION, ""), all_tags.get(TAG_RUN_ROOT, "")
     kill_stale_runs(pipeline, stage, run_name, iteration, run_root, all_tags.get(TAG_SHARD, ""))
     run = c.create_run(experiment_id(pipeline), run_name=run_name, tags=all_tags)
     run_id = run.info.run_id
@@ -572,10 +781,13 @@ def stage_run(pipeline: str, stage: str, run_name: str, parent_run_id: str | Non
 
 def _attempts(pipeline: str, status: str, stage: str, iteration: str, run_root: str) -> list:
     """The runs with ``status`` of ``stage`` in ``iteration`` of ``run_root`` (any shard)."""
-    if not iteration or not run_root or any("'" in v for v in (stage, iteration, run_root)):
-        return []  # nothing to match on (or a value MLflow's filter syntax cannot quote)
-    flt = (f"attributes.status = {_quoted(status)} and tags.`{TAG_STAGE}` = {_quoted(stage)} "
-           f"and tags.`{TAG_ITERATION}` = {_quoted(iteration)} and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    if not iteration or not run_root:
+        return []  # nothing to match on
+    try:  # a run root with ' is quoted with " (settings.resolve refuses one holding both)
+        flt = (f"attributes.status = {_quoted(status)} and tags.`{TAG_STAGE}` = {_quoted(stage)} "
+               f"and tags.`{TAG_ITERATION}` = {_quoted(iteration)} and tags.`{TAG_RUN_ROOT}` = {_quoted(run_root)}")
+    except ValueError:
+        return []  # both quote characters: no MLflow filter can match it
     return client().search_runs([experiment_id(pipeline)], filter_string=flt, max_results=1000)
 
 

@@ -8,6 +8,9 @@
   shards of its own count, which run side by side, stay RUNNING.
 - ``finish_iteration`` ends the iteration's RUNNING stage runs KILLED and its parent
   FINISHED from RUNNING, FAILED or KILLED.
+- All of it under a run root holding an apostrophe (``/data/bob's runs``, which MLflow's
+  filter quotes with double quotes): before, those runs were never found, so neither
+  marked superseded nor KILLED.
 
 Real MLflow (the test home's SQLite database). The runner's use of these after a real
 stage is ``tests/core/test_timeline_reruns.py``.
@@ -23,6 +26,7 @@ from components.core import tracking
 
 ROOT = "file:///runs/root"
 OTHER_ROOT = "file:///runs/other"
+ROOTS = pytest.mark.parametrize("root", [ROOT, "file:///runs/bob's root"], ids=["plain", "apostrophe"])
 
 
 def status(run_id: str) -> str:
@@ -47,40 +51,44 @@ def attempt(label: str, root: str = ROOT, fail: bool = False) -> str:
     return run_id
 
 
-def test_a_finished_rerun_marks_the_earlier_finished_runs_superseded(posttrain_home: Path) -> None:
-    first = attempt("rollout[1/2]")
-    failed = attempt("rollout[1/2]", fail=True)
-    shard0 = attempt("rollout[0/2]")
+@ROOTS
+def test_a_finished_rerun_marks_the_earlier_finished_runs_superseded(posttrain_home: Path, root: str) -> None:
+    first = attempt("rollout[1/2]", root)
+    failed = attempt("rollout[1/2]", root, fail=True)
+    shard0 = attempt("rollout[0/2]", root)
     elsewhere = attempt("rollout[1/2]", root=OTHER_ROOT)
     assert superseded(first) is None  # nothing finished after it yet
-    second = attempt("rollout[1/2]")
+    second = attempt("rollout[1/2]", root)
     assert (superseded(first), superseded(second)) == (second, None)
     assert (status(failed), superseded(failed)) == ("FAILED", None)
     assert superseded(shard0) is None and superseded(elsewhere) is None
-    third = attempt("rollout[1/2]")
+    third = attempt("rollout[1/2]", root)
     assert [superseded(r) for r in (first, second, third)] == [third, third, None]
 
 
-def test_a_stage_without_shards_is_marked_too(posttrain_home: Path) -> None:
-    first, second = attempt("trainer"), attempt("trainer")
+@ROOTS
+def test_a_stage_without_shards_is_marked_too(posttrain_home: Path, root: str) -> None:
+    first, second = attempt("trainer", root), attempt("trainer", root)
     assert tracking.client().get_run(second).info.run_name == "trainer · iter-000002"
     assert (superseded(first), superseded(second)) == (second, None)
 
 
-def test_running_runs_of_another_shard_count_end_killed_at_the_next_attempt(posttrain_home: Path) -> None:
+@ROOTS
+def test_running_runs_of_another_shard_count_end_killed_at_the_next_attempt(posttrain_home: Path, root: str) -> None:
     c = tracking.client()
 
     def left_running(label: str) -> str:
         shard = label.partition("[")[2].rstrip("]")
         return c.create_run(tracking.experiment_id("sup"), run_name=tracking.stage_run_name(label, 2), tags={
-            tracking.TAG_STAGE: "rollout", tracking.TAG_ITERATION: "2", tracking.TAG_RUN_ROOT: ROOT,
+            tracking.TAG_STAGE: "rollout", tracking.TAG_ITERATION: "2", tracking.TAG_RUN_ROOT: root,
             tracking.TAG_SHARD: shard}).info.run_id
 
     three = [left_running(f"rollout[{i}/3]") for i in range(3)]  # SIGKILLed under shards: 3
     sibling = left_running("rollout[1/2]")  # running beside the new attempt: same count
-    new = attempt("rollout[0/2]")
+    stale = left_running("rollout[0/2]")  # the same attempt, SIGKILLed
+    new = attempt("rollout[0/2]", root)
     assert [status(r) for r in three] == ["KILLED", "KILLED", "KILLED"]
-    assert (status(sibling), status(new)) == ("RUNNING", "FINISHED")
+    assert (status(stale), status(sibling), status(new)) == ("KILLED", "RUNNING", "FINISHED")
 
 
 def test_finishing_an_iteration_ends_its_leftover_stage_runs_and_a_failed_parent(posttrain_home: Path) -> None:

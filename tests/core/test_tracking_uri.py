@@ -9,11 +9,18 @@
 - ``resolve_alias``: an unset alias or a missing model is None; a refused connection is
   an InfraError. The refused connection is injected (the real server's outage is the
   CLI test above).
+- Credentials the server refuses (HTTP 401/403): exit 2, one line naming
+  ``MLFLOW_TRACKING_URI`` and MLflow's credential variables, at the startup check and
+  from ``run_stage`` (before: a 49-line traceback and exit 1). A stand-in server answers
+  401/403 (MLflow's basic-auth app needs Flask-WTF, not installed).
+- MLflow's HTTP retries and timeout are bounded unless the user set them.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -253,3 +260,139 @@ def test_a_server_that_is_not_mlflow_is_exit_2_and_credentials_are_not_the_host(
         tracking._checked(f"http://u:secret@127.0.0.1:{port}/mlflow")  # reached, and it answers /health
     finally:
         server.shutdown()
+
+
+AUTH_BODY = (b"You are not authenticated. Please see https://www.mlflow.org/docs/latest/auth/index.html"
+             b"#authenticating-to-mlflow on how to authenticate.")
+
+
+@contextmanager
+def refusing_server(status: int) -> Iterator[str]:
+    """A stand-in for an MLflow server with authentication (MLflow's own, ``mlflow server
+    --app-name basic-auth``, needs Flask-WTF, which is not installed here): 200 at
+    ``/health``, which answers without credentials, and ``status`` (401 or 403, with the
+    basic-auth app's text body) for everything else. Yields its URI."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _reply(self):
+            if self.path.startswith("/health"):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"OK")
+                return
+            body = AUTH_BODY if status == 401 else b"Permission denied"
+            self.send_response(status)
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Basic realm="mlflow"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PATCH = do_DELETE = _reply  # noqa: N815 -- the base class's names
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+NOT_AUTHENTICATED_FIX = ("fix: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (basic auth) or "
+                         "MLFLOW_TRACKING_TOKEN (a bearer token) to credentials this server accepts")
+
+
+def test_credentials_the_tracking_server_refuses_are_exit_2_with_one_line(tmp_path: Path) -> None:
+    """Before: ``/health`` passed, the first real call got HTTP 401, and the user saw a
+    49-line traceback and exit 1, which Airflow retries as an outage."""
+    with refusing_server(401) as uri:
+        proc = run_posttrain(["stage", "taskgen", "--recipe", str(TINY), "--iteration", "1", "--run-root",
+                              str(tmp_path / "rr")], tmp_path,
+                             cli_env(tmp_path / "home", MLFLOW_TRACKING_URI=uri, MLFLOW_TRACKING_USERNAME="bob",
+                                     MLFLOW_TRACKING_PASSWORD="wrong"), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"posttrain: error: MLFLOW_TRACKING_URI='{uri}': the tracking server refused the credentials (HTTP 401, not "
+        f"authenticated; MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD set); {NOT_AUTHENTICATED_FIX}"]
+    assert "wrong" not in proc.stderr
+
+
+def test_the_startup_check_names_the_credentials_sent_and_a_denied_permission(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in tracking.CREDENTIAL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with refusing_server(401) as uri:
+        with pytest.raises(UserError) as info:
+            tracking._checked(uri)
+    assert info.value.line() == (
+        f"MLFLOW_TRACKING_URI='{uri}': the tracking server refused the credentials (HTTP 401, not authenticated; none "
+        f"of MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, MLFLOW_TRACKING_TOKEN set); {NOT_AUTHENTICATED_FIX}")
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "t0ken")
+    with refusing_server(403) as uri:
+        with pytest.raises(UserError) as info:
+            tracking._checked(uri)
+    assert info.value.problem == ("the tracking server denied these credentials access (HTTP 403, permission denied; "
+                                  "MLFLOW_TRACKING_TOKEN set)")
+    assert "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN" in info.value.fix
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_stage_whose_credentials_are_refused_later_is_a_user_error(status: int, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials refused after the startup check (a token that expired mid-stage, a
+    permission taken away): ``run_stage`` maps MLflow's own error for the reply to the
+    same UserError; an HTTP 401 from another service (a model hub) is not mapped."""
+    import requests
+    from mlflow.tracking import MlflowClient
+
+    from components.core import runner
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with refusing_server(status) as uri:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        try:
+            MlflowClient(uri).search_experiments(max_results=1)
+        except Exception as exc:  # noqa: BLE001 -- what MLflow's client raises for the reply, whatever its class
+            refused = exc
+        monkeypatch.setattr(runner, "_run_stage", lambda *args: (_ for _ in ()).throw(refused))
+        with pytest.raises(UserError) as info:
+            runner.run_stage("taskgen", TINY, str(tmp_path / "rr"), 1)
+    assert info.value.field == "MLFLOW_TRACKING_URI" and info.value.value == uri
+    assert f"(HTTP {status}, " in info.value.problem and "MLFLOW_TRACKING_TOKEN" in info.value.fix
+
+    hub = requests.Response()
+    hub.status_code, hub.url = 401, "https://huggingface.co/api/models/gated"
+    elsewhere = requests.HTTPError("401 Client Error: Unauthorized", response=hub)
+    assert tracking.credentials_refused(elsewhere) is None
+    monkeypatch.setattr(runner, "_run_stage", lambda *args: (_ for _ in ()).throw(elsewhere))
+    with pytest.raises(requests.HTTPError):
+        runner.run_stage("taskgen", TINY, str(tmp_path / "rr"), 1)
+
+
+def test_mlflow_http_retries_and_timeout_are_bounded_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's defaults (7 retries, 120 s each) keep a request to a hung server going for
+    about 20 minutes; posttrain's processes use ``HTTP_DEFAULTS`` unless the user set the
+    variables (an empty one is unset)."""
+    from mlflow import environment_variables as mlflow_env
+
+    from tests.fixtures.home import reset_tracking_clients, use_home
+
+    use_home(monkeypatch, tmp_path / ".posttrain")
+    for name in tracking.HTTP_DEFAULTS:
+        monkeypatch.setenv(name, "")  # restored after the test, whatever the client sets
+    tracking.client()  # every process's first client
+    retries, timeout_s = mlflow_env.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), mlflow_env.MLFLOW_HTTP_REQUEST_TIMEOUT.get()
+    backoff_s = sum(mlflow_env.MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get() * 2 ** (n - 1) + 1 for n in range(2, retries + 1))
+    assert (retries, timeout_s) == (2, 30)
+    assert (retries + 1) * timeout_s + backoff_s <= 100  # a hung server's request fails within about 95 s
+    reset_tracking_clients()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "120")
+    tracking.client()
+    assert (mlflow_env.MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), mlflow_env.MLFLOW_HTTP_REQUEST_TIMEOUT.get()) == (7, 120)  # the user's own
+    reset_tracking_clients()
