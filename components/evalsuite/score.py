@@ -204,18 +204,24 @@ def rescore(ctx: StageContext, version: str, tasks: list[Task]) -> list[EvalResu
         return run_suite(policy, tasks, ctx.recipe, executor, label=f"{ctx.stage} baseline eval")
 
 
-def _record(version: str, tasks: list[Task], settings: dict[str, str]) -> dict:
-    return {"version": version, "settings": settings, "suite": suite_digest(tasks)}
+def _record(ctx: StageContext, version: str, tasks: list[Task]) -> dict:
+    """What an earlier attempt's re-scored results must match to be reused: the version, the
+    settings, the suite and the code that scored them (this stage's code version, plug-in
+    packages included: a re-run after an upgrade scores the baseline with the new code)."""
+    from components.core.runner import stage_code_version
+
+    return {"version": version, "settings": eval_settings(ctx.recipe), "suite": suite_digest(tasks),
+            "code": stage_code_version(ctx.recipe.whole, ctx.stage)}
 
 
 def earlier_rescore(ctx: StageContext, version: str, tasks: list[Task]) -> list[EvalResult] | None:
     """The re-scored results an earlier attempt of this stage left under its prefix (killed
     before its manifest, or re-run), when its record ``baseline_eval`` names the same
-    version, settings and suite and the results still hold what it recorded; None otherwise."""
+    version, settings, suite and code and the results still hold what it recorded; None otherwise."""
     try:
         record = ctx.store.read_json(f"{ctx.prefix}/{RESCORED_RECORD}.json")
-        if not isinstance(record, dict) or {k: record.get(k) for k in ("version", "settings", "suite")} != \
-                _record(version, tasks, eval_settings(ctx.recipe)):
+        want = _record(ctx, version, tasks)
+        if not isinstance(record, dict) or {k: record.get(k) for k in want} != want:
             return None
         data = ctx.store.read_bytes(f"{ctx.prefix}/{RESCORED}.parquet")
         if sha256_bytes(data) != record.get("results_sha256"):
@@ -234,5 +240,5 @@ def write_rescore(ctx: StageContext, version: str, tasks: list[Task], results: l
     """The re-scored baseline as this stage's outputs: ``baseline_eval_results`` and, after
     it, the record ``baseline_eval`` that ``earlier_rescore`` checks."""
     ctx.write_records(RESCORED, results, EvalResult)
-    record = _record(version, tasks, eval_settings(ctx.recipe))
+    record = _record(ctx, version, tasks)
     ctx.write_json(RESCORED_RECORD, {**record, "why": why, "results_sha256": ctx.outputs[RESCORED].sha256})

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 from components.core import models, tracking
 from components.core.context import StageContext
+from components.core.errors import UserError
 from components.core.facts import Checkpoint, Decision, StartingPolicy
 from components.core.manifest import MANIFEST, InputRef
 from components.core.policy import load_policy
@@ -160,10 +161,14 @@ class Rescored:
     """The baseline re-scored in this stage under the recipe's eval settings now."""
 
     version: str
-    results: list[EvalResult]
+    results: list[EvalResult] | None  # None: its checkpoint could not be scored (``failed`` says why)
     why: str  # how its own scoring's settings differ: "evaluation.max_new_tokens 32->256"
+    failed: str = ""
 
     def note(self) -> str:
+        if self.results is None:
+            return (f"baseline version {self.version} was scored under other eval settings ({self.why}) and could not "
+                    f"be re-scored ({self.failed})")
         return f"baseline version {self.version} re-scored under this recipe's eval settings ({self.why})"
 
 
@@ -183,7 +188,11 @@ def rescored_baseline(ctx: StageContext, baseline_version: str) -> Rescored | No
     results = earlier_rescore(ctx, scoring.version, tasks)
     if results is None:
         say(f"iter {ctx.iteration} | evaluation | re-scoring baseline version {scoring.version} ({why})")
-        results = rescore(ctx, scoring.version, tasks)
+        try:
+            results = rescore(ctx, scoring.version, tasks)
+        except UserError as exc:  # its checkpoint deleted or changed since: the strict rule on its tags decides
+            say(f"iter {ctx.iteration} | evaluation | baseline version {scoring.version} cannot be re-scored: {exc}")
+            return Rescored(scoring.version, None, why, failed=str(exc)[:300])
     else:
         say(f"iter {ctx.iteration} | evaluation | baseline version {scoring.version} re-scored by an earlier attempt "
             f"({why}): reused")
@@ -204,7 +213,9 @@ def comparisons(ctx: StageContext, results: list[EvalResult], rates: dict[str, f
     if baseline_version == "":
         return unpaired(rates, {}, Counter(r.domain for r in results)), NO_BASELINE
     scoring = baseline_scoring(ctx) if rescored is None else None
-    if rescored is not None:
+    if rescored is not None and rescored.results is None:  # scored under other settings, its checkpoint unusable
+        version, base, missing = rescored.version, [], rescored.note()
+    elif rescored is not None:
         version, base, missing = rescored.version, rescored.results, ""
     elif scoring is not None:
         version, (base, missing) = scoring.version, scored_results(ctx.store, scoring)
@@ -252,11 +263,12 @@ def promotion(ctx: StageContext, results: list[EvalResult], rates: dict[str, flo
     baseline re-scored first where its scoring's settings differ (``rescored_baseline``;
     the rule's why and the reason then say so, naming the settings)."""
     rescored = rescored_baseline(ctx, baseline_version)
-    if rescored is not None:  # the recipe's domains re-scored; a domain it dropped keeps its recorded rate (left out)
+    if rescored is not None and rescored.results is not None:
+        # the recipe's domains re-scored; a domain it dropped keeps its recorded rate (left out)
         baseline = {**baseline, **pass_rates(rescored.results)}
     rows, missing = comparisons(ctx, results, rates, baseline, baseline_version, rescored)
     rule, why, promoted, reason = decide(ctx, rows, missing, rates, baseline)
-    if rescored is not None:
+    if rescored is not None and rescored.note() not in reason:  # (the fallback's reason already says a failed one)
         why, reason = f"{why}; {rescored.note()}", f"{reason}; {rescored.note()}"
     return Promotion(rows, rule, why, promoted, reason, baseline, rescored)
 
@@ -303,12 +315,13 @@ def run(ctx: StageContext) -> dict[str, float]:
     settle_champion(ctx.pipeline, trainer.version, promoted, baseline_version)
     ctx.facts = Decision(version=trainer.version, pass_rates=rates, weakest_slice=worst, promoted=promoted,
                          reason=reason, baseline=baseline, baseline_version=baseline_version, rule=rule,
-                         eval_settings=eval_settings(ctx.recipe), baseline_rescored=rescored.why if rescored else "")
+                         eval_settings=eval_settings(ctx.recipe),
+                         baseline_rescored=rescored.why if rescored and rescored.results is not None else "")
     report = {"candidate": trainer.version, "baseline": baseline_version,
               "parent": trainer.parent_version, "pass_rates": rates,
               "baseline_pass_rates": baseline, "promoted": promoted, "reason": reason,
               "rule": rule, "rule_why": why, "confidence": cfg.confidence,
-              "baseline_rescored": {"version": rescored.version, "why": rescored.why,
+              "baseline_rescored": {"version": rescored.version, "why": rescored.why, "failed": rescored.failed,
                                     "settings": eval_settings(ctx.recipe)} if rescored else None,
               "domains": {r.domain: {k: v for k, v in dataclasses.asdict(r).items() if k != "domain"}
                           for r in rows},

@@ -185,6 +185,40 @@ def test_a_retried_evaluation_reuses_the_rescored_baseline(tmp_path, posttrain_h
     assert fakes.engine.calls == [NOW, NOW, 12]
 
 
+def test_a_rescore_by_other_code_is_not_reused(tmp_path, posttrain_home, fakes, monkeypatch):
+    """An evaluation re-run after a code (or plug-in) upgrade: the earlier attempt's
+    re-scored baseline came from the old code, and the candidate is scored by the new."""
+    store, cand, stale = scene(tmp_path, fakes.tasks, recorded=STALE)
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "1.0.0")
+    promotion(context(store, "evaluation", 1), cand, pass_rates(cand), "1", stale)
+    monkeypatch.setenv("POSTTRAIN_CODE_VERSION", "2.0.0")
+    promotion(context(store, "evaluation", 1), cand, pass_rates(cand), "1", stale)
+    assert fakes.engine.calls == [NOW, NOW]
+
+
+def test_a_baseline_whose_checkpoint_is_gone_falls_back_to_the_strict_rule(tmp_path, posttrain_home, fakes,
+                                                                           monkeypatch):
+    """Its checkpoint deleted (or rewritten) since it was scored under other settings: not
+    exit 2 for every later evaluation, but the strict rule on its recorded rates, the
+    reason naming the settings and why it could not be re-scored; nothing written."""
+    from components.core.errors import UserError
+
+    def gone(uri, version="", field="policy", prompt_format="raw"):
+        raise UserError(field, uri, "no such folder", "re-run the stage that writes it")
+
+    monkeypatch.setattr(score, "load_policy", gone)
+    store, cand, stale = scene(tmp_path, fakes.tasks, recorded=STALE)
+    ctx = context(store, "evaluation", 1)
+    judged = promotion(ctx, cand, pass_rates(cand), "1", stale)
+    assert (judged.rule, judged.promoted) == ("strict", True)  # 0.000 -> 0.500 on the recorded rates
+    assert judged.reason.startswith("strict rule (baseline version 1 was scored under other eval settings "
+                                    "(evaluation.max_new_tokens 4->16) and could not be re-scored (baseline version "
+                                    "1='")
+    assert judged.reason.count("could not be re-scored") == 1
+    assert judged.baseline == stale and judged.rescored.results is None
+    assert RESCORED not in ctx.outputs and fakes.engine.calls == []
+
+
 def test_settings_changes_name_each_setting_and_both_values():
     old = eval_settings(recipe(STALE, prompt_format="raw"))
     new = eval_settings(recipe(NOW, prompt_format="chat"))
