@@ -193,6 +193,20 @@ class JobCgroup:
         text = self._read("memory", "memory.usage_in_bytes").strip()
         return int(text) if text.isdigit() else None
 
+    def _keys(self, controller: str, name: str, keys: tuple[str, ...]) -> int | None:
+        """The sum of ``keys`` in a flat-keyed file, or None when one is missing."""
+        found = {}
+        for line in self._read(controller, name).splitlines():
+            key, _, value = line.partition(" ")
+            if key in keys:
+                found[key] = int(value)
+        return sum(found.values()) if len(found) == len(keys) else None
+
+    def pinned_bytes(self) -> int | None:
+        """Memory of the group that reclaim cannot free (no swap): anonymous plus shmem
+        (tmpfs, memfds, SysV shm); None without a memory controller."""
+        return self._keys("memory", "memory.stat", ("rss", "shmem")) if "memory" in self.paths else None
+
     def limit_memory(self, memory_bytes: int) -> None:
         """The memory limit (at creation, or lower later); memory+swap follows it (set
         after it: memory+swap may never be below the memory limit)."""
@@ -356,6 +370,9 @@ class JobCgroupV2(JobCgroup):
     def memory_bytes(self) -> int | None:
         text = self._read("v2", "memory.current").strip() if "memory" in self.controllers else ""
         return int(text) if text.isdigit() else None
+
+    def pinned_bytes(self) -> int | None:
+        return self._keys("v2", "memory.stat", ("anon", "shmem")) if "memory" in self.controllers else None
 
     def limit_memory(self, memory_bytes: int) -> None:
         if "memory" in self.controllers:

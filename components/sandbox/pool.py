@@ -9,6 +9,19 @@ workers (one per concurrency slot) and replaces any that die.
 The worker enforces each job's wall clock itself; the host kills the whole worker one
 second later as a backstop (the job is then a timeout and the worker is replaced).
 
+A job must leave nothing behind for the next job on its worker. Its processes, mounts
+and IPC objects die with its namespaces; what could outlive them is a unix socket kept
+in an ``SCM_RIGHTS`` cycle (with memfds, abstract names, ... in it) in the worker's
+network namespace and cgroup, which every later job shares. After each job the worker
+reports itself dirty when its namespace still holds a unix socket (zygote.py's
+``Leftovers``), and the host checks that the memory the group cannot reclaim (anonymous
+and shmem) is back within ``LEFTOVER_SLACK_MB`` of what the worker held when it was
+fitted (``left_memory``: one read of the group's usage while that is within the same
+slack). Either way the worker is replaced, as after an output flood; the job's own
+result stands. A session worker is checked for sockets when it is reset between two
+sessions (its memory is not fitted: the last session's files stay charged for a while)
+and closed if dirty.
+
 Not covered: per-job cgroups (the worker's cgroup covers one job at a time; its memory
 peak is reset per job where the kernel allows, else no per-job cgroup peak is
 reported); jobs that need a different interpreter than the worker's (they still run,
@@ -49,6 +62,7 @@ START_TIMEOUT_S = 15.0
 BACKSTOP_S = 1.0
 WORKER_OVERHEAD_MB = 128
 WIRE_VERSION = 4  # marshal format of header and spec for zygote.py (readable by every Python 3.4+)
+LEFTOVER_SLACK_MB = 8  # memory above the fitted worker's that a warm worker may keep after a job
 
 
 def plain_str(value) -> str:
@@ -80,6 +94,7 @@ class Worker:
         self.ctl: socket.socket | None = None
         self.alive = False
         self.jobs = 0
+        self.floor: tuple[int, int] | None = None  # (usage, pinned) bytes of the fitted worker (``fit_memory``)
         self.session_jobs = 0  # jobs since the session's fresh /work (a session worker's reset)
         try:
             self._start()
@@ -132,11 +147,28 @@ class Worker:
         worker's start-up). Not for session workers, in either mode: the files of a
         pooled worker's last session stay charged to its group for a while after the
         reset, so they keep the room of the start. Not covered: what the worker itself
-        allocates later."""
+        allocates later beyond ``LEFTOVER_SLACK_MB`` (``left_memory`` then retires it)."""
         group = self.group
         used = group.memory_bytes() if group is not None else None
         if group is not None and used is not None:
             group.limit_memory(used + (self.limits.memory_mb << 20))
+            pinned = group.pinned_bytes()
+            if pinned is not None:
+                self.floor = (used, pinned)
+
+    def left_memory(self) -> bool:
+        """Whether the group holds, after a job, memory reclaim cannot free (anonymous,
+        shmem) more than ``LEFTOVER_SLACK_MB`` above the fitted worker's: the next job
+        would have that much less than ``memory_mb``. One read of the usage while that
+        is within the slack (page cache counts there, and is reclaimed under pressure)."""
+        if self.floor is None or self.group is None:
+            return False
+        slack = LEFTOVER_SLACK_MB << 20
+        used = self.group.memory_bytes()
+        if used is None or used <= self.floor[0] + slack:
+            return False
+        pinned = self.group.pinned_bytes()
+        return pinned is None or pinned > self.floor[1] + slack
 
     def run(self, job: Job, backend: str) -> JobResult:
         assert self.alive and self.ctl is not None
@@ -194,6 +226,8 @@ class Worker:
             died = report.get("worker_died") or not report
             if died:
                 self._die()
+            elif not self.session and (report.get("dirty") or self.left_memory()):
+                self._die()  # the job left something its worker's next job would inherit: replace the worker
             status = report.get("status")
             timed_out = bool(report.get("timed_out")) or seen.timed_out
             code, sig = (137, signal.SIGKILL) if status is None else exit_of(os.waitstatus_to_exitcode(status))
@@ -226,7 +260,8 @@ class Worker:
     def reset(self) -> bool:
         """Session workers only: fresh, empty ``/work`` and ``/tmp`` for the next session
         (zygote.py's ``reset_session``). False, with the worker killed, when it did not
-        confirm within ``START_TIMEOUT_S``: it must then not serve another session."""
+        confirm within ``START_TIMEOUT_S`` or reported itself dirty (a unix socket of the
+        last session still alive): it must then not serve another session."""
         assert self.session, "only a session worker keeps /work between jobs"
         if not self.alive or self.ctl is None:
             return False
@@ -238,7 +273,7 @@ class Worker:
             got = json.loads(self.ctl.recv(65536) or b"{}") if ready else {}
         except (OSError, ValueError):
             got = {}
-        if got.get("id") != key or got.get("op") != "reset" or "error" in got:
+        if got.get("id") != key or got.get("op") != "reset" or "error" in got or got.get("dirty"):
             self._die()
             return False
         self.session_jobs = 0

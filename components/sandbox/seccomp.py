@@ -38,9 +38,16 @@ DENIED: tuple[str, ...] = (
     "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
     "io_uring_setup", "io_uring_enter", "io_uring_register",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "mbind", "migrate_pages", "move_pages", "set_mempolicy",
+    "mbind", "migrate_pages", "move_pages", "set_mempolicy", "set_mempolicy_home_node",
     "uselib", "nfsservctl", "process_madvise", "landlock_create_ruleset",
+    "memfd_secret", "open_tree_attr",
 )
+# Numbers for syscalls newer than some libseccomp releases (2.5.4 knows no open_tree_attr,
+# older ones none of these): a name libseccomp cannot resolve is denied by number. Since
+# Linux 5.1 (syscall 424) a new syscall has the same number on x86_64 and arm64 (the
+# filter covers the native architecture only); a kernel older than the syscall answers
+# ENOSYS without the rule, so a rule for a number it lacks changes nothing there.
+LATE_SYSCALLS: dict[str, int] = {"memfd_secret": 447, "set_mempolicy_home_node": 450, "open_tree_attr": 467}
 # Only the warm worker may build per-job namespaces; jobs may not.
 NAMESPACE_SETUP: tuple[str, ...] = ("unshare", "setns", "mount", "umount2")
 CLONE_NS_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
@@ -81,7 +88,7 @@ def bpf(kind: str = "job") -> bytes:
             filt.add_rule(deny, name)
         return _export(filt)
     for name in DENIED + (NAMESPACE_SETUP if kind == "job" else ()):
-        filt.add_rule(deny, name)
+        _add(filt, deny, name)
     for flag in CLONE_NS_FLAGS:
         filt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
@@ -90,6 +97,17 @@ def bpf(kind: str = "job") -> bytes:
     for request in (TIOCSTI, TIOCLINUX):
         filt.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
     return _export(filt)
+
+
+def _add(filt, action, name: str) -> None:
+    """``filt.add_rule(action, name)``, by number (``LATE_SYSCALLS``) when this libseccomp
+    does not know the name (it raises ``OSError`` EINVAL)."""
+    try:
+        filt.add_rule(action, name)
+    except OSError:
+        if name not in LATE_SYSCALLS:
+            raise
+        filt.add_rule(action, LATE_SYSCALLS[name])
 
 
 def _export(filt) -> bytes:

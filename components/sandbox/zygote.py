@@ -50,6 +50,15 @@ nothing from earlier jobs (fresh tmpfs, IPC and pid namespaces; /dev is read-onl
 nothing else there is writable; the worker holds no job data). The wall-clock SIGKILL
 goes to I from the worker, outside.
 
+Jobs share the worker's network namespace (only AF_UNIX sockets are allowed in it) and
+its cgroup. A job's processes all die with it, but a unix socket can outlive them in an
+``SCM_RIGHTS`` cycle (a socket in its own receive queue, carrying whatever fds were sent
+with it: memfds, an abstract name, a mount namespace), which nothing but the kernel's
+unix garbage collector frees, whenever it next runs. So after each job (a session
+worker: at each reset) the worker checks that its network namespace holds no unix
+socket (``Leftovers``; the worker's own control socket was made in the host's
+namespace) and otherwise reports itself dirty: the host then replaces it.
+
 Not covered: a job in the warm path shares the interpreter's already-imported stdlib
 modules (ctypes, json, socket, ...) — they are imported but carry no state from other
 jobs; at a warm-path job's exit the globals of modules other than ``__main__`` are not
@@ -671,6 +680,33 @@ def warm_up():
     sink.close()
 
 
+class Leftovers:
+    """Whether a job left a unix socket alive in the worker's network namespace (see the
+    module's docstring). One pread of ``/proc/self/net/unix`` on an fd opened at start
+    (~15 us): the table holds only its header line while no socket is alive. Fails
+    closed: an unreadable table, or one that was not empty at start, reads as dirty."""
+
+    HEADER_MAX = 128  # the header line is 56 bytes; any socket adds a line after it
+
+    def __init__(self):
+        try:
+            self.fd = os.open("/proc/self/net/unix", os.O_RDONLY | os.O_CLOEXEC)
+            self.clean = self.read()
+        except OSError:
+            self.fd, self.clean = -1, None
+        if self.clean is not None and self.clean.count(b"\n") != 1:
+            self.clean = None  # not one header line (a socket there at start): never clean
+
+    def read(self):
+        return os.pread(self.fd, self.HEADER_MAX, 0)
+
+    def found(self):
+        try:
+            return self.clean is None or self.read() != self.clean
+        except OSError:
+            return True
+
+
 def serve(ctl, bpf, python, fresh):
     prctl(PR_SET_DUMPABLE, 0)
     harden_worker()
@@ -686,6 +722,7 @@ def serve(ctl, bpf, python, fresh):
         AS_EXTRA = max(0, vm_size(fh.read()) - fresh_vm_size(python))
     gc.freeze()  # keep the collector in each forked job off the worker's pages (fewer copy-on-write faults)
     own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    leftovers = Leftovers()
     ready_r = open_ready_pipe()
     ctl.send(json.dumps({"op": "ready", "pid": os.getpid()}).encode())
     while True:
@@ -701,6 +738,8 @@ def serve(ctl, bpf, python, fresh):
             try:
                 reset_session(tmpfs_options(req["limits"]))
                 report = {"op": "reset"}
+                if leftovers.found():  # the last session's: the host closes this worker
+                    report["dirty"] = True
             except OSError:
                 report = {"op": "reset", "error": format_exc()[-2000:]}
             report["id"] = req["id"]
@@ -738,6 +777,8 @@ def serve(ctl, bpf, python, fresh):
                     report["status"] = status  # J's exit, not I's
         for fd in fds:
             os.close(fd)
+        if fresh and leftovers.found():  # the job's processes are gone, something of it is not
+            report["dirty"] = True
         report["op"] = "done"
         report["id"] = req["id"]
         ctl.send(json.dumps(report).encode())

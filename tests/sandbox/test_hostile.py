@@ -263,12 +263,37 @@ def test_seccomp_blocks_kernel_attack_surface(executor):
     src = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
            "for name, nr, args in (('ptrace', 101, (0, 0, 0, 0)), ('unshare', 272, (0x10000000,)), ('bpf', 321, (0, 0, 0)),"
            " ('keyctl', 250, (0, 0, 0)), ('kexec_load', 246, (0, 0, 0, 0)), ('mount', 165, (0, 0, 0, 0, 0)),"
-           " ('perf_event_open', 298, (0, 0, -1, -1, 0)), ('userfaultfd', 323, (0,)), ('setns', 308, (0, 0))):\n"
+           " ('perf_event_open', 298, (0, 0, -1, -1, 0)), ('userfaultfd', 323, (0,)), ('setns', 308, (0, 0)),"
+           " ('memfd_secret', 447, (0,)), ('set_mempolicy_home_node', 450, (0, 0, 0, 0)),"
+           " ('open_tree_attr', 467, (-1, 0, 0, 0, 0))):\n"
            "    r = libc.syscall(nr, *args)\n    out[name] = (r, ctypes.get_errno())\nprint(out)")
     result = executor.run(py(src))
     assert result.status == "ok", result.stderr
     values = eval(result.stdout)  # noqa: S307 - our own printed dict
     assert all(r == -1 and err == 1 for r, err in values.values()), values  # EPERM everywhere
+
+
+def test_a_syscall_libseccomp_cannot_name_is_denied_by_number():
+    """libseccomp 2.5.4 knows no ``open_tree_attr``: the filter must still deny it (the test
+    above runs it), and a name neither it nor ``LATE_SYSCALLS`` knows stays an error."""
+    from components.sandbox import seccomp
+
+    class OldLibseccomp:
+        def __init__(self) -> None:
+            self.rules: list = []
+
+        def add_rule(self, action, syscall) -> None:
+            if isinstance(syscall, str):
+                raise OSError(22, "Invalid argument")
+            self.rules.append((action, syscall))
+
+    filt = OldLibseccomp()
+    for name in seccomp.LATE_SYSCALLS:
+        assert name in seccomp.DENIED
+        seccomp._add(filt, "deny", name)
+    assert filt.rules == [("deny", 447), ("deny", 450), ("deny", 467)]
+    with pytest.raises(OSError):
+        seccomp._add(filt, "deny", "no_such_syscall")
 
 
 def test_concurrent_jobs_account_cpu_separately(executor):

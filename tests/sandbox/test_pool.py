@@ -166,3 +166,65 @@ def test_an_episode_whose_session_cannot_start_is_an_infra_error(monkeypatch) ->
             play(actor(reads=True), tasks, interactive_specs(tasks), rollout_cfg, sandbox_cfg, seed=0, iteration=1,
                  replay=replay)
     assert sandbox_pids_after(10) == []
+
+
+# A job that leaves state in an SCM_RIGHTS cycle: a socketpair in its own receive queue,
+# carrying what it was sent. Nothing frees that when the job's processes die but the
+# kernel's unix garbage collector, which runs only when some unix socket somewhere is
+# released. The worker (whose cgroup and network namespace every later job shares) must
+# not serve another job with that in it.
+PIN_MEMORY = ("import os, socket\nfds = []\nfor i in range(6):\n    fd = os.memfd_create('pin')\n"
+              "    for j in range(15):\n        os.write(fd, b'x' * (1 << 20))\n    fds.append(fd)\n"
+              "x, y = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+              "for fd in fds:\n    socket.send_fds(x, [b'm'], [fd])\n"
+              "socket.send_fds(x, [b'c'], [x.fileno(), y.fileno()])\nprint('pinned')\n")
+TOUCH_80_MIB = "b = bytearray(80 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\nprint('got 80 MiB')\n"
+KEEP_NAME = ("import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\ns.bind('\\0posttrain-left-name')\n"
+             "x, y = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+             "socket.send_fds(x, [b'c'], [s.fileno(), x.fileno(), y.fileno()])\nprint('left')\n")
+TAKE_NAME = ("import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\ns.bind('\\0posttrain-left-name')\n"
+             "print('bound')\n")
+
+
+def warm_job(job_id: str, src: str) -> Job:
+    return Job(job_id, {"main.py": src}, ["{python}", "-I", "-S", "main.py"])
+
+
+@needs_bwrap
+def test_memory_a_warm_job_pins_past_its_exit_is_not_the_next_jobs() -> None:
+    """Strict mode runs the second job ``ok``; warm mode made it ``oom`` (the pinned memfds
+    stayed charged to the worker's cgroup, fitted to ``memory_mb``) until the kernel's unix
+    garbage collector happened to run."""
+    from components.sandbox.executor import get_executor
+
+    with get_executor(sandbox_config(mode="warm", concurrency=1, memory_mb=128)) as executor:
+        first = executor.run(warm_job("pin", PIN_MEMORY))
+        second = executor.run(warm_job("use", TOUCH_80_MIB))
+    assert (first.status, first.stdout) == ("ok", "pinned\n"), first.stderr
+    assert (second.status, second.stdout) == ("ok", "got 80 MiB\n"), (second.extra, second.stderr[-300:])
+
+
+@needs_bwrap
+def test_an_abstract_socket_name_a_warm_job_bound_is_free_for_the_next_job() -> None:
+    """Warm jobs share the worker's network namespace: a name kept alive past the job was
+    taken for the next job (EADDRINUSE, a result strict mode never gives) and a channel to it."""
+    from components.sandbox.executor import get_executor
+
+    with get_executor(sandbox_config(mode="warm", concurrency=1)) as executor:
+        results = [executor.run(warm_job(f"keep-{i}", KEEP_NAME if i % 2 == 0 else TAKE_NAME)) for i in range(4)]
+    got = [(r.status, r.stdout) for r in results]
+    assert got == [("ok", "left\n"), ("ok", "bound\n")] * 2, [r.stderr[-300:] for r in results]
+
+
+@needs_bwrap
+def test_a_pooled_session_worker_carries_no_socket_into_the_next_session() -> None:
+    """A session worker given back is reused for the next session only without leftovers."""
+    from components.sandbox.session import SessionPool
+
+    with SessionPool(sandbox_config(mode="warm", concurrency=1), 1) as pool:
+        with pool.open(60) as session:
+            kept = session.exec(["python3", "-I", "-S", "-c", KEEP_NAME])
+        with pool.open(60) as session:
+            taken = session.exec(["python3", "-I", "-S", "-c", TAKE_NAME])
+    assert (kept.status, kept.stdout) == ("ok", "left\n"), kept.stderr
+    assert (taken.status, taken.stdout) == ("ok", "bound\n"), taken.stderr[-300:]
