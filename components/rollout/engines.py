@@ -16,10 +16,13 @@ Every engine refuses a prompt that encodes to no tokens (``check_encoded``), and
 for at most the model's positions left after each prompt (``new_tokens``: ``hf`` per
 batch, ``vllm`` per prompt; ``openai`` only when told the server's context).
 
-Seeds: an engine or episode that needs several random streams from one seed derives
-each with ``sub_seed(seed, kind, index)`` (a hash), never ``seed + index``: offsets from
-one base overlap (batch 1 of seed s was batch 0 of seed s + 1), so episodes of different
-tasks shared a stream.
+Seeds: the ``hf`` engine and episodes derive each random stream they need from one seed
+with ``sub_seed(seed, kind, index)`` (a hash), not ``seed + index``: offsets from one base
+overlap (batch 1 of seed s was batch 0 of seed s + 1), so episodes of different tasks
+shared a stream. The ``openai`` and ``vllm`` engines still seed request or prompt i
+``seed + i`` (what a server takes per request); the seeds they are called with are
+hashed per shard and episode batch upstream, so two calls' offsets do not meet in practice,
+but that is not ruled out as the hash rules it out for ``hf``.
 
 Not covered here: stop strings other than the EOS token.
 """
