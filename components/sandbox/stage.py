@@ -24,10 +24,12 @@ from components.core.records import Execution, Rollout, Task
 from components.domains.execute import execute, runs
 from components.sandbox.executor import get_executor
 
-MEASURED = ("duration_s", "cpu_time_s", "peak_memory_mb")
-"""Execution fields a re-run never reproduces and no verifier reads: left out of what the
-reward stage keys on, so a sandbox re-run (another ``sandbox.concurrency``, a retried
-shard) that gives every job the same result re-runs nothing after it."""
+MEASURED = ("duration_s", "cpu_time_s", "peak_memory_mb", "isolation")
+"""Execution fields that describe the run, not its result, and that no verifier reads: the
+measurements a re-run never reproduces, and the isolation the machine gave (another node,
+kernel or container differs in it). Left out of what the reward stage keys on, so a
+sandbox re-run (another ``sandbox.concurrency``, a retried shard, another node) that gives
+every job the same result re-runs nothing after it."""
 
 SECTIONS = ("sandbox",)
 """Recipe sections read: the backend, its limits and concurrency."""

@@ -271,7 +271,7 @@ def test_a_content_digest_leaves_only_the_measured_fields_out(tmp_path: Path) ->
         return ctx.outputs["executions"]
 
     base = written()
-    assert written(duration_s=9.0, cpu_time_s=3.0, peak_memory_mb=99.0).content == base.content
+    assert written(duration_s=9.0, cpu_time_s=3.0, peak_memory_mb=99.0, isolation="y").content == base.content
     assert written(stdout="4\n").content != base.content
     assert written(result={"passed": 1}).content != base.content
     assert base.content != base.sha256

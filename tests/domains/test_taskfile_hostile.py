@@ -214,7 +214,7 @@ def test_a_terminal_start_file_longer_than_a_reference_text_names_the_limit(tmp_
     path.write_text(json.dumps({"domain": "terminal", "prompt": "p",
                                 "reference": {"start": {"f": text}, "expected": {"f": "file:x"}}}) + "\n")
     assert error_line(capsys, verify(tmp_path, str(path), "terminal")) == (
-        f"posttrain: error: {path} row 0: reference.start['f']='file:{'x' * 75}...': is 10,001 characters, more than "
+        f"posttrain: error: {path} line 1: reference.start['f']='file:{'x' * 75}...': is 10,001 characters, more than "
         f"10,000 (the longest text a reference holds) for domain terminal; {SHAPE_FIX}")
     path.write_text(json.dumps({"domain": "terminal", "prompt": "p",  # at the limit: the start state is fine
                                 "reference": {"start": {"f": text[:-1]}, "expected": {"f": "file:x"}}}) + "\n")

@@ -112,7 +112,7 @@ def test_a_lone_surrogate_in_the_prompt_is_named(tmp_path, capsys):
     path = tmp_path / "s.jsonl"
     path.write_text('{"domain":"math","prompt":"\\ud800","reference":{"answer":"2"}}\n')
     line = error_line(capsys, verify(tmp_path, str(path)))
-    assert line == (f"posttrain: error: {path} row 0: prompt='\\ud800': is not valid Unicode text (a lone surrogate, "
+    assert line == (f"posttrain: error: {path} line 1: prompt='\\ud800': is not valid Unicode text (a lone surrogate, "
                     "e.g. a \\ud800 escape); fix: write the character itself, or both halves of its \\u surrogate pair")
 
 
@@ -206,7 +206,7 @@ def test_a_newline_in_the_task_file_path_stays_on_one_line(tmp_path, capsys):
     path = folder / "t.jsonl"
     path.write_text(json.dumps({**ROW, "reference": {}}) + "\n")
     line = error_line(capsys, verify(tmp_path, str(path)))
-    assert line.startswith(f"posttrain: error: {tmp_path}/a\\nb/t.jsonl row 0: reference.answer=None: ")
+    assert line.startswith(f"posttrain: error: {tmp_path}/a\\nb/t.jsonl line 1: reference.answer=None: ")
     with pytest.raises(UserError) as err:  # load_tasks' duplicate-id message names the path the same way
         path.write_text((json.dumps(ROW) + "\n") * 2)
         load_tasks(str(path))

@@ -198,7 +198,7 @@ def test_another_cap_rescores_the_baseline_and_a_retry_reuses_it(iteration: Iter
     assert len(rescored) == 16 and {r.policy_version for r in rescored} == {"1"}
     rel = "tiny/iter-000001/evaluation/report.json"
     report = json.loads(iteration.store.read_bytes(rel))
-    assert report["baseline_rescored"] == {"version": "1", "why": why, "settings": eval_settings(shorter)}
+    assert report["baseline_rescored"] == {"version": "1", "why": why, "failed": "", "settings": eval_settings(shorter)}
     assert report["baseline_pass_rates"] == pass_rates(rescored) == decision.baseline
     assert report["rule_why"].endswith(f"; baseline version 1 re-scored under this recipe's eval settings ({why})")
     # killed before its manifest, then run again: the same decision and report, nothing generated again
