@@ -33,6 +33,7 @@ import os
 import re
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from components.core.errors import final_error_from_json
@@ -64,6 +65,23 @@ def final_errors() -> list[BaseException]:
     return []
 
 
+@contextlib.contextmanager
+def process_state_restored() -> Iterator[None]:
+    """Around a kfp.local run: it swaps the root logger's handlers per task, from several
+    threads at once under a ParallelFor, and can leave one of its own behind; the same race
+    leaves ``builtins.print`` wrapped in its ``indented_print`` (4 spaces before every
+    print, to stdout even for ``file=sys.stderr``, 4 more per leaked wrap). Both are put
+    back as they were."""
+    root = logging.getLogger()
+    handlers, level, printer = root.handlers[:], root.level, builtins.print
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        builtins.print = printer
+
+
 def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     """One pipeline run for the iteration ``holder`` has leased; "success" or "failed" (the
     failing task's log and kfp.local's line are printed above)."""
@@ -72,17 +90,10 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
     assert _USER_ERROR_FILE is not None, "prepare() first"
     error = _USER_ERROR_FILE
     error.unlink(missing_ok=True)  # only this run's tasks speak for its failure
-    # kfp.local swaps the root logger's handlers per task, from several threads at once
-    # under a ParallelFor, and can leave one of its own behind: put back what was there.
-    # The same race leaves ``builtins.print`` wrapped in its ``indented_print`` (4 spaces
-    # before every print, to stdout even for ``file=sys.stderr``, 4 more per leaked wrap):
-    # put that back too.
-    root = logging.getLogger()
-    handlers, level, printer = root.handlers[:], root.level, builtins.print
     before = os.environ.get(USER_ERROR_VAR)
     os.environ[USER_ERROR_VAR] = str(error)  # the task subprocesses inherit it; put back after the run
     try:
-        with _sigterm_reaches_the_tasks():
+        with process_state_restored(), _sigterm_reaches_the_tasks():
             post_training_iteration(recipe=recipe_path, run_root=run_root, holder=holder)
     except RuntimeError as exc:  # kfp.local's "Pipeline '...' finished with status FAILURE", in colour
         text = _COLOUR.sub("", str(exc)).strip()
@@ -91,9 +102,6 @@ def run_iteration(recipe_path: str, run_root: str, holder: str) -> str:
             raise final_error_from_json(error.read_text()) from None
         return "failed"
     finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        builtins.print = printer
         if before is None:
             os.environ.pop(USER_ERROR_VAR, None)
         else:

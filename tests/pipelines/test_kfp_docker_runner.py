@@ -28,6 +28,7 @@ def test_docker_runner_runs_one_iteration_in_the_stage_images(tmp_path, monkeypa
     import kfp.local
 
     from components.core.recipe import publish_recipe
+    from pipelines import local
     from pipelines.post_training_iteration import make_pipeline
     from tests.fixtures.runs import TINY
 
@@ -42,7 +43,8 @@ def test_docker_runner_runs_one_iteration_in_the_stage_images(tmp_path, monkeypa
                                     **stage_images.docker_options())
     kfp.local.init(runner=runner, pipeline_root=str(outputs), raise_on_error=True)
 
-    make_pipeline(image_prefix="localhost/")(recipe=recipe, run_root=root)  # no output: the iteration is in an exit handler
+    with local.process_state_restored():  # kfp.local's print wrapper must not outlive the run
+        make_pipeline(image_prefix="localhost/")(recipe=recipe, run_root=root)  # no output: the iteration is in an exit handler
 
     store = Store(root)
     evaluation = store.read_json("tiny/iter-000001/evaluation/_MANIFEST.json")

@@ -754,7 +754,8 @@ def test_a_resubmitted_run_ends_its_iteration_run_finished(tmp_path, monkeypatch
     local.prepare(home, 1)
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(home / "kfp"),
                    raise_on_error=False)
-    post_training_iteration(recipe=str(bad), run_root=store.uri, holder="")
+    with local.process_state_restored():  # kfp.local's print wrapper must not outlive the run
+        post_training_iteration(recipe=str(bad), run_root=store.uri, holder="")
     assert store.exists("tiny/iter-000001/validation/_MANIFEST.json")
     assert not store.exists("tiny/iter-000001/trainer/_MANIFEST.json")
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
@@ -763,7 +764,8 @@ def test_a_resubmitted_run_ends_its_iteration_run_finished(tmp_path, monkeypatch
     assert parent.info.status == "FAILED"
     taskgen = store.read_bytes("tiny/iter-000001/taskgen/_MANIFEST.json")
 
-    post_training_iteration(recipe=str(TINY), run_root=store.uri, holder="")  # the recipe fixed, resubmitted
+    with local.process_state_restored():
+        post_training_iteration(recipe=str(TINY), run_root=store.uri, holder="")  # the recipe fixed, resubmitted
     assert store.exists("tiny/iter-000001/evaluation/_MANIFEST.json")
     assert store.read_bytes("tiny/iter-000001/taskgen/_MANIFEST.json") == taskgen  # a cache hit
     [again] = client.search_runs([experiment], "tags.`posttrain.stage` = 'iteration'")
@@ -802,3 +804,21 @@ def test_a_run_puts_back_the_print_kfp_local_wrapped(tmp_path, monkeypatch, caps
     capsys.readouterr()
     print("posttrain: error: a line", file=sys.stderr)
     assert capsys.readouterr() == ("", "posttrain: error: a line\n")
+
+
+def test_process_state_restored_puts_back_print_and_the_root_logger() -> None:
+    """What kfp.local's task threads leave behind (``indented_print``, a handler of its own)
+    is undone around a run, even one that raises."""
+    import builtins
+    import logging
+
+    from pipelines import local
+
+    printer, root = builtins.print, logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    with pytest.raises(RuntimeError), local.process_state_restored():
+        builtins.print = lambda *a, **k: None
+        root.addHandler(logging.NullHandler())
+        root.setLevel(logging.CRITICAL)
+        raise RuntimeError("a task failed")
+    assert builtins.print is printer and root.handlers == handlers and root.level == level
