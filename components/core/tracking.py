@@ -511,20 +511,26 @@ def find_iteration_run(pipeline: str, iteration: int, run_root: str):
                                            f"{_quoted(run_root)} and tags.`{TAG_STAGE}` = '{ITERATION_STAGE}'")
 
 
-def live(run_id: str) -> bool:
-    """Whether ``run_id`` is a run this tracking server has and that is not deleted (a
-    deleted run takes no status, tag or metric until it is restored)."""
+def _known_run(run_id: str):
+    """The run ``run_id`` on this tracking server, or None for "" or an id it does not
+    know (a manifest from elsewhere); an outage propagates."""
     from mlflow.exceptions import MlflowException
 
     if not run_id:
-        return False
+        return None
     try:
-        run = client().get_run(run_id)
+        return client().get_run(run_id)
     except MlflowException as exc:
         if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return False
+            return None
         raise
-    return run.info.lifecycle_stage != "deleted"
+
+
+def live(run_id: str) -> bool:
+    """Whether ``run_id`` is a run this tracking server has and that is not deleted (a
+    deleted run takes no status, tag or metric until it is restored)."""
+    run = _known_run(run_id)
+    return run is not None and run.info.lifecycle_stage != "deleted"
 
 
 _replaced: dict[tuple[str, str], str] = {}
@@ -714,17 +720,8 @@ def end_if_running(run_id: str, status: str = "FINISHED", ending: tuple[str, ...
     """End ``run_id`` with ``status`` if its status is one of ``ending`` (by default: it is
     still RUNNING; True when it was ended); a run id this tracking server does not know is
     left alone (the manifest came from elsewhere), and so is a deleted run."""
-    from mlflow.exceptions import MlflowException
-
-    if not run_id:
-        return False
-    try:
-        run = client().get_run(run_id)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return False
-        raise
-    if run.info.status not in ending or run.info.lifecycle_stage == "deleted":
+    run = _known_run(run_id)
+    if run is None or run.info.status not in ending or run.info.lifecycle_stage == "deleted":
         return False
     return _terminated(run_id, status)
 
