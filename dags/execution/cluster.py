@@ -68,6 +68,12 @@ def _env(name: str) -> str:
 # DAG does without going through the environment. White space around a value is not part of it.
 
 
+def empty_fix(var: str) -> str:
+    """How to give ``var`` no value: a variable is left unset; a compile option (``--x``),
+    whose default is a name, is passed empty."""
+    return f" or pass {var} ''" if var.startswith("--") else " or leave it unset"
+
+
 def check_name(var: str, value: str, pattern: re.Pattern, max_len: int, example: str,
                allow_empty: bool = False) -> str:
     """``value`` as a Kubernetes name matching ``pattern`` (``DNS_LABEL`` or
@@ -79,7 +85,7 @@ def check_name(var: str, value: str, pattern: re.Pattern, max_len: int, example:
     if len(value) > max_len or not pattern.match(value):
         raise UserError(var, value, f"not a Kubernetes name (at most {max_len} lowercase letters, digits, '-'"
                         f"{'' if pattern is DNS_LABEL else ' and .'})",
-                        f"set it to e.g. {example!r}{' or leave it unset' if allow_empty else ''}")
+                        f"set it to e.g. {example!r}{empty_fix(var) if allow_empty else ''}")
     return value
 
 

@@ -246,6 +246,8 @@ def test_a_name_the_dag_refuses_is_refused_before_anything_is_written(option, va
     err = capsys.readouterr().err.strip().splitlines()
     assert f": error: {option}={value!r}: " in err[-1] and problem in err[-1], err
     assert "; fix: " in err[-1]
+    if option == "--s3-secret":  # the option's default is a name: "no secret" is the option passed empty
+        assert err[-1].endswith("or pass --s3-secret ''") and "unset" not in err[-1]
     assert list(tmp_path.iterdir()) == []  # no output, no temporary file
 
 
