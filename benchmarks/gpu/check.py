@@ -32,8 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
-"""Dense bf16 tensor-core peak per GPU model (vendor datasheets, no sparsity)."""
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+                    "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+"""Dense bf16 tensor-core peak per GPU model (vendor datasheets, no sparsity), the first
+key in this order found in the device's name: the H100's PCIe and NVL cards before the
+SXM part (``NVIDIA H100 80GB HBM3``), A100 before A10, L40S before L4."""
 
 
 def peak_tflops(name: str, override: float | None) -> float:

@@ -46,3 +46,17 @@ def test_one_iteration_with_vllm_rollout_and_bf16_fsdp_trainer(tmp_path):
     assert int(match[1]) > 0 and int(match[2]) > 0 and float(match[3]) > 0.0
     provenance = json.loads((tmp_path / "check.json").read_text()).get("provenance")  # benchmarks/provenance.py
     assert isinstance(provenance, dict) and "commit" in provenance, provenance
+
+
+@pytest.mark.parametrize(("name", "peak"), [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A10G", 125.0), ("NVIDIA L40S", 362.0),
+    ("NVIDIA L4", 121.0),
+])
+def test_the_peak_is_the_cards_own(name: str, peak: float) -> None:
+    """MFU divides by the card's peak: a PCIe H100 read as the SXM part's 989 TFLOPS
+    under-reported its MFU by a quarter."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.gpu.check import peak_tflops
+
+    assert peak_tflops(name, None) == peak
