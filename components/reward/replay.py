@@ -84,7 +84,7 @@ def _read(store: Store, manifest: Manifest | None, name: str, cls: type) -> list
 
 def replay(recipe, store: Store, iteration: int) -> dict:
     """Re-score iteration ``iteration``; returns the report (also written to the store)."""
-    from components.core.runner import code_version
+    from components.core.runner import stage_code_version
     from components.reward.stage import control_seed, score
 
     pipeline = recipe.pipeline
@@ -120,13 +120,13 @@ def replay(recipe, store: Store, iteration: int) -> dict:
         f"{stage}[{shard}]": manifest.content_digest
         for stage, by in (("rollout", rollouts_m), ("sandbox", sandbox_m), ("reward", originals))
         for shard, manifest in by.items()}
-    digest = replay_digest(recipe.reward.model_dump(), code_version(), {s: v["seed"] for s, v in seeds.items()},
-                           inputs)
+    code = stage_code_version(recipe, "reward")  # the reward stage's, plug-in domains' versions included
+    digest = replay_digest(recipe.reward.model_dump(), code, {s: v["seed"] for s, v in seeds.items()}, inputs)
     base = f"{iteration_prefix(pipeline, iteration)}/reward/replay-{digest[:8]}"
     unfinish(store, f"{base}/report.json")
     _, rewards_sha = store.write_table(f"{base}/rewards.parquet", to_table(new, Reward))
     report = {"iteration": iteration, "reward_config": recipe.reward.model_dump(), "replay_digest": digest,
-              "code_version": code_version(), "control_seeds": seeds, "inputs": inputs,
+              "code_version": code, "control_seeds": seeds, "inputs": inputs,
               "rewards": {"path": f"{base}/rewards.parquet", "rows": len(new), "sha256": rewards_sha},
               **compare(old, new)}
     store.write_json(f"{base}/report.json", report)  # last: a replay without its report is unfinished

@@ -77,6 +77,21 @@ def test_cli_replay_with_another_config_writes_a_versioned_folder(stored, tmp_pa
     assert {p: store.read_bytes(p) for p in originals} == originals
 
 
+def test_upgrading_a_plugin_domain_package_gives_a_replay_its_own_folder(stored, monkeypatch):
+    """A replay's folder names everything its result depends on: the version of a plug-in
+    package whose verifier it ran too (``stage_code_version``), not only posttrain's, so
+    a replay after ``pip install -U`` of a fixed verifier is not taken for the earlier one."""
+    from components.core import runner
+
+    store, _ = stored
+    versions = iter([[("mydomains", "1.0")], [("mydomains", "2.0")], [("mydomains", "2.0")]])
+    monkeypatch.setattr(runner, "plugin_distributions", lambda recipe, stage: next(versions))
+    first, second, again = (replay(parse_recipe(RECIPE), store, 1) for _ in range(3))
+    assert first["code_version"].endswith(" with mydomains==1.0")
+    assert second["code_version"].endswith(" with mydomains==2.0")
+    assert first["replay_digest"] != second["replay_digest"] == again["replay_digest"]
+
+
 @pytest.mark.parametrize(("recipe", "iteration", "message"), [
     ({**RECIPE, "domains": ["nosuch"]}, 1, "unknown domain"),
     (RECIPE, 7, "iteration 7 has not started in"),
