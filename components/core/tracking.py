@@ -555,15 +555,9 @@ def live_iteration_run(parent_run_id: str, pipeline: str, iteration: int, run_ro
 def _adopt(gone: str, current: str) -> list[str]:
     """Nest the runs under ``gone`` (a deleted run; they are not deleted) under ``current``
     instead; returns their ids. Nothing for a run this tracking server does not know."""
-    from mlflow.exceptions import MlflowException
-
-    c = client()
-    try:
-        exp = c.get_run(gone).info.experiment_id
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return []
-        raise
+    if (run := _known_run(gone)) is None:
+        return []
+    c, exp = client(), run.info.experiment_id
     moved = []
     for run in c.search_runs([exp], filter_string=f"tags.`{TAG_PARENT}` = {_quoted(gone)}", max_results=1000):
         if run.info.run_id != current:
@@ -576,16 +570,11 @@ def _successor(run_id: str) -> str:
     """For an iteration run that is not ``live``: the live parent of the same iteration
     (the one this process used instead, else found by the gone run's tags, which a
     deleted run keeps); "" when there is none or nothing says which iteration it was."""
-    from mlflow.exceptions import MlflowException
-
     if (found := _replaced.get((tracking_uri(), run_id))) and live(found):
         return found
-    try:
-        tags = client().get_run(run_id).data.tags
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return ""
-        raise
+    if (gone := _known_run(run_id)) is None:
+        return ""
+    tags = gone.data.tags
     if tags.get(TAG_STAGE) != ITERATION_STAGE or not tags.get(TAG_ITERATION, "").isdigit() or TAG_PIPELINE not in tags:
         return ""
     run = find_iteration_run(tags[TAG_PIPELINE], int(tags[TAG_ITERATION]), tags.get(TAG_RUN_ROOT, ""))
@@ -618,17 +607,9 @@ def end_children(parent_run_id: str, status: str = "KILLED", stage: str = "", sh
     ``stage``, and of shard ``shard_index`` when >= 0, if given); returns their ids. A
     parent this tracking server does not know has none; a deleted parent's live children
     are ended, and a child deleted meanwhile is skipped."""
-    from mlflow.exceptions import MlflowException
-
-    if not parent_run_id:
+    if (parent := _known_run(parent_run_id)) is None:
         return []
-    c = client()
-    try:
-        exp = c.get_run(parent_run_id).info.experiment_id
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-            return []
-        raise
+    c, exp = client(), parent.info.experiment_id
     flt = f"attributes.status = 'RUNNING' and tags.`{TAG_PARENT}` = {_quoted(parent_run_id)}"
     if stage:
         flt += f" and tags.`{TAG_STAGE}` = {_quoted(stage)}"

@@ -29,7 +29,6 @@ Not covered here: stop strings other than the EOS token.
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from components.core.errors import UserError
 from components.core.plugins import ENGINES
 from components.core.policy import Policy
+from components.core.seeds import hash_seed
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,10 @@ def new_tokens(max_new_tokens: int, prompt_tokens: int, context: int | None) -> 
 
 
 def sub_seed(seed: int, kind: str, index: int) -> int:
-    """A 63-bit seed for stream ``index`` of kind ``kind`` under ``seed`` (sha256, as
-    ``components.core.seeds.derive_seed``): unlike ``seed + index``, the streams of two
+    """A 63-bit seed for stream ``index`` of kind ``kind`` under ``seed``
+    (``components.core.seeds.hash_seed``): unlike ``seed + index``, the streams of two
     seeds do not run into each other."""
-    key = f"{seed}|{kind}|{index}"
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
+    return hash_seed(seed, kind, index)
 
 
 def get_engine(name: str) -> Engine:

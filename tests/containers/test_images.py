@@ -148,15 +148,23 @@ def test_sandbox_doctor_under_a_docker_like_seccomp_profile_blames_seccomp_not_t
     assert "creating a user namespace failed" in report["causes"][0]["evidence"]
 
 
-def test_code_domain_jobs_run_sandboxed_in_the_container(stage_images):
+def code_jobs(stage_images, flags=None) -> dict:
+    """The report of ``data/code_job.py`` run in the sandbox image (``flags``: the run's, else
+    the default ones), after checking that a right and a wrong answer each got their verdict
+    under strong isolation in strict and warm mode."""
     argv = stage_images.run_argv("sandbox", "python", "/data/code_job.py", entrypoint=UNDER_TINI,
-                                 volumes=(f"{DATA}:/data:ro",))
+                                 volumes=(f"{DATA}:/data:ro",), flags=flags)
     out = run(argv)
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout.splitlines()[-1])
     for mode in ("strict", "warm"):
         assert report[mode]["right"] == [["ok", True, f"{STRONG}+no-cgroup+mode:{mode}"]]
         assert report[mode]["wrong"] == [["ok", False, f"{STRONG}+no-cgroup+mode:{mode}"]]
+    return report
+
+
+def test_code_domain_jobs_run_sandboxed_in_the_container(stage_images):
+    report = code_jobs(stage_images)
     # tini is PID 1 and reaps: nothing of the 80 sandboxes is left (was one zombie per job).
     assert len(report["processes_left"]) <= 2, report["processes_left"]
 
@@ -166,14 +174,7 @@ def test_under_a_read_only_root_the_sandbox_keeps_its_strong_isolation(stage_ima
     assert code == 0, err
     assert report["missing"] == [] and report["causes"] == []
     assert report["isolation"].startswith(STRONG) and "WEAK" not in report["isolation"]
-    argv = stage_images.run_argv("sandbox", "python", "/data/code_job.py", entrypoint=UNDER_TINI,
-                                 volumes=(f"{DATA}:/data:ro",), flags=[*stage_images.run_flags, *READ_ONLY])
-    out = run(argv)
-    assert out.returncode == 0, out.stdout + out.stderr
-    report = json.loads(out.stdout.splitlines()[-1])
-    for mode in ("strict", "warm"):
-        assert report[mode]["right"] == [["ok", True, f"{STRONG}+no-cgroup+mode:{mode}"]]
-        assert report[mode]["wrong"] == [["ok", False, f"{STRONG}+no-cgroup+mode:{mode}"]]
+    code_jobs(stage_images, [*stage_images.run_flags, *READ_ONLY])
 
 
 def test_a_whole_iteration_runs_under_a_read_only_root(stage_images, tmp_path):
